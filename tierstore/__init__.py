@@ -1,0 +1,42 @@
+"""tierstore: train models whose weights and optimizer state overflow the GPU and RAM.
+
+Tensors live in a device -> host -> NVMe hierarchy under byte budgets; an I/O
+engine moves them at the drive's speed and a trace-based scheduler reads them
+ahead of use.
+"""
+
+from ._config import StoreConfig, from_deepspeed, from_dict, load_config, parse_bytes
+from ._nvme import Syscalls
+from ._store import Handle, TierStore, open_store
+from ._types import (
+    CopyState,
+    IntegrityError,
+    StoreClosedError,
+    StoreFullError,
+    Tier,
+    TierBudgetError,
+    TierIOError,
+    TierStoreError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CopyState",
+    "Handle",
+    "IntegrityError",
+    "StoreClosedError",
+    "StoreConfig",
+    "StoreFullError",
+    "Syscalls",
+    "Tier",
+    "TierBudgetError",
+    "TierIOError",
+    "TierStore",
+    "TierStoreError",
+    "from_deepspeed",
+    "from_dict",
+    "load_config",
+    "open_store",
+    "parse_bytes",
+]

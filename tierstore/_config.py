@@ -1,0 +1,241 @@
+"""Configuration: one frozen dataclass, loaded from keywords, JSON, TOML or a DeepSpeed file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tomllib
+import warnings
+from typing import Any, Mapping
+
+from ._types import Tier
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: Any, *, name: str) -> int:
+    """An int, float or a string such as '512MiB' or '4GB' as a byte count."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a byte count such as 1073741824 or '1GiB', not {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _UNITS:
+            n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            if n.is_integer():
+                return int(n)
+    raise ValueError(
+        f"{name}={value!r} is not a byte count; write an integer or a size such as '512MiB' or '4GB'"
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    """Everything the store, the I/O engine and the prefetch scheduler are tuned by."""
+
+    nvme_path: str | None = None
+    """Directory under which the private swap directory is made; required for the NVMe tier."""
+    device_budget_bytes: int = 2 * 1024**3
+    """Most bytes of tensors the device tier (GPU, or CPU memory without CUDA) may hold."""
+    host_budget_bytes: int = 4 * 1024**3
+    """Most bytes the host tier (pinned CPU buffers with CUDA) may hold, pooled buffers included."""
+    nvme_budget_bytes: int | None = None
+    """Most bytes of swap space; None means as much as the filesystem has free."""
+    block_size_bytes: int = 1024**2
+    """Size of each read or write the I/O engine issues; a multiple of 4096."""
+    queue_depth: int = 16
+    """Most block reads/writes the I/O engine keeps in flight at once."""
+    io_threads: int = 8
+    """Threads issuing O_DIRECT preadv/pwritev; the drive sees min(io_threads, queue_depth) requests."""
+    file_size_bytes: int = 256 * 1024**2
+    """Size of each preallocated swap file that tensors are packed into (a larger tensor gets a file of its size)."""
+    direct_io: bool = True
+    """Use O_DIRECT; where the filesystem refuses it (tmpfs), fall back to buffered I/O with a warning."""
+    verify_checksums: bool = False
+    """Checksum every block written to the NVMe tier and verify it on read."""
+    pin_host_memory: bool = True
+    """Pin host-tier buffers when CUDA is available (ignored without CUDA)."""
+    prefetch_depth: int = 2
+    """How many parameter groups ahead of use the scheduler keeps in flight."""
+    prefetch_bytes: int | None = None
+    """If set, also stop prefetching once this many bytes are in flight ahead of use."""
+    param_tier: Tier = Tier.NVME
+    """Home tier of offloaded parameters."""
+    optimizer_tier: Tier = Tier.NVME
+    """Home tier of offloaded optimizer state (fp32 master weights and moments)."""
+    resident_threshold_bytes: int = 0
+    """Parameters smaller than this stay resident in the device tier and are never offloaded."""
+
+    def __post_init__(self) -> None:
+        for name in ("device_budget_bytes", "host_budget_bytes", "nvme_budget_bytes",
+                     "block_size_bytes", "file_size_bytes", "prefetch_bytes",
+                     "resident_threshold_bytes"):
+            value = getattr(self, name)
+            if value is None and name in ("nvme_budget_bytes", "prefetch_bytes"):
+                continue
+            object.__setattr__(self, name, parse_bytes(value, name=name))
+        for name in ("device_budget_bytes", "host_budget_bytes", "nvme_budget_bytes",
+                     "block_size_bytes", "file_size_bytes", "prefetch_bytes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name}={value} must be a positive number of bytes")
+        if self.resident_threshold_bytes < 0:
+            raise ValueError(f"resident_threshold_bytes={self.resident_threshold_bytes} must be >= 0")
+        if self.block_size_bytes % 4096:
+            raise ValueError(
+                f"block_size_bytes={self.block_size_bytes} must be a multiple of 4096 "
+                "(O_DIRECT needs aligned transfers); try 1048576 (1 MiB)"
+            )
+        if self.file_size_bytes % 4096:
+            raise ValueError(f"file_size_bytes={self.file_size_bytes} must be a multiple of 4096")
+        for name in ("queue_depth", "io_threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) \
+                or self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth={self.prefetch_depth!r} must be an integer >= 0 (0 turns prefetch off)")
+        for name in ("direct_io", "verify_checksums", "pin_host_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be true or false, not {getattr(self, name)!r}")
+        for name in ("param_tier", "optimizer_tier"):
+            object.__setattr__(self, name, Tier.parse(getattr(self, name)))
+        if self.nvme_path is not None:
+            object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
+
+    def replace(self, **changes: Any) -> "StoreConfig":
+        """A copy with some fields changed (validated like any other)."""
+        return from_dict({**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        for name in ("param_tier", "optimizer_tier"):
+            out[name] = out[name].label
+        return out
+
+
+_FIELDS = {f.name for f in dataclasses.fields(StoreConfig)}
+
+
+def from_dict(values: Mapping[str, Any]) -> StoreConfig:
+    """Build a config from a mapping; an unknown key is an error that lists the valid ones."""
+    unknown = sorted(set(values) - _FIELDS)
+    if unknown:
+        raise ValueError(
+            f"unknown config key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(sorted(_FIELDS))}"
+        )
+    return StoreConfig(**values)
+
+
+def load_config(path: str | os.PathLike[str], **overrides: Any) -> StoreConfig:
+    """Load a config from a .json or .toml file; keywords override the file.
+
+    A JSON file with a ``zero_optimization`` or ``aio`` section is read as a
+    DeepSpeed config (see :func:`from_deepspeed`).
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read config file {path!r}: {e.strerror}") from e
+    if path.endswith(".toml"):
+        try:
+            values = tomllib.loads(raw.decode())
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {path!r} is not valid TOML: {e}") from e
+        values = values.get("tierstore", values)
+    elif path.endswith(".json"):
+        try:
+            values = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config file {path!r} is not valid JSON: {e}") from e
+        if isinstance(values, dict) and ("zero_optimization" in values or "aio" in values):
+            config, _ = from_deepspeed(values)
+            return config.replace(**overrides) if overrides else config
+    else:
+        raise ValueError(f"config file {path!r} must end in .json or .toml")
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path!r} must hold a table/object of keys")
+    return from_dict({**values, **overrides})
+
+
+# DeepSpeed key -> (our key, converter). Keys absent here are reported as not honoured.
+def _ds_tier(value: Any) -> Tier:
+    v = str(value).lower()
+    if v == "nvme":
+        return Tier.NVME
+    if v == "cpu":
+        return Tier.HOST
+    if v == "none":
+        return Tier.DEVICE
+    raise ValueError(f"DeepSpeed offload device {value!r} must be 'nvme', 'cpu' or 'none'")
+
+
+def from_deepspeed(ds: Mapping[str, Any]) -> tuple[StoreConfig, list[str]]:
+    """Map a DeepSpeed config (dict) onto a StoreConfig.
+
+    Returns the config and the dotted names of the keys that tierstore does not
+    honour; those are also reported in one warning, never dropped silently.
+    """
+    ours: dict[str, Any] = {}
+    ignored: list[str] = []
+    zero = ds.get("zero_optimization", {}) or {}
+    for section, tier_key in (("offload_param", "param_tier"), ("offload_optimizer", "optimizer_tier")):
+        sec = zero.get(section) or {}
+        for key, value in sec.items():
+            dotted = f"zero_optimization.{section}.{key}"
+            if key == "device":
+                ours[tier_key] = _ds_tier(value)
+            elif key == "nvme_path":
+                if "nvme_path" in ours and ours["nvme_path"] != value:
+                    ignored.append(f"{dotted} (one nvme_path is used: {ours['nvme_path']!r})")
+                else:
+                    ours["nvme_path"] = value
+            elif key == "pin_memory":
+                ours["pin_host_memory"] = bool(value)
+            elif key == "buffer_count" and section == "offload_param":
+                # DeepSpeed's swap buffers bound how far ahead parameters are read.
+                ours["prefetch_depth"] = max(int(value) - 1, 0)
+            elif key == "max_in_cpu" and section == "offload_param":
+                ours["host_budget_bytes"] = int(value) * 2  # elements of fp16/bf16
+            else:
+                ignored.append(dotted)
+    for key, value in zero.items():
+        if key in ("offload_param", "offload_optimizer"):
+            continue
+        dotted = f"zero_optimization.{key}"
+        if key == "stage":
+            if int(value) != 3:
+                ignored.append(f"{dotted}={value} (tierstore offloads ZeRO-3-style sharded state)")
+        elif key == "stage3_param_persistence_threshold":
+            ours["resident_threshold_bytes"] = int(value) * 2  # elements of fp16/bf16
+        else:
+            ignored.append(dotted)
+    aio_map = {"block_size": "block_size_bytes", "queue_depth": "queue_depth", "thread_count": "io_threads",
+               "intra_op_parallelism": "io_threads"}
+    for key, value in (ds.get("aio") or {}).items():
+        if key in aio_map:
+            ours[aio_map[key]] = value
+        else:
+            ignored.append(f"aio.{key}")
+    for key in ds:
+        if key not in ("zero_optimization", "aio"):
+            ignored.append(key)
+    if ignored:
+        warnings.warn(
+            "tierstore does not honour these DeepSpeed config keys: " + ", ".join(ignored),
+            stacklevel=2,
+        )
+    return from_dict(ours), ignored

@@ -1,0 +1,347 @@
+"""The NVMe I/O engine: O_DIRECT preadv/pwritev from a thread pool into aligned buffers.
+
+It executes and knows nothing of keys, tiers or budgets other than its own
+disk space. Tensors are packed into aligned extents of a few preallocated
+swap files in a private directory, removed on close.
+
+[Note: Threads reach the drive] os.preadv/os.pwritev release the GIL for the
+length of the syscall, so a handful of Python threads keep as many requests
+in flight as an async I/O library would, and read this machine's disk as fast
+as fio does. Each transfer is split into ``block_size_bytes`` blocks that the
+threads issue independently, at most ``queue_depth`` at a time.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import os
+import shutil
+import tempfile
+import threading
+import time
+import warnings
+import weakref
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from ._config import StoreConfig
+from ._memory import PAGE_BYTES, align_up
+from ._stats import StoreStats
+from ._types import IntegrityError, StoreFullError, Tier, TierBudgetError, TierIOError
+
+# Space left free on the filesystem beyond what a new swap file takes.
+FREE_SPACE_RESERVE_BYTES = 64 * 1024**2
+
+
+class Syscalls:
+    """The OS calls the engine makes; tests substitute faulty ones (see tierstore.testing)."""
+
+    def open(self, path: str, flags: int, mode: int) -> int:
+        return os.open(path, flags, mode)
+
+    def fallocate(self, fd: int, offset: int, length: int) -> None:
+        os.posix_fallocate(fd, offset, length)
+
+    def preadv(self, fd: int, buffers: list, offset: int) -> int:
+        return os.preadv(fd, buffers, offset)
+
+    def pwritev(self, fd: int, buffers: list, offset: int) -> int:
+        return os.pwritev(fd, buffers, offset)
+
+
+@dataclass(eq=False)
+class _SwapFile:
+    path: str
+    fd: int
+    size: int
+    free: list[tuple[int, int]]  # (offset, length), sorted by offset, coalesced
+
+
+@dataclass(eq=False)
+class Extent:
+    """A page-aligned byte range of one swap file."""
+
+    file: _SwapFile
+    offset: int
+    length: int
+    checksums: list[int] | None = None
+    torn: bool = False  # a write into it failed part way; its bytes are not to be read
+    written: bool = False
+
+    @property
+    def path(self) -> str:
+        return self.file.path
+
+
+@dataclass(eq=False)
+class _Batch:
+    """The blocks of one transfer; resolves ``future`` when the last one finishes."""
+
+    future: Future
+    remaining: int
+    label: str
+    started: float
+    checksums: list[int | None] = field(default_factory=list)
+    error: BaseException | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _cleanup(directory: str, fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+class NvmeEngine:
+    """Reads and writes extents of private swap files; every call returns a Future."""
+
+    def __init__(self, config: StoreConfig, *, syscalls: Syscalls | None = None,
+                 stats: StoreStats | None = None) -> None:
+        if config.nvme_path is None:
+            raise ValueError("the NVMe tier needs nvme_path: set it to a directory on a fast local drive")
+        base = config.nvme_path
+        if not os.path.isdir(base):
+            raise ValueError(f"nvme_path {base!r} does not exist or is not a directory; create it or choose another")
+        if not os.access(base, os.W_OK | os.X_OK):
+            raise ValueError(f"nvme_path {base!r} is not writable by this process; choose a writable directory")
+        self.config = config
+        self.stats = stats or StoreStats()
+        self._sys = syscalls or Syscalls()
+        self.block_size = config.block_size_bytes
+        try:
+            self.directory = tempfile.mkdtemp(prefix="tierstore-", dir=base)  # mode 0700
+        except OSError as e:
+            raise ValueError(f"cannot create a swap directory under nvme_path {base!r}: {e.strerror}") from e
+        self._fds: list[int] = []
+        self._finalizer = weakref.finalize(self, _cleanup, self.directory, self._fds)
+        self.direct = config.direct_io and self._probe_direct()
+        self._files: list[_SwapFile] = []
+        self._lock = threading.Lock()
+        self.used_bytes = 0
+        self.peak_used_bytes = 0
+        self._inflight = threading.BoundedSemaphore(config.queue_depth)
+        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierstore-io")
+        self._closed = False
+
+    def _probe_direct(self) -> bool:
+        path = os.path.join(self.directory, "probe")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            warnings.warn(
+                f"the filesystem under {self.config.nvme_path!r} refuses O_DIRECT; falling back to "
+                "buffered I/O through the page cache, which hides the drive's speed and uses RAM. "
+                "Point nvme_path at a local ext4/xfs drive for direct I/O.",
+                RuntimeWarning, stacklevel=3,
+            )
+            return False
+        os.close(fd)
+        os.unlink(path)
+        return True
+
+    # ---- space -------------------------------------------------------------------------
+    def allocate(self, nbytes: int) -> Extent:
+        """Reserve an aligned extent for ``nbytes`` bytes, creating a swap file if needed."""
+        length = align_up(max(nbytes, 1))
+        budget = self.config.nvme_budget_bytes
+        with self._lock:
+            if budget is not None and self.used_bytes + length > budget:
+                raise TierBudgetError(
+                    f"the NVMe tier needs {length} more bytes but holds {self.used_bytes} of its "
+                    f"nvme_budget_bytes={budget}; raise nvme_budget_bytes or drop tensors"
+                )
+            for f in self._files:
+                ext = self._take_locked(f, length)
+                if ext is not None:
+                    return ext
+            f = self._new_file_locked(max(length, self.config.file_size_bytes))
+            ext = self._take_locked(f, length)
+            assert ext is not None
+            return ext
+
+    def _take_locked(self, f: _SwapFile, length: int) -> Extent | None:
+        for i, (off, n) in enumerate(f.free):
+            if n >= length:
+                if n == length:
+                    del f.free[i]
+                else:
+                    f.free[i] = (off + length, n - length)
+                self.used_bytes += length
+                self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
+                return Extent(f, off, length)
+        return None
+
+    def _new_file_locked(self, size: int) -> _SwapFile:
+        free = psutil.disk_usage(self.directory).free
+        if free < size + FREE_SPACE_RESERVE_BYTES:
+            raise StoreFullError(
+                f"nvme_path {self.config.nvme_path!r} has {free} bytes free; a new swap file needs "
+                f"{size} (+{FREE_SPACE_RESERVE_BYTES} reserve). Free space there, point nvme_path at "
+                "a larger drive, or lower file_size_bytes"
+            )
+        path = os.path.join(self.directory, f"swap-{len(self._files):04d}.bin")
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
+        try:
+            fd = self._sys.open(path, flags, 0o600)
+        except OSError as e:
+            raise TierIOError(f"cannot create swap file {path}: {e.strerror}") from e
+        try:
+            self._sys.fallocate(fd, 0, size)
+        except OSError as e:
+            os.close(fd)
+            os.unlink(path)
+            if e.errno == errno.ENOSPC:
+                raise StoreFullError(
+                    f"no space left to preallocate {size} bytes for swap file {path}; free space on "
+                    f"{self.config.nvme_path!r} or point nvme_path at a larger drive"
+                ) from e
+            raise TierIOError(f"cannot preallocate swap file {path}: {e.strerror}") from e
+        self._fds.append(fd)
+        f = _SwapFile(path, fd, size, [(0, size)])
+        self._files.append(f)
+        return f
+
+    def free(self, ext: Extent) -> None:
+        """Return an extent's space; the caller guarantees no transfer still uses it."""
+        with self._lock:
+            self.used_bytes -= ext.length
+            free = ext.file.free
+            i = bisect.bisect_left(free, (ext.offset, 0))
+            free.insert(i, (ext.offset, ext.length))
+            # Coalesce with the right and then the left neighbour.
+            if i + 1 < len(free) and free[i][0] + free[i][1] == free[i + 1][0]:
+                free[i] = (free[i][0], free[i][1] + free[i + 1][1])
+                del free[i + 1]
+            if i > 0 and free[i - 1][0] + free[i - 1][1] == free[i][0]:
+                free[i - 1] = (free[i - 1][0], free[i - 1][1] + free[i][1])
+                del free[i]
+
+    # ---- transfers ---------------------------------------------------------------------
+    def write(self, ext: Extent, buf: torch.Tensor, *, label: str) -> Future:
+        """Write the first ``ext.length`` bytes of the uint8 CPU tensor ``buf`` into ``ext``."""
+        return self._submit(ext, buf, label, write=True)
+
+    def read(self, ext: Extent, buf: torch.Tensor, *, label: str) -> Future:
+        """Read ``ext`` into the first ``ext.length`` bytes of the uint8 CPU tensor ``buf``."""
+        if ext.torn:
+            fut: Future = Future()
+            fut.set_exception(TierIOError(
+                f"{label}: an earlier write to {ext.path} failed part way; its bytes there are not valid"
+            ))
+            return fut
+        return self._submit(ext, buf, label, write=False)
+
+    def _submit(self, ext: Extent, buf: torch.Tensor, label: str, *, write: bool) -> Future:
+        if self._closed:
+            raise TierIOError(f"{label}: the I/O engine is closed")
+        if buf.numel() < ext.length:
+            raise ValueError(f"buffer of {buf.numel()} bytes is smaller than extent of {ext.length}")
+        mv = memoryview(buf.numpy())
+        blocks = range(0, ext.length, self.block_size)
+        batch = _Batch(Future(), len(blocks), label, time.perf_counter(), [None] * len(blocks))
+        if write:
+            ext.checksums = None
+        for i, off in enumerate(blocks):
+            n = min(self.block_size, ext.length - off)
+            self._pool.submit(self._run_block, batch, ext, mv[off:off + n], off, i, write, time.perf_counter())
+        return batch.future
+
+    def _run_block(self, batch: _Batch, ext: Extent, mv: memoryview, off: int, index: int,
+                   write: bool, queued: float) -> None:
+        err: BaseException | None = None
+        try:
+            if batch.error is None:
+                with self._inflight:
+                    self.stats.add("queue_wait_seconds", time.perf_counter() - queued)
+                    if write:
+                        if self.config.verify_checksums:
+                            batch.checksums[index] = zlib.crc32(mv)
+                        self._io_all(self._sys.pwritev, ext, mv, off, batch.label, "write")
+                    else:
+                        self._io_all(self._sys.preadv, ext, mv, off, batch.label, "read")
+                        if self.config.verify_checksums and ext.checksums is not None \
+                                and zlib.crc32(mv) != ext.checksums[index]:
+                            raise IntegrityError(
+                                f"{batch.label}: checksum mismatch in {ext.path} at byte "
+                                f"{ext.offset + off} ({len(mv)} bytes); the swap data is corrupt"
+                            )
+        except BaseException as e:  # surfaced on the future, never only logged
+            err = e
+        with batch.lock:
+            if err is not None and batch.error is None:
+                batch.error = err
+            batch.remaining -= 1
+            last = batch.remaining == 0
+        if last:
+            self._finish(batch, ext, write)
+
+    def _io_all(self, call, ext: Extent, mv: memoryview, off: int, label: str, what: str) -> None:
+        done = 0
+        total = len(mv)
+        while done < total:
+            self.stats.add("io_calls")
+            try:
+                n = call(ext.file.fd, [mv[done:]], ext.offset + off + done)
+            except OSError as e:
+                hint = " (the disk is full)" if e.errno == errno.ENOSPC else ""
+                raise TierIOError(
+                    f"{label}: {what} of {total - done} bytes at byte {ext.offset + off + done} of "
+                    f"{ext.path} failed: {e.strerror}{hint}"
+                ) from e
+            if n <= 0:
+                raise TierIOError(
+                    f"{label}: short {what} at byte {ext.offset + off + done} of {ext.path}: "
+                    f"{done} of {total} bytes transferred"
+                )
+            done += n
+
+    def _finish(self, batch: _Batch, ext: Extent, write: bool) -> None:
+        seconds = time.perf_counter() - batch.started
+        if batch.error is not None:
+            if write:
+                ext.torn = True
+            err = batch.error
+            if not isinstance(err, TierIOError):
+                wrapped = TierIOError(f"{batch.label}: I/O on {ext.path} failed: {err!r}")
+                wrapped.__cause__ = err
+                err = wrapped
+            batch.future.set_exception(err)
+            return
+        if write:
+            ext.torn = False
+            ext.written = True
+            if self.config.verify_checksums:
+                ext.checksums = list(batch.checksums)  # type: ignore[arg-type]
+            self.stats.add_transfer(Tier.HOST, Tier.NVME, ext.length, seconds)
+        else:
+            self.stats.add_transfer(Tier.NVME, Tier.HOST, ext.length, seconds)
+        batch.future.set_result(ext.length)
+
+    # ---- lifetime ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for transfers in flight, then close and delete every swap file."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def file_paths(self) -> list[str]:
+        return [f.path for f in self._files]
+
+
+__all__ = ["NvmeEngine", "Extent", "Syscalls", "PAGE_BYTES"]

@@ -1,0 +1,50 @@
+"""Counters of bytes, seconds, hits and stalls, read out as one plain dict."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ._types import Tier
+
+
+class StoreStats:
+    """Thread-safe counters; :meth:`snapshot` returns them as a plain dict."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._paths: dict[str, dict[str, float]] = {}
+            self._counters: dict[str, float] = {
+                "hits": 0, "misses": 0, "get_calls": 0, "stall_seconds": 0.0,
+                "queue_wait_seconds": 0.0, "io_calls": 0, "evictions": 0, "write_backs": 0,
+                "prefetches": 0, "prefetch_skipped": 0,
+            }
+
+    def add_transfer(self, src: Tier, dst: Tier, nbytes: int, seconds: float) -> None:
+        key = f"{src.label}->{dst.label}"
+        with self._lock:
+            p = self._paths.setdefault(key, {"count": 0, "bytes": 0, "seconds": 0.0})
+            p["count"] += 1
+            p["bytes"] += nbytes
+            p["seconds"] += seconds
+
+    def add(self, counter: str, amount: float = 1) -> None:
+        with self._lock:
+            self._counters[counter] += amount
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every counter, plus per tier-to-tier path its count, bytes, seconds and GB/s."""
+        with self._lock:
+            paths = {}
+            for key, p in sorted(self._paths.items()):
+                gbps = p["bytes"] / p["seconds"] / 1e9 if p["seconds"] > 0 else 0.0
+                paths[key] = {**p, "gbps": gbps}
+            out: dict[str, Any] = dict(self._counters)
+            out["paths"] = paths
+            out["bytes_read_nvme"] = sum(p["bytes"] for k, p in paths.items() if k.startswith("nvme->"))
+            out["bytes_written_nvme"] = sum(p["bytes"] for k, p in paths.items() if k.endswith("->nvme"))
+            return out

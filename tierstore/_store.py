@@ -1,0 +1,736 @@
+"""The tiered tensor store: keys, home tiers, cached copies, budgets, prefetch handles.
+
+[Note: Versions, not flags] Every key has a version, bumped by mark_dirty().
+Each copy remembers the version of the bytes it holds. A copy whose version
+is the key's is *current*; the home copy being current means every current
+copy is clean; a current copy that is the only holder of the newest version
+is dirty and is never freed before a write-back of it has completed. Copies
+of an older version are stale and are dropped as soon as nobody holds them.
+This keeps the rules right when a write-back races a new mark_dirty().
+
+[Note: Who waits on whom] Background work runs on two pools: the I/O engine's
+threads, which only do syscalls, and the mover threads, which run prefetches
+end to end (allocate, read, copy between tiers). A mover waits only on engine
+futures, on write-backs (engine work), and on copies that a mover already
+running is loading, so no cycle of waits can form.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ._config import StoreConfig
+from ._memory import Buffer, TierPool
+from ._nvme import Extent, NvmeEngine, Syscalls
+from ._stats import StoreStats
+from ._types import StoreClosedError, Tier, TierBudgetError, TierIOError, TierStoreError
+
+_UNSUPPORTED_DTYPES = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+
+
+@dataclass(eq=False)
+class _Copy:
+    tier: Tier
+    version: int
+    buffer: Buffer | None = None  # DEVICE / HOST
+    extent: Extent | None = None  # NVME
+    loading: Future | None = None  # set while bytes are being read into it
+    pins: int = 0
+    io_refs: int = 0  # transfers reading from or writing into it
+    last_use: int = 0
+
+
+@dataclass(eq=False)
+class _Entry:
+    key: str
+    shape: torch.Size
+    dtype: torch.dtype
+    nbytes: int
+    home: Tier
+    version: int = 0
+    copies: dict[Tier, _Copy] = field(default_factory=dict)
+    error: BaseException | None = None  # a background failure, raised by the next get()
+    writeback: Future | None = None
+    prefetches: dict[Tier, Future] = field(default_factory=dict)
+    dropped: bool = False
+
+
+class Handle:
+    """Pending work on one key: ``wait()`` blocks and re-raises a failure; ``done()`` polls."""
+
+    def __init__(self, future: Future, key: str, tier: Tier) -> None:
+        self._future = future
+        self.key = key
+        self.tier = tier
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        try:
+            self._future.result(timeout)
+        except TierStoreError:
+            raise
+        except TimeoutError:
+            raise
+        except BaseException as e:
+            raise TierStoreError(f"{self.key!r} -> {self.tier.label}: {e!r}") from e
+
+    @property
+    def skipped(self) -> bool:
+        """True if a prefetch was dropped because its tier was full of held copies."""
+        return self._future.done() and self._future.exception() is None and self._future.result() is False
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"Handle({self.key!r}, {self.tier.label}, {state})"
+
+
+def _done_future(result: Any = True) -> Future:
+    f: Future = Future()
+    f.set_result(result)
+    return f
+
+
+class TierStore:
+    """Keeps tensors in a device -> host -> NVMe hierarchy under per-tier byte budgets.
+
+    A tensor is registered with :meth:`put` under a key and a *home* tier, which
+    holds its authoritative bytes; :meth:`prefetch` and :meth:`get` bring copies
+    into faster tiers. A tensor returned by :meth:`get` aliases the store's
+    buffer: modify it in place, call :meth:`mark_dirty`, and stop using it once
+    :meth:`release` is called. All methods are thread-safe.
+    """
+
+    def __init__(self, config: StoreConfig | None = None, *, syscalls: Syscalls | None = None,
+                 **overrides: Any) -> None:
+        if config is None:
+            config = StoreConfig(**overrides)
+        elif overrides:
+            config = config.replace(**overrides)
+        if not isinstance(config, StoreConfig):
+            raise TypeError(f"config must be a StoreConfig, not {type(config).__name__}")
+        self.config = config
+        self.stats = StoreStats()
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self._pools = {
+            Tier.DEVICE: TierPool(Tier.DEVICE, config.device_budget_bytes, self.device),
+            Tier.HOST: TierPool(Tier.HOST, config.host_budget_bytes, torch.device("cpu"),
+                                pin=cuda and config.pin_host_memory),
+        }
+        self._syscalls = syscalls
+        self._engine: NvmeEngine | None = None
+        if config.nvme_path is not None:
+            self._engine = NvmeEngine(config, syscalls=syscalls, stats=self.stats)
+        self._cv = threading.Condition(threading.RLock())
+        self._entries: dict[str, _Entry] = {}
+        self._movers = ThreadPoolExecutor(max(2, config.io_threads // 2), thread_name_prefix="tierstore-mover")
+        self._tick = itertools.count(1)
+        self._victim_order: Callable[[Tier, list[str]], list[str]] | None = None
+        self._closed = False
+        self._cuda_streams = None
+        if cuda:
+            self._cuda_streams = (torch.cuda.Stream(), torch.cuda.Stream())  # h2d, d2h
+
+    # ---- public API --------------------------------------------------------------------
+    def put(self, key: str, tensor: torch.Tensor, home: Tier | str = Tier.NVME) -> Handle:
+        """Register ``tensor``'s bytes under ``key`` with ``home`` as its authoritative tier.
+
+        The bytes are copied; for an NVMe home they are staged in the host tier
+        and written behind. The handle completes when the home tier holds them.
+        """
+        self._check_open()
+        home = Tier.parse(home)
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"key must be a non-empty str, not {key!r}")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"put({key!r}) needs a torch.Tensor, not {type(tensor).__name__}")
+        if tensor.dtype in _UNSUPPORTED_DTYPES or tensor.is_quantized or tensor.is_sparse:
+            raise TypeError(f"put({key!r}): dtype {tensor.dtype} / layout {tensor.layout} is not supported; "
+                            "store a dense tensor (dequantize or .to_dense() it first)")
+        if not tensor.is_contiguous():
+            raise ValueError(f"put({key!r}): the tensor is not contiguous; pass tensor.contiguous()")
+        if home is Tier.NVME and self._engine is None:
+            raise ValueError(f"put({key!r}, home='nvme') needs nvme_path set in the config")
+        nbytes = tensor.numel() * tensor.element_size()
+        self._check_fits(key, nbytes, home)
+        entry = _Entry(key, tensor.shape, tensor.dtype, nbytes, home)
+        with self._cv:
+            if key in self._entries:
+                raise ValueError(f"key {key!r} is already in the store; drop() it first or use another key")
+            self._entries[key] = entry
+        if nbytes == 0:
+            return Handle(_done_future(), key, home)
+        try:
+            with self._cv:
+                if home is Tier.NVME:
+                    staging = self._new_copy(entry, Tier.HOST, version=0)
+                    entry.copies[Tier.NVME] = _Copy(Tier.NVME, version=-1, extent=self._engine.allocate(nbytes))
+                else:
+                    staging = self._new_copy(entry, home, version=0)
+                self._view(entry, staging).copy_(tensor)
+                if home is not Tier.NVME:
+                    return Handle(_done_future(), key, home)
+                fut = self._start_writeback(entry)
+            assert fut is not None
+            return Handle(fut, key, home)
+        except BaseException:
+            with self._cv:
+                self._drop_entry(entry)
+            raise
+
+    def prefetch(self, key: str, tier: Tier | str = Tier.DEVICE) -> Handle:
+        """Start bringing ``key`` into ``tier`` in the background; idempotent while in flight."""
+        self._check_open()
+        tier = self._check_memory_tier(tier)
+        with self._cv:
+            entry = self._lookup(key)
+            copy = entry.copies.get(tier)
+            if entry.nbytes == 0 or (copy is not None and copy.loading is None and copy.version == entry.version):
+                if copy is not None:
+                    copy.last_use = next(self._tick)
+                return Handle(_done_future(), key, tier)
+            pending = entry.prefetches.get(tier)
+            if pending is not None and not pending.done():
+                return Handle(pending, key, tier)
+            fut: Future = Future()
+            entry.prefetches[tier] = fut
+            self.stats.add("prefetches")
+        self._movers.submit(self._prefetch_task, entry, tier, fut)
+        return Handle(fut, key, tier)
+
+    def get(self, key: str, tier: Tier | str = Tier.DEVICE) -> torch.Tensor:
+        """The tensor in ``tier``, held until :meth:`release`; waits for an in-flight prefetch.
+
+        Time spent waiting here is counted as stall time.
+        """
+        self._check_open()
+        tier = self._check_memory_tier(tier)
+        start = time.perf_counter()
+        with self._cv:
+            entry = self._lookup(key)
+            self.stats.add("get_calls")
+            if entry.error is not None:
+                err, entry.error = entry.error, None
+                raise err
+            if entry.nbytes == 0:
+                return torch.empty(entry.shape, dtype=entry.dtype, device=self._device_of(tier))
+            copy = entry.copies.get(tier)
+            if copy is not None and copy.loading is None and copy.version == entry.version:
+                self.stats.add("hits")
+            else:
+                self.stats.add("misses")
+                try:
+                    copy = self._materialize(entry, tier, may_skip=False)
+                finally:
+                    self.stats.add("stall_seconds", time.perf_counter() - start)
+            assert copy is not None
+            copy.pins += 1
+            copy.last_use = next(self._tick)
+            return self._view(entry, copy)
+
+    def release(self, key: str, tier: Tier | str = Tier.DEVICE) -> None:
+        """The caller is done with the tensor :meth:`get` returned; the copy becomes evictable."""
+        tier = Tier.parse(tier)
+        with self._cv:
+            entry = self._lookup(key)
+            copy = entry.copies.get(tier)
+            if entry.nbytes == 0:
+                return
+            if copy is None or copy.pins == 0:
+                raise ValueError(f"release({key!r}, {tier.label!r}) without a matching get()")
+            copy.pins -= 1
+            if self._cuda_streams is not None and copy.buffer is not None and tier is Tier.DEVICE:
+                ev = torch.cuda.Event()
+                ev.record()
+                copy.buffer.pending.append(ev)
+            self._drop_if_stale(entry, copy)
+            self._cv.notify_all()
+
+    def mark_dirty(self, key: str, tier: Tier | str = Tier.DEVICE) -> None:
+        """Say that the held copy in ``tier`` was modified; it is written back before it is dropped."""
+        tier = Tier.parse(tier)
+        with self._cv:
+            entry = self._lookup(key)
+            if entry.nbytes == 0:
+                return
+            copy = entry.copies.get(tier)
+            if copy is None or copy.pins == 0 or copy.version != entry.version:
+                raise ValueError(f"mark_dirty({key!r}, {tier.label!r}): get() the tensor in that tier first")
+            entry.version += 1
+            copy.version = entry.version
+            for other in list(entry.copies.values()):
+                if other is not copy:
+                    self._drop_if_stale(entry, other)
+
+    def write_back(self, key: str) -> Handle:
+        """Start writing the newest bytes of ``key`` to its home tier."""
+        self._check_open()
+        with self._cv:
+            entry = self._lookup(key)
+            fut = self._start_writeback(entry)
+        return Handle(fut or _done_future(), key, entry.home)
+
+    def flush(self) -> None:
+        """Write every dirty copy back to its home tier and wait; raises the first failure."""
+        self._check_open()
+        with self._cv:
+            while True:
+                pending = []
+                for entry in list(self._entries.values()):
+                    if self._home(entry) is not None and self._home(entry).version != entry.version \
+                            or entry.writeback is not None:
+                        fut = self._start_writeback(entry)
+                        if fut is not None:
+                            pending.append((entry, fut))
+                if not pending:
+                    return
+                for entry, fut in pending:
+                    self._wait_unlocked(fut)
+                    if fut.exception() is not None:
+                        raise fut.exception()
+
+    def evict(self, key: str, tier: Tier | str) -> None:
+        """Drop the cached copy of ``key`` in ``tier``, writing it back first if it is dirty."""
+        self._check_open()
+        tier = Tier.parse(tier)
+        with self._cv:
+            entry = self._lookup(key)
+            if tier is entry.home:
+                raise ValueError(f"evict({key!r}, {tier.label!r}): that is its home tier; use drop() to remove it")
+            while True:
+                copy = entry.copies.get(tier)
+                if copy is None:
+                    return
+                if copy.pins:
+                    raise ValueError(f"evict({key!r}, {tier.label!r}): the copy is held; release() it first")
+                if copy.loading is not None or copy.io_refs:
+                    self._wait_unlocked(copy.loading or entry.writeback or _done_future())
+                    if copy.io_refs and entry.writeback is None:
+                        self._cv.wait(0.01)
+                    continue
+                if self._sole_holder(entry, copy):
+                    fut = self._start_writeback(entry)
+                    self._wait_unlocked(fut)
+                    if fut.exception() is not None:
+                        raise fut.exception()
+                    continue
+                self._free_copy(entry, copy)
+                self.stats.add("evictions")
+                return
+
+    def drop(self, key: str) -> None:
+        """Remove ``key`` and free every copy, discarding unwritten changes."""
+        self._check_open()
+        with self._cv:
+            entry = self._lookup(key)
+            self._drop_entry(entry)
+
+    def contains(self, key: str) -> bool:
+        with self._cv:
+            return key in self._entries
+
+    __contains__ = contains
+
+    def keys(self) -> list[str]:
+        with self._cv:
+            return list(self._entries)
+
+    def info(self, key: str) -> dict[str, Any]:
+        """Shape, dtype, size, home and, per tier holding a copy, its state."""
+        with self._cv:
+            entry = self._lookup(key)
+            copies = {}
+            for tier, c in entry.copies.items():
+                state = "loading" if c.loading is not None else (
+                    "stale" if c.version < entry.version else
+                    "dirty" if tier is not entry.home and self._sole_holder(entry, c) else "clean")
+                copies[tier.label] = {"state": state, "pins": c.pins}
+            return {"shape": tuple(entry.shape), "dtype": entry.dtype, "nbytes": entry.nbytes,
+                    "home": entry.home.label, "copies": copies}
+
+    def memory(self) -> dict[str, dict[str, int]]:
+        """Bytes held and peak per tier."""
+        out = {t.label: {"held_bytes": p.held_bytes, "live_bytes": p.live_bytes,
+                         "peak_bytes": p.peak_held_bytes, "budget_bytes": p.budget_bytes}
+               for t, p in self._pools.items()}
+        e = self._engine
+        out["nvme"] = {"held_bytes": e.used_bytes if e else 0, "live_bytes": e.used_bytes if e else 0,
+                       "peak_bytes": e.peak_used_bytes if e else 0,
+                       "budget_bytes": self.config.nvme_budget_bytes or -1}
+        return out
+
+    def stats_dict(self) -> dict[str, Any]:
+        """All counters as a plain dict (bytes/seconds per path, hits, misses, stall time...)."""
+        out = self.stats.snapshot()
+        out["memory"] = self.memory()
+        return out
+
+    def set_victim_order(self, fn: Callable[[Tier, list[str]], list[str]] | None) -> None:
+        """Install an eviction policy: given a tier and candidate keys (least recently used
+        first), return them in the order they should be evicted. None restores LRU."""
+        self._victim_order = fn
+
+    def close(self) -> None:
+        """Wait for background work, free every buffer and delete the swap files."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+        self._movers.shutdown(wait=True)
+        if self._engine is not None:
+            self._engine.close()
+        with self._cv:
+            self._entries.clear()
+            for pool in self._pools.values():
+                pool.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def swap_directory(self) -> str | None:
+        return self._engine.directory if self._engine else None
+
+    def __enter__(self) -> "TierStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- checks ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("the store is closed; create a new TierStore")
+
+    def _check_memory_tier(self, tier: Tier | str) -> Tier:
+        tier = Tier.parse(tier)
+        if tier is Tier.NVME:
+            raise ValueError("NVMe copies are files, not tensors: get or prefetch into 'host' or 'device'")
+        return tier
+
+    def _lookup(self, key: str) -> _Entry:
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise KeyError(f"unknown key {key!r}: put() it into the store first") from None
+
+    def _check_fits(self, key: str, nbytes: int, home: Tier) -> None:
+        cap = TierPool.capacity_for(nbytes)
+        if home is Tier.DEVICE and cap > self.config.device_budget_bytes:
+            raise TierBudgetError(
+                f"put({key!r}): {nbytes} bytes exceed device_budget_bytes={self.config.device_budget_bytes}; "
+                "raise the budget or give it a slower home")
+        if home is not Tier.DEVICE and cap > self.config.host_budget_bytes:
+            raise TierBudgetError(
+                f"put({key!r}): {nbytes} bytes exceed host_budget_bytes={self.config.host_budget_bytes}, "
+                "through which every transfer is staged; raise host_budget_bytes or split the tensor")
+
+    def _device_of(self, tier: Tier) -> torch.device:
+        return self._pools[tier].device
+
+    # ---- copies ------------------------------------------------------------------------
+    def _home(self, entry: _Entry) -> _Copy | None:
+        return entry.copies.get(entry.home)
+
+    def _view(self, entry: _Entry, copy: _Copy) -> torch.Tensor:
+        assert copy.buffer is not None
+        t = copy.buffer.view(entry.shape, entry.dtype, entry.nbytes)
+        if copy.tier is Tier.DEVICE and copy.buffer.pending and self._cuda_streams is not None:
+            for ev in copy.buffer.pending:
+                torch.cuda.current_stream().wait_event(ev)
+        return t
+
+    def _sole_holder(self, entry: _Entry, copy: _Copy) -> bool:
+        if copy.version != entry.version:
+            return False
+        return not any(c is not copy and c.version == entry.version and c.loading is None
+                       for c in entry.copies.values())
+
+    def _new_copy(self, entry: _Entry, tier: Tier, version: int, *, may_skip: bool = False) -> _Copy | None:
+        buf = self._alloc(tier, entry.nbytes, may_skip=may_skip, for_key=entry.key)
+        if buf is None:
+            return None
+        copy = _Copy(tier, version=version, buffer=buf, last_use=next(self._tick))
+        entry.copies[tier] = copy
+        return copy
+
+    def _free_copy(self, entry: _Entry, copy: _Copy) -> None:
+        if entry.copies.get(copy.tier) is copy:
+            del entry.copies[copy.tier]
+        if copy.buffer is not None:
+            self._pools[copy.tier].free(copy.buffer)
+            copy.buffer = None
+        if copy.extent is not None and self._engine is not None:
+            self._engine.free(copy.extent)
+            copy.extent = None
+        self._cv.notify_all()
+
+    def _drop_if_stale(self, entry: _Entry, copy: _Copy) -> None:
+        if copy.version < entry.version and copy.tier is not entry.home and not copy.pins \
+                and copy.loading is None and not copy.io_refs:
+            self._free_copy(entry, copy)
+
+    def _drop_entry(self, entry: _Entry) -> None:
+        if entry.dropped:
+            return
+        # In-flight transfers keep their buffers; wait for them so nothing is reused under them.
+        while any(c.loading is not None or c.io_refs for c in entry.copies.values()):
+            self._cv.wait(0.05)
+        entry.dropped = True
+        self._entries.pop(entry.key, None)
+        for copy in list(entry.copies.values()):
+            self._free_copy(entry, copy)
+
+    def _wait_unlocked(self, fut: Future) -> None:
+        """Wait for ``fut`` with the store lock released (it is re-taken before returning)."""
+        while not fut.done():
+            self._cv.wait(0.05)
+
+    def _release_all(self) -> Any:
+        """Release the store lock however deeply it is held; returns what re-takes it."""
+        return self._cv._release_save()  # type: ignore[attr-defined]
+
+    def _retake(self, state: Any) -> None:
+        self._cv._acquire_restore(state)  # type: ignore[attr-defined]
+
+    # ---- budgets and eviction -----------------------------------------------------------
+    def _alloc(self, tier: Tier, nbytes: int, *, may_skip: bool, for_key: str) -> Buffer | None:
+        pool = self._pools[tier]
+        while True:
+            if self._closed:
+                raise StoreClosedError("the store was closed while waiting for space")
+            buf = pool.try_alloc(nbytes)
+            if buf is not None:
+                return buf
+            need = pool.capacity_for(nbytes)
+            if self._evict_clean(tier, need):
+                continue
+            if self._start_eviction_writebacks(tier):
+                self._cv.wait(0.05)
+                continue
+            busy = [c for e in self._entries.values() for c in e.copies.values()
+                    if c.tier is tier and not c.pins and (c.loading is not None or c.io_refs)]
+            if busy:
+                self._cv.wait(0.05)
+                continue
+            if may_skip:
+                return None
+            held = sum(c.buffer.capacity for e in self._entries.values() for c in e.copies.values()
+                       if c.tier is tier and c.pins and c.buffer is not None)
+            raise TierBudgetError(
+                f"{tier.label} tier cannot fit {need} bytes for {for_key!r}: {pool.held_bytes} of "
+                f"{pool.budget_bytes} budget bytes are in use, {held} of them held by get() without "
+                f"release(); release tensors you are done with or raise {tier.label}_budget_bytes")
+
+    def _candidates(self, tier: Tier) -> list[tuple[_Entry, _Copy]]:
+        out = [(e, c) for e in self._entries.values() for c in e.copies.values()
+               if c.tier is tier and tier is not e.home and not c.pins and c.loading is None and not c.io_refs]
+        out.sort(key=lambda ec: ec[1].last_use)
+        if self._victim_order is not None and out:
+            by_key = {e.key: (e, c) for e, c in out}
+            order = self._victim_order(tier, list(by_key))
+            out = [by_key[k] for k in order if k in by_key] + [ec for k, ec in by_key.items() if k not in order]
+        return out
+
+    def _evict_clean(self, tier: Tier, need: int) -> bool:
+        """Free clean, unheld copies in ``tier`` until ``need`` bytes could fit. True if any freed."""
+        freed = 0
+        pool = self._pools[tier]
+        for entry, copy in self._candidates(tier):
+            if self._sole_holder(entry, copy):
+                continue
+            freed += copy.buffer.capacity if copy.buffer else 0
+            self._free_copy(entry, copy)
+            self.stats.add("evictions")
+            if pool.budget_bytes - pool.live_bytes >= need:
+                break
+        return freed > 0
+
+    def _start_eviction_writebacks(self, tier: Tier) -> bool:
+        started = False
+        for entry, copy in self._candidates(tier):
+            if self._sole_holder(entry, copy) and entry.writeback is None and entry.error is None:
+                try:
+                    if self._start_writeback(entry) is not None:
+                        started = True
+                except TierBudgetError:
+                    continue
+                break  # one at a time: each frees a whole copy
+        return started or any(e.writeback is not None for e in self._entries.values())
+
+    # ---- transfers ---------------------------------------------------------------------
+    def _source(self, entry: _Entry, target: Tier) -> _Copy | None:
+        current = [c for c in entry.copies.values()
+                   if c.version == entry.version and c.loading is None and c.tier is not target]
+        if not current:
+            return None
+        # Nearest tier first: host before NVMe for a device target, device before NVMe for host.
+        return min(current, key=lambda c: (abs(c.tier - target), c.tier))
+
+    def _copy_memory(self, src: _Copy, dst: _Copy, entry: _Entry) -> None:
+        """Copy between DEVICE and HOST buffers (lock released by the caller)."""
+        t0 = time.perf_counter()
+        assert src.buffer is not None and dst.buffer is not None
+        n = entry.nbytes
+        if self._cuda_streams is not None and src.tier is not dst.tier:
+            stream = self._cuda_streams[0 if dst.tier is Tier.DEVICE else 1]
+            with torch.cuda.stream(stream):
+                for ev in dst.buffer.pending + src.buffer.pending:
+                    stream.wait_event(ev)
+                dst.buffer.data[:n].copy_(src.buffer.data[:n], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            src.buffer.pending.append(ev)
+            dst.buffer.pending = [ev]
+            if dst.tier is Tier.HOST:
+                ev.synchronize()  # host bytes are read by the CPU (or the drive) next
+        else:
+            dst.buffer.data[:n].copy_(src.buffer.data[:n])
+        self.stats.add_transfer(src.tier, dst.tier, n, time.perf_counter() - t0)
+
+    def _prefetch_task(self, entry: _Entry, tier: Tier, fut: Future) -> None:
+        try:
+            with self._cv:
+                copy = self._materialize(entry, tier, may_skip=True)
+                if copy is None:
+                    self.stats.add("prefetch_skipped")
+            fut.set_result(copy is not None)
+        except BaseException as e:
+            with self._cv:
+                if not entry.dropped:
+                    entry.error = e
+            fut.set_exception(e)
+
+    def _materialize(self, entry: _Entry, tier: Tier, *, may_skip: bool) -> _Copy | None:
+        """Make a current, readable copy of ``entry`` in ``tier``. Lock held; released while waiting."""
+        while True:
+            if entry.dropped:
+                raise KeyError(f"key {entry.key!r} was dropped")
+            if self._closed:
+                raise StoreClosedError("the store was closed while a transfer was pending")
+            copy = entry.copies.get(tier)
+            if copy is not None and copy.loading is not None:
+                self._wait_unlocked(copy.loading)
+                continue
+            if copy is not None and copy.version == entry.version:
+                return copy
+            if copy is not None:  # stale
+                if copy.pins or copy.io_refs:
+                    raise TierStoreError(
+                        f"{entry.key!r} is held in the {tier.label} tier at an older version; "
+                        "release() it before getting the new one")
+                self._free_copy(entry, copy)
+            src = self._source(entry, tier)
+            if src is None:
+                raise TierStoreError(f"{entry.key!r} has no readable copy (an earlier write failed?)")
+            if tier is Tier.DEVICE and src.tier is Tier.NVME:
+                staged = self._materialize(entry, Tier.HOST, may_skip=may_skip)
+                if staged is None:
+                    return None
+                continue
+            version = entry.version
+            buf = self._alloc(tier, entry.nbytes, may_skip=may_skip, for_key=entry.key)
+            if buf is None:
+                return None
+            if entry.dropped or tier in entry.copies or src.version != entry.version \
+                    or entry.copies.get(src.tier) is not src:
+                self._pools[tier].free(buf)  # the world moved while we waited for space
+                continue
+            done: Future = Future()
+            copy = _Copy(tier, version=version, buffer=buf, loading=done, last_use=next(self._tick))
+            entry.copies[tier] = copy
+            src.io_refs += 1
+            error: BaseException | None = None
+            lock_state = self._release_all()
+            try:
+                if src.tier is Tier.NVME:
+                    assert self._engine is not None and src.extent is not None
+                    self._engine.read(src.extent, buf.data, label=entry.key).result()
+                else:
+                    self._copy_memory(src, copy, entry)
+            except BaseException as e:
+                error = e
+            finally:
+                self._retake(lock_state)
+            src.io_refs -= 1
+            copy.loading = None
+            if error is not None:
+                self._free_copy(entry, copy)
+                done.set_exception(error)
+                self._cv.notify_all()
+                raise error
+            done.set_result(True)
+            self._drop_if_stale(entry, src)
+            self._cv.notify_all()
+            return copy
+
+    def _start_writeback(self, entry: _Entry) -> Future | None:
+        """Start writing the newest bytes to the home tier; lock held. None if home is current."""
+        if entry.writeback is not None:
+            return entry.writeback
+        home = self._home(entry)
+        if home is None or entry.nbytes == 0 or home.version == entry.version:
+            return None
+        src = self._source(entry, entry.home)
+        if src is None:
+            raise TierStoreError(f"{entry.key!r}: no current copy to write back")
+        version = entry.version
+        if entry.home is Tier.NVME and src.tier is Tier.DEVICE:
+            src = self._materialize(entry, Tier.HOST, may_skip=False)
+            if entry.writeback is not None:
+                return entry.writeback
+            if home.version == entry.version:
+                return None
+        if entry.home is not Tier.NVME:
+            home.io_refs += 1
+            self._copy_memory(src, home, entry)
+            home.io_refs -= 1
+            home.version = version
+            return _done_future()
+        assert self._engine is not None and home.extent is not None and src.buffer is not None
+        src.io_refs += 1
+        home.io_refs += 1
+        self.stats.add("write_backs")
+        fut = self._engine.write(home.extent, src.buffer.data, label=entry.key)
+        outer: Future = Future()
+        entry.writeback = outer
+
+        def finished(f: Future, src: _Copy = src) -> None:
+            with self._cv:
+                src.io_refs -= 1
+                home.io_refs -= 1
+                entry.writeback = None
+                err = f.exception()
+                if err is None:
+                    home.version = max(home.version, version)
+                    if isinstance(entry.error, TierIOError):
+                        entry.error = None  # an earlier failed write-back has now succeeded
+                    self._drop_if_stale(entry, src)
+                    outer.set_result(True)
+                else:
+                    if not entry.dropped:
+                        entry.error = err
+                    outer.set_exception(err)
+                self._cv.notify_all()
+
+        fut.add_done_callback(finished)
+        return outer
+
+
+def open_store(config: StoreConfig | None = None, **overrides: Any) -> TierStore:
+    """Create a :class:`TierStore` from a config and/or keyword overrides."""
+    return TierStore(config, **overrides)
+
+
+def iter_tiers() -> Iterable[Tier]:
+    return iter(Tier)

@@ -1,0 +1,62 @@
+"""The vocabulary that crosses module boundaries: tiers, copy states, errors."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Tier(enum.IntEnum):
+    """A level of the memory hierarchy; a smaller value is a faster tier."""
+
+    DEVICE = 0
+    HOST = 1
+    NVME = 2
+
+    @classmethod
+    def parse(cls, value: "Tier | str") -> "Tier":
+        """Accept a Tier or its name in any case ('nvme', 'HOST', ...)."""
+        if isinstance(value, Tier):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls[value.strip().upper()]
+            except KeyError:
+                pass
+        choices = ", ".join(t.name.lower() for t in cls)
+        raise ValueError(f"unknown tier {value!r}; choose one of: {choices}")
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class CopyState(enum.Enum):
+    """What a copy of a tensor in one tier holds."""
+
+    LOADING = "loading"  # bytes are being read into it; not readable yet
+    CLEAN = "clean"  # same bytes as the home tier
+    DIRTY = "dirty"  # newer than home; must be written back before it is dropped
+
+
+class TierStoreError(RuntimeError):
+    """Base class of every runtime error tierstore raises."""
+
+
+class StoreClosedError(TierStoreError):
+    """The store was used after close()."""
+
+
+class TierBudgetError(TierStoreError):
+    """A tier cannot hold a request within its byte budget."""
+
+
+class TierIOError(TierStoreError):
+    """A read or write of the NVMe tier failed; names the key and the file."""
+
+
+class StoreFullError(TierIOError):
+    """The filesystem under nvme_path has too little free space."""
+
+
+class IntegrityError(TierIOError):
+    """Bytes read back from the NVMe tier do not match their checksum."""
