@@ -1,0 +1,192 @@
+"""`tierstore bench drive`: the store's NVMe path against fio on the same file size and block size.
+
+Runs alternate (store, fio, store, fio ...), several rounds, and reports
+medians and ratios, because this class of disk swings by 2x from run to run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+
+from ._config import StoreConfig
+from ._store import TierStore
+from ._types import Tier
+
+MIB = 1024**2
+
+
+@dataclass(frozen=True, kw_only=True)
+class DriveBenchConfig:
+    path: str
+    """Directory on the drive to measure."""
+    size_mib: int = 1024
+    """Bytes written then read per round, in MiB."""
+    tensor_mib: int = 64
+    """Size of each tensor the store moves (a layer's shard)."""
+    block_size_bytes: int = MIB
+    queue_depth: int = 16
+    io_threads: int = 8
+    fio_iodepth: int = 32
+    rounds: int = 3
+    integrity: bool = False
+    """Also measure the store with checksums on, to state their cost."""
+
+    def __post_init__(self) -> None:
+        if not os.path.isdir(self.path):
+            raise ValueError(f"--path {self.path!r} is not a directory; create it or choose another")
+        if self.size_mib < 1:
+            raise ValueError(f"--size-mib {self.size_mib} must be >= 1")
+        if self.tensor_mib < 1:
+            raise ValueError(f"--tensor-mib {self.tensor_mib} must be >= 1")
+        if self.rounds < 1:
+            raise ValueError(f"--rounds {self.rounds} must be >= 1")
+
+
+def fio_available() -> bool:
+    return shutil.which("fio") is not None
+
+
+def _run_fio(directory: str, cfg: DriveBenchConfig, rw: str) -> float:
+    path = os.path.join(directory, "fio.bin")
+    cmd = ["fio", "--name=tierstore", f"--filename={path}", f"--rw={rw}", f"--bs={cfg.block_size_bytes}",
+           f"--size={cfg.size_mib * MIB}", f"--iodepth={cfg.fio_iodepth}", "--ioengine=libaio",
+           "--direct=1", "--numjobs=1", "--output-format=json"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    return job["read" if rw == "read" else "write"]["bw_bytes"] / 1e9
+
+
+class _StoreDrive:
+    """One store holding size_mib of tensors with NVMe home; times flush() and prefetch of all."""
+
+    def __init__(self, directory: str, cfg: DriveBenchConfig, *, checksums: bool) -> None:
+        n = max(1, cfg.size_mib // cfg.tensor_mib)
+        per = cfg.size_mib * MIB // n
+        self.nbytes = per * n
+        self.store = TierStore(StoreConfig(
+            nvme_path=directory, host_budget_bytes=self.nbytes + 64 * MIB,
+            block_size_bytes=cfg.block_size_bytes, queue_depth=cfg.queue_depth, io_threads=cfg.io_threads,
+            file_size_bytes=max(per, 4096), verify_checksums=checksums))
+        self.keys = [f"t{i}" for i in range(n)]
+        gen = torch.Generator().manual_seed(0)
+        for k in self.keys:
+            self.store.put(k, torch.randint(0, 255, (per,), dtype=torch.uint8, generator=gen))
+        self.store.flush()
+        self.direct = self.store._engine.direct  # type: ignore[union-attr]
+
+    def write(self) -> float:
+        for k in self.keys:  # make every host copy dirty without copying bytes
+            self.store.get(k, Tier.HOST)
+            self.store.mark_dirty(k, Tier.HOST)
+            self.store.release(k, Tier.HOST)
+        t0 = time.perf_counter()
+        self.store.flush()
+        return self.nbytes / (time.perf_counter() - t0) / 1e9
+
+    def read(self) -> float:
+        for k in self.keys:
+            self.store.evict(k, Tier.HOST)
+        t0 = time.perf_counter()
+        handles = [self.store.prefetch(k, Tier.HOST) for k in self.keys]
+        for h in handles:
+            h.wait()
+        return self.nbytes / (time.perf_counter() - t0) / 1e9
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def run_drive_bench(cfg: DriveBenchConfig, *, log=print) -> dict[str, Any]:
+    need = cfg.size_mib * MIB * (3 if cfg.integrity else 2) + 256 * MIB
+    free = psutil.disk_usage(cfg.path).free
+    if free < need:
+        raise ValueError(f"{cfg.path!r} has {free / 1e9:.1f} GB free; this run needs {need / 1e9:.1f} GB. "
+                         "Lower --size-mib or pick another --path")
+    has_fio = fio_available()
+    if not has_fio:
+        log("fio is not installed (Debian: apt-get install fio); reporting the store's figures alone")
+    work = tempfile.mkdtemp(prefix="tierstore-bench-", dir=cfg.path)
+    samples: dict[str, list[float]] = {k: [] for k in
+                                       ("store_write", "store_read", "fio_write", "fio_read",
+                                        "crc_write", "crc_read")}
+    stores = []
+    try:
+        plain = _StoreDrive(work, cfg, checksums=False)
+        stores.append(plain)
+        crc = _StoreDrive(work, cfg, checksums=True) if cfg.integrity else None
+        if crc:
+            stores.append(crc)
+        for r in range(cfg.rounds):
+            steps = [("store", plain)] + ([("crc", crc)] if crc else []) + ([("fio", None)] if has_fio else [])
+            if r % 2:
+                steps.reverse()  # alternate who goes first
+            for kind in ("write", "read"):
+                for name, drive in steps:
+                    if drive is None:
+                        samples[f"fio_{kind}"].append(_run_fio(work, cfg, kind))
+                    else:
+                        samples[f"{name}_{kind}"].append(getattr(drive, kind)())
+        direct = plain.direct
+    finally:
+        for s in stores:
+            s.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+    def med(name: str) -> float | None:
+        return statistics.median(samples[name]) if samples[name] else None
+
+    result: dict[str, Any] = {
+        "size_mib": cfg.size_mib, "tensor_mib": cfg.tensor_mib, "block_size_bytes": cfg.block_size_bytes,
+        "queue_depth": cfg.queue_depth, "io_threads": cfg.io_threads, "fio_iodepth": cfg.fio_iodepth,
+        "rounds": cfg.rounds, "direct_io": direct, "fio": has_fio,
+        "store_read_gbps": med("store_read"), "store_write_gbps": med("store_write"),
+        "fio_read_gbps": med("fio_read"), "fio_write_gbps": med("fio_write"),
+        "samples_gbps": samples,
+    }
+    result["read_ratio"] = result["store_read_gbps"] / result["fio_read_gbps"] if has_fio else None
+    result["write_ratio"] = result["store_write_gbps"] / result["fio_write_gbps"] if has_fio else None
+    if cfg.integrity:
+        result["checksum_read_gbps"] = med("crc_read")
+        result["checksum_write_gbps"] = med("crc_write")
+        result["checksum_read_cost"] = 1 - med("crc_read") / result["store_read_gbps"]
+        result["checksum_write_cost"] = 1 - med("crc_write") / result["store_write_gbps"]
+    log(format_drive_table(result))
+    return result
+
+
+def format_drive_table(res: dict[str, Any]) -> str:
+    def f(x: float | None) -> str:
+        return f"{x:8.2f}" if x is not None else "       -"
+
+    s = res["samples_gbps"]
+    lines = [
+        f"drive: {res['size_mib']} MiB in {res['tensor_mib']} MiB tensors, block {res['block_size_bytes'] // 1024} KiB, "
+        f"store queue depth {res['queue_depth']} x {res['io_threads']} threads, fio libaio iodepth "
+        f"{res['fio_iodepth']}, {'O_DIRECT' if res['direct_io'] else 'buffered (no O_DIRECT)'}",
+        "GB/s     store-write fio-write store-read fio-read" + ("  crc-write crc-read" if s["crc_read"] else ""),
+    ]
+    for i in range(res["rounds"]):
+        def g(name: str) -> str:
+            return f(s[name][i] if i < len(s[name]) else None)
+        lines.append(f"round {i + 1:<3}   {g('store_write')}  {g('fio_write')}   {g('store_read')} {g('fio_read')}"
+                     + (f"   {g('crc_write')} {g('crc_read')}" if s["crc_read"] else ""))
+    lines.append(f"median      {f(res['store_write_gbps'])}  {f(res['fio_write_gbps'])}   "
+                 f"{f(res['store_read_gbps'])} {f(res['fio_read_gbps'])}"
+                 + (f"   {f(res['checksum_write_gbps'])} {f(res['checksum_read_gbps'])}" if s["crc_read"] else ""))
+    if res["fio"]:
+        lines.append(f"ratio store/fio: write {res['write_ratio']:.2f}  read {res['read_ratio']:.2f}")
+    if "checksum_read_cost" in res:
+        lines.append(f"checksum cost: write {res['checksum_write_cost'] * 100:+.1f}%  "
+                     f"read {res['checksum_read_cost'] * 100:+.1f}% of throughput")
+    return "\n".join(lines)

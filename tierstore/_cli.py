@@ -1,0 +1,60 @@
+"""The `tierstore` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ._config import parse_bytes
+
+
+def _add_drive(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("drive", help="the store's NVMe reads and writes against fio on the same drive")
+    p.add_argument("--path", required=True, help="a directory on the drive to measure")
+    p.add_argument("--size-mib", type=int, default=1024, help="MiB written then read per round (default 1024)")
+    p.add_argument("--tensor-mib", type=int, default=64, help="size of each tensor moved (default 64)")
+    p.add_argument("--block-size", default="1MiB", help="I/O block size for both (default 1MiB)")
+    p.add_argument("--queue-depth", type=int, default=16, help="store blocks in flight (default 16)")
+    p.add_argument("--io-threads", type=int, default=8, help="store I/O threads (default 8)")
+    p.add_argument("--fio-iodepth", type=int, default=32, help="fio libaio iodepth (default 32)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are reported (default 3)")
+    p.add_argument("--integrity", action="store_true", help="also measure with checksums on and report the cost")
+    p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tierstore", description=__doc__)
+    cmds = parser.add_subparsers(dest="cmd", required=True)
+    bench = cmds.add_parser("bench", help="benchmarks that print ours, the reference and their ratio")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    _add_drive(bsub)
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "bench" and args.bench == "drive":
+            from ._bench_drive import DriveBenchConfig, run_drive_bench
+
+            cfg = DriveBenchConfig(
+                path=args.path, size_mib=args.size_mib, tensor_mib=args.tensor_mib,
+                block_size_bytes=parse_bytes(args.block_size, name="--block-size"),
+                queue_depth=args.queue_depth, io_threads=args.io_threads, fio_iodepth=args.fio_iodepth,
+                rounds=args.rounds, integrity=args.integrity)
+            result = run_drive_bench(cfg)
+            _write_json(args.json, result)
+            return 0
+    except ValueError as e:
+        print(f"tierstore: error: {e}", file=sys.stderr)
+        return 2
+    parser.error("unknown command")
+    return 2
+
+
+def _write_json(path: str | None, result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
