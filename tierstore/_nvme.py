@@ -134,7 +134,7 @@ class NvmeEngine:
     def _probe_direct(self) -> bool:
         path = os.path.join(self.directory, "probe")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+            fd = self._sys.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise

@@ -15,7 +15,7 @@ import threading
 
 from ._nvme import Syscalls
 
-__all__ = ["FaultySyscalls"]
+__all__ = ["FaultySyscalls", "NoDirectSyscalls"]
 
 
 class FaultySyscalls(Syscalls):
@@ -58,3 +58,12 @@ class FaultySyscalls(Syscalls):
             code = errno.ENOSPC if self.mode == "enospc" else errno.EIO
             raise OSError(code, os.strerror(code))
         return super().pwritev(fd, buffers, offset)
+
+
+class NoDirectSyscalls(Syscalls):
+    """A filesystem that refuses O_DIRECT, as tmpfs did before Linux 6.6."""
+
+    def open(self, path: str, flags: int, mode: int) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return super().open(path, flags, mode)

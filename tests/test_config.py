@@ -1,0 +1,98 @@
+import json
+
+import pytest
+
+import tierstore as ts
+from tierstore import Tier
+
+
+def test_keywords_and_sizes():
+    c = ts.StoreConfig(host_budget_bytes="2GiB", device_budget_bytes="1.5GB", param_tier="host")
+    assert c.host_budget_bytes == 2 * 1024**3
+    assert c.device_budget_bytes == 1_500_000_000
+    assert c.param_tier is Tier.HOST
+
+
+def test_frozen():
+    c = ts.StoreConfig()
+    with pytest.raises(AttributeError):
+        c.queue_depth = 3
+
+
+def test_json_and_toml(tmp_path):
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps({"host_budget_bytes": "64MiB", "queue_depth": 4, "prefetch_depth": 3}))
+    c = ts.load_config(j, queue_depth=8)
+    assert (c.host_budget_bytes, c.queue_depth, c.prefetch_depth) == (64 * 1024**2, 8, 3)
+    t = tmp_path / "c.toml"
+    t.write_text('[tierstore]\nnvme_path = "/tmp"\nblock_size_bytes = "2MiB"\nverify_checksums = true\n')
+    c = ts.load_config(t)
+    assert c.nvme_path == "/tmp" and c.block_size_bytes == 2 * 1024**2 and c.verify_checksums
+
+
+def test_unknown_key_lists_valid_keys(tmp_path):
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps({"host_budget": 5}))
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) 'host_budget'; valid keys: .*host_budget_bytes"):
+        ts.load_config(j)
+
+
+def test_bad_values_name_the_key():
+    with pytest.raises(ValueError, match="queue_depth=0 must be an integer >= 1"):
+        ts.StoreConfig(queue_depth=0)
+    with pytest.raises(TypeError, match="verify_checksums must be true or false"):
+        ts.StoreConfig(verify_checksums="yes")
+    with pytest.raises(ValueError, match="prefetch_depth=-1"):
+        ts.StoreConfig(prefetch_depth=-1)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ValueError, match="cannot read config file"):
+        ts.load_config(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ts.load_config(bad)
+    yml = tmp_path / "c.yaml"
+    yml.write_text("a: 1")
+    with pytest.raises(ValueError, match="must end in .json or .toml"):
+        ts.load_config(yml)
+
+
+DS = {
+    "train_batch_size": 8,
+    "zero_optimization": {
+        "stage": 3,
+        "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True,
+                          "buffer_count": 5, "buffer_size": 100000000},
+        "offload_optimizer": {"device": "cpu", "pin_memory": True, "fast_init": False},
+        "stage3_param_persistence_threshold": 10000,
+        "overlap_comm": True,
+    },
+    "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 2, "single_submit": False,
+            "overlap_events": True},
+}
+
+
+def test_deepspeed_mapping_reports_unhonoured_keys(tmp_path):
+    with pytest.warns(UserWarning, match="does not honour these DeepSpeed config keys") as rec:
+        cfg, ignored = ts.from_deepspeed(DS)
+    assert cfg.param_tier is Tier.NVME and cfg.optimizer_tier is Tier.HOST
+    assert cfg.nvme_path == "/local_nvme" and cfg.pin_host_memory
+    assert cfg.prefetch_depth == 4
+    assert (cfg.block_size_bytes, cfg.queue_depth, cfg.io_threads) == (1048576, 8, 2)
+    assert cfg.resident_threshold_bytes == 20000
+    assert set(ignored) == {
+        "zero_optimization.offload_param.buffer_size", "zero_optimization.offload_optimizer.fast_init",
+        "zero_optimization.overlap_comm", "aio.single_submit", "aio.overlap_events", "train_batch_size"}
+    for key in ignored:
+        assert key in str(rec[0].message)
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps(DS))
+    with pytest.warns(UserWarning):
+        assert ts.load_config(f).queue_depth == 8
+
+
+def test_deepspeed_bad_device():
+    with pytest.raises(ValueError, match="must be 'nvme', 'cpu' or 'none'"):
+        ts.from_deepspeed({"zero_optimization": {"offload_param": {"device": "tape"}}})

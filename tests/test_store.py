@@ -1,0 +1,204 @@
+import threading
+
+import pytest
+import torch
+
+import tierstore as ts
+from tierstore import Tier
+
+from conftest import all_dtypes, random_tensor
+
+
+def same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.numel() else a,
+                                                                      b.view(torch.uint8) if b.numel() else b)
+
+
+@pytest.mark.parametrize("dtype", all_dtypes(), ids=str)
+@pytest.mark.parametrize("home", ["nvme", "host", "device"])
+def test_round_trip_every_dtype(make_store, dtype, home):
+    store = make_store()
+    x = random_tensor((37, 5), dtype)
+    store.put("x", x, home=home).wait()
+    for tier in ("device", "host"):
+        got = store.get("x", tier)
+        assert same(got, x)
+        store.release("x", tier)
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 7), (1,), (4095,), (4097,), (1, 3, 5, 7), (65536 * 3 + 1,)])
+@pytest.mark.parametrize("verify", [False, True])
+def test_round_trip_odd_sizes(make_store, shape, verify):
+    store = make_store(verify_checksums=verify, block_size_bytes=4096 * 4)
+    x = random_tensor(shape, torch.float32, seed=len(shape))
+    store.put("x", x).wait()
+    store.evict("x", "host")
+    assert same(store.get("x", "device"), x)
+    store.release("x", "device")
+
+
+def test_modify_write_back_and_reread(make_store):
+    store = make_store()
+    x = torch.arange(10000, dtype=torch.float32)
+    store.put("x", x).wait()
+    t = store.get("x", "device")
+    t.mul_(2)
+    store.mark_dirty("x", "device")
+    assert store.info("x")["copies"]["device"]["state"] == "dirty"
+    store.release("x", "device")
+    store.flush()
+    assert store.info("x")["copies"]["device"]["state"] == "clean"
+    store.evict("x", "device")
+    store.evict("x", "host")
+    assert torch.equal(store.get("x", "host"), x * 2)
+    store.release("x", "host")
+
+
+def test_evicting_dirty_copy_writes_it_back_first(make_store):
+    store = make_store()
+    store.put("x", torch.zeros(1000)).wait()
+    t = store.get("x", "device")
+    t.fill_(7)
+    store.mark_dirty("x", "device")
+    store.release("x", "device")
+    store.evict("x", "device")
+    store.evict("x", "host")
+    assert torch.equal(store.get("x", "device"), torch.full((1000,), 7.0))
+    store.release("x", "device")
+
+
+def test_budget_pressure_evicts_and_writes_back(make_store):
+    # Host holds two tensors, device one: everything must still round-trip.
+    n = 256 * 1024  # 1 MiB of float32
+    store = make_store(host_budget_bytes=2 * 4 * n, device_budget_bytes=4 * n)
+    xs = {f"k{i}": torch.full((n,), float(i)) for i in range(6)}
+    for k, x in xs.items():
+        store.put(k, x).wait()
+    for k in xs:
+        t = store.get(k, "device")
+        t.add_(100)
+        store.mark_dirty(k, "device")
+        store.release(k, "device")
+        mem = store.memory()
+        assert mem["host"]["held_bytes"] <= mem["host"]["budget_bytes"]
+        assert mem["device"]["held_bytes"] <= mem["device"]["budget_bytes"]
+    for k, x in xs.items():
+        got = store.get(k, "host")
+        assert torch.equal(got, x + 100), k
+        store.release(k, "host")
+    mem = store.memory()
+    assert mem["host"]["peak_bytes"] <= mem["host"]["budget_bytes"]
+    assert mem["device"]["peak_bytes"] <= mem["device"]["budget_bytes"]
+
+
+def test_prefetch_is_idempotent_and_get_waits(make_store):
+    store = make_store()
+    x = torch.randn(500_000)
+    store.put("x", x).wait()
+    store.evict("x", "host")
+    h1 = store.prefetch("x", "device")
+    h2 = store.prefetch("x", "device")
+    h1.wait()
+    h2.wait()
+    assert h1.done() and not h1.skipped
+    assert same(store.get("x", "device"), x)
+    store.release("x", "device")
+    stats = store.stats_dict()
+    assert stats["paths"]["nvme->host"]["count"] == 1
+    assert stats["hits"] == 1
+
+
+def test_many_threads_prefetch_and_get_the_same_keys(make_store):
+    store = make_store(host_budget_bytes=8 * 1024**2, device_budget_bytes=4 * 1024**2)
+    xs = {f"k{i}": torch.randn(100_000, generator=torch.Generator().manual_seed(i)) for i in range(8)}
+    for k, x in xs.items():
+        store.put(k, x).wait()
+    errors = []
+
+    def worker(seed):
+        try:
+            for j in range(40):
+                k = f"k{(seed * 7 + j) % 8}"
+                store.prefetch(k, "device")
+                t = store.get(k, "device")
+                assert same(t, xs[k])
+                store.release(k, "device")
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert store.memory()["device"]["peak_bytes"] <= 4 * 1024**2
+
+
+def test_stats_report_paths_hits_and_stalls(make_store):
+    store = make_store()
+    store.put("x", torch.randn(100_000)).wait()
+    store.evict("x", "host")
+    store.get("x", "device")
+    store.release("x", "device")
+    store.get("x", "device")
+    store.release("x", "device")
+    s = store.stats_dict()
+    assert s["misses"] == 1 and s["hits"] == 1 and s["get_calls"] == 2
+    assert s["stall_seconds"] > 0
+    assert s["paths"]["nvme->host"]["bytes"] >= 400_000
+    assert s["paths"]["host->device"]["bytes"] == 400_000
+    assert s["paths"]["host->nvme"]["bytes"] >= 400_000
+    assert s["bytes_read_nvme"] >= 400_000
+
+
+def test_swap_files_are_private_and_removed(make_store, nvme_dir):
+    import os
+    import stat
+
+    store = make_store()
+    store.put("x", torch.randn(1000)).wait()
+    d = store.swap_directory
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    for name in os.listdir(d):
+        assert stat.S_IMODE(os.stat(os.path.join(d, name)).st_mode) == 0o600
+    store.close()
+    assert not os.path.exists(d)
+
+
+def test_buffered_fallback_warns_once(nvme_dir):
+    from tierstore.testing import NoDirectSyscalls
+
+    with pytest.warns(RuntimeWarning, match="refuses O_DIRECT") as record:
+        store = ts.TierStore(nvme_path=nvme_dir, host_budget_bytes="16MiB", syscalls=NoDirectSyscalls())
+    try:
+        assert len(record) == 1
+        x = torch.randn(3333)
+        store.put("x", x).wait()
+        store.evict("x", "host")
+        assert same(store.get("x", "host"), x)
+        store.release("x", "host")
+    finally:
+        store.close()
+
+
+def test_victim_order_policy_is_used(make_store):
+    n = 1024
+    store = make_store(device_budget_bytes=2 * 4 * n)
+    for k in "abc":
+        store.put(k, torch.zeros(n)).wait()
+    order = []
+
+    def farthest_first(tier, keys):
+        order.append(list(keys))
+        return sorted(keys, reverse=True)  # evict "b" before "a"
+
+    store.set_victim_order(farthest_first)
+    for k in "ab":
+        store.get(k, "device")
+        store.release(k, "device")
+    store.get("c", "device")
+    store.release("c", "device")
+    assert order and set(order[0]) == {"a", "b"}
+    assert "device" in store.info("a")["copies"]
+    assert "device" not in store.info("b")["copies"]
