@@ -352,7 +352,8 @@ class TierStore:
             for tier, c in entry.copies.items():
                 state = "loading" if c.loading is not None else (
                     "stale" if c.version < entry.version else
-                    "dirty" if tier is not entry.home and self._sole_holder(entry, c) else "clean")
+                    "dirty" if tier is not entry.home and self._home(entry).version != entry.version
+                    else "clean")
                 copies[tier.label] = {"state": state, "pins": c.pins}
             return {"shape": tuple(entry.shape), "dtype": entry.dtype, "nbytes": entry.nbytes,
                     "home": entry.home.label, "copies": copies}
