@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import tierstore as ts
-from tierstore import Tier
 
 from conftest import all_dtypes, random_tensor
 

@@ -30,7 +30,7 @@ from ._config import StoreConfig
 from ._memory import Buffer, TierPool
 from ._nvme import Extent, NvmeEngine, Syscalls
 from ._stats import StoreStats
-from ._types import StoreClosedError, Tier, TierBudgetError, TierIOError, TierStoreError
+from ._types import StoreClosedError, Tier, TierBudgetError, TierStoreError
 
 _UNSUPPORTED_DTYPES = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
 
@@ -57,6 +57,7 @@ class _Entry:
     version: int = 0
     copies: dict[Tier, _Copy] = field(default_factory=dict)
     error: BaseException | None = None  # a background failure, raised by the next get()
+    error_in_write: bool = False  # the failure was a write-back (a later good one clears it)
     writeback: Future | None = None
     prefetches: dict[Tier, Future] = field(default_factory=dict)
     dropped: bool = False
@@ -161,11 +162,11 @@ class TierStore:
         if home is Tier.NVME and self._engine is None:
             raise ValueError(f"put({key!r}, home='nvme') needs nvme_path set in the config")
         nbytes = tensor.numel() * tensor.element_size()
-        self._check_fits(key, nbytes, home)
         entry = _Entry(key, tensor.shape, tensor.dtype, nbytes, home)
         with self._cv:
             if key in self._entries:
                 raise ValueError(f"key {key!r} is already in the store; drop() it first or use another key")
+            self._check_fits(key, nbytes, home)
             self._entries[key] = entry
         if nbytes == 0:
             return Handle(_done_future(), key, home)
@@ -293,7 +294,7 @@ class TierStore:
                             pending.append((entry, fut))
                 if not pending:
                     return
-                for entry, fut in pending:
+                for _entry, fut in pending:
                     self._wait_unlocked(fut)
                     if fut.exception() is not None:
                         raise fut.exception()
@@ -526,12 +527,15 @@ class TierStore:
                 continue
             if may_skip:
                 return None
-            held = sum(c.buffer.capacity for e in self._entries.values() for c in e.copies.values()
-                       if c.tier is tier and c.pins and c.buffer is not None)
+            copies = [(e, c) for e in self._entries.values() for c in e.copies.values()
+                      if c.tier is tier and c.buffer is not None]
+            held = sum(c.buffer.capacity for e, c in copies if c.pins)
+            homes = sum(c.buffer.capacity for e, c in copies if e.home is tier and not c.pins)
             raise TierBudgetError(
                 f"{tier.label} tier cannot fit {need} bytes for {for_key!r}: {pool.held_bytes} of "
                 f"{pool.budget_bytes} budget bytes are in use, {held} of them held by get() without "
-                f"release(); release tensors you are done with or raise {tier.label}_budget_bytes")
+                f"release() and {homes} by tensors whose home is this tier; release tensors you are "
+                f"done with or raise {tier.label}_budget_bytes")
 
     def _candidates(self, tier: Tier) -> list[tuple[_Entry, _Copy]]:
         out = [(e, c) for e in self._entries.values() for c in e.copies.values()
@@ -606,10 +610,7 @@ class TierStore:
                 if copy is None:
                     self.stats.add("prefetch_skipped")
             fut.set_result(copy is not None)
-        except BaseException as e:
-            with self._cv:
-                if not entry.dropped:
-                    entry.error = e
+        except BaseException as e:  # an I/O failure was also kept for the next get()
             fut.set_exception(e)
 
     def _materialize(self, entry: _Entry, tier: Tier, *, may_skip: bool) -> _Copy | None:
@@ -621,7 +622,13 @@ class TierStore:
                 raise StoreClosedError("the store was closed while a transfer was pending")
             copy = entry.copies.get(tier)
             if copy is not None and copy.loading is not None:
-                self._wait_unlocked(copy.loading)
+                loading = copy.loading
+                self._wait_unlocked(loading)
+                err = loading.exception()
+                if err is not None and not may_skip:
+                    if entry.error is err:  # this get() is the one that reports it
+                        entry.error = None
+                    raise err
                 continue
             if copy is not None and copy.version == entry.version:
                 return copy
@@ -667,6 +674,8 @@ class TierStore:
             copy.loading = None
             if error is not None:
                 self._free_copy(entry, copy)
+                if may_skip and not entry.dropped:  # a prefetch: the next get() reports it
+                    entry.error, entry.error_in_write = error, False
                 done.set_exception(error)
                 self._cv.notify_all()
                 raise error
@@ -714,13 +723,13 @@ class TierStore:
                 err = f.exception()
                 if err is None:
                     home.version = max(home.version, version)
-                    if isinstance(entry.error, TierIOError):
+                    if entry.error_in_write:
                         entry.error = None  # an earlier failed write-back has now succeeded
                     self._drop_if_stale(entry, src)
                     outer.set_result(True)
                 else:
                     if not entry.dropped:
-                        entry.error = err
+                        entry.error, entry.error_in_write = err, True
                     outer.set_exception(err)
                 self._cv.notify_all()
 
