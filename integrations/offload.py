@@ -1,0 +1,272 @@
+"""Single-process model offload: parameters live in a TierStore and are fetched
+just in time for the forward and the backward of each submodule.
+
+[Note: Holding a parameter] A parameter's ``.data`` is its store copy in the
+device tier while anyone holds it and an empty placeholder otherwise. Holds
+are counted: one per forward of a module that owns it (released by the
+forward post-hook) and at most one for backward (taken by the module's
+backward pre-hook, released when its gradient has been accumulated, or at the
+end of the backward pass for parameters that get no gradient). Counting makes
+a module called twice, tied parameters and activation checkpointing (which
+reruns forward inside backward) all work with no special cases.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from tierstore import Tier, TierStore
+from tierstore._schedule import PrefetchPolicy
+
+_STATE_KEY = "_tierstore_offload"
+
+# Our backward pre-hooks need only the gradient of a module's output, so this
+# notice (the first module's input never requires grad) says nothing to act on.
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
+                        "respect to module outputs", category=UserWarning)
+
+
+@dataclass(eq=False)
+class _Param:
+    name: str
+    key: str
+    param: nn.Parameter
+    placeholder: torch.Tensor
+    holds: int = 0
+    backward_hold: bool = False
+
+
+@dataclass(eq=False)
+class _Group:
+    name: str
+    params: list[_Param]
+    nbytes: int
+    stall_seconds: float = 0.0
+
+
+@dataclass
+class OffloadStats:
+    """Per-step figures of the hooks (the store keeps its own counters)."""
+
+    stall_seconds_by_group: dict[str, float] = field(default_factory=dict)
+    prefetches_issued: int = 0
+
+
+class OffloadedModel:
+    """The offload state of one module; returned by :func:`offload_model` and kept on the module."""
+
+    def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int, prefetch_bytes: int | None,
+                 resident_threshold_bytes: int, home: Tier) -> None:
+        self.model = model
+        self.store = store
+        self.home = home
+        self.params: dict[int, _Param] = {}
+        self.resident: dict[str, nn.Parameter] = {}
+        self.groups: dict[str, _Group] = {}
+        self.grads: dict[str, torch.Tensor] = {}
+        self.stats = OffloadStats()
+        self._handles: list[Any] = []
+        self._callback_queued = False
+        handles = []
+        for name, p in model.named_parameters():  # shared parameters appear once
+            nbytes = p.numel() * p.element_size()
+            if nbytes < resident_threshold_bytes:
+                self.resident[name] = p
+                continue
+            key = f"param/{name}"
+            handles.append(store.put(key, p.detach().contiguous(), home=home))
+            placeholder = torch.empty(0, dtype=p.dtype, device=store.device)
+            self.params[id(p)] = _Param(name, key, p, placeholder)
+        for h in handles:
+            h.wait()
+        for sp in self.params.values():
+            sp.param.data = sp.placeholder
+        for mname, module in model.named_modules():
+            owned = [self.params[id(p)] for p in module._parameters.values()
+                     if p is not None and id(p) in self.params]
+            if not owned:
+                continue
+            group = _Group(mname, owned, sum(sp.param.numel() * sp.param.element_size() for sp in owned))
+            self.groups[mname] = group
+            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(group)))
+            self._handles.append(module.register_forward_hook(self._make_post_forward(group)))
+            self._handles.append(module.register_full_backward_pre_hook(self._make_pre_backward(group)))
+        self._handles.append(model.register_forward_pre_hook(self._start_step, prepend=True))
+        for sp in self.params.values():
+            if sp.param.requires_grad:
+                self._handles.append(sp.param.register_post_accumulate_grad_hook(self._make_grad_hook(sp)))
+        def state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+            self._fill_state_dict(state_dict, prefix)
+
+        self._handles.append(model.register_state_dict_post_hook(state_dict_hook))
+        self.policy = PrefetchPolicy(depth=prefetch_depth, max_bytes=prefetch_bytes,
+                                     group_bytes={g.name: g.nbytes for g in self.groups.values()})
+        self._key_group = {}
+        for g in self.groups.values():
+            for sp in g.params:
+                self._key_group.setdefault(sp.key, g.name)
+        store.set_victim_order(self._victim_order)
+
+    # ---- hooks -------------------------------------------------------------------------
+    def _start_step(self, module: nn.Module, args: Any) -> None:
+        if not self._callback_queued:  # not a forward rerun inside backward (checkpointing)
+            self._release_all()  # holds left by a forward that raised
+            self.policy.start_step()
+
+    def _use(self, group: _Group) -> None:
+        for name in self.policy.on_use(group.name):
+            for sp in self.groups[name].params:
+                self.store.prefetch(sp.key, Tier.DEVICE)
+                self.stats.prefetches_issued += 1
+
+    def _hold(self, sp: _Param, group: _Group) -> None:
+        sp.holds += 1
+        if sp.holds == 1:
+            t0 = time.perf_counter()
+            sp.param.data = self.store.get(sp.key, Tier.DEVICE)
+            dt = time.perf_counter() - t0
+            group.stall_seconds += dt
+            self.stats.stall_seconds_by_group[group.name] = group.stall_seconds
+
+    def _unhold(self, sp: _Param) -> None:
+        sp.holds -= 1
+        if sp.holds == 0:
+            sp.param.data = sp.placeholder
+            self.store.release(sp.key, Tier.DEVICE)
+
+    def _make_pre_forward(self, group: _Group):
+        def hook(module: nn.Module, args: Any) -> None:
+            self._use(group)
+            for sp in group.params:
+                self._hold(sp, group)
+        return hook
+
+    def _make_post_forward(self, group: _Group):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            for sp in group.params:
+                self._unhold(sp)
+        return hook
+
+    def _make_pre_backward(self, group: _Group):
+        def hook(module: nn.Module, grad_output: Any) -> None:
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._use(group)
+            for sp in group.params:
+                if not sp.backward_hold:
+                    sp.backward_hold = True
+                    self._hold(sp, group)
+        return hook
+
+    def _make_grad_hook(self, sp: _Param):
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            param.grad = None
+            if grad is not None:
+                # Gradients leave the device tier as soon as they are complete.
+                host = grad.detach().to("cpu", copy=grad.device.type != "cpu")
+                prev = self.grads.get(sp.key)
+                self.grads[sp.key] = host if prev is None else prev.add_(host)
+            if sp.backward_hold:
+                sp.backward_hold = False
+                self._unhold(sp)
+        return hook
+
+    def _end_backward(self) -> None:
+        """Release every hold left at the end of backward.
+
+        Besides parameters that got no gradient, non-reentrant checkpointing
+        stops its forward rerun as soon as the tensors backward needs exist, so
+        the forward post-hooks of the last modules of a rerun never fire.
+        """
+        self._callback_queued = False
+        self._release_all()
+
+    def _release_all(self) -> None:
+        for sp in self.params.values():
+            sp.backward_hold = False
+            if sp.holds:
+                sp.holds = 1
+                self._unhold(sp)
+
+    def _victim_order(self, tier: Tier, keys: list[str]) -> list[str]:
+        far = {g: d for g, d in ((g, self.policy.next_use_distance(g)) for g in
+                                 {self._key_group.get(k) for k in keys}) if g is not None}
+        return sorted(keys, key=lambda k: -far.get(self._key_group.get(k), float("inf")))
+
+    def _fill_state_dict(self, state_dict: dict, prefix: str) -> None:
+        for name, p in self.model.named_parameters(remove_duplicate=False):  # tied names too
+            sp = self.params.get(id(p))
+            if sp is not None and prefix + name in state_dict:
+                state_dict[prefix + name] = self.read_param(sp.name)
+
+    # ---- public ------------------------------------------------------------------------
+    def read_param(self, name: str) -> torch.Tensor:
+        """A copy (on CPU) of the parameter's current value, read from wherever it lives."""
+        sp = next((sp for sp in self.params.values() if sp.name == name), None)
+        if sp is None:
+            if name in self.resident:
+                return self.resident[name].detach().cpu().clone()
+            raise KeyError(f"no parameter named {name!r}")
+        t = self.store.get(sp.key, Tier.HOST)
+        try:
+            return t.clone()
+        finally:
+            self.store.release(sp.key, Tier.HOST)
+
+    def named_offloaded(self) -> Iterator[tuple[str, str, nn.Parameter]]:
+        """(name, store key, parameter) of every offloaded parameter."""
+        for sp in self.params.values():
+            yield sp.name, sp.key, sp.param
+
+    def zero_grad(self) -> None:
+        self.grads.clear()
+        for p in self.resident.values():
+            p.grad = None
+
+    def remove(self) -> None:
+        """Detach from the module: parameters get their current values back as ordinary tensors."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.store.set_victim_order(None)
+        for sp in self.params.values():
+            if sp.holds:
+                raise RuntimeError(f"cannot remove offload while {sp.name!r} is in use (inside forward/backward)")
+            sp.param.data = self.read_param(sp.name).to(self.store.device)
+            self.store.drop(sp.key)
+        self.params.clear()
+        delattr(self.model, _STATE_KEY)
+
+
+def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | None = None,
+                  prefetch_bytes: int | None = None, resident_threshold_bytes: int | None = None,
+                  home: Tier | str | None = None) -> OffloadedModel:
+    """Move ``model``'s parameters into ``store`` and fetch them just in time.
+
+    Defaults come from ``store.config`` (prefetch_depth, prefetch_bytes,
+    resident_threshold_bytes, param_tier). Parameter names and state_dict keys
+    are unchanged; :meth:`OffloadedModel.remove` undoes it.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"offload_model needs an nn.Module, not {type(model).__name__}")
+    if hasattr(model, _STATE_KEY):
+        raise ValueError("this module is already offloaded; call .remove() on its OffloadedModel first")
+    cfg = store.config
+    state = OffloadedModel(
+        model, store,
+        prefetch_depth=cfg.prefetch_depth if prefetch_depth is None else prefetch_depth,
+        prefetch_bytes=cfg.prefetch_bytes if prefetch_bytes is None else prefetch_bytes,
+        resident_threshold_bytes=(cfg.resident_threshold_bytes if resident_threshold_bytes is None
+                                  else resident_threshold_bytes),
+        home=Tier.parse(home if home is not None else cfg.param_tier),
+    )
+    setattr(model, _STATE_KEY, state)
+    return state

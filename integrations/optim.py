@@ -1,0 +1,178 @@
+"""AdamW whose fp32 master weights and moments live in a TierStore, stepped with read-ahead and write-behind.
+
+[Note: Pipelined step] Parameters are stepped one at a time in a fixed order.
+Before parameter i is computed, the state of parameters i+1 .. i+readahead is
+already being read into the host tier; after it is computed its state is
+marked dirty and a write-back is started at once, so the drive writes
+parameter i while the CPU computes i+1. The arithmetic is that of
+torch.optim.AdamW with foreach=False, operation for operation, so fp32
+training is bit-identical to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tierstore import Tier, TierStore
+
+from .offload import OffloadedModel
+
+
+class OffloadedAdamW:
+    """AdamW over an :class:`OffloadedModel`'s parameters, with optimizer state in the store.
+
+    For fp32 parameters the master weight is the parameter's own store copy;
+    for bf16/fp16 parameters an fp32 master is kept and the parameter is
+    rounded from it after each step (mixed precision).
+    """
+
+    def __init__(self, offloaded: OffloadedModel, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, readahead: int = 2,
+                 home: Tier | str | None = None) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"lr={lr} must be >= 0")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"betas={betas} must each be in [0, 1)")
+        if not eps >= 0.0:
+            raise ValueError(f"eps={eps} must be >= 0")
+        if readahead < 0:
+            raise ValueError(f"readahead={readahead} must be >= 0")
+        self.offloaded = offloaded
+        self.store: TierStore = offloaded.store
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.readahead = readahead
+        home = Tier.parse(home if home is not None else self.store.config.optimizer_tier)
+        self.steps: dict[str, float] = {}
+        self._items: list[tuple[str, str | None, torch.nn.Parameter]] = []  # (name, param key, param)
+        handles = []
+        for name, key, p in offloaded.named_offloaded():
+            self._items.append((name, key, p))
+        for name, p in offloaded.resident.items():
+            self._items.append((name, None, p))
+        for name, key, p in self._items:
+            shape = p.shape if key is None else self._param_shape(key)
+            zeros = torch.zeros(shape, dtype=torch.float32)
+            handles.append(self.store.put(f"adam/{name}/exp_avg", zeros, home=home))
+            handles.append(self.store.put(f"adam/{name}/exp_avg_sq", zeros, home=home))
+            if key is not None and p.dtype != torch.float32:
+                handles.append(self.store.put(f"adam/{name}/master", self.offloaded.read_param(name).float(),
+                                              home=home))
+        for h in handles:
+            h.wait()
+
+    def _param_shape(self, key: str) -> torch.Size:
+        return torch.Size(self.store.info(key)["shape"])
+
+    def _keys(self, name: str, key: str | None, p: torch.nn.Parameter) -> list[str]:
+        keys = [f"adam/{name}/exp_avg", f"adam/{name}/exp_avg_sq"]
+        if key is not None:
+            keys.append(key if p.dtype == torch.float32 else f"adam/{name}/master")
+        return keys
+
+    def zero_grad(self) -> None:
+        self.offloaded.zero_grad()
+
+    def _grad(self, name: str, key: str | None, p: torch.nn.Parameter) -> torch.Tensor | None:
+        if key is None:
+            return p.grad
+        return self.offloaded.grads.get(key)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        work = [(n, k, p, g) for n, k, p in self._items if (g := self._grad(n, k, p)) is not None]
+        for i in range(min(self.readahead, len(work))):
+            self._prefetch(work[i])
+        written = []
+        for i, (name, key, p, grad) in enumerate(work):
+            if i + self.readahead < len(work):
+                self._prefetch(work[i + self.readahead])
+            self._step_one(name, key, p, grad)
+            written.extend(self._keys(name, key, p))
+        for k in written:  # the write-backs started in _step_one are in flight; surface failures
+            self.store.write_back(k).wait()
+
+    def _prefetch(self, item: tuple) -> None:
+        name, key, p, _ = item
+        for k in self._keys(name, key, p):
+            self.store.prefetch(k, Tier.HOST)
+
+    def _step_one(self, name: str, key: str | None, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        st = self.store
+        m_key, v_key = f"adam/{name}/exp_avg", f"adam/{name}/exp_avg_sq"
+        exp_avg = st.get(m_key, Tier.HOST)
+        exp_avg_sq = st.get(v_key, Tier.HOST)
+        master_key = None if key is None else (key if p.dtype == torch.float32 else f"adam/{name}/master")
+        param = p.data if master_key is None else st.get(master_key, Tier.HOST)
+        try:
+            beta1, beta2 = self.betas
+            lr = self.lr
+            step = self.steps.get(name, 0.0) + 1.0
+            self.steps[name] = step
+            grad = grad.to(param.device, torch.float32) if grad.dtype != param.dtype else grad.to(param.device)
+            if self.weight_decay != 0:
+                param.mul_(1 - lr * self.weight_decay)
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            bias_correction1 = 1 - beta1**step
+            bias_correction2 = 1 - beta2**step
+            step_size = lr / bias_correction1
+            bias_correction2_sqrt = bias_correction2**0.5
+            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+            param.addcdiv_(exp_avg, denom, value=-step_size)
+        finally:
+            for k in (m_key, v_key) + ((master_key,) if master_key else ()):
+                st.mark_dirty(k, Tier.HOST)
+                st.release(k, Tier.HOST)
+                st.write_back(k)  # write-behind
+        if master_key is not None and master_key != key:
+            assert key is not None
+            low = st.get(key, Tier.HOST)
+            master = st.get(master_key, Tier.HOST)
+            low.copy_(master)
+            st.release(master_key, Tier.HOST)
+            st.mark_dirty(key, Tier.HOST)
+            st.release(key, Tier.HOST)
+            st.write_back(key)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain tensors (read from the store), like torch.optim's state_dict, keyed by parameter name."""
+        state = {}
+        for name, key, p in self._items:
+            if name not in self.steps:
+                continue
+            entry = {"step": torch.tensor(self.steps[name])}
+            for what in ("exp_avg", "exp_avg_sq") + (("master",) if key and p.dtype != torch.float32 else ()):
+                k = f"adam/{name}/{what}"
+                t = self.store.get(k, Tier.HOST)
+                entry[what] = t.clone()
+                self.store.release(k, Tier.HOST)
+            state[name] = entry
+        return {"state": state, "param_groups": [{"lr": self.lr, "betas": self.betas, "eps": self.eps,
+                                                  "weight_decay": self.weight_decay}]}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        group = sd["param_groups"][0]
+        self.lr, self.betas, self.eps, self.weight_decay = (group["lr"], tuple(group["betas"]), group["eps"],
+                                                            group["weight_decay"])
+        names = {n for n, _, _ in self._items}
+        for name, entry in sd["state"].items():
+            if name not in names:
+                raise KeyError(f"optimizer state for unknown parameter {name!r}")
+            self.steps[name] = float(entry["step"])
+            for what, value in entry.items():
+                if what == "step":
+                    continue
+                k = f"adam/{name}/{what}"
+                t = self.store.get(k, Tier.HOST)
+                t.copy_(value)
+                self.store.mark_dirty(k, Tier.HOST)
+                self.store.release(k, Tier.HOST)
+        self.store.flush()
+
+    def __repr__(self) -> str:
+        return (f"OffloadedAdamW(lr={self.lr}, betas={self.betas}, eps={self.eps}, "
+                f"weight_decay={self.weight_decay}, params={len(self._items)})")
+
+

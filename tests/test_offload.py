@@ -1,0 +1,130 @@
+"""Offloaded training gives the same numbers as resident training, bit for bit (fp32)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tierstore as ts
+from tierstore.integrations.offload import offload_model
+from tierstore.integrations.optim import OffloadedAdamW
+from tierstore.vit import PRESETS, SyntheticImages, ViT
+
+
+def train_resident(model, data, steps):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    losses = []
+    for step in range(steps):
+        x, y = data.batch(step, 8)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, opt
+
+
+def train_offloaded(model, data, steps, store, **kw):
+    off = offload_model(model, store, **kw)
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
+    losses = []
+    for step in range(steps):
+        x, y = data.batch(step, 8)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, off, opt
+
+
+@pytest.mark.parametrize("checkpointing,tied", [(False, False), (True, True)], ids=["plain", "ckpt+tied"])
+@pytest.mark.parametrize("depth", [0, 2])
+def test_offloaded_training_is_bit_identical(make_store, checkpointing, tied, depth):
+    torch.manual_seed(0)
+    cfg = PRESETS["tiny"]
+    ref = ViT(cfg, checkpoint_blocks=checkpointing, tie_head=tied)
+    model = copy.deepcopy(ref)
+    data = SyntheticImages(cfg)
+    # Budgets far below the model's parameters + Adam state (~0.5 MiB + 1 MiB) force traffic to the drive.
+    store = make_store(host_budget_bytes="384KiB", device_budget_bytes="320KiB")
+    ref_losses, ref_opt = train_resident(ref, data, 5)
+    losses, off, opt = train_offloaded(model, data, 5, store, prefetch_depth=depth)
+    assert losses == ref_losses
+    assert losses[-1] < losses[0]
+    sd = model.state_dict()
+    assert list(sd) == list(ref.state_dict())
+    for name, value in ref.state_dict().items():
+        assert torch.equal(sd[name], value), name
+    ours = opt.state_dict()["state"]
+    for name, p in ref.named_parameters():
+        st = ref_opt.state[p]
+        assert torch.equal(ours[name]["exp_avg"], st["exp_avg"]), name
+        assert torch.equal(ours[name]["exp_avg_sq"], st["exp_avg_sq"]), name
+    stats = store.stats_dict()
+    assert stats["bytes_read_nvme"] > 0 and stats["bytes_written_nvme"] > 0
+    assert store.memory()["device"]["peak_bytes"] <= 320 * 1024
+    if depth:
+        assert off.policy.trace is not None and off.stats.prefetches_issued > 0
+
+
+def test_prefetch_turns_misses_into_hits(make_store):
+    cfg = PRESETS["tiny"]
+    counts = {}
+    for depth in (0, 2):
+        torch.manual_seed(0)
+        model = ViT(cfg)
+        store = make_store(host_budget_bytes="2MiB", device_budget_bytes="512KiB")
+        off = offload_model(model, store, prefetch_depth=depth)
+        data = SyntheticImages(cfg)
+        for step in range(3):
+            x, y = data.batch(step, 4)
+            F.cross_entropy(model(x), y).backward()
+            off.zero_grad()
+        counts[depth] = store.stats_dict()["misses"]
+    assert counts[2] < counts[0]
+
+
+def test_no_grad_inference_and_module_called_twice(make_store):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16)
+    model = torch.nn.Sequential(lin, torch.nn.ReLU(), lin)  # the same module twice
+    ref = copy.deepcopy(model)
+    store = make_store()
+    offload_model(model, store)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    assert torch.equal(model(x), ref(x))  # with grad, twice in a row
+    out = model(x).sum()
+    out.backward()
+
+
+def test_remove_restores_module(make_store):
+    torch.manual_seed(0)
+    model = ViT(PRESETS["tiny"])
+    ref = copy.deepcopy(model)
+    store = make_store()
+    off = offload_model(model, store)
+    with pytest.raises(ValueError, match="already offloaded"):
+        offload_model(model, store)
+    assert all(p.numel() == 0 for p in model.parameters())
+    x, _ = SyntheticImages(PRESETS["tiny"]).batch(0, 2)
+    y = model(x)
+    off.remove()
+    assert not model._forward_pre_hooks and not model.blocks[0].qkv._forward_hooks
+    assert not model.blocks[0].qkv._backward_pre_hooks
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert torch.equal(model(x), ref(x)) and torch.equal(y, ref(x))
+    assert store.keys() == []
+
+
+def test_resident_threshold_keeps_small_params(make_store):
+    torch.manual_seed(0)
+    model = ViT(PRESETS["tiny"])
+    store = make_store()
+    off = offload_model(model, store, resident_threshold_bytes=1024)
+    assert "blocks.0.norm1.weight" in off.resident  # 64 floats = 256 bytes
+    assert model.blocks[0].norm1.weight.numel() == 64
+    assert model.blocks[0].fc1.weight.numel() == 0
