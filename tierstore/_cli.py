@@ -29,8 +29,21 @@ def main(argv: list[str] | None = None) -> int:
     bench = cmds.add_parser("bench", help="benchmarks that print ours, the reference and their ratio")
     bsub = bench.add_subparsers(dest="bench", required=True)
     _add_drive(bsub)
+    demo = cmds.add_parser("demo", help="train a ViT with parameters and AdamW state offloaded to NVMe")
+    demo.add_argument("--preset", default="small", help="model size: tiny, small, base, large, 1b (default small)")
+    demo.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
+    demo.add_argument("--batch-size", type=int, default=32, help="images per step (default 32)")
+    demo.add_argument("--nvme-path", default=".", help="directory for the swap files (default .)")
+    demo.add_argument("--prefetch-depth", type=int, default=2, help="groups read ahead of use (default 2)")
+    demo.add_argument("--host-budget", help="host tier budget, e.g. 64MiB (default: a third of the state)")
+    demo.add_argument("--device-budget", help="device tier budget (default: a quarter of the weights)")
+    demo.add_argument("--json", metavar="FILE", help="write per-step figures as JSON")
     args = parser.parse_args(argv)
     try:
+        if args.cmd == "demo":
+            from ._demo import main_demo
+
+            return main_demo(args)
         if args.cmd == "bench" and args.bench == "drive":
             from ._bench_drive import DriveBenchConfig, run_drive_bench
 
