@@ -29,3 +29,19 @@ def test_demo_tiny(tmp_path, capsys):
 def test_demo_bad_preset(tmp_path, capsys):
     assert _cli.main(["demo", "--preset", "huge", "--nvme-path", str(tmp_path)]) == 2
     assert "unknown preset 'huge'; choose one of" in capsys.readouterr().err
+
+
+def test_bench_step_tiny(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    rc = _cli.main(["bench", "step", "--preset", "tiny", "--batch-size", "8", "--depths", "0,2", "--rounds", "2",
+                    "--nvme-path", str(tmp_path), "--host-budget", "640KiB", "--device-budget", "320KiB",
+                    "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["resident_step_s"] > 0 and res["drive_gbps"] > 0
+    for d in ("0", "2"):
+        row = res["depths"][d]
+        assert row["bytes_per_step"] > 0
+        assert row["bound_s"] >= res["resident_step_s"]
+        assert row["overlap_efficiency"] == row["bound_s"] / row["step_s"]
+    assert "overlap" in capsys.readouterr().out

@@ -29,6 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     bench = cmds.add_parser("bench", help="benchmarks that print ours, the reference and their ratio")
     bsub = bench.add_subparsers(dest="bench", required=True)
     _add_drive(bsub)
+    step = bsub.add_parser("step", help="offloaded step time at several prefetch depths vs resident and the bound")
+    step.add_argument("--preset", default="small", help="ViT size (default small)")
+    step.add_argument("--batch-size", type=int, default=32)
+    step.add_argument("--depths", default="0,1,2,4,8", help="prefetch depths (default 0,1,2,4,8)")
+    step.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians reported (default 3)")
+    step.add_argument("--nvme-path", default=".", help="directory for the swap files (default .)")
+    step.add_argument("--host-budget", help="host tier budget (default: a third of the state)")
+    step.add_argument("--device-budget", help="device tier budget (default: a quarter of the weights)")
+    step.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     demo = cmds.add_parser("demo", help="train a ViT with parameters and AdamW state offloaded to NVMe")
     demo.add_argument("--preset", default="small", help="model size: tiny, small, base, large, 1b (default small)")
     demo.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
@@ -44,6 +53,17 @@ def main(argv: list[str] | None = None) -> int:
             from ._demo import main_demo
 
             return main_demo(args)
+        if args.cmd == "bench" and args.bench == "step":
+            from ._bench_step import run_step_bench
+
+            result = run_step_bench(
+                preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=args.nvme_path,
+                depths=[int(d) for d in args.depths.split(",")],
+                host_budget_bytes=parse_bytes(args.host_budget, name="--host-budget") if args.host_budget else None,
+                device_budget_bytes=(parse_bytes(args.device_budget, name="--device-budget")
+                                     if args.device_budget else None))
+            _write_json(args.json, result)
+            return 0
         if args.cmd == "bench" and args.bench == "drive":
             from ._bench_drive import DriveBenchConfig, run_drive_bench
 

@@ -1,0 +1,110 @@
+"""`tierstore bench step`: offloaded step time at several prefetch depths against the resident step and the bound.
+
+bound = max(resident step, bytes moved per step / drive GB/s), both measured
+in the same run; overlap efficiency = bound / offloaded step. Depths are run
+in alternating order over rounds and medians are reported.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ._bench_drive import DriveBenchConfig, run_drive_bench
+from ._config import StoreConfig
+from ._store import TierStore
+from .vit import PRESETS, SyntheticImages, ViT, num_params
+
+MIB = 1024**2
+
+
+def _resident_step(model, data, batch_size: int, step: int, opt) -> float:
+    t0 = time.perf_counter()
+    x, y = data.batch(step, batch_size)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    return time.perf_counter() - t0
+
+
+def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path: str, rounds: int,
+                   host_budget_bytes: int | None, device_budget_bytes: int | None, log=print) -> dict[str, Any]:
+    from .integrations.offload import offload_model
+    from .integrations.optim import OffloadedAdamW
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    cfg = PRESETS[preset]
+    torch.manual_seed(0)
+    base = ViT(cfg)
+    n = num_params(base)
+    state_bytes = n * 4 * 3
+    host = host_budget_bytes or max(4 * MIB, state_bytes // 3)
+    device = device_budget_bytes or max(2 * MIB, n * 4 // 4)
+    data = SyntheticImages(cfg)
+    drive = run_drive_bench(DriveBenchConfig(path=nvme_path, size_mib=max(16, min(512, state_bytes // MIB)),
+                                             rounds=1), log=lambda *_: None)
+    drive_gbps = (drive["store_read_gbps"] + drive["store_write_gbps"]) / 2
+
+    resident = copy.deepcopy(base)
+    ropt = torch.optim.AdamW(resident.parameters(), lr=1e-3, foreach=False)
+    _resident_step(resident, data, batch_size, 0, ropt)  # warm-up
+    setups = {}
+    for d in depths:
+        model = copy.deepcopy(base)
+        store = TierStore(StoreConfig(nvme_path=nvme_path, host_budget_bytes=host, device_budget_bytes=device))
+        off = offload_model(model, store, prefetch_depth=d)
+        opt = OffloadedAdamW(off, lr=1e-3)
+        setups[d] = (model, store, opt)
+        _offloaded_step(model, store, opt, data, batch_size, 0)  # first step records the trace
+    samples: dict[Any, list] = {"resident": [], **{d: [] for d in depths}}
+    try:
+        for r in range(rounds):
+            order = list(depths) if r % 2 == 0 else list(reversed(depths))
+            samples["resident"].append(_resident_step(resident, data, batch_size, r + 1, ropt))
+            for d in order:
+                samples[d].append(_offloaded_step(*setups[d], data, batch_size, r + 1))
+    finally:
+        for _, store, _ in setups.values():
+            store.close()
+    resident_s = statistics.median(samples["resident"])
+    result: dict[str, Any] = {"preset": preset, "params": n, "batch_size": batch_size, "resident_step_s": resident_s,
+                              "drive_gbps": drive_gbps, "host_budget_bytes": host, "device_budget_bytes": device,
+                              "state_bytes": state_bytes, "depths": {}}
+    log(f"bench step: ViT-{preset} ({n / 1e6:.1f}M params, {state_bytes / MIB:.0f} MiB state), batch {batch_size}, "
+        f"host budget {host / MIB:.0f} MiB, device {device / MIB:.0f} MiB, drive {drive_gbps:.2f} GB/s (store, same run)")
+    log(f"resident step: {resident_s:.3f} s")
+    log(f"{'depth':>5} {'step s':>8} {'stall s':>8} {'MiB/step':>9} {'bound s':>8} {'overlap':>8} {'vs depth0':>9}")
+    for d in depths:
+        step_s = statistics.median(s[0] for s in samples[d])
+        stall = statistics.median(s[1] for s in samples[d])
+        moved = statistics.median(s[2] for s in samples[d])
+        bound = max(resident_s, moved / (drive_gbps * 1e9))
+        row = {"step_s": step_s, "stall_s": stall, "bytes_per_step": moved, "bound_s": bound,
+               "overlap_efficiency": bound / step_s}
+        result["depths"][str(d)] = row
+        base0 = result["depths"].get(str(depths[0]), row)["step_s"]
+        log(f"{d:>5} {step_s:>8.3f} {stall:>8.3f} {moved / MIB:>9.1f} {bound:>8.3f} {bound / step_s:>8.2f} "
+            f"{base0 / step_s:>9.2f}x")
+    return result
+
+
+def _offloaded_step(model, store, opt, data, batch_size: int, step: int) -> tuple[float, float, int]:
+    before = store.stats_dict()
+    t0 = time.perf_counter()
+    x, y = data.batch(step, batch_size)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    dt = time.perf_counter() - t0
+    after = store.stats_dict()
+    moved = (after["bytes_read_nvme"] + after["bytes_written_nvme"]
+             - before["bytes_read_nvme"] - before["bytes_written_nvme"])
+    return dt, after["stall_seconds"] - before["stall_seconds"], moved
+
+
