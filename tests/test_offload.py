@@ -12,8 +12,7 @@ from tierstore.integrations.optim import OffloadedAdamW
 from tierstore.vit import PRESETS, SyntheticImages, ViT
 
 
-def train_resident(model, data, steps):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+def _train(model, data, steps, opt):
     losses = []
     for step in range(steps):
         x, y = data.batch(step, 8)
@@ -22,21 +21,18 @@ def train_resident(model, data, steps):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, opt
+    return losses
+
+
+def train_resident(model, data, steps):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    return _train(model, data, steps, opt), opt
 
 
 def train_offloaded(model, data, steps, store, **kw):
     off = offload_model(model, store, **kw)
     opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
-    losses = []
-    for step in range(steps):
-        x, y = data.batch(step, 8)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, off, opt
+    return _train(model, data, steps, opt), off, opt
 
 
 @pytest.mark.parametrize("checkpointing,tied", [(False, False), (True, True)], ids=["plain", "ckpt+tied"])
