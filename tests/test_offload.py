@@ -71,7 +71,7 @@ def test_prefetch_turns_misses_into_hits(make_store):
     for depth in (0, 2):
         torch.manual_seed(0)
         model = ViT(cfg)
-        store = make_store(host_budget_bytes="2MiB", device_budget_bytes="512KiB")
+        store = make_store(host_budget_bytes="2MiB", device_budget_bytes="256KiB")
         off = offload_model(model, store, prefetch_depth=depth)
         data = SyntheticImages(cfg)
         for step in range(3):

@@ -21,7 +21,7 @@ class StoreStats:
             self._counters: dict[str, float] = {
                 "hits": 0, "misses": 0, "get_calls": 0, "stall_seconds": 0.0,
                 "queue_wait_seconds": 0.0, "io_calls": 0, "evictions": 0, "write_backs": 0,
-                "prefetches": 0, "prefetch_skipped": 0,
+                "prefetches": 0, "prefetch_skipped": 0, "late_prefetches": 0,
             }
 
     def add_transfer(self, src: Tier, dst: Tier, nbytes: int, seconds: float) -> None:

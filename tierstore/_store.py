@@ -228,7 +228,9 @@ class TierStore:
             if copy is not None and copy.loading is None and copy.version == entry.version:
                 self.stats.add("hits")
             else:
-                self.stats.add("misses")
+                # A get that finds its copy still loading waited on a late prefetch; any other had to fetch.
+                late = copy is not None and copy.loading is not None
+                self.stats.add("late_prefetches" if late else "misses")
                 try:
                     copy = self._materialize(entry, tier, may_skip=False)
                 finally:
