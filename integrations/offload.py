@@ -47,7 +47,6 @@ class _Group:
     name: str
     params: list[_Param]
     nbytes: int
-    stall_seconds: float = 0.0
 
 
 @dataclass
@@ -130,9 +129,8 @@ class OffloadedModel:
         if sp.holds == 1:
             t0 = time.perf_counter()
             sp.param.data = self.store.get(sp.key, Tier.DEVICE)
-            dt = time.perf_counter() - t0
-            group.stall_seconds += dt
-            self.stats.stall_seconds_by_group[group.name] = group.stall_seconds
+            by_group = self.stats.stall_seconds_by_group
+            by_group[group.name] = by_group.get(group.name, 0.0) + time.perf_counter() - t0
 
     def _unhold(self, sp: _Param) -> None:
         sp.holds -= 1
@@ -205,7 +203,7 @@ class OffloadedModel:
         for name, p in self.model.named_parameters(remove_duplicate=False):  # tied names too
             sp = self.params.get(id(p))
             if sp is not None and prefix + name in state_dict:
-                state_dict[prefix + name] = self.read_param(sp.name)
+                state_dict[prefix + name] = self._read(sp)
 
     # ---- public ------------------------------------------------------------------------
     def read_param(self, name: str) -> torch.Tensor:
@@ -215,6 +213,9 @@ class OffloadedModel:
             if name in self.resident:
                 return self.resident[name].detach().cpu().clone()
             raise KeyError(f"no parameter named {name!r}")
+        return self._read(sp)
+
+    def _read(self, sp: _Param) -> torch.Tensor:
         t = self.store.get(sp.key, Tier.HOST)
         try:
             return t.clone()
@@ -240,7 +241,7 @@ class OffloadedModel:
         for sp in self.params.values():
             if sp.holds:
                 raise RuntimeError(f"cannot remove offload while {sp.name!r} is in use (inside forward/backward)")
-            sp.param.data = self.read_param(sp.name).to(self.store.device)
+            sp.param.data = self._read(sp).to(self.store.device)
             self.store.drop(sp.key)
         self.params.clear()
         delattr(self.model, _STATE_KEY)

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import tierstore as ts
 from tierstore.integrations.offload import offload_model
 from tierstore.integrations.optim import OffloadedAdamW
 from tierstore.vit import PRESETS, SyntheticImages, ViT

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ._bench_drive import DriveBenchConfig, run_drive_bench
 from ._config import StoreConfig
+from ._demo import default_budgets, measure_step
 from ._store import TierStore
 from .vit import PRESETS, SyntheticImages, ViT, num_params
 
@@ -43,9 +44,7 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
     torch.manual_seed(0)
     base = ViT(cfg)
     n = num_params(base)
-    state_bytes = n * 4 * 3
-    host = host_budget_bytes or max(4 * MIB, state_bytes // 3)
-    device = device_budget_bytes or max(2 * MIB, n * 4 // 4)
+    state_bytes, host, device = default_budgets(n, host_budget_bytes, device_budget_bytes)
     data = SyntheticImages(cfg)
     drive = run_drive_bench(DriveBenchConfig(path=nvme_path, size_mib=max(16, min(512, state_bytes // MIB)),
                                              rounds=1), log=lambda *_: None)
@@ -95,16 +94,5 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
 
 
 def _offloaded_step(model, store, opt, data, batch_size: int, step: int) -> tuple[float, float, int]:
-    before = store.stats_dict()
-    t0 = time.perf_counter()
-    x, y = data.batch(step, batch_size)
-    F.cross_entropy(model(x), y).backward()
-    opt.step()
-    opt.zero_grad()
-    dt = time.perf_counter() - t0
-    after = store.stats_dict()
-    moved = (after["bytes_read_nvme"] + after["bytes_written_nvme"]
-             - before["bytes_read_nvme"] - before["bytes_written_nvme"])
-    return dt, after["stall_seconds"] - before["stall_seconds"], moved
-
-
+    row = measure_step(model, store, opt, data, batch_size, step)
+    return row["step_s"], row["stall_s"], row["read_bytes"] + row["written_bytes"]

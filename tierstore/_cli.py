@@ -50,18 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.cmd == "demo":
-            from ._demo import main_demo
+            from ._demo import run_demo
 
-            return main_demo(args)
+            result = run_demo(
+                preset=args.preset, steps=args.steps, batch_size=args.batch_size, nvme_path=args.nvme_path,
+                prefetch_depth=args.prefetch_depth, **_budgets(args))
+            _write_json(args.json, result)
+            return 0
         if args.cmd == "bench" and args.bench == "step":
             from ._bench_step import run_step_bench
 
             result = run_step_bench(
                 preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=args.nvme_path,
-                depths=[int(d) for d in args.depths.split(",")],
-                host_budget_bytes=parse_bytes(args.host_budget, name="--host-budget") if args.host_budget else None,
-                device_budget_bytes=(parse_bytes(args.device_budget, name="--device-budget")
-                                     if args.device_budget else None))
+                depths=[int(d) for d in args.depths.split(",")], **_budgets(args))
             _write_json(args.json, result)
             return 0
         if args.cmd == "bench" and args.bench == "drive":
@@ -80,6 +81,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser.error("unknown command")
     return 2
+
+
+def _budgets(args: argparse.Namespace) -> dict[str, int | None]:
+    """--host-budget / --device-budget as byte counts (None: the command's default)."""
+    return {"host_budget_bytes": parse_bytes(args.host_budget, name="--host-budget") if args.host_budget else None,
+            "device_budget_bytes": (parse_bytes(args.device_budget, name="--device-budget")
+                                    if args.device_budget else None)}
 
 
 def _write_json(path: str | None, result: dict) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from typing import Any
 
@@ -23,6 +21,34 @@ def _bar(done: int, total: int, width: int = 20) -> str:
     return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
 
 
+def default_budgets(num_params: int, host_budget_bytes: int | None,
+                    device_budget_bytes: int | None) -> tuple[int, int, int]:
+    """(fp32 state bytes, host budget, device budget): unless given, the host tier holds a third
+    of the offloaded state (fp32 parameters + two moments) and the device a quarter of the weights."""
+    state_bytes = num_params * 4 * 3
+    host = host_budget_bytes or max(4 * MIB, state_bytes // 3)
+    device = device_budget_bytes or max(2 * MIB, num_params * 4 // 4)
+    return state_bytes, host, device
+
+
+def measure_step(model, store: TierStore, opt, data: SyntheticImages, batch_size: int, step: int) -> dict[str, Any]:
+    """Run one training step; its loss, wall time, stall time and NVMe bytes read and written."""
+    before = store.stats_dict()
+    t0 = time.perf_counter()
+    x, y = data.batch(step, batch_size)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    dt = time.perf_counter() - t0
+    after = store.stats_dict()
+    read = after["bytes_read_nvme"] - before["bytes_read_nvme"]
+    written = after["bytes_written_nvme"] - before["bytes_written_nvme"]
+    return {"step": step, "loss": loss.item(), "step_s": dt,
+            "stall_s": after["stall_seconds"] - before["stall_seconds"], "read_bytes": read,
+            "written_bytes": written, "nvme_gbps": (read + written) / dt / 1e9}
+
+
 def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefetch_depth: int,
              host_budget_bytes: int | None, device_budget_bytes: int | None, lr: float = 1e-3,
              log=print) -> dict[str, Any]:
@@ -37,11 +63,7 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     cfg = PRESETS[preset]
     model = ViT(cfg)
     n = num_params(model)
-    param_bytes = n * 4
-    state_bytes = param_bytes * 3  # fp32 parameters + two moments
-    # Default budgets: the host tier holds a third of the offloaded state, the device a quarter of the weights.
-    host = host_budget_bytes or max(4 * MIB, state_bytes // 3)
-    device = device_budget_bytes or max(2 * MIB, param_bytes // 4)
+    state_bytes, host, device = default_budgets(n, host_budget_bytes, device_budget_bytes)
     config = StoreConfig(nvme_path=nvme_path, host_budget_bytes=host, device_budget_bytes=device,
                          prefetch_depth=prefetch_depth)
     log(f"tierstore demo: ViT-{preset}, {n / 1e6:.1f}M parameters, {state_bytes / MIB:.0f} MiB of fp32 "
@@ -59,23 +81,11 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
         header = f"{'step':>4} {'loss':>8} {'step s':>8} {'stall s':>8} {'read MiB':>9} {'write MiB':>9} {'NVMe GB/s':>9}"
         log(header)
         for step in range(steps):
-            before = store.stats_dict()
-            t0 = time.perf_counter()
-            x, y = data.batch(step, batch_size)
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            dt = time.perf_counter() - t0
-            after = store.stats_dict()
-            read = after["bytes_read_nvme"] - before["bytes_read_nvme"]
-            written = after["bytes_written_nvme"] - before["bytes_written_nvme"]
-            stall = after["stall_seconds"] - before["stall_seconds"]
-            row = {"step": step, "loss": loss.item(), "step_s": dt, "stall_s": stall, "read_bytes": read,
-                   "written_bytes": written, "nvme_gbps": (read + written) / dt / 1e9}
+            row = measure_step(model, store, opt, data, batch_size, step)
             rows.append(row)
             peak_rss = max(peak_rss, proc.memory_info().rss)
-            log(f"{step:>4} {row['loss']:>8.4f} {dt:>8.3f} {stall:>8.3f} {read / MIB:>9.1f} {written / MIB:>9.1f} "
+            log(f"{step:>4} {row['loss']:>8.4f} {row['step_s']:>8.3f} {row['stall_s']:>8.3f} "
+                f"{row['read_bytes'] / MIB:>9.1f} {row['written_bytes'] / MIB:>9.1f} "
                 f"{row['nvme_gbps']:>9.2f}  {_bar(step + 1, steps)}")
         mem = store.memory()
         stats = store.stats_dict()
@@ -89,19 +99,4 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
             "host_budget_bytes": host, "device_budget_bytes": device}
 
 
-def main_demo(args) -> int:
-    from ._config import parse_bytes
-
-    result = run_demo(
-        preset=args.preset, steps=args.steps, batch_size=args.batch_size, nvme_path=args.nvme_path,
-        prefetch_depth=args.prefetch_depth,
-        host_budget_bytes=parse_bytes(args.host_budget, name="--host-budget") if args.host_budget else None,
-        device_budget_bytes=parse_bytes(args.device_budget, name="--device-budget") if args.device_budget else None)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    sys.stdout.flush()
-    return 0
-
-
-__all__ = ["run_demo", "main_demo"]
+__all__ = ["default_budgets", "measure_step", "run_demo"]

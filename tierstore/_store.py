@@ -289,14 +289,12 @@ class TierStore:
             while True:
                 pending = []
                 for entry in list(self._entries.values()):
-                    if self._home(entry) is not None and self._home(entry).version != entry.version \
-                            or entry.writeback is not None:
-                        fut = self._start_writeback(entry)
-                        if fut is not None:
-                            pending.append((entry, fut))
+                    fut = self._start_writeback(entry)  # None when home is current; the one in flight if any
+                    if fut is not None:
+                        pending.append(fut)
                 if not pending:
                     return
-                for _entry, fut in pending:
+                for fut in pending:
                     self._wait_unlocked(fut)
                     if fut.exception() is not None:
                         raise fut.exception()
