@@ -9,6 +9,17 @@ backward pre-hook, released when its gradient has been accumulated, or at the
 end of the backward pass for parameters that get no gradient). Counting makes
 a module called twice, tied parameters and activation checkpointing (which
 reruns forward inside backward) all work with no special cases.
+
+[Note: Saved views of parameters] Autograd saves some tensors that alias a
+parameter's storage -- ``F.linear`` saves ``weight.t()``, a view -- and a
+view keeps the storage the parameter had in forward, not the one it gets back
+for backward. Since the store reuses device buffers, such a view would read
+another tensor's bytes in backward. So while the wrapped module runs forward,
+saved-tensor hooks replace every saved tensor that aliases a held parameter
+by (parameter, size, stride, offset), rebuilt in backward from the
+parameter's current copy (held on demand). Inside backward (a checkpointed
+forward rerun) the saved views are kept by checkpointing itself, so a module
+rerun there keeps its parameters held until their gradients are accumulated.
 """
 
 from __future__ import annotations
@@ -42,11 +53,23 @@ class _Param:
     backward_hold: bool = False
 
 
+@dataclass(frozen=True, eq=False)
+class _SavedView:
+    """A saved tensor that aliased a held parameter, as its geometry (see [Note: Saved views of parameters])."""
+
+    param: _Param
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # storage offset relative to the parameter's own
+
+
 @dataclass(eq=False)
 class _Group:
     name: str
     params: list[_Param]
     nbytes: int
+    forward_started: list[float] = field(default_factory=list)  # a stack: a module may be re-entered
+    backward_started: float | None = None
 
 
 @dataclass
@@ -72,6 +95,8 @@ class OffloadedModel:
         self.stats = OffloadStats()
         self._handles: list[Any] = []
         self._callback_queued = False
+        self._storage_owner: dict[int, _Param] = {}  # data_ptr of a held copy's storage -> its parameter
+        self._saved_hooks: Any = None
         handles = []
         for name, p in model.named_parameters():  # shared parameters appear once
             nbytes = p.numel() * p.element_size()
@@ -97,6 +122,7 @@ class OffloadedModel:
             self._handles.append(module.register_forward_hook(self._make_post_forward(group)))
             self._handles.append(module.register_full_backward_pre_hook(self._make_pre_backward(group)))
         self._handles.append(model.register_forward_pre_hook(self._start_step, prepend=True))
+        self._handles.append(model.register_forward_hook(self._end_forward, always_call=True))
         for sp in self.params.values():
             if sp.param.requires_grad:
                 self._handles.append(sp.param.register_post_accumulate_grad_hook(self._make_grad_hook(sp)))
@@ -117,6 +143,34 @@ class OffloadedModel:
         if not self._callback_queued:  # not a forward rerun inside backward (checkpointing)
             self._release_all()  # holds left by a forward that raised
             self.policy.start_step()
+        if torch.is_grad_enabled() and self._saved_hooks is None:
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saved_hooks.__enter__()
+
+    def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._saved_hooks is not None:
+            hooks, self._saved_hooks = self._saved_hooks, None
+            hooks.__exit__(None, None, None)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if not self._storage_owner or t.layout is not torch.strided:
+            return t
+        sp = self._storage_owner.get(t.untyped_storage().data_ptr())
+        if sp is None:
+            return t
+        if t.dtype != sp.param.dtype:
+            return t.clone()  # a reinterpreting view: keep its bytes
+        return _SavedView(sp, tuple(t.size()), tuple(t.stride()), t.storage_offset() - sp.param.storage_offset())
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _SavedView):
+            return saved
+        sp = saved.param
+        if not sp.backward_hold:  # used in backward before its module's backward pre-hook
+            sp.backward_hold = True
+            self._hold(sp, self.groups[self._key_group[sp.key]])
+        data = sp.param.data
+        return data.as_strided(saved.size, saved.stride, data.storage_offset() + saved.offset)
 
     def _use(self, group: _Group) -> None:
         for name in self.policy.on_use(group.name):
@@ -129,12 +183,15 @@ class OffloadedModel:
         if sp.holds == 1:
             t0 = time.perf_counter()
             sp.param.data = self.store.get(sp.key, Tier.DEVICE)
+            if sp.param.numel():
+                self._storage_owner[sp.param.untyped_storage().data_ptr()] = sp
             by_group = self.stats.stall_seconds_by_group
             by_group[group.name] = by_group.get(group.name, 0.0) + time.perf_counter() - t0
 
     def _unhold(self, sp: _Param) -> None:
         sp.holds -= 1
         if sp.holds == 0:
+            self._storage_owner.pop(sp.param.untyped_storage().data_ptr(), None)
             sp.param.data = sp.placeholder
             self.store.release(sp.key, Tier.DEVICE)
 
@@ -143,12 +200,21 @@ class OffloadedModel:
             self._use(group)
             for sp in group.params:
                 self._hold(sp, group)
+                if self._callback_queued and not sp.backward_hold and torch.is_grad_enabled():
+                    sp.backward_hold = True  # a forward rerun inside backward (checkpointing)
+                    self._hold(sp, group)
+            if self.store.timeline is not None:
+                group.forward_started.append(time.perf_counter())
         return hook
 
     def _make_post_forward(self, group: _Group):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             for sp in group.params:
                 self._unhold(sp)
+            timeline = self.store.timeline
+            if timeline is not None and group.forward_started:
+                timeline.add(f"forward {group.name or '<root>'}", "compute", group.forward_started.pop(),
+                             time.perf_counter())
         return hook
 
     def _make_pre_backward(self, group: _Group):
@@ -161,6 +227,8 @@ class OffloadedModel:
                 if not sp.backward_hold:
                     sp.backward_hold = True
                     self._hold(sp, group)
+            if self.store.timeline is not None:
+                group.backward_started = time.perf_counter()
         return hook
 
     def _make_grad_hook(self, sp: _Param):
@@ -175,6 +243,13 @@ class OffloadedModel:
             if sp.backward_hold:
                 sp.backward_hold = False
                 self._unhold(sp)
+            group = self.groups.get(self._key_group.get(sp.key))  # type: ignore[arg-type]
+            timeline = self.store.timeline
+            if (timeline is not None and group is not None and group.backward_started is not None
+                    and not any(p.backward_hold for p in group.params)):
+                timeline.add(f"backward {group.name or '<root>'}", "compute", group.backward_started,
+                             time.perf_counter())
+                group.backward_started = None
         return hook
 
     def _end_backward(self) -> None:

@@ -123,3 +123,22 @@ def test_resident_threshold_keeps_small_params(make_store):
     assert "blocks.0.norm1.weight" in off.resident  # 64 floats = 256 bytes
     assert model.blocks[0].norm1.weight.numel() == 64
     assert model.blocks[0].fc1.weight.numel() == 0
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_saved_views_of_weights_survive_buffer_reuse(make_store, depth):
+    # F.linear saves weight.t(), a view of the forward-time buffer; with a device budget of two layers the
+    # store reuses that buffer for later layers before backward runs.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 5, 64)
+    ref(x).sum().backward()
+    store = make_store(device_budget_bytes="40KiB")
+    off = offload_model(model, store, prefetch_depth=depth)
+    for _ in range(3):
+        model(x).sum().backward()
+        for (name, key, _), p in zip(off.named_offloaded(), ref.parameters()):
+            assert torch.equal(off.grads[key], p.grad), name
+        off.zero_grad()
+    assert store.stats_dict()["evictions"] > 0
