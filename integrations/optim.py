@@ -88,7 +88,11 @@ class OffloadedAdamW:
         for i, (name, key, p, grad) in enumerate(work):
             if i + self.readahead < len(work):
                 self._prefetch(work[i + self.readahead])
-            self._step_one(name, key, p, grad)
+            if self.store.timeline is None:
+                self._step_one(name, key, p, grad)
+            else:
+                with self.store.timeline.span(f"adamw {name}", "optimizer"):
+                    self._step_one(name, key, p, grad)
             written.extend(self._keys(name, key, p))
         for k in written:  # the write-backs started in _step_one are in flight; surface failures
             self.store.write_back(k).wait()
@@ -136,21 +140,28 @@ class OffloadedAdamW:
             st.release(key, Tier.HOST)
             st.write_back(key)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Plain tensors (read from the store), like torch.optim's state_dict, keyed by parameter name."""
-        state = {}
+    def state_tensors(self) -> list[tuple[str, str, str]]:
+        """(parameter name, state name, store key) of every state tensor of parameters stepped so far."""
+        out = []
         for name, key, p in self._items:
             if name not in self.steps:
                 continue
-            entry = {"step": torch.tensor(self.steps[name])}
             for what in ("exp_avg", "exp_avg_sq") + (("master",) if key and p.dtype != torch.float32 else ()):
-                k = f"adam/{name}/{what}"
-                t = self.store.get(k, Tier.HOST)
-                entry[what] = t.clone()
-                self.store.release(k, Tier.HOST)
-            state[name] = entry
-        return {"state": state, "param_groups": [{"lr": self.lr, "betas": self.betas, "eps": self.eps,
-                                                  "weight_decay": self.weight_decay}]}
+                out.append((name, what, f"adam/{name}/{what}"))
+        return out
+
+    def hyperparameters(self) -> dict[str, Any]:
+        return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain tensors (read from the store), like torch.optim's state_dict, keyed by parameter name."""
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for name, what, k in self.state_tensors():
+            entry = state.setdefault(name, {"step": torch.tensor(self.steps[name])})
+            t = self.store.get(k, Tier.HOST)
+            entry[what] = t.clone()
+            self.store.release(k, Tier.HOST)
+        return {"state": state, "param_groups": [self.hyperparameters()]}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         group = sd["param_groups"][0]

@@ -322,9 +322,9 @@ class NvmeEngine:
             ext.written = True
             if self.config.verify_checksums:
                 ext.checksums = list(batch.checksums)  # type: ignore[arg-type]
-            self.stats.add_transfer(Tier.HOST, Tier.NVME, ext.length, seconds)
+            self.stats.add_transfer(Tier.HOST, Tier.NVME, ext.length, seconds, batch.label)
         else:
-            self.stats.add_transfer(Tier.NVME, Tier.HOST, ext.length, seconds)
+            self.stats.add_transfer(Tier.NVME, Tier.HOST, ext.length, seconds, batch.label)
         batch.future.set_result(ext.length)
 
     # ---- lifetime ----------------------------------------------------------------------

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
+from ._timeline import Timeline
 from ._types import Tier
 
 
@@ -13,6 +15,7 @@ class StoreStats:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.timeline: Timeline | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -24,8 +27,12 @@ class StoreStats:
                 "prefetches": 0, "prefetch_skipped": 0, "late_prefetches": 0,
             }
 
-    def add_transfer(self, src: Tier, dst: Tier, nbytes: int, seconds: float) -> None:
+    def add_transfer(self, src: Tier, dst: Tier, nbytes: int, seconds: float, label: str | None = None) -> None:
+        """A finished transfer of ``nbytes`` that took ``seconds`` (ending now, on this thread)."""
         key = f"{src.label}->{dst.label}"
+        if self.timeline is not None:
+            end = time.perf_counter()
+            self.timeline.add(key, "transfer", end - seconds, end, key=label, bytes=nbytes)
         with self._lock:
             p = self._paths.setdefault(key, {"count": 0, "bytes": 0, "seconds": 0.0})
             p["count"] += 1

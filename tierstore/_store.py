@@ -30,6 +30,7 @@ from ._config import StoreConfig
 from ._memory import Buffer, TierPool
 from ._nvme import Extent, NvmeEngine, Syscalls
 from ._stats import StoreStats
+from ._timeline import Timeline
 from ._types import StoreClosedError, Tier, TierBudgetError, TierStoreError
 
 _UNSUPPORTED_DTYPES = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
@@ -234,7 +235,10 @@ class TierStore:
                 try:
                     copy = self._materialize(entry, tier, may_skip=False)
                 finally:
-                    self.stats.add("stall_seconds", time.perf_counter() - start)
+                    end = time.perf_counter()
+                    self.stats.add("stall_seconds", end - start)
+                    if self.stats.timeline is not None:
+                        self.stats.timeline.add("stall", "stall", start, end, key=key, tier=tier.label)
             assert copy is not None
             copy.pins += 1
             copy.last_use = next(self._tick)
@@ -375,6 +379,17 @@ class TierStore:
         out = self.stats.snapshot()
         out["memory"] = self.memory()
         return out
+
+    def record_timeline(self, enabled: bool = True) -> Timeline | None:
+        """Start (or stop, with ``enabled=False``) recording every transfer and stall; returns the
+        :class:`Timeline`, which integrations also add their compute spans to."""
+        self.stats.timeline = Timeline() if enabled else None
+        return self.stats.timeline
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """The timeline being recorded, or None."""
+        return self.stats.timeline
 
     def set_victim_order(self, fn: Callable[[Tier, list[str]], list[str]] | None) -> None:
         """Install an eviction policy: given a tier and candidate keys (least recently used
@@ -601,7 +616,7 @@ class TierStore:
                 ev.synchronize()  # host bytes are read by the CPU (or the drive) next
         else:
             dst.buffer.data[:n].copy_(src.buffer.data[:n])
-        self.stats.add_transfer(src.tier, dst.tier, n, time.perf_counter() - t0)
+        self.stats.add_transfer(src.tier, dst.tier, n, time.perf_counter() - t0, entry.key)
 
     def _prefetch_task(self, entry: _Entry, tier: Tier, fut: Future) -> None:
         try:

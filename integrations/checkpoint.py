@@ -1,0 +1,204 @@
+"""Save and resume offloaded training: parameters and AdamW state streamed from the store to safetensors.
+
+A checkpoint is a directory: ``model.safetensors`` (every parameter and
+persistent buffer under its ``state_dict`` name, loadable with plain
+``safetensors``), ``optimizer.safetensors`` (``<param>/exp_avg``,
+``<param>/exp_avg_sq`` and, for bf16/fp16 parameters, ``<param>/master``)
+and ``manifest.json`` (each tensor's file, offset, shape, dtype and CRC32,
+the step counts, hyper-parameters, the prefetch trace and your ``extra``).
+Tensors are borrowed from the store one at a time in the host tier, so a
+model far larger than RAM is saved within the host budget. The commit is
+atomic: see [Note: Atomic checkpoint commit] in ``tierstore/_checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from tierstore import Tier, TierStore, TierStoreError
+from tierstore._checkpoint import TensorSource, read_into, read_manifest, read_tensor, write_checkpoint
+
+from .offload import _STATE_KEY, OffloadedModel
+from .optim import OffloadedAdamW
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+def _offloaded(model: nn.Module | OffloadedModel) -> tuple[nn.Module, OffloadedModel | None]:
+    if isinstance(model, OffloadedModel):
+        return model.model, model
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected an nn.Module or an OffloadedModel, not {type(model).__name__}")
+    return model, getattr(model, _STATE_KEY, None)
+
+
+def _store_source(store: TierStore, key: str, name: str) -> TensorSource:
+    info = store.info(key)
+
+    @contextmanager
+    def borrow() -> Iterator[torch.Tensor]:
+        t = store.get(key, Tier.HOST)
+        try:
+            yield t
+        finally:
+            store.release(key, Tier.HOST)
+
+    return TensorSource(name, tuple(info["shape"]), info["dtype"], borrow)
+
+
+def _plain_source(name: str, tensor: torch.Tensor) -> TensorSource:
+    @contextmanager
+    def borrow() -> Iterator[torch.Tensor]:
+        yield tensor.detach().cpu().contiguous()
+
+    return TensorSource(name, tuple(tensor.shape), tensor.dtype, borrow)
+
+
+def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for mname, module in model.named_modules():
+        for bname, b in module._buffers.items():
+            if b is not None and bname not in module._non_persistent_buffers_set:
+                yield (f"{mname}.{bname}" if mname else bname), b
+
+
+def _model_tensors(model: nn.Module, off: OffloadedModel | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """name -> (store key or the tensor itself), and alias -> saved name for tied parameters."""
+    offloaded = {id(p): key for _, key, p in off.named_offloaded()} if off is not None else {}
+    seen: dict[int, str] = {}
+    tensors: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            aliases[name] = seen[id(p)]
+            continue
+        seen[id(p)] = name
+        tensors[name] = offloaded.get(id(p), p)
+    for name, b in _persistent_buffers(model):
+        tensors[name] = b
+    return tensors, aliases
+
+
+def save_checkpoint(path: str, model: nn.Module | OffloadedModel, optimizer: OffloadedAdamW | None = None, *,
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Save ``model``'s parameters (and ``optimizer``'s state) to directory ``path``, atomically.
+
+    ``extra`` is any JSON-serialisable dict (your epoch, data position...),
+    returned by :func:`load_checkpoint`. Overwrites an earlier checkpoint at
+    ``path`` only once the new one is complete. Returns the manifest.
+    """
+    model, off = _offloaded(model)
+    if off is not None and any(sp.holds for sp in off.params.values()):
+        raise RuntimeError("cannot save a checkpoint inside forward or backward; save between steps")
+    tensors, aliases = _model_tensors(model, off)
+    store = off.store if off is not None else None
+    sources = [_store_source(store, v, name) if isinstance(v, str) and store is not None else _plain_source(name, v)
+               for name, v in tensors.items()]
+    files = {MODEL_FILE: sources}
+    metadata: dict[str, Any] = {
+        "aliases": aliases,
+        "placement": {name: (off.home.label if isinstance(v, str) and off is not None else "resident")
+                      for name, v in tensors.items()},
+        "extra": extra or {},
+    }
+    if off is not None:
+        metadata["trace"] = off.policy.trace
+    if optimizer is not None:
+        if off is not None and optimizer.offloaded is not off:
+            raise ValueError("the optimizer belongs to a different model")
+        files[OPTIMIZER_FILE] = [_store_source(optimizer.store, key, f"{name}/{what}")
+                                 for name, what, key in optimizer.state_tensors()]
+        metadata["optimizer"] = {"hyperparameters": optimizer.hyperparameters(), "steps": dict(optimizer.steps)}
+    return write_checkpoint(path, files, metadata=metadata, file_metadata={MODEL_FILE: {"format": "pt"}})
+
+
+def load_checkpoint(path: str, model: nn.Module | OffloadedModel, optimizer: OffloadedAdamW | None = None, *,
+                    strict: bool = True) -> dict[str, Any]:
+    """Load a checkpoint saved by :func:`save_checkpoint` into ``model`` (and ``optimizer``); returns ``extra``.
+
+    Offloaded parameters are written into the store tensor by tensor (within
+    the host budget) and stay where the wrapper keeps them; every tensor's
+    checksum is verified. With ``strict``, a parameter missing from the
+    checkpoint or a tensor the model lacks is an error.
+    """
+    model, off = _offloaded(model)
+    directory, manifest = read_manifest(path)
+    meta = manifest["metadata"]
+    entries = manifest["tensors"].get(MODEL_FILE, {})
+    tensors, _ = _model_tensors(model, off)
+    missing = sorted(set(tensors) - set(entries))
+    unexpected = sorted(set(entries) - set(tensors))
+    if strict and (missing or unexpected):
+        raise TierStoreError(f"checkpoint {directory} does not match the model: missing {missing[:5]}"
+                             f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                             f"{'...' if len(unexpected) > 5 else ''} (load with strict=False to skip them)")
+    placement = meta.get("placement", {})
+    moved = [n for n, v in tensors.items() if n in placement and placement[n] !=
+             (off.home.label if isinstance(v, str) and off is not None else "resident")]
+    if moved:
+        warnings.warn(f"{len(moved)} tensors (e.g. {moved[0]!r}) were saved from another tier than the one the "
+                      f"model now keeps them in; they are loaded where the model keeps them", stacklevel=2)
+    store = off.store if off is not None else None
+    for name, v in tensors.items():
+        if name not in entries:
+            continue
+        if isinstance(v, str) and store is not None:
+            _load_into_store(store, v, directory, name, entries[name])
+        else:
+            with torch.no_grad():
+                v.copy_(read_tensor(directory, name, entries[name]))
+    if off is not None:
+        off.zero_grad()
+        if meta.get("trace") is not None:
+            off.policy.trace = list(meta["trace"])
+    if optimizer is not None:
+        if "optimizer" not in meta:
+            raise TierStoreError(f"checkpoint {directory} holds no optimizer state")
+        _load_optimizer(optimizer, directory, manifest["tensors"].get(OPTIMIZER_FILE, {}), meta["optimizer"])
+    if store is not None:
+        store.flush()
+    return meta.get("extra", {})
+
+
+def _load_into_store(store: TierStore, key: str, directory: str, name: str, entry: dict[str, Any]) -> None:
+    t = store.get(key, Tier.HOST)
+    try:
+        read_into(directory, name, entry, t)
+        store.mark_dirty(key, Tier.HOST)
+    finally:
+        store.release(key, Tier.HOST)
+    store.write_back(key)
+
+
+def _load_optimizer(opt: OffloadedAdamW, directory: str, entries: dict[str, Any], meta: dict[str, Any]) -> None:
+    hp = meta["hyperparameters"]
+    opt.lr, opt.betas, opt.eps, opt.weight_decay = hp["lr"], tuple(hp["betas"]), hp["eps"], hp["weight_decay"]
+    steps = {k: float(v) for k, v in meta["steps"].items()}
+    known = {n for n, _, _ in opt._items}
+    unknown = sorted(set(steps) - known)
+    if unknown:
+        raise TierStoreError(f"checkpoint {directory} has optimizer state for unknown parameters {unknown[:5]}")
+    opt.steps = steps
+    for name, what, key in opt.state_tensors():
+        entry = entries.get(f"{name}/{what}")
+        if entry is None:
+            raise TierStoreError(f"checkpoint {directory} lacks optimizer tensor {name}/{what}")
+        _load_into_store(opt.store, key, directory, f"{name}/{what}", entry)
+
+
+def load_parameters(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's model file, checksums verified, tied names included (CPU tensors)."""
+    directory, manifest = read_manifest(path)
+    entries = manifest["tensors"].get(MODEL_FILE, {})
+    out = {name: read_tensor(directory, name, e) for name, e in entries.items()}
+    for alias, name in manifest["metadata"].get("aliases", {}).items():
+        out[alias] = out[name]
+    return out
+
+
+__all__ = ["MODEL_FILE", "OPTIMIZER_FILE", "load_checkpoint", "load_parameters", "save_checkpoint"]

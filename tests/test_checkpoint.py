@@ -1,0 +1,199 @@
+"""Checkpoints: resume is bit-identical, files are plain safetensors, corruption and crashes lose nothing."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tierstore as ts
+from tierstore import _checkpoint
+from tierstore._rss import peak_rss_bytes, reset_peak_rss, rss_bytes
+from tierstore.integrations.checkpoint import (MODEL_FILE, OPTIMIZER_FILE, load_checkpoint, load_parameters,
+                                               save_checkpoint)
+from tierstore.integrations.offload import offload_model
+from tierstore.integrations.optim import OffloadedAdamW
+from tierstore.vit import PRESETS, SyntheticImages, ViT
+
+MIB = 1024**2
+
+
+def _steps(model, opt, data, start, count):
+    losses = []
+    for i in range(start, start + count):
+        x, y = data.batch(i, 4)
+        loss = F.cross_entropy(model(x.to(next(model.parameters()).dtype)).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _offloaded(make_store, seed, dtype=torch.float32, **kw):
+    torch.manual_seed(seed)
+    model = ViT(PRESETS["tiny"], checkpoint_blocks=True, tie_head=True).to(dtype)
+    store = make_store(host_budget_bytes="384KiB", device_budget_bytes="320KiB")
+    off = offload_model(model, store, **kw)
+    return model, off, OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("dtype,threshold", [(torch.float32, 0), (torch.float32, 1024), (torch.bfloat16, 0)],
+                         ids=["fp32", "fp32+resident", "bf16"])
+def test_resume_gives_the_same_losses(make_store, tmp_path, dtype, threshold):
+    data = SyntheticImages(PRESETS["tiny"])
+    model, off, opt = _offloaded(make_store, 0, dtype, resident_threshold_bytes=threshold)
+    _steps(model, opt, data, 0, 5)
+    path = str(tmp_path / "ckpt")
+    manifest = save_checkpoint(path, off, opt, extra={"step": 5})
+    assert sorted(os.listdir(path)) == sorted(["manifest.json", MODEL_FILE, OPTIMIZER_FILE])
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("ckpt.")], "temporary directories left behind"
+    expected = _steps(model, opt, data, 5, 5)
+
+    resumed, roff, ropt = _offloaded(make_store, 123, dtype, resident_threshold_bytes=threshold)  # other init
+    assert load_checkpoint(path, roff, ropt) == {"step": 5}
+    assert roff.policy.trace == manifest["metadata"]["trace"]
+    assert _steps(resumed, ropt, data, 5, 5) == expected
+    for (name, a), (_, b) in zip(model.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_parameters_load_with_plain_safetensors(make_store, tmp_path):
+    st = pytest.importorskip("safetensors.torch")
+    model, off, opt = _offloaded(make_store, 0)
+    _steps(model, opt, SyntheticImages(PRESETS["tiny"]), 0, 2)
+    save_checkpoint(str(tmp_path / "c"), off, opt)
+    plain = st.load_file(str(tmp_path / "c" / MODEL_FILE))
+    sd = model.state_dict()
+    assert set(plain) < set(sd)  # the tied head weight is saved once, under its first name
+    for name, value in plain.items():
+        assert torch.equal(value, sd[name]), name
+    fresh = ViT(PRESETS["tiny"], checkpoint_blocks=True, tie_head=True)
+    fresh.load_state_dict(plain, strict=False)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in sd.items())
+    ours = load_parameters(str(tmp_path / "c"))
+    assert set(ours) == set(sd) and all(torch.equal(ours[k], v) for k, v in sd.items())
+    moments = st.load_file(str(tmp_path / "c" / OPTIMIZER_FILE))
+    assert torch.equal(moments["blocks.0.fc1.weight/exp_avg"], opt.state_dict()["state"]["blocks.0.fc1.weight"]["exp_avg"])
+
+
+def test_corrupt_checkpoint_is_an_integrity_error(make_store, tmp_path):
+    model, off, opt = _offloaded(make_store, 0)
+    manifest = save_checkpoint(str(tmp_path / "c"), off, opt)
+    entry = manifest["tensors"][MODEL_FILE]["blocks.0.fc1.weight"]
+    f = tmp_path / "c" / MODEL_FILE
+    raw = bytearray(f.read_bytes())
+    raw[entry["offset"] + 5] ^= 0x01
+    f.write_bytes(bytes(raw))
+    with pytest.raises(ts.IntegrityError, match=r"blocks\.0\.fc1\.weight.*checksum mismatch.*model\.safetensors"):
+        load_checkpoint(str(tmp_path / "c"), off, opt)
+
+
+def test_load_errors_say_what_is_wrong(make_store, tmp_path):
+    model, off, opt = _offloaded(make_store, 0)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        load_checkpoint(str(tmp_path / "nothing"), off)
+    save_checkpoint(str(tmp_path / "c"), off)
+    with pytest.raises(ts.TierStoreError, match="no optimizer state"):
+        load_checkpoint(str(tmp_path / "c"), off, opt)
+    other = torch.nn.Linear(3, 3)
+    with pytest.raises(ts.TierStoreError, match="does not match the model.*missing.*strict=False"):
+        load_checkpoint(str(tmp_path / "c"), other)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        save_checkpoint(str(tmp_path / "no" / "such" / "dir"), off)
+
+
+def test_failed_overwrite_keeps_the_previous_checkpoint(make_store, tmp_path, monkeypatch):
+    data = SyntheticImages(PRESETS["tiny"])
+    model, off, opt = _offloaded(make_store, 0)
+    path = str(tmp_path / "c")
+    save_checkpoint(path, off, opt, extra={"step": 0})
+    before = load_parameters(path)
+    _steps(model, opt, data, 0, 1)
+
+    def fail(stage):
+        if stage == "renamed old":
+            raise OSError("simulated crash between the renames")
+
+    monkeypatch.setattr(_checkpoint, "crash_point", fail)
+    with pytest.raises(OSError, match="simulated"):
+        save_checkpoint(path, off, opt, extra={"step": 1})
+    assert not os.path.exists(path) and _checkpoint.resolve(path) == path + ".prev"
+    after = load_parameters(path)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    monkeypatch.setattr(_checkpoint, "crash_point", None)
+    save_checkpoint(path, off, opt, extra={"step": 1})
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("c")) == ["c"]
+    assert load_checkpoint(path, off, opt) == {"step": 1}
+
+
+def _child(*args):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "ckpt_child.py"), *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def _same(a, b):
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigkill_during_save_always_leaves_a_loadable_checkpoint(tmp_path):
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (tmp_path / "nvme").mkdir()
+    dry = _child(str(tmp_path / "nvme"), str(tmp_path / "dry"), "-1", str(ref))
+    assert dry.returncode == 0, dry.stderr
+    stages = dry.stdout.splitlines()
+    refs = {name: (load_parameters(str(ref / name)), _checkpoint.read_manifest(str(ref / name))[1])
+            for name in ("A", "B")}
+    assert not _same(refs["A"][0], refs["B"][0])
+    # Every stage after the tensors are written, and tensors spread over both files.
+    points = [i for i, s in enumerate(stages) if not s.startswith("tensor ")]
+    tensor_points = [i for i, s in enumerate(stages) if s.startswith("tensor ")]
+    points += tensor_points[:: max(1, len(tensor_points) // 6)]
+    assert len(points) >= 10
+    outcomes = []
+    for k in sorted(points):
+        path = str(tmp_path / f"ckpt{k}")
+        nvme = tmp_path / f"nvme{k}"
+        nvme.mkdir()
+        r = _child(str(nvme), path, str(k))
+        assert r.returncode == -9, (k, stages[k], r.stderr)
+        got = load_parameters(path)
+        _, manifest = _checkpoint.read_manifest(path)
+        which = next((name for name, (params, m) in refs.items()
+                     if _same(got, params) and m["metadata"]["extra"] == manifest["metadata"]["extra"]), None)
+        assert which is not None, (k, stages[k], manifest["metadata"]["extra"],
+                                   {n: [x for x in got if not torch.equal(got[x], p.get(x))][:3]
+                                    for n, (p, _) in refs.items()})
+        opt_dir = _checkpoint.resolve(path)
+        for name, entry in manifest["tensors"][OPTIMIZER_FILE].items():  # checksums verified on read
+            _checkpoint.read_tensor(opt_dir, name, entry)
+        outcomes.append((stages[k], which))
+    assert {w for _, w in outcomes} == {"A", "B"}, outcomes  # killed before and after the commit
+
+
+def test_saving_streams_within_the_host_budget(make_store, tmp_path):
+    torch.manual_seed(0)
+    model = ViT(PRESETS["small"])
+    host = 8 * MIB
+    store = make_store(host_budget_bytes=host, device_budget_bytes=4 * MIB, file_size_bytes=64 * MIB,
+                       block_size_bytes=1 * MIB)
+    off = offload_model(model, store)
+    opt = OffloadedAdamW(off)
+    for _, key, _ in off.named_offloaded():  # give every parameter optimizer state without a forward pass
+        off.grads[key] = torch.zeros(store.info(key)["shape"])
+    opt.step()
+    opt.zero_grad()
+    state_bytes = sum(store.info(k)["nbytes"] for k in store.keys())
+    assert state_bytes >= 3 * host
+    if not reset_peak_rss():
+        pytest.skip("this kernel does not allow resetting the peak RSS")
+    before = rss_bytes()
+    save_checkpoint(str(tmp_path / "c"), off, opt)
+    grew = peak_rss_bytes() - before
+    # Host buffers are pooled up to the budget; the writer adds a few small objects at most.
+    assert grew <= host + 8 * MIB, (grew, state_bytes)
+    assert store.memory()["host"]["peak_bytes"] <= host

@@ -1,0 +1,223 @@
+"""Checkpoint files: safetensors written tensor by tensor, a JSON manifest, and an atomic commit.
+
+Mechanism only: it knows tensors by name and a way to borrow each one in
+host memory; the integrations decide which tensors a model and an
+optimizer have and where they come from.
+
+[Note: Atomic checkpoint commit] Everything is written into a sibling
+directory ``<path>.tmp-<random>``: the safetensors files, then the manifest
+(last, so a directory with a manifest is complete); every file and the
+directory are fsynced. Then, if ``<path>`` exists it is renamed to
+``<path>.prev``, the new directory is renamed to ``<path>``, the parent is
+fsynced and ``<path>.prev`` is removed. A process killed at any moment
+leaves ``<path>`` complete (old or new) or, between the two renames, no
+``<path>`` but a complete ``<path>.prev``, which :func:`resolve` picks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+import zlib
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ._types import IntegrityError, TierStoreError
+
+FORMAT = "tierstore-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}
+_BY_NAME = {v: k for k, v in _DTYPES.items()}
+
+# Test hook: called with a stage name at each step of a save (tests kill the process there).
+crash_point: Callable[[str], None] | None = None
+
+
+def _stage(name: str) -> None:
+    if crash_point is not None:
+        crash_point(name)
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """A tensor to save: its name, shape and dtype, and ``borrow()``, a context manager that
+    yields its bytes as a contiguous CPU tensor for as long as the write needs them."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    borrow: Callable[[], AbstractContextManager[torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise TypeError(f"dtype {dtype} cannot be saved in safetensors; convert it to one of "
+                        f"{', '.join(str(d) for d in _DTYPES)}") from None
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_safetensors(path: str, sources: list[TensorSource], file_label: str,
+                       metadata: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Write one safetensors file, borrowing one tensor at a time; returns the manifest entries."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for s in sources:
+        if s.name in header:
+            raise ValueError(f"tensor name {s.name!r} appears twice in {file_label}")
+        header[s.name] = {"dtype": dtype_name(s.dtype), "shape": list(s.shape),
+                          "data_offsets": [offset, offset + s.nbytes]}
+        offset += s.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    base = 8 + len(raw)
+    entries: dict[str, dict[str, Any]] = {}
+    with open(path, "xb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for s in sources:
+            with s.borrow() as t:
+                if tuple(t.shape) != tuple(s.shape) or t.dtype != s.dtype:
+                    raise TierStoreError(f"{s.name}: expected {tuple(s.shape)} {s.dtype}, got "
+                                         f"{tuple(t.shape)} {t.dtype}")
+                mv = _bytes_of(t.contiguous())
+                f.write(mv)
+                crc = zlib.crc32(mv)
+            lo, hi = header[s.name]["data_offsets"]
+            entries[s.name] = {"file": file_label, "offset": base + lo, "nbytes": hi - lo,
+                               "shape": list(s.shape), "dtype": dtype_name(s.dtype), "crc32": crc}
+            _stage(f"tensor {file_label}:{s.name}")
+        f.flush()
+        os.fsync(f.fileno())
+    _stage(f"file {file_label}")
+    return entries
+
+
+def write_checkpoint(path: str | os.PathLike, files: dict[str, Iterable[TensorSource]], *,
+                     metadata: dict[str, Any] | None = None,
+                     file_metadata: dict[str, dict[str, str]] | None = None) -> dict[str, Any]:
+    """Write ``files`` (file name -> tensors) and a manifest to directory ``path``, atomically.
+
+    See [Note: Atomic checkpoint commit]. ``metadata`` (JSON) goes into the
+    manifest; ``file_metadata`` into each safetensors header. Returns the manifest.
+    """
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"cannot write checkpoint {path}: directory {parent} does not exist; create it first")
+    for name in files:
+        if os.sep in name or name in (MANIFEST, "", ".", ".."):
+            raise ValueError(f"bad checkpoint file name {name!r}")
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
+    try:
+        manifest: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION, "metadata": metadata or {},
+                                    "tensors": {}}
+        for name, sources in files.items():
+            manifest["tensors"][name] = _write_safetensors(os.path.join(tmp, name), list(sources), name,
+                                                           (file_metadata or {}).get(name, {}))
+        with open(os.path.join(tmp, MANIFEST), "x") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o755 & ~_umask())
+        _fsync_dir(tmp)
+        _stage("manifest")
+        prev = path + ".prev"
+        if os.path.exists(path):
+            if os.path.exists(prev):
+                shutil.rmtree(prev)
+                _stage("removed stale prev")
+            os.rename(path, prev)
+            _fsync_dir(parent)
+            _stage("renamed old")
+        os.rename(tmp, path)
+        _fsync_dir(parent)
+        _stage("renamed new")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(path + ".prev", ignore_errors=True)
+    _stage("done")
+    return manifest
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def resolve(path: str | os.PathLike) -> str:
+    """The directory holding the last complete checkpoint saved at ``path``."""
+    path = os.path.abspath(os.fspath(path))
+    for candidate in (path, path + ".prev"):
+        if os.path.isfile(os.path.join(candidate, MANIFEST)):
+            return candidate
+    raise FileNotFoundError(f"no checkpoint at {path} (no {MANIFEST} there or in {path}.prev)")
+
+
+def read_manifest(path: str | os.PathLike) -> tuple[str, dict[str, Any]]:
+    """(directory, manifest) of the checkpoint at ``path``."""
+    directory = resolve(path)
+    with open(os.path.join(directory, MANIFEST)) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
+        raise TierStoreError(f"{directory} is not a {FORMAT} version {FORMAT_VERSION} checkpoint")
+    return directory, manifest
+
+
+def read_into(directory: str, name: str, entry: dict[str, Any], out: torch.Tensor) -> None:
+    """Read tensor ``name`` described by manifest ``entry`` into ``out`` (contiguous CPU), checking its CRC."""
+    if list(out.shape) != entry["shape"] or dtype_name(out.dtype) != entry["dtype"]:
+        raise TierStoreError(f"checkpoint tensor {name!r} is {entry['shape']} {entry['dtype']}, but the "
+                             f"model expects {list(out.shape)} {dtype_name(out.dtype)}: wrong model or config")
+    file = os.path.join(directory, entry["file"])
+    mv = _bytes_of(out)
+    with open(file, "rb") as f:
+        f.seek(entry["offset"])
+        got = f.readinto(mv)
+    if got != entry["nbytes"]:
+        raise IntegrityError(f"checkpoint tensor {name!r}: {file} is truncated ({got} of {entry['nbytes']} bytes)")
+    if zlib.crc32(mv) != entry["crc32"]:
+        raise IntegrityError(f"checkpoint tensor {name!r}: checksum mismatch in {file} at byte "
+                             f"{entry['offset']}; the file is corrupt")
+
+
+def read_tensor(directory: str, name: str, entry: dict[str, Any]) -> torch.Tensor:
+    out = torch.empty(entry["shape"], dtype=_BY_NAME[entry["dtype"]])
+    read_into(directory, name, entry, out)
+    return out
+
+
+__all__ = ["TensorSource", "read_manifest", "read_into", "read_tensor", "resolve", "write_checkpoint"]
