@@ -35,7 +35,7 @@ def test_bench_step_tiny(tmp_path, capsys):
     out = tmp_path / "step.json"
     rc = _cli.main(["bench", "step", "--preset", "tiny", "--batch-size", "8", "--depths", "0,2", "--rounds", "2",
                     "--nvme-path", str(tmp_path), "--host-budget", "640KiB", "--device-budget", "320KiB",
-                    "--json", str(out)])
+                    "--json", str(out), "--trace", str(tmp_path / "trace.json")])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["resident_step_s"] > 0 and res["drive_gbps"] > 0
@@ -45,3 +45,12 @@ def test_bench_step_tiny(tmp_path, capsys):
         assert row["bound_s"] >= res["resident_step_s"]
         assert row["overlap_efficiency"] == row["bound_s"] / row["step_s"]
     assert "overlap" in capsys.readouterr().out
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    assert len(spans) == res["trace"]["events"]
+    cats = {e["cat"] for e in spans}
+    assert {"transfer", "compute", "optimizer"} <= cats
+    names = {e["name"] for e in spans}
+    assert {"nvme->host", "host->nvme", "forward blocks.0.fc1", "backward blocks.0.fc1"} <= names
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    assert any(e["ph"] == "M" and e["name"] == "thread_name" for e in trace)

@@ -34,7 +34,8 @@ def _resident_step(model, data, batch_size: int, step: int, opt) -> float:
 
 
 def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path: str, rounds: int,
-                   host_budget_bytes: int | None, device_budget_bytes: int | None, log=print) -> dict[str, Any]:
+                   host_budget_bytes: int | None, device_budget_bytes: int | None, trace_path: str | None = None,
+                   log=print) -> dict[str, Any]:
     from .integrations.offload import offload_model
     from .integrations.optim import OffloadedAdamW
 
@@ -68,6 +69,14 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
             samples["resident"].append(_resident_step(resident, data, batch_size, r + 1, ropt))
             for d in order:
                 samples[d].append(_offloaded_step(*setups[d], data, batch_size, r + 1))
+        if trace_path:
+            traced = max(depths)
+            model, store, opt = setups[traced]
+            timeline = store.record_timeline()
+            assert timeline is not None
+            _offloaded_step(model, store, opt, data, batch_size, rounds + 1)
+            store.record_timeline(False)
+            n_events = timeline.write_chrome_trace(trace_path)
     finally:
         for _, store, _ in setups.values():
             store.close()
@@ -90,6 +99,10 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
         base0 = result["depths"].get(str(depths[0]), row)["step_s"]
         log(f"{d:>5} {step_s:>8.3f} {stall:>8.3f} {moved / MIB:>9.1f} {bound:>8.3f} {bound / step_s:>8.2f} "
             f"{base0 / step_s:>9.2f}x")
+    if trace_path:
+        log(f"timeline of one step at prefetch depth {traced}: {n_events} spans in {trace_path} "
+            "(open it at https://ui.perfetto.dev)")
+        result["trace"] = {"path": trace_path, "depth": traced, "events": n_events}
     return result
 
 

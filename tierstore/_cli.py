@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     step.add_argument("--host-budget", help="host tier budget (default: a third of the state)")
     step.add_argument("--device-budget", help="device tier budget (default: a quarter of the weights)")
     step.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    step.add_argument("--trace", metavar="FILE", help="write a Chrome trace (Perfetto) of one step at the deepest depth")
     demo = cmds.add_parser("demo", help="train a ViT with parameters and AdamW state offloaded to NVMe")
     demo.add_argument("--preset", default="small", help="model size: tiny, small, base, large, 1b (default small)")
     demo.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
             result = run_step_bench(
                 preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=args.nvme_path,
-                depths=[int(d) for d in args.depths.split(",")], **_budgets(args))
+                depths=[int(d) for d in args.depths.split(",")], trace_path=args.trace, **_budgets(args))
             _write_json(args.json, result)
             return 0
         if args.cmd == "bench" and args.bench == "drive":
