@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from tierstore import Tier, TierStore
-from tierstore._schedule import PrefetchPolicy
+from tierstore._schedule import PrefetchPolicy, group_victim_order
 
 _STATE_KEY = "_tierstore_offload"
 
@@ -136,7 +136,7 @@ class OffloadedModel:
         for g in self.groups.values():
             for sp in g.params:
                 self._key_group.setdefault(sp.key, g.name)
-        store.set_victim_order(self._victim_order)
+        store.set_victim_order(group_victim_order(self.policy, self._key_group))
 
     # ---- hooks -------------------------------------------------------------------------
     def _start_step(self, module: nn.Module, args: Any) -> None:
@@ -268,11 +268,6 @@ class OffloadedModel:
             if sp.holds:
                 sp.holds = 1
                 self._unhold(sp)
-
-    def _victim_order(self, tier: Tier, keys: list[str]) -> list[str]:
-        far = {g: d for g, d in ((g, self.policy.next_use_distance(g)) for g in
-                                 {self._key_group.get(k) for k in keys}) if g is not None}
-        return sorted(keys, key=lambda k: -far.get(self._key_group.get(k), float("inf")))
 
     def _fill_state_dict(self, state_dict: dict, prefix: str) -> None:
         for name, p in self.model.named_parameters(remove_duplicate=False):  # tied names too

@@ -48,8 +48,31 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--host-budget", help="host tier budget, e.g. 64MiB (default: a third of the state)")
     demo.add_argument("--device-budget", help="device tier budget (default: a quarter of the weights)")
     demo.add_argument("--json", metavar="FILE", help="write per-step figures as JSON")
+    plan = cmds.add_parser("plan", help="ZeRO-3 memory per rank and tier, and the bytes each step moves")
+    what = plan.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=float, help="parameter count, e.g. 7e9")
+    what.add_argument("--preset", help="a ViT preset: tiny, small, base, large, 1b")
+    plan.add_argument("--ranks", type=int, default=1, help="data-parallel ranks sharding the model (default 1)")
+    plan.add_argument("--dtype", default="bf16", help="compute dtype: bf16, fp16, fp32 (default bf16)")
+    plan.add_argument("--optimizer", default="adamw", help="adamw, sgd or none (default adamw)")
+    plan.add_argument("--device-budget", help="device budget per rank, e.g. 40GB (default none)")
+    plan.add_argument("--host-budget", help="host budget per rank (default none)")
+    plan.add_argument("--nvme-budget", help="NVMe budget per rank (default unlimited)")
+    plan.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     args = parser.parse_args(argv)
     try:
+        if args.cmd == "plan":
+            from ._plan import PlanConfig, format_plan, make_plan
+
+            result = make_plan(PlanConfig(
+                params=int(args.params) if args.params is not None else _preset_params(args.preset),
+                ranks=args.ranks, dtype=args.dtype, optimizer=args.optimizer,
+                **{f"{t}_budget_bytes": parse_bytes(v, name=f"--{t}-budget") if v else None
+                   for t, v in (("device", args.device_budget), ("host", args.host_budget),
+                                ("nvme", args.nvme_budget))}))
+            print(format_plan(result))
+            _write_json(args.json, result)
+            return 0
         if args.cmd == "demo":
             from ._demo import run_demo
 
@@ -82,6 +105,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser.error("unknown command")
     return 2
+
+
+def _preset_params(preset: str) -> int:
+    import torch
+
+    from .vit import PRESETS, ViT, num_params
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    with torch.device("meta"):
+        return num_params(ViT(PRESETS[preset]))
 
 
 def _budgets(args: argparse.Namespace) -> dict[str, int | None]:

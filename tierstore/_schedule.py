@@ -16,7 +16,7 @@ the next step on; nothing fails or waits because of a departure.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 
 @dataclass
@@ -88,3 +88,14 @@ class PrefetchPolicy:
     def victim_order(self, candidates: Sequence[Hashable]) -> list[Hashable]:
         """Candidates ordered farthest next use first (Belady); ties keep their given order."""
         return sorted(candidates, key=lambda g: -self.next_use_distance(g))
+
+
+def group_victim_order(policy: PrefetchPolicy, key_group: dict[str, Hashable]) -> Callable[[object, list[str]], list[str]]:
+    """A store victim order (see ``TierStore.set_victim_order``) from ``policy``: keys whose group is
+    next used farthest from now go first; keys of no group count as never used again."""
+
+    def order(tier: object, keys: list[str]) -> list[str]:
+        far = {g: policy.next_use_distance(g) for g in {key_group.get(k) for k in keys} if g is not None}
+        return sorted(keys, key=lambda k: -far.get(key_group.get(k), float("inf")))
+
+    return order

@@ -1,0 +1,88 @@
+"""Every private detail of FSDP2 (``torch.distributed.fsdp.fully_shard``) tierstore relies on, in one place.
+
+FSDP2's public API has ``unshard()`` and the prefetch setters, but no hook
+that runs before an all-gather reads a parameter group's local shards,
+whichever of forward, backward or a prefetch asked for it. So we wrap two
+methods of each ``FSDPParamGroup`` object (not the class): ``unshard``
+(before it, the shards are made resident) and ``wait_for_unshard`` (after
+it, the all-gather has consumed them and they are freed again). Tested with
+the torch versions in ``TESTED_TORCH``; others fail with a clear message
+unless ``allow_untested_torch=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+TESTED_TORCH = ("2.13",)
+
+
+def check_torch_version(allow_untested: bool) -> None:
+    version = torch.__version__.split("+")[0]
+    if not allow_untested and not any(version == v or version.startswith(v + ".") for v in TESTED_TORCH):
+        raise RuntimeError(
+            f"tierstore's FSDP2 integration uses FSDP2 internals tested with torch {', '.join(TESTED_TORCH)}; "
+            f"this is torch {torch.__version__}. Pass allow_untested_torch=True to try it anyway "
+            "(and compare against a run without offload)."
+        )
+
+
+def fsdp_groups(model: nn.Module) -> Iterator[tuple[str, nn.Module, Any]]:
+    """(module name, FSDP module, its FSDPParamGroup) for every fully_shard-ed module that has parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                yield name, module, group
+
+
+def group_params(group: Any) -> list[nn.Parameter]:
+    """The sharded parameters (DTensors) of a param group."""
+    return [fp.sharded_param for fp in group.fsdp_params]
+
+
+def check_group_supported(name: str, group: Any) -> None:
+    for fp in group.fsdp_params:
+        if fp.offload_to_cpu:
+            raise ValueError(f"FSDP module {name or '<root>'!r} uses CPUOffloadPolicy; tierstore replaces it "
+                             "(host and NVMe tiers): apply fully_shard without offload_policy")
+    if group._use_post_forward_mesh:
+        raise ValueError(f"FSDP module {name or '<root>'!r} reshards after forward to a smaller mesh "
+                         "(reshard_after_forward=int), which tierstore does not support; use True or False")
+
+
+def local_shard(param: nn.Parameter) -> torch.Tensor:
+    """The rank's local shard of a sharded parameter; its storage is the padded shard FSDP all-gathers from."""
+    return param._local_tensor  # type: ignore[attr-defined]
+
+
+def wrap_group(group: Any, before_unshard: Callable[[], None], after_wait: Callable[[], None]) -> Callable[[], None]:
+    """Run ``before_unshard`` before the group's all-gather reads its shards and ``after_wait`` once it
+    has; returns a function that removes the wrappers."""
+    unshard, wait = group.unshard, group.wait_for_unshard
+
+    def wrapped_unshard(async_op: bool = False) -> None:
+        if group._all_gather_result is None and not group.is_unsharded:
+            before_unshard()
+        return unshard(async_op)
+
+    def wrapped_wait() -> None:
+        wait()
+        after_wait()
+
+    group.unshard, group.wait_for_unshard = wrapped_unshard, wrapped_wait
+
+    def remove() -> None:
+        del group.unshard, group.wait_for_unshard  # back to the class's methods
+
+    return remove
+
+
+__all__ = ["TESTED_TORCH", "check_group_supported", "check_torch_version", "fsdp_groups", "group_params",
+           "local_shard", "wrap_group"]

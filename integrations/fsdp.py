@@ -1,0 +1,224 @@
+"""ZeRO-3 with an NVMe tier: each rank's FSDP2 shards live in a TierStore and are read ahead of the all-gathers.
+
+After ``fully_shard`` has been applied as usual, :func:`offload_fsdp`
+puts every rank's local shards (the tensors FSDP2 all-gathers) into that
+rank's store, home NVMe by default, and frees their memory. Before FSDP2
+all-gathers a parameter group -- in forward, in backward, or as one of its
+own prefetches -- the group's shards are copied back from the store (the
+prefetch scheduler has read them into the host tier ahead of time, in the
+order recorded on the first step); once the all-gather has consumed them
+they are freed again. Gradients stay as FSDP2 leaves them (sharded, in
+``param.grad``); :class:`~tierstore.integrations.optim.OffloadedAdamW`
+steps each rank's shards with their state in the store.
+
+[Note: Freeing a shard] A shard's memory is freed by resizing its storage
+to zero bytes and restored by resizing it back, as FSDP2 does with its
+unsharded parameters: the tensors FSDP2 keeps (the padded shard and the
+DTensor's local view of it) stay the same objects, so nothing of FSDP2's
+state needs rewriting. The private details this relies on are in
+``_fsdp_internals.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tierstore import Tier, TierStore
+from tierstore._schedule import PrefetchPolicy, group_victim_order
+
+from . import _fsdp_internals as internals
+
+_STATE_KEY = "_tierstore_fsdp"
+
+
+@dataclass(eq=False)
+class _Shard:
+    name: str
+    key: str
+    param: nn.Parameter  # the sharded DTensor parameter
+    local: torch.Tensor  # its local tensor: a view of the padded shard's storage
+    storage_nbytes: int  # the padded shard's size
+
+
+@dataclass(eq=False)
+class _ShardGroup:
+    name: str
+    shards: list[_Shard]
+    nbytes: int
+    materialized: bool = True  # the shards' storage holds their current values
+    remove: Any = None
+
+
+@dataclass
+class FSDPOffloadStats:
+    stall_seconds_by_group: dict[str, float] = field(default_factory=dict)
+    prefetches_issued: int = 0
+    unshards: int = 0
+
+
+class _ShardGrads:
+    """``grads.get(key)``: the local shard of that parameter's gradient, as FSDP2 left it."""
+
+    def __init__(self, by_key: dict[str, _Shard]) -> None:
+        self._by_key = by_key
+
+    def get(self, key: str, default: Any = None) -> torch.Tensor | None:
+        sh = self._by_key.get(key)
+        if sh is None or sh.param.grad is None:
+            return default
+        return sh.param.grad.to_local()
+
+
+class FSDPOffload:
+    """The NVMe tier under one rank's FSDP2 shards; returned by :func:`offload_fsdp`."""
+
+    def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int, prefetch_bytes: int | None,
+                 home: Tier) -> None:
+        self.model = model
+        self.store = store
+        self.home = home
+        self.stats = FSDPOffloadStats()
+        self.resident: dict[str, nn.Parameter] = {}
+        self.groups: dict[str, _ShardGroup] = {}
+        self.params: dict[int, _Shard] = {}  # id(param) -> shard
+        names = {id(p): n for n, p in model.named_parameters()}
+        handles = []
+        for gname, _module, group in internals.fsdp_groups(model):
+            internals.check_group_supported(gname, group)
+            shards = []
+            for p in internals.group_params(group):
+                local = internals.local_shard(p)
+                name = names[id(p)]
+                sh = _Shard(name, f"fsdp/{name}", p, local, local.untyped_storage().nbytes())
+                handles.append(store.put(sh.key, local.detach().contiguous(), home=home))
+                shards.append(sh)
+                self.params[id(p)] = sh
+            self.groups[gname] = _ShardGroup(gname, shards, sum(s.local.numel() * s.local.element_size()
+                                                                 for s in shards))
+        if not self.groups:
+            raise ValueError("no fully_shard-ed module with parameters found; apply fully_shard before offload_fsdp")
+        for h in handles:
+            h.wait()
+        for gname, _module, group in internals.fsdp_groups(model):
+            sg = self.groups[gname]
+            sg.remove = internals.wrap_group(group, lambda sg=sg: self._materialize(sg), lambda sg=sg: self._free(sg))
+        self._by_key = {sh.key: sh for sh in self.params.values()}
+        self.grads = _ShardGrads(self._by_key)
+        self.policy = PrefetchPolicy(depth=prefetch_depth, max_bytes=prefetch_bytes,
+                                     group_bytes={g.name: g.nbytes for g in self.groups.values()})
+        self._key_group = {sh.key: g.name for g in self.groups.values() for sh in g.shards}
+        store.set_victim_order(group_victim_order(self.policy, self._key_group))
+        self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
+
+    # ---- the all-gather loop -----------------------------------------------------------
+    def _start_step(self, module: nn.Module, args: Any) -> None:
+        self.policy.start_step()
+
+    def _materialize(self, sg: _ShardGroup) -> None:
+        """Before FSDP2 all-gathers ``sg``: its shards' storage back, filled from the store."""
+        self.stats.unshards += 1
+        for name in self.policy.on_use(sg.name):
+            for sh in self.groups[name].shards:
+                self.store.prefetch(sh.key, Tier.HOST)
+                self.stats.prefetches_issued += 1
+        t0 = time.perf_counter()
+        for sh in sg.shards:
+            storage = sh.local.untyped_storage()
+            if storage.nbytes() != sh.storage_nbytes:
+                storage.resize_(sh.storage_nbytes)
+                used = sh.local.numel() * sh.local.element_size()
+                if used < sh.storage_nbytes:  # FSDP2's padding: all-gathered, never read
+                    torch.empty(0, dtype=torch.uint8, device=sh.local.device).set_(storage)[used:].zero_()
+            if sh.local.numel():
+                with torch.no_grad():
+                    sh.local.copy_(self.store.get(sh.key, Tier.HOST))
+                self.store.release(sh.key, Tier.HOST)
+        by_group = self.stats.stall_seconds_by_group
+        by_group[sg.name] = by_group.get(sg.name, 0.0) + time.perf_counter() - t0
+        sg.materialized = True
+
+    def _free(self, sg: _ShardGroup) -> None:
+        """The all-gather has read the shards: free their memory (see [Note: Freeing a shard])."""
+        if not sg.materialized:
+            return
+        for sh in sg.shards:
+            sh.local.untyped_storage().resize_(0)
+        sg.materialized = False
+
+    # ---- what OffloadedAdamW and checkpoints use ----------------------------------------
+    def named_offloaded(self) -> Iterator[tuple[str, str, nn.Parameter]]:
+        """(name, store key, sharded parameter) of every offloaded shard."""
+        for sh in self.params.values():
+            yield sh.name, sh.key, sh.param
+
+    def read_param(self, name: str) -> torch.Tensor:
+        """A CPU copy of this rank's local shard of parameter ``name``."""
+        sh = next((s for s in self.params.values() if s.name == name), None)
+        if sh is None:
+            raise KeyError(f"no offloaded parameter named {name!r}")
+        t = self.store.get(sh.key, Tier.HOST)
+        try:
+            return t.clone()
+        finally:
+            self.store.release(sh.key, Tier.HOST)
+
+    def zero_grad(self) -> None:
+        for sh in self.params.values():
+            sh.param.grad = None
+
+    def local_state_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's parameter shards and optimizer state in the store, by home tier."""
+        out: dict[str, int] = {}
+        for key in self.store.keys():
+            if key.startswith(("fsdp/", "adam/")):
+                info = self.store.info(key)
+                out[info["home"]] = out.get(info["home"], 0) + info["nbytes"]
+        return out
+
+    def remove(self) -> None:
+        """Put every shard back in memory (current values) and detach from FSDP2."""
+        self._hook.remove()
+        self.store.set_victim_order(None)
+        for sg in self.groups.values():
+            sg.remove()
+            sg.materialized = False
+            self._materialize(sg)
+            for sh in sg.shards:
+                self.store.drop(sh.key)
+        self.params.clear()
+        delattr(self.model, _STATE_KEY)
+
+
+def offload_fsdp(model: nn.Module, store: TierStore, *, prefetch_depth: int | None = None,
+                 prefetch_bytes: int | None = None, home: Tier | str | None = None,
+                 allow_untested_torch: bool = False) -> FSDPOffload:
+    """Give this rank's FSDP2 shards of ``model`` a home in ``store`` (NVMe by default).
+
+    Call after ``fully_shard`` (on the blocks, then the root) and before the
+    first forward. Defaults come from ``store.config``.
+    """
+    internals.check_torch_version(allow_untested_torch)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"offload_fsdp needs an nn.Module, not {type(model).__name__}")
+    if hasattr(model, _STATE_KEY):
+        raise ValueError("this model's shards are already offloaded; call .remove() on its FSDPOffload first")
+    if not dist.is_initialized():
+        raise RuntimeError("offload_fsdp needs torch.distributed initialised (run under torchrun, "
+                           "init_process_group) and fully_shard applied")
+    cfg = store.config
+    state = FSDPOffload(model, store,
+                        prefetch_depth=cfg.prefetch_depth if prefetch_depth is None else prefetch_depth,
+                        prefetch_bytes=cfg.prefetch_bytes if prefetch_bytes is None else prefetch_bytes,
+                        home=Tier.parse(home if home is not None else cfg.param_tier))
+    setattr(model, _STATE_KEY, state)
+    return state
+
+
+__all__ = ["FSDPOffload", "offload_fsdp"]

@@ -1,0 +1,42 @@
+"""`tierstore plan`: the ZeRO-3 worked example, placement under budgets, and bad input."""
+
+import json
+
+import pytest
+
+from tierstore import _cli
+from tierstore._plan import PlanConfig, make_plan
+
+
+def test_seed_example_7b_on_8_ranks(capsys, tmp_path):
+    assert _cli.main(["plan", "--params", "7e9", "--ranks", "8", "--json", str(tmp_path / "p.json")]) == 0
+    plan = json.loads((tmp_path / "p.json").read_text())
+    t, r = plan["totals"], plan["per_rank"]
+    assert t["weights"] == 14e9  # bf16
+    assert t["moments"] == 56e9 and t["optimizer_state"] == 84e9  # with the fp32 master copy
+    assert r["moments"] == 7e9
+    out = capsys.readouterr().out
+    assert "Adam moments (fp32 m, v)       56.00         7.00" in out
+    assert "optimizer state, all           84.00        10.50" in out
+
+
+def test_placement_follows_budgets():
+    gb = 10**9
+    plan = make_plan(PlanConfig(params=7 * gb, ranks=8, device_budget_bytes=4 * gb, host_budget_bytes=16 * gb))
+    assert plan["homes"] == {"weights": "device", "optimizer_state": "host"}  # 1.75 GB, then 10.5 of 12 GB
+    assert plan["traffic_per_step"]["nvme_read"] == 0
+    plan = make_plan(PlanConfig(params=7 * gb, ranks=8, host_budget_bytes=8 * gb))
+    assert plan["homes"] == {"weights": "host", "optimizer_state": "nvme"}
+    assert plan["traffic_per_step"]["nvme_read"] == plan["per_rank"]["optimizer_state"]
+    plan = make_plan(PlanConfig(params=7 * gb, ranks=1, nvme_budget_bytes=10 * gb))
+    assert not plan["fits"]
+
+
+def test_preset_and_bad_input(capsys):
+    assert _cli.main(["plan", "--preset", "base", "--ranks", "2", "--dtype", "fp32"]) == 0
+    assert "M parameters, fp32 compute" in capsys.readouterr().out
+    assert _cli.main(["plan", "--params", "7e9", "--dtype", "int8"]) == 2
+    assert "choose one of fp32, bf16, fp16" in capsys.readouterr().err
+    assert _cli.main(["plan", "--preset", "huge"]) == 2
+    with pytest.raises(ValueError, match="ranks=0 must be >= 1"):
+        PlanConfig(params=1, ranks=0)
