@@ -13,6 +13,8 @@ atomic: see [Note: Atomic checkpoint commit] in ``tierstore/_checkpoint.py``.
 
 from __future__ import annotations
 
+import os
+import shutil
 import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -21,21 +23,35 @@ import torch
 from torch import nn
 
 from tierstore import Tier, TierStore, TierStoreError
-from tierstore._checkpoint import TensorSource, read_into, read_manifest, read_tensor, write_checkpoint
+from tierstore._checkpoint import (
+    TensorSource,
+    _write_safetensors,
+    commit,
+    new_directory,
+    read_into,
+    read_manifest,
+    read_tensor,
+    write_checkpoint,
+    write_files,
+)
 
+from .fsdp import _STATE_KEY as _FSDP_STATE_KEY
+from .fsdp import FSDPOffload
 from .offload import _STATE_KEY, OffloadedModel
 from .optim import OffloadedAdamW
+
+Offloaded = OffloadedModel | FSDPOffload
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 
 
-def _offloaded(model: nn.Module | OffloadedModel) -> tuple[nn.Module, OffloadedModel | None]:
-    if isinstance(model, OffloadedModel):
+def _offloaded(model: nn.Module | Offloaded) -> tuple[nn.Module, Offloaded | None]:
+    if isinstance(model, (OffloadedModel, FSDPOffload)):
         return model.model, model
     if not isinstance(model, nn.Module):
-        raise TypeError(f"expected an nn.Module or an OffloadedModel, not {type(model).__name__}")
-    return model, getattr(model, _STATE_KEY, None)
+        raise TypeError(f"expected an nn.Module, an OffloadedModel or an FSDPOffload, not {type(model).__name__}")
+    return model, getattr(model, _STATE_KEY, None) or getattr(model, _FSDP_STATE_KEY, None)
 
 
 def _store_source(store: TierStore, key: str, name: str) -> TensorSource:
@@ -84,16 +100,19 @@ def _model_tensors(model: nn.Module, off: OffloadedModel | None) -> tuple[dict[s
     return tensors, aliases
 
 
-def save_checkpoint(path: str, model: nn.Module | OffloadedModel, optimizer: OffloadedAdamW | None = None, *,
+def save_checkpoint(path: str, model: nn.Module | Offloaded, optimizer: OffloadedAdamW | None = None, *,
                     extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Save ``model``'s parameters (and ``optimizer``'s state) to directory ``path``, atomically.
 
     ``extra`` is any JSON-serialisable dict (your epoch, data position...),
     returned by :func:`load_checkpoint`. Overwrites an earlier checkpoint at
-    ``path`` only once the new one is complete. Returns the manifest.
+    ``path`` only once the new one is complete. With FSDP2 (:func:`offload_fsdp`)
+    every rank calls it with the same ``path`` (on a filesystem all ranks
+    see): each writes its shards to ``path/rank<r>``, and rank 0 commits the
+    whole directory once all have written. Returns the (rank's) manifest.
     """
     model, off = _offloaded(model)
-    if off is not None and any(sp.holds for sp in off.params.values()):
+    if off is not None and any(getattr(sp, "holds", 0) for sp in off.params.values()):
         raise RuntimeError("cannot save a checkpoint inside forward or backward; save between steps")
     tensors, aliases = _model_tensors(model, off)
     store = off.store if off is not None else None
@@ -114,7 +133,63 @@ def save_checkpoint(path: str, model: nn.Module | OffloadedModel, optimizer: Off
         files[OPTIMIZER_FILE] = [_store_source(optimizer.store, key, f"{name}/{what}")
                                  for name, what, key in optimizer.state_tensors()]
         metadata["optimizer"] = {"hyperparameters": optimizer.hyperparameters(), "steps": dict(optimizer.steps)}
-    return write_checkpoint(path, files, metadata=metadata, file_metadata={MODEL_FILE: {"format": "pt"}})
+    file_metadata = {MODEL_FILE: {"format": "pt"}}
+    if not isinstance(off, FSDPOffload):
+        return write_checkpoint(path, files, metadata=metadata, file_metadata=file_metadata)
+    return _save_sharded(path, off, files, metadata, file_metadata)
+
+
+def _part(rank: int) -> str:
+    return f"rank{rank:05d}"
+
+
+def _save_sharded(path: str, off: FSDPOffload, files: dict, metadata: dict, file_metadata: dict) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    metadata.update(rank=rank, world_size=world, sharded={
+        sh.name: {"shape": list(sh.param.shape), "dim": _shard_dim(sh.param)} for sh in off.params.values()})
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            box[0] = new_directory(path)
+        except OSError as e:
+            box[0] = e
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    tmp = box[0]
+    error: BaseException | None = None
+    manifest: dict[str, Any] = {}
+    try:
+        manifest = write_files(os.path.join(tmp, _part(rank)), files, metadata=metadata,
+                               file_metadata=file_metadata)
+    except BaseException as e:  # every rank must learn of it before rank 0 commits
+        error = e
+    errors: list[Any] = [None] * world
+    dist.all_gather_object(errors, None if error is None else f"rank {rank}: {error!r}")
+    failed = [e for e in errors if e is not None]
+    if rank == 0:
+        try:
+            if not failed:
+                write_files(tmp, {}, metadata={"world_size": world, "parts": [_part(r) for r in range(world)],
+                                               "extra": metadata["extra"]})
+                commit(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    if error is not None:
+        raise error
+    if failed:
+        raise TierStoreError(f"checkpoint {path} not written: " + "; ".join(failed))
+    return manifest
+
+
+def _shard_dim(param: torch.Tensor) -> int | None:
+    from torch.distributed.tensor import Shard
+
+    dims = [pl.dim for pl in getattr(param, "placements", ()) if isinstance(pl, Shard)]
+    return dims[0] if dims else None
 
 
 def load_checkpoint(path: str, model: nn.Module | OffloadedModel, optimizer: OffloadedAdamW | None = None, *,
@@ -127,7 +202,17 @@ def load_checkpoint(path: str, model: nn.Module | OffloadedModel, optimizer: Off
     checkpoint or a tensor the model lacks is an error.
     """
     model, off = _offloaded(model)
-    directory, manifest = read_manifest(path)
+    if isinstance(off, FSDPOffload):
+        import torch.distributed as dist
+
+        _, top = read_manifest(path)
+        saved, world = top["metadata"].get("world_size"), dist.get_world_size()
+        if saved != world:
+            raise TierStoreError(f"checkpoint {path} was saved by {saved} ranks, this job has {world}; "
+                                 "consolidate_checkpoint() it and load the full parameters instead")
+        directory, manifest = read_manifest(path, _part(dist.get_rank()))
+    else:
+        directory, manifest = read_manifest(path)
     meta = manifest["metadata"]
     entries = manifest["tensors"].get(MODEL_FILE, {})
     tensors, _ = _model_tensors(model, off)
@@ -191,6 +276,65 @@ def _load_optimizer(opt: OffloadedAdamW, directory: str, entries: dict[str, Any]
         _load_into_store(opt.store, key, directory, f"{name}/{what}", entry)
 
 
+def consolidate_checkpoint(path: str, out_file: str) -> list[str]:
+    """Join the per-rank shards of an FSDP2 checkpoint into one safetensors file of full parameters.
+
+    Streams one parameter at a time (memory: the largest full parameter).
+    The file is written under a temporary name, fsynced, then renamed.
+    Returns the names written.
+    """
+    directory, top = read_manifest(path)
+    parts = top["metadata"].get("parts")
+    if not parts:
+        raise TierStoreError(f"{directory} is not a sharded (FSDP2) checkpoint; its {MODEL_FILE} is already whole")
+    manifests = [read_manifest(path, part) for part in parts]
+    first = manifests[0][1]
+    sharded = first["metadata"].get("sharded", {})
+    sources = []
+    for name, entry in first["tensors"][MODEL_FILE].items():
+        info = sharded.get(name)
+        if info is None or info["dim"] is None:  # replicated (buffers): rank 0's copy
+            sources.append(_file_source(name, entry, manifests[0][0]))
+            continue
+        sources.append(_joined_source(name, info, manifests))
+    out_file = os.path.abspath(out_file)
+    tmp = f"{out_file}.tmp-{os.getpid()}"
+    try:
+        _write_safetensors(tmp, sources, os.path.basename(out_file), {"format": "pt"})
+        os.rename(tmp, out_file)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return [s.name for s in sources]
+
+
+def _file_source(name: str, entry: dict[str, Any], directory: str) -> TensorSource:
+    @contextmanager
+    def borrow() -> Iterator[torch.Tensor]:
+        yield read_tensor(directory, name, entry)
+
+    return TensorSource(name, tuple(entry["shape"]), _dtype(entry["dtype"]), borrow)
+
+
+def _joined_source(name: str, info: dict[str, Any], manifests: list[tuple[str, dict[str, Any]]]) -> TensorSource:
+    entries = [(d, m["tensors"][MODEL_FILE][name]) for d, m in manifests]
+
+    @contextmanager
+    def borrow() -> Iterator[torch.Tensor]:
+        shards = [s for s in (read_tensor(d, name, e) for d, e in entries) if s.numel()]
+        yield torch.cat(shards, dim=info["dim"]) if shards else torch.empty(info["shape"], dtype=_dtype(
+            entries[0][1]["dtype"]))
+
+    return TensorSource(name, tuple(info["shape"]), _dtype(entries[0][1]["dtype"]), borrow)
+
+
+def _dtype(name: str) -> torch.dtype:
+    from tierstore._checkpoint import _BY_NAME
+
+    return _BY_NAME[name]
+
+
 def load_parameters(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint's model file, checksums verified, tied names included (CPU tensors)."""
     directory, manifest = read_manifest(path)
@@ -201,4 +345,5 @@ def load_parameters(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["MODEL_FILE", "OPTIMIZER_FILE", "load_checkpoint", "load_parameters", "save_checkpoint"]
+__all__ = ["MODEL_FILE", "OPTIMIZER_FILE", "consolidate_checkpoint", "load_checkpoint", "load_parameters",
+           "save_checkpoint"]

@@ -56,6 +56,7 @@ def _train_step(model, opt, data, step, batch_size, rank, world) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from .checkpoint import save_checkpoint
     from .fsdp import offload_fsdp
     from .optim import OffloadedAdamW
 
@@ -74,9 +75,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.check:
             ref_model = _shard(copy.deepcopy(base))
             ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=args.lr, weight_decay=0.01, foreach=False)
-            ref_losses = [_train_step(ref_model, ref_opt, data, s, args.batch_size, rank, world)
-                          for s in range(args.steps)]
-            reference = (ref_model, ref_opt, ref_losses)
+            ref_losses, ref_full_at_save = [], None
+            for s in range(args.steps):
+                if args.checkpoint and s == args.save_at:  # full parameters as a checkpoint there holds them
+                    ref_full_at_save = {n: p.full_tensor() for n, p in ref_model.named_parameters()}
+                ref_losses.append(_train_step(ref_model, ref_opt, data, s, args.batch_size, rank, world))
+            reference = (ref_model, ref_opt, ref_losses, ref_full_at_save)
         model = _shard(copy.deepcopy(base))
         del base
         state_bytes = n * 12 // world
@@ -97,6 +101,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             opt = OffloadedAdamW(off, lr=args.lr, weight_decay=0.01)
             store.flush()
             for step in range(args.steps):
+                if args.checkpoint and step == args.save_at:
+                    save_checkpoint(args.checkpoint, off, opt, extra={"step": step})
                 before = store.stats_dict()
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -121,12 +127,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             dist.all_gather_object(per_rank, mine)
             ok = None
             if reference is not None:
-                ok = _compare(off, opt, reference, [r["local_loss"] for r in rows])
-                oks = [None] * world
-                dist.all_gather_object(oks, ok)
-                ok = all(oks)
+                ok = _all(_compare(off, opt, reference, [r["local_loss"] for r in rows]))
+        resumed = None
+        if args.checkpoint:
+            resumed = _all(_resume(args, config, data, rank, world, [r["local_loss"] for r in rows]))
+            if reference is not None:
+                ok = ok and _all(_check_consolidated(args.checkpoint, reference[3], rank))
         result = {"preset": args.preset, "params": n, "ranks": world, "backend": dist.get_backend(),
-                  "steps": rows, "per_rank": per_rank, "bit_identical": ok, "host_budget_bytes": host}
+                  "steps": rows, "per_rank": per_rank, "bit_identical": ok, "host_budget_bytes": host,
+                  "resumed_identical": resumed}
         if rank == 0:
             for r in per_rank:
                 tiers = "  ".join(f"{t} {b / MIB:.2f} MiB" for t, b in sorted(r["state_bytes_by_tier"].items()))
@@ -135,12 +144,60 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       flush=True)
             if ok is not None:
                 print("bit-identical to FSDP2 without offload: " + ("yes" if ok else "NO"), flush=True)
+            if resumed is not None:
+                print(f"resumed from the step-{args.save_at} checkpoint, same losses: " + ("yes" if resumed else "NO"),
+                      flush=True)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(result, f, indent=2, default=str)
         return result
     finally:
         dist.destroy_process_group()
+
+
+def _all(ok: bool) -> bool:
+    oks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(oks, ok)
+    return all(oks)
+
+
+def _resume(args, config, data, rank: int, world: int, losses: list[float]) -> bool:
+    """A fresh model (other initial values) loads the checkpoint and trains the remaining steps."""
+    from .checkpoint import load_checkpoint
+    from .fsdp import offload_fsdp
+    from .optim import OffloadedAdamW
+
+    torch.manual_seed(1)
+    model = _shard(ViT(PRESETS[args.preset]))
+    with TierStore(config) as store:
+        off = offload_fsdp(model, store)
+        opt = OffloadedAdamW(off, lr=args.lr, weight_decay=0.01)
+        extra = load_checkpoint(args.checkpoint, off, opt)
+        again = [_train_step(model, opt, data, s, args.batch_size, rank, world)
+                 for s in range(extra["step"], args.steps)]
+    if again != losses[args.save_at:]:
+        print(f"rank {rank}: resumed losses {again} vs {losses[args.save_at:]}", file=sys.stderr)
+        return False
+    return True
+
+
+def _check_consolidated(path: str, full_at_save: dict[str, torch.Tensor], rank: int) -> bool:
+    """Rank 0 joins the checkpoint's shards into one file: it must hold FSDP2's full parameters at the save."""
+    from tierstore._checkpoint import read_safetensors
+
+    from .checkpoint import consolidate_checkpoint
+
+    if rank != 0:
+        return True
+    out = path + ".consolidated.safetensors"
+    consolidate_checkpoint(path, out)
+    loaded = read_safetensors(out)
+    bad = sorted(n for n in full_at_save if n not in loaded or not torch.equal(loaded[n], full_at_save[n]))
+    if bad or set(loaded) != set(full_at_save):
+        print(f"consolidated checkpoint differs: {bad[:5]}", file=sys.stderr)
+        return False
+    print(f"consolidated {len(loaded)} full parameters into {out}", flush=True)
+    return True
 
 
 def _aggregate(local: torch.Tensor, world: int) -> dict[str, float]:
@@ -155,7 +212,7 @@ def _aggregate(local: torch.Tensor, world: int) -> dict[str, float]:
 
 
 def _compare(off, opt, reference, losses: list[float]) -> bool:
-    ref_model, ref_opt, ref_losses = reference
+    ref_model, ref_opt, ref_losses, _ = reference
     if losses != ref_losses:
         print(f"rank {dist.get_rank()}: losses differ: {losses} vs {ref_losses}", file=sys.stderr)
         return False
@@ -187,9 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--check", action="store_true", help="also train without offload and compare bit for bit")
     p.add_argument("--json", metavar="FILE", help="rank 0 writes the figures here")
+    p.add_argument("--checkpoint", metavar="DIR", help="save a checkpoint here before step --save-at, then "
+                   "resume a fresh model from it and check it gives the same losses")
+    p.add_argument("--save-at", type=int, default=1, help="step before which to save (default 1)")
     args = p.parse_args(argv)
     result = run(args)
-    return 0 if result["bit_identical"] in (None, True) else 1
+    return 0 if result["bit_identical"] in (None, True) and result["resumed_identical"] in (None, True) else 1
 
 
 if __name__ == "__main__":

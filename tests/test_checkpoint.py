@@ -197,3 +197,15 @@ def test_saving_streams_within_the_host_budget(make_store, tmp_path):
     # Host buffers are pooled up to the budget; the writer adds a few small objects at most.
     assert grew <= host + 8 * MIB, (grew, state_bytes)
     assert store.memory()["host"]["peak_bytes"] <= host
+
+
+def test_reader_agrees_with_the_reference_writer(tmp_path):
+    st = pytest.importorskip("safetensors.torch")
+    from conftest import random_tensor
+
+    tensors = {f"t{i}": random_tensor(shape, dtype, seed=i) for i, (shape, dtype) in enumerate(
+        [((3, 5), torch.float32), ((7,), torch.bfloat16), ((0, 4), torch.float16), ((2, 2, 3), torch.int64),
+         ((9,), torch.bool), ((4, 1), torch.uint8)])}
+    st.save_file(tensors, str(tmp_path / "x.safetensors"))
+    got = _checkpoint.read_safetensors(str(tmp_path / "x.safetensors"))
+    assert set(got) == set(tensors) and all(torch.equal(got[k], v) for k, v in tensors.items())

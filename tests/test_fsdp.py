@@ -14,19 +14,23 @@ from tierstore._plan import PlanConfig, make_plan
 MIB = 1024**2
 
 
+def _torchrun(ranks: int, *args: str):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+         "-m", "tierstore.integrations.fsdp_train", "--check", *args],
+        capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "bit-identical to FSDP2 without offload: yes" in r.stdout
+    return r.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_fsdp_offload_is_bit_identical_and_sharded_as_planned(tmp_path, ranks):
     out = tmp_path / "result.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-         "-m", "tierstore.integrations.fsdp_train", "--preset", "small", "--steps", "2", "--batch-size", "2",
-         "--nvme-path", str(tmp_path), "--check", "--host-budget", "2MiB", "--device-budget", "1MiB",
-         "--json", str(out)],
-        capture_output=True, text=True, env=env, timeout=600, check=False)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "bit-identical to FSDP2 without offload: yes" in r.stdout
+    _torchrun(ranks, "--preset", "small", "--steps", "2", "--batch-size", "2", "--nvme-path", str(tmp_path),
+              "--host-budget", "2MiB", "--device-budget", "1MiB", "--json", str(out))
     res = json.loads(out.read_text())
     assert res["ranks"] == ranks and res["bit_identical"] is True
     assert all(s["read_bytes"] > 0 and s["written_bytes"] > 0 for s in res["steps"])
@@ -53,3 +57,15 @@ def test_untested_torch_version_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match=r"tested with torch 2\.13.*allow_untested_torch=True"):
         _fsdp_internals.check_torch_version(False)
     _fsdp_internals.check_torch_version(True)
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_resumes_bit_identically_and_consolidates(tmp_path):
+    st = pytest.importorskip("safetensors.torch")
+    ckpt = tmp_path / "ckpt"
+    out = _torchrun(2, "--preset", "tiny", "--steps", "6", "--save-at", "1", "--checkpoint", str(ckpt),
+                    "--nvme-path", str(tmp_path), "--host-budget", "128KiB", "--device-budget", "64KiB")
+    assert "resumed from the step-1 checkpoint, same losses: yes" in out  # 5 more steps
+    assert sorted(os.listdir(ckpt)) == ["manifest.json", "rank00000", "rank00001"]
+    full = st.load_file(str(tmp_path / "ckpt.consolidated.safetensors"))  # compared with FSDP2's full tensors
+    assert full["blocks.0.fc1.weight"].shape == (256, 64)

@@ -124,6 +124,57 @@ def _write_safetensors(path: str, sources: list[TensorSource], file_label: str,
     return entries
 
 
+def new_directory(path: str | os.PathLike) -> str:
+    """A fresh private temporary directory next to ``path`` to write a checkpoint into."""
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"cannot write checkpoint {path}: directory {parent} does not exist; create it first")
+    return tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
+
+
+def write_files(directory: str, files: dict[str, Iterable[TensorSource]], *, metadata: dict[str, Any] | None = None,
+                file_metadata: dict[str, dict[str, str]] | None = None) -> dict[str, Any]:
+    """Write ``files`` (file name -> tensors), then the manifest, into ``directory``; everything fsynced."""
+    for name in files:
+        if os.sep in name or name in (MANIFEST, "", ".", ".."):
+            raise ValueError(f"bad checkpoint file name {name!r}")
+    os.makedirs(directory, exist_ok=True)
+    manifest: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION, "metadata": metadata or {},
+                                "tensors": {}}
+    for name, sources in files.items():
+        manifest["tensors"][name] = _write_safetensors(os.path.join(directory, name), list(sources), name,
+                                                       (file_metadata or {}).get(name, {}))
+    with open(os.path.join(directory, MANIFEST), "x") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(directory)
+    _stage("manifest")
+    return manifest
+
+
+def commit(tmp: str, path: str | os.PathLike) -> None:
+    """Make the complete checkpoint in ``tmp`` the one at ``path`` (see [Note: Atomic checkpoint commit])."""
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    os.chmod(tmp, 0o755 & ~_umask())
+    _fsync_dir(tmp)
+    prev = path + ".prev"
+    if os.path.exists(path):
+        if os.path.exists(prev):
+            shutil.rmtree(prev)
+            _stage("removed stale prev")
+        os.rename(path, prev)
+        _fsync_dir(parent)
+        _stage("renamed old")
+    os.rename(tmp, path)
+    _fsync_dir(parent)
+    _stage("renamed new")
+    shutil.rmtree(prev, ignore_errors=True)
+    _stage("done")
+
+
 def write_checkpoint(path: str | os.PathLike, files: dict[str, Iterable[TensorSource]], *,
                      metadata: dict[str, Any] | None = None,
                      file_metadata: dict[str, dict[str, str]] | None = None) -> dict[str, Any]:
@@ -132,43 +183,13 @@ def write_checkpoint(path: str | os.PathLike, files: dict[str, Iterable[TensorSo
     See [Note: Atomic checkpoint commit]. ``metadata`` (JSON) goes into the
     manifest; ``file_metadata`` into each safetensors header. Returns the manifest.
     """
-    path = os.path.abspath(os.fspath(path))
-    parent = os.path.dirname(path)
-    if not os.path.isdir(parent):
-        raise FileNotFoundError(f"cannot write checkpoint {path}: directory {parent} does not exist; create it first")
-    for name in files:
-        if os.sep in name or name in (MANIFEST, "", ".", ".."):
-            raise ValueError(f"bad checkpoint file name {name!r}")
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
+    tmp = new_directory(path)
     try:
-        manifest: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION, "metadata": metadata or {},
-                                    "tensors": {}}
-        for name, sources in files.items():
-            manifest["tensors"][name] = _write_safetensors(os.path.join(tmp, name), list(sources), name,
-                                                           (file_metadata or {}).get(name, {}))
-        with open(os.path.join(tmp, MANIFEST), "x") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o755 & ~_umask())
-        _fsync_dir(tmp)
-        _stage("manifest")
-        prev = path + ".prev"
-        if os.path.exists(path):
-            if os.path.exists(prev):
-                shutil.rmtree(prev)
-                _stage("removed stale prev")
-            os.rename(path, prev)
-            _fsync_dir(parent)
-            _stage("renamed old")
-        os.rename(tmp, path)
-        _fsync_dir(parent)
-        _stage("renamed new")
+        manifest = write_files(tmp, files, metadata=metadata, file_metadata=file_metadata)
+        commit(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(path + ".prev", ignore_errors=True)
-    _stage("done")
     return manifest
 
 
@@ -187,9 +208,13 @@ def resolve(path: str | os.PathLike) -> str:
     raise FileNotFoundError(f"no checkpoint at {path} (no {MANIFEST} there or in {path}.prev)")
 
 
-def read_manifest(path: str | os.PathLike) -> tuple[str, dict[str, Any]]:
-    """(directory, manifest) of the checkpoint at ``path``."""
+def read_manifest(path: str | os.PathLike, subdirectory: str | None = None) -> tuple[str, dict[str, Any]]:
+    """(directory, manifest) of the checkpoint at ``path`` (of its part in ``subdirectory``, if given)."""
     directory = resolve(path)
+    if subdirectory is not None:
+        directory = os.path.join(directory, subdirectory)
+        if not os.path.isfile(os.path.join(directory, MANIFEST)):
+            raise FileNotFoundError(f"checkpoint {path} has no part {subdirectory!r}")
     with open(os.path.join(directory, MANIFEST)) as f:
         manifest = json.load(f)
     if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
@@ -214,10 +239,38 @@ def read_into(directory: str, name: str, entry: dict[str, Any], out: torch.Tenso
                              f"{entry['offset']}; the file is corrupt")
 
 
+def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (any writer's), as CPU tensors."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise IntegrityError(f"{path} is not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", head)
+        size = os.fstat(f.fileno()).st_size
+        if n > size - 8:
+            raise IntegrityError(f"{path}: header length {n} runs past the end of the file")
+        header = json.loads(f.read(n))
+        out = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            lo, hi = info["data_offsets"]
+            t = torch.empty(info["shape"], dtype=_BY_NAME[info["dtype"]])
+            if hi - lo != t.numel() * t.element_size() or 8 + n + hi > size:
+                raise IntegrityError(f"{path}: tensor {name!r} has bad offsets {lo}..{hi}")
+            f.seek(8 + n + lo)
+            if t.numel():
+                f.readinto(_bytes_of(t))
+            out[name] = t
+    return out
+
+
 def read_tensor(directory: str, name: str, entry: dict[str, Any]) -> torch.Tensor:
     out = torch.empty(entry["shape"], dtype=_BY_NAME[entry["dtype"]])
     read_into(directory, name, entry, out)
     return out
 
 
-__all__ = ["TensorSource", "read_manifest", "read_into", "read_tensor", "resolve", "write_checkpoint"]
+__all__ = ["TensorSource", "commit", "new_directory", "read_into", "read_manifest", "read_safetensors", "read_tensor",
+           "resolve",
+           "write_checkpoint", "write_files"]
