@@ -261,6 +261,7 @@ def _load_into_store(store: TierStore, key: str, directory: str, name: str, entr
 
 
 def _load_optimizer(opt: OffloadedAdamW, directory: str, entries: dict[str, Any], meta: dict[str, Any]) -> None:
+    opt.wait()  # surface a failed write-behind before overwriting
     hp = meta["hyperparameters"]
     opt.lr, opt.betas, opt.eps, opt.weight_decay = hp["lr"], tuple(hp["betas"]), hp["eps"], hp["weight_decay"]
     steps = {k: float(v) for k, v in meta["steps"].items()}

@@ -45,6 +45,7 @@ class OffloadedAdamW:
         self.readahead = readahead
         home = Tier.parse(home if home is not None else self.store.config.optimizer_tier)
         self.steps: dict[str, float] = {}
+        self._pending: list = []  # write-behind handles of the last step
         self._items: list[tuple[str, str | None, torch.nn.Parameter]] = []  # (name, param key, param)
         handles = []
         for name, key, p in offloaded.named_offloaded():
@@ -81,10 +82,16 @@ class OffloadedAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
+        """One AdamW step over every parameter with a gradient.
+
+        Writes of the updated state go on in the background (write-behind)
+        while the next forward and backward run; the next ``step()`` (or
+        :meth:`wait`) waits for them first and raises any failure.
+        """
+        self.wait()
         work = [(n, k, p, g) for n, k, p in self._items if (g := self._grad(n, k, p)) is not None]
         for i in range(min(self.readahead, len(work))):
             self._prefetch(work[i])
-        written = []
         for i, (name, key, p, grad) in enumerate(work):
             if i + self.readahead < len(work):
                 self._prefetch(work[i + self.readahead])
@@ -93,9 +100,12 @@ class OffloadedAdamW:
             else:
                 with self.store.timeline.span(f"adamw {name}", "optimizer"):
                     self._step_one(name, key, p, grad)
-            written.extend(self._keys(name, key, p))
-        for k in written:  # the write-backs started in _step_one are in flight; surface failures
-            self.store.write_back(k).wait()
+
+    def wait(self) -> None:
+        """Wait for the write-behind of the last step; raises the first failure (the data stays in memory)."""
+        pending, self._pending = self._pending, []
+        for h in pending:
+            h.wait()
 
     def _prefetch(self, item: tuple) -> None:
         name, key, p, _ = item
@@ -104,32 +114,34 @@ class OffloadedAdamW:
 
     def _step_one(self, name: str, key: str | None, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
         st = self.store
-        m_key, v_key = f"adam/{name}/exp_avg", f"adam/{name}/exp_avg_sq"
-        exp_avg = st.get(m_key, Tier.HOST)
-        exp_avg_sq = st.get(v_key, Tier.HOST)
         master_key = None if key is None else (key if p.dtype == torch.float32 else f"adam/{name}/master")
-        param = p.data if master_key is None else st.get(master_key, Tier.HOST)
+        keys = [f"adam/{name}/exp_avg", f"adam/{name}/exp_avg_sq"] + ([master_key] if master_key else [])
+        held: dict[str, torch.Tensor] = {}
         try:
-            beta1, beta2 = self.betas
-            lr = self.lr
-            step = self.steps.get(name, 0.0) + 1.0
-            self.steps[name] = step
-            grad = grad.to(param.device, torch.float32) if grad.dtype != param.dtype else grad.to(param.device)
-            if self.weight_decay != 0:
-                param.mul_(1 - lr * self.weight_decay)
-            exp_avg.lerp_(grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            bias_correction1 = 1 - beta1**step
-            bias_correction2 = 1 - beta2**step
-            step_size = lr / bias_correction1
-            bias_correction2_sqrt = bias_correction2**0.5
-            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
-            param.addcdiv_(exp_avg, denom, value=-step_size)
-        finally:
-            for k in (m_key, v_key) + ((master_key,) if master_key else ()):
-                st.mark_dirty(k, Tier.HOST)
+            for k in keys:
+                held[k] = st.get(k, Tier.HOST)
+        except BaseException:
+            for k in held:
                 st.release(k, Tier.HOST)
-                st.write_back(k)  # write-behind
+            raise
+        exp_avg, exp_avg_sq = held[keys[0]], held[keys[1]]
+        param = p.data if master_key is None else held[master_key]
+        step = self.steps.get(name, 0.0) + 1.0
+        try:
+            self._adamw(param, exp_avg, exp_avg_sq, grad, step)
+        except BaseException:
+            # A partial update must not persist: the copies are still clean, so dropping them
+            # brings back the state of before this step.
+            for k in keys:
+                st.release(k, Tier.HOST)
+                if st.info(k)["home"] != Tier.HOST.label:
+                    st.evict(k, Tier.HOST)
+            raise
+        self.steps[name] = step
+        for k in keys:
+            st.mark_dirty(k, Tier.HOST)
+            st.release(k, Tier.HOST)
+            self._pending.append(st.write_back(k))  # write-behind
         if master_key is not None and master_key != key:
             assert key is not None
             low = st.get(key, Tier.HOST)
@@ -138,7 +150,24 @@ class OffloadedAdamW:
             st.release(master_key, Tier.HOST)
             st.mark_dirty(key, Tier.HOST)
             st.release(key, Tier.HOST)
-            st.write_back(key)
+            self._pending.append(st.write_back(key))
+
+    def _adamw(self, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+               step: float) -> None:
+        """torch.optim.AdamW's single-tensor update (foreach=False), operation for operation."""
+        beta1, beta2 = self.betas
+        lr = self.lr
+        grad = grad.to(param.device, torch.float32) if grad.dtype != param.dtype else grad.to(param.device)
+        if self.weight_decay != 0:
+            param.mul_(1 - lr * self.weight_decay)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        step_size = lr / bias_correction1
+        bias_correction2_sqrt = bias_correction2**0.5
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+        param.addcdiv_(exp_avg, denom, value=-step_size)
 
     def state_tensors(self) -> list[tuple[str, str, str]]:
         """(parameter name, state name, store key) of every state tensor of parameters stepped so far."""
@@ -164,6 +193,7 @@ class OffloadedAdamW:
         return {"state": state, "param_groups": [self.hyperparameters()]}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.wait()
         group = sd["param_groups"][0]
         self.lr, self.betas, self.eps, self.weight_decay = (group["lr"], tuple(group["betas"]), group["eps"],
                                                             group["weight_decay"])

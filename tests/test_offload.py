@@ -142,3 +142,36 @@ def test_saved_views_of_weights_survive_buffer_reuse(make_store, depth):
             assert torch.equal(off.grads[key], p.grad), name
         off.zero_grad()
     assert store.stats_dict()["evictions"] > 0
+
+
+def test_failed_update_leaves_state_as_before_the_step(make_store, monkeypatch):
+    torch.manual_seed(0)
+    cfg = PRESETS["tiny"]
+    model = ViT(cfg)
+    store = make_store(host_budget_bytes="384KiB", device_budget_bytes="320KiB")
+    off = offload_model(model, store)
+    opt = OffloadedAdamW(off)
+    data = SyntheticImages(cfg)
+    _train(model, data, 1, opt)
+    before = {n: off.read_param(n) for n, _, _ in off.named_offloaded()}
+    moments = opt.state_dict()["state"]
+    x, y = data.batch(1, 8)
+    F.cross_entropy(model(x), y).backward()
+    real = OffloadedAdamW._adamw
+
+    def failing(self, param, exp_avg, exp_avg_sq, grad, step):
+        if param.shape == (256, 64):  # blocks.0.fc1.weight: fail half-way through its update
+            param.add_(1.0)
+            exp_avg.add_(1.0)
+            raise RuntimeError("update failed")
+        real(self, param, exp_avg, exp_avg_sq, grad, step)
+
+    monkeypatch.setattr(OffloadedAdamW, "_adamw", failing)
+    with pytest.raises(RuntimeError, match="update failed"):
+        opt.step()
+    opt.wait()
+    assert torch.equal(off.read_param("blocks.0.fc1.weight"), before["blocks.0.fc1.weight"])
+    assert torch.equal(opt.state_dict()["state"]["blocks.0.fc1.weight"]["exp_avg"],
+                       moments["blocks.0.fc1.weight"]["exp_avg"])
+    assert opt.steps["blocks.0.fc1.weight"] == 1.0
+    assert not torch.equal(off.read_param("blocks.0.qkv.weight"), before["blocks.0.qkv.weight"])  # stepped
