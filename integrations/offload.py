@@ -27,7 +27,8 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -95,6 +96,8 @@ class OffloadedModel:
         self.stats = OffloadStats()
         self._handles: list[Any] = []
         self._callback_queued = False
+        # Called with a store key once that parameter's gradient for this backward is complete.
+        self.grad_ready_callbacks: list[Callable[[str], None]] = []
         self._storage_owner: dict[int, _Param] = {}  # data_ptr of a held copy's storage -> its parameter
         self._saved_hooks: Any = None
         handles = []
@@ -250,6 +253,9 @@ class OffloadedModel:
                 timeline.add(f"backward {group.name or '<root>'}", "compute", group.backward_started,
                              time.perf_counter())
                 group.backward_started = None
+            if grad is not None:
+                for callback in self.grad_ready_callbacks:
+                    callback(sp.key)
         return hook
 
     def _end_backward(self) -> None:
@@ -304,6 +310,7 @@ class OffloadedModel:
 
     def remove(self) -> None:
         """Detach from the module: parameters get their current values back as ordinary tensors."""
+        self.grad_ready_callbacks.clear()
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -1,5 +1,14 @@
 """AdamW whose fp32 master weights and moments live in a TierStore, stepped with read-ahead and write-behind.
 
+[Note: Stepping in backward] With ``step_in_backward=True`` a parameter is
+stepped as soon as its gradient is complete, on a worker thread, while
+backward goes on with the layers below: the optimizer's reads and writes
+overlap backward compute instead of following it (ZeRO-Infinity's overlap of
+the optimizer with backward). ``step()`` then only waits for those updates
+(and steps parameters that stay resident). Gradients must be complete after
+one backward: no accumulation over several backward passes and no clipping
+by the global norm (use the default mode for those).
+
 [Note: Pipelined step] Parameters are stepped one at a time in a fixed order.
 Before parameter i is computed, the state of parameters i+1 .. i+readahead is
 already being read into the host tier; after it is computed its state is
@@ -11,6 +20,7 @@ training is bit-identical to it.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -29,8 +39,8 @@ class OffloadedAdamW:
     """
 
     def __init__(self, offloaded: OffloadedModel, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, readahead: int = 2,
-                 home: Tier | str | None = None) -> None:
+                 eps: float = 1e-8, weight_decay: float = 1e-2, readahead: int = 4,
+                 home: Tier | str | None = None, step_in_backward: bool = False) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr={lr} must be >= 0")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -46,6 +56,7 @@ class OffloadedAdamW:
         home = Tier.parse(home if home is not None else self.store.config.optimizer_tier)
         self.steps: dict[str, float] = {}
         self._pending: list = []  # write-behind handles of the last step
+        self._current: list = []  # ... and of this one
         self._items: list[tuple[str, str | None, torch.nn.Parameter]] = []  # (name, param key, param)
         handles = []
         for name, key, p in offloaded.named_offloaded():
@@ -62,6 +73,44 @@ class OffloadedAdamW:
                                               home=home))
         for h in handles:
             h.wait()
+        self.step_in_backward = step_in_backward
+        self._early: dict[str, Future] = {}  # key -> update started in backward
+        self._ready: list[tuple] = []  # (name, key, param, grad) in the order gradients completed
+        self._worker: ThreadPoolExecutor | None = None
+        if step_in_backward:
+            if not hasattr(offloaded, "grad_ready_callbacks"):
+                raise ValueError(f"step_in_backward needs gradients signalled as they complete, which "
+                                 f"{type(offloaded).__name__} does not do; use step_in_backward=False")
+            self._by_key = {key: (name, key, p) for name, key, p in self._items if key is not None}
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="tierstore-adamw")
+            offloaded.grad_ready_callbacks.append(self._on_grad_ready)
+
+    def _on_grad_ready(self, key: str) -> None:
+        name, key_, p = self._by_key[key]
+        if key in self._early:
+            raise RuntimeError(f"{name}: a second backward before step(); step_in_backward=True steps each "
+                               "parameter after one backward, so gradient accumulation needs step_in_backward=False")
+        grad = self.offloaded.grads.get(key)
+        assert self._worker is not None
+        self._ready.append((name, key_, p, grad))
+        self._early[key] = self._worker.submit(self._step_ready, len(self._ready) - 1)
+
+    def _step_ready(self, i: int) -> None:
+        # Read ahead only a few updates, in the worker's order: reads issued for every gradient as it
+        # arrives would overflow the host tier and evict each other before use.
+        ready = self._ready
+        for item in ready[i:i + 1 + self.readahead]:
+            self._prefetch(item)
+        self._timed_step(*ready[i])
+
+    def close(self) -> None:
+        """Stop the worker of ``step_in_backward`` (after the updates in flight) and detach from the model."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+            callbacks = self.offloaded.grad_ready_callbacks
+            if self._on_grad_ready in callbacks:
+                callbacks.remove(self._on_grad_ready)
 
     def _param_shape(self, key: str) -> torch.Size:
         return torch.Size(self.store.info(key)["shape"])
@@ -88,22 +137,36 @@ class OffloadedAdamW:
         while the next forward and backward run; the next ``step()`` (or
         :meth:`wait`) waits for them first and raises any failure.
         """
-        self.wait()
-        work = [(n, k, p, g) for n, k, p in self._items if (g := self._grad(n, k, p)) is not None]
+        early, self._early = self._early, {}
+        errors = [f.exception() for f in early.values()]  # waits for the updates started in backward
+        self._ready = []
+        previous, self._pending = self._pending, []
+        for h in previous:
+            h.wait()
+        for err in errors:
+            if err is not None:
+                raise err
+        work = [(n, k, p, g) for n, k, p in self._items
+                if k not in early and (g := self._grad(n, k, p)) is not None]
         for i in range(min(self.readahead, len(work))):
             self._prefetch(work[i])
         for i, (name, key, p, grad) in enumerate(work):
             if i + self.readahead < len(work):
                 self._prefetch(work[i + self.readahead])
-            if self.store.timeline is None:
+            self._timed_step(name, key, p, grad)
+        self._pending, self._current = self._current, []
+
+    def _timed_step(self, name: str, key: str | None, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        if self.store.timeline is None:
+            self._step_one(name, key, p, grad)
+        else:
+            with self.store.timeline.span(f"adamw {name}", "optimizer"):
                 self._step_one(name, key, p, grad)
-            else:
-                with self.store.timeline.span(f"adamw {name}", "optimizer"):
-                    self._step_one(name, key, p, grad)
 
     def wait(self) -> None:
         """Wait for the write-behind of the last step; raises the first failure (the data stays in memory)."""
-        pending, self._pending = self._pending, []
+        pending, self._pending = self._pending + self._current, []
+        self._current = []
         for h in pending:
             h.wait()
 
@@ -141,7 +204,7 @@ class OffloadedAdamW:
         for k in keys:
             st.mark_dirty(k, Tier.HOST)
             st.release(k, Tier.HOST)
-            self._pending.append(st.write_back(k))  # write-behind
+            self._current.append(st.write_back(k))  # write-behind
         if master_key is not None and master_key != key:
             assert key is not None
             low = st.get(key, Tier.HOST)
@@ -150,7 +213,7 @@ class OffloadedAdamW:
             st.release(master_key, Tier.HOST)
             st.mark_dirty(key, Tier.HOST)
             st.release(key, Tier.HOST)
-            self._pending.append(st.write_back(key))
+            self._current.append(st.write_back(key))
 
     def _adamw(self, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
                step: float) -> None:

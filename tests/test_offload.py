@@ -28,15 +28,20 @@ def train_resident(model, data, steps):
     return _train(model, data, steps, opt), opt
 
 
-def train_offloaded(model, data, steps, store, **kw):
+def train_offloaded(model, data, steps, store, step_in_backward=False, **kw):
     off = offload_model(model, store, **kw)
-    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
-    return _train(model, data, steps, opt), off, opt
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=step_in_backward)
+    try:
+        return _train(model, data, steps, opt), off, opt
+    finally:
+        opt.close()
 
 
-@pytest.mark.parametrize("checkpointing,tied", [(False, False), (True, True)], ids=["plain", "ckpt+tied"])
+@pytest.mark.parametrize("checkpointing,tied,in_backward", [(False, False, False), (True, True, False),
+                                                            (False, False, True), (True, True, True)],
+                         ids=["plain", "ckpt+tied", "plain-in-backward", "ckpt+tied-in-backward"])
 @pytest.mark.parametrize("depth", [0, 2])
-def test_offloaded_training_is_bit_identical(make_store, checkpointing, tied, depth):
+def test_offloaded_training_is_bit_identical(make_store, checkpointing, tied, in_backward, depth):
     torch.manual_seed(0)
     cfg = PRESETS["tiny"]
     ref = ViT(cfg, checkpoint_blocks=checkpointing, tie_head=tied)
@@ -45,7 +50,7 @@ def test_offloaded_training_is_bit_identical(make_store, checkpointing, tied, de
     # Budgets far below the model's parameters + Adam state (~0.5 MiB + 1 MiB) force traffic to the drive.
     store = make_store(host_budget_bytes="384KiB", device_budget_bytes="320KiB")
     ref_losses, ref_opt = train_resident(ref, data, 5)
-    losses, off, opt = train_offloaded(model, data, 5, store, prefetch_depth=depth)
+    losses, off, opt = train_offloaded(model, data, 5, store, step_in_backward=in_backward, prefetch_depth=depth)
     assert losses == ref_losses
     assert losses[-1] < losses[0]
     sd = model.state_dict()
@@ -175,3 +180,15 @@ def test_failed_update_leaves_state_as_before_the_step(make_store, monkeypatch):
                        moments["blocks.0.fc1.weight"]["exp_avg"])
     assert opt.steps["blocks.0.fc1.weight"] == 1.0
     assert not torch.equal(off.read_param("blocks.0.qkv.weight"), before["blocks.0.qkv.weight"])  # stepped
+
+
+def test_step_in_backward_refuses_gradient_accumulation(make_store):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    off = offload_model(model, make_store())
+    opt = OffloadedAdamW(off, step_in_backward=True)
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match="gradient accumulation needs step_in_backward=False"):
+        model(x).sum().backward()
+    opt.close()

@@ -35,7 +35,7 @@ def _resident_step(model, data, batch_size: int, step: int, opt) -> float:
 
 def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path: str, rounds: int,
                    host_budget_bytes: int | None, device_budget_bytes: int | None, trace_path: str | None = None,
-                   log=print) -> dict[str, Any]:
+                   step_in_backward: bool = True, log=print) -> dict[str, Any]:
     from .integrations.offload import offload_model
     from .integrations.optim import OffloadedAdamW
 
@@ -59,7 +59,7 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
         model = copy.deepcopy(base)
         store = TierStore(StoreConfig(nvme_path=nvme_path, host_budget_bytes=host, device_budget_bytes=device))
         off = offload_model(model, store, prefetch_depth=d)
-        opt = OffloadedAdamW(off, lr=1e-3)
+        opt = OffloadedAdamW(off, lr=1e-3, step_in_backward=step_in_backward)
         setups[d] = (model, store, opt)
         _offloaded_step(model, store, opt, data, batch_size, 0)  # first step records the trace
     samples: dict[Any, list] = {"resident": [], **{d: [] for d in depths}}
@@ -78,14 +78,16 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
             store.record_timeline(False)
             n_events = timeline.write_chrome_trace(trace_path)
     finally:
-        for _, store, _ in setups.values():
+        for _, store, opt in setups.values():
+            opt.close()
             store.close()
     resident_s = statistics.median(samples["resident"])
     result: dict[str, Any] = {"preset": preset, "params": n, "batch_size": batch_size, "resident_step_s": resident_s,
                               "drive_gbps": drive_gbps, "host_budget_bytes": host, "device_budget_bytes": device,
-                              "state_bytes": state_bytes, "depths": {}}
+                              "state_bytes": state_bytes, "step_in_backward": step_in_backward, "depths": {}}
     log(f"bench step: ViT-{preset} ({n / 1e6:.1f}M params, {state_bytes / MIB:.0f} MiB state), batch {batch_size}, "
-        f"host budget {host / MIB:.0f} MiB, device {device / MIB:.0f} MiB, drive {drive_gbps:.2f} GB/s (store, same run)")
+        f"host budget {host / MIB:.0f} MiB, device {device / MIB:.0f} MiB, drive {drive_gbps:.2f} GB/s (store, same run), "
+        f"optimizer steps {'in' if step_in_backward else 'after'} backward")
     log(f"resident step: {resident_s:.3f} s")
     log(f"{'depth':>5} {'step s':>8} {'stall s':>8} {'MiB/step':>9} {'bound s':>8} {'overlap':>8} {'vs depth0':>9}")
     for d in depths:

@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     step.add_argument("--host-budget", help="host tier budget (default: a third of the state)")
     step.add_argument("--device-budget", help="device tier budget (default: a quarter of the weights)")
     step.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    step.add_argument("--step-after-backward", action="store_true",
+                      help="run the optimizer after backward instead of overlapping it with backward")
     step.add_argument("--trace", metavar="FILE", help="write a Chrome trace (Perfetto) of one step at the deepest depth")
     demo = cmds.add_parser("demo", help="train a ViT with parameters and AdamW state offloaded to NVMe")
     demo.add_argument("--preset", default="small", help="model size: tiny, small, base, large, 1b (default small)")
@@ -48,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--host-budget", help="host tier budget, e.g. 64MiB (default: a third of the state)")
     demo.add_argument("--device-budget", help="device tier budget (default: a quarter of the weights)")
     demo.add_argument("--json", metavar="FILE", help="write per-step figures as JSON")
+    demo.add_argument("--step-after-backward", action="store_true",
+                      help="run the optimizer after backward instead of overlapping it with backward")
     plan = cmds.add_parser("plan", help="ZeRO-3 memory per rank and tier, and the bytes each step moves")
     what = plan.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=float, help="parameter count, e.g. 7e9")
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
             result = run_demo(
                 preset=args.preset, steps=args.steps, batch_size=args.batch_size, nvme_path=args.nvme_path,
-                prefetch_depth=args.prefetch_depth, **_budgets(args))
+                prefetch_depth=args.prefetch_depth, step_in_backward=not args.step_after_backward, **_budgets(args))
             _write_json(args.json, result)
             return 0
         if args.cmd == "bench" and args.bench == "step":
@@ -86,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
 
             result = run_step_bench(
                 preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=args.nvme_path,
-                depths=[int(d) for d in args.depths.split(",")], trace_path=args.trace, **_budgets(args))
+                depths=[int(d) for d in args.depths.split(",")], trace_path=args.trace,
+                step_in_backward=not args.step_after_backward, **_budgets(args))
             _write_json(args.json, result)
             return 0
         if args.cmd == "bench" and args.bench == "drive":

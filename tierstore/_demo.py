@@ -51,7 +51,7 @@ def measure_step(model, store: TierStore, opt, data: SyntheticImages, batch_size
 
 def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefetch_depth: int,
              host_budget_bytes: int | None, device_budget_bytes: int | None, lr: float = 1e-3,
-             log=print) -> dict[str, Any]:
+             step_in_backward: bool = True, log=print) -> dict[str, Any]:
     from .integrations.offload import offload_model
     from .integrations.optim import OffloadedAdamW
 
@@ -69,14 +69,14 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     log(f"tierstore demo: ViT-{preset}, {n / 1e6:.1f}M parameters, {state_bytes / MIB:.0f} MiB of fp32 "
         f"parameters + AdamW state on NVMe under {nvme_path!r}")
     log(f"budgets: host {host / MIB:.0f} MiB, device {device / MIB:.0f} MiB; prefetch depth {prefetch_depth}; "
-        f"batch {batch_size}")
+        f"batch {batch_size}; optimizer steps " + ("in backward" if step_in_backward else "after backward"))
     data = SyntheticImages(cfg)
     proc = psutil.Process()
     peak_rss = proc.memory_info().rss
     rows = []
     with TierStore(config) as store:
         off = offload_model(model, store)
-        opt = OffloadedAdamW(off, lr=lr)
+        opt = OffloadedAdamW(off, lr=lr, step_in_backward=step_in_backward)
         store.flush()
         header = f"{'step':>4} {'loss':>8} {'step s':>8} {'stall s':>8} {'read MiB':>9} {'write MiB':>9} {'NVMe GB/s':>9}"
         log(header)
@@ -87,6 +87,7 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
             log(f"{step:>4} {row['loss']:>8.4f} {row['step_s']:>8.3f} {row['stall_s']:>8.3f} "
                 f"{row['read_bytes'] / MIB:>9.1f} {row['written_bytes'] / MIB:>9.1f} "
                 f"{row['nvme_gbps']:>9.2f}  {_bar(step + 1, steps)}")
+        opt.close()
         mem = store.memory()
         stats = store.stats_dict()
     log("peak memory per tier (MiB):  " + "  ".join(
