@@ -133,8 +133,10 @@ class OffloadedModel:
             self._fill_state_dict(state_dict, prefix)
 
         self._handles.append(model.register_state_dict_post_hook(state_dict_hook))
+        # Until a step has been recorded, guess that forward uses the modules in definition order.
         self.policy = PrefetchPolicy(depth=prefetch_depth, max_bytes=prefetch_bytes,
-                                     group_bytes={g.name: g.nbytes for g in self.groups.values()})
+                                     group_bytes={g.name: g.nbytes for g in self.groups.values()},
+                                     trace=list(self.groups))
         self._key_group = {}
         for g in self.groups.values():
             for sp in g.params:

@@ -4,6 +4,13 @@ import json
 
 from tierstore import _cli
 
+try:
+    import matplotlib  # noqa: F401
+
+    HAVE_MATPLOTLIB = True
+except ImportError:
+    HAVE_MATPLOTLIB = False
+
 
 def test_demo_tiny(tmp_path, capsys):
     out = tmp_path / "demo.json"
@@ -35,7 +42,8 @@ def test_bench_step_tiny(tmp_path, capsys):
     out = tmp_path / "step.json"
     rc = _cli.main(["bench", "step", "--preset", "tiny", "--batch-size", "8", "--depths", "0,2", "--rounds", "2",
                     "--nvme-path", str(tmp_path), "--host-budget", "640KiB", "--device-budget", "320KiB",
-                    "--json", str(out), "--trace", str(tmp_path / "trace.json")])
+                    "--json", str(out), "--trace", str(tmp_path / "trace.json"),
+                    *(["--plot", str(tmp_path / "p.png")] if HAVE_MATPLOTLIB else [])])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["resident_step_s"] > 0 and res["drive_gbps"] > 0
@@ -54,3 +62,5 @@ def test_bench_step_tiny(tmp_path, capsys):
     assert {"nvme->host", "host->nvme", "forward blocks.0.fc1", "backward blocks.0.fc1"} <= names
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
     assert any(e["ph"] == "M" and e["name"] == "thread_name" for e in trace)
+    if HAVE_MATPLOTLIB:
+        assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

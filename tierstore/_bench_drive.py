@@ -103,8 +103,37 @@ class _StoreDrive:
             h.wait()
         return self.nbytes / (time.perf_counter() - t0) / 1e9
 
+    def mixed(self, read_fraction: float) -> float:
+        """Read ``read_fraction`` of the tensors while writing the rest, all at once, as a training
+        step does; GB/s of both together."""
+        n_read = min(len(self.keys) - 1, max(1, round(len(self.keys) * read_fraction)))
+        reads, writes = self.keys[:n_read], self.keys[n_read:]
+        for k in reads:
+            self.store.evict(k, Tier.HOST)
+        for k in writes:
+            self.store.get(k, Tier.HOST)
+            self.store.mark_dirty(k, Tier.HOST)
+            self.store.release(k, Tier.HOST)
+        t0 = time.perf_counter()
+        handles = [self.store.prefetch(k, Tier.HOST) for k in reads] + [self.store.write_back(k) for k in writes]
+        for h in handles:
+            h.wait()
+        return self.nbytes / (time.perf_counter() - t0) / 1e9
+
     def close(self) -> None:
         self.store.close()
+
+
+def measure_drive(path: str, *, size_mib: int, read_fraction: float, tensor_mib: int = 8) -> dict[str, float]:
+    """The store's read, write and mixed (``read_fraction`` reads) GB/s on the drive at ``path``, once each."""
+    with tempfile.TemporaryDirectory(prefix="tierstore-drive-", dir=path) as d:
+        cfg = DriveBenchConfig(path=path, size_mib=size_mib, tensor_mib=min(tensor_mib, size_mib), rounds=1)
+        drive = _StoreDrive(d, cfg, checksums=False)
+        try:
+            return {"write_gbps": drive.write(), "read_gbps": drive.read(),
+                    "mixed_gbps": drive.mixed(read_fraction), "read_fraction": read_fraction}
+        finally:
+            drive.close()
 
 
 def run_drive_bench(cfg: DriveBenchConfig, *, log=print) -> dict[str, Any]:

@@ -38,9 +38,21 @@ def main(argv: list[str] | None = None) -> int:
     step.add_argument("--host-budget", help="host tier budget (default: a third of the state)")
     step.add_argument("--device-budget", help="device tier budget (default: a quarter of the weights)")
     step.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    step.add_argument("--plot", metavar="FILE.png", help="plot step time and drive GB/s against depth (matplotlib)")
     step.add_argument("--step-after-backward", action="store_true",
                       help="run the optimizer after backward instead of overlapping it with backward")
     step.add_argument("--trace", metavar="FILE", help="write a Chrome trace (Perfetto) of one step at the deepest depth")
+    peers = bsub.add_parser("peers", help="cold inference forward, weights on disk: tierstore vs Accelerate's "
+                            "disk_offload vs in-memory")
+    peers.add_argument("--path", default=".", help="directory on the drive for both (default .)")
+    peers.add_argument("--layers", type=int, default=24, help="Linear layers in the stack (default 24)")
+    peers.add_argument("--width", type=int, default=4096, help="features per layer (default 4096)")
+    peers.add_argument("--batch-size", type=int, default=8)
+    peers.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians reported (default 3)")
+    peers.add_argument("--prefetch-depth", type=int, default=4, help="layers read ahead (default 4)")
+    peers.add_argument("--host-budget", help="host tier budget (default: prefetch depth + 2 layers)")
+    peers.add_argument("--device-budget", help="device tier budget (default: 2 layers)")
+    peers.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     demo = cmds.add_parser("demo", help="train a ViT with parameters and AdamW state offloaded to NVMe")
     demo.add_argument("--preset", default="small", help="model size: tiny, small, base, large, 1b (default small)")
     demo.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
@@ -92,6 +104,18 @@ def main(argv: list[str] | None = None) -> int:
                 preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=args.nvme_path,
                 depths=[int(d) for d in args.depths.split(",")], trace_path=args.trace,
                 step_in_backward=not args.step_after_backward, **_budgets(args))
+            _write_json(args.json, result)
+            if args.plot:
+                from ._bench_step import plot_step_bench
+
+                plot_step_bench(result, args.plot)
+            return 0
+        if args.cmd == "bench" and args.bench == "peers":
+            from ._bench_peers import run_peers_bench
+
+            result = run_peers_bench(path=args.path, layers=args.layers, width=args.width,
+                                     batch_size=args.batch_size, rounds=args.rounds,
+                                     prefetch_depth=args.prefetch_depth, **_budgets(args))
             _write_json(args.json, result)
             return 0
         if args.cmd == "bench" and args.bench == "drive":
