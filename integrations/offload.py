@@ -85,10 +85,12 @@ class OffloadedModel:
     """The offload state of one module; returned by :func:`offload_model` and kept on the module."""
 
     def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int, prefetch_bytes: int | None,
-                 resident_threshold_bytes: int, home: Tier) -> None:
+                 resident_threshold_bytes: int, home: Tier, compute_tier: Tier) -> None:
         self.model = model
         self.store = store
         self.home = home
+        self.compute_tier = compute_tier
+        self.compute_device = store.device if compute_tier is Tier.DEVICE else torch.device("cpu")
         self.params: dict[int, _Param] = {}
         self.resident: dict[str, nn.Parameter] = {}
         self.groups: dict[str, _Group] = {}
@@ -108,7 +110,7 @@ class OffloadedModel:
                 continue
             key = f"param/{name}"
             handles.append(store.put(key, p.detach().contiguous(), home=home))
-            placeholder = torch.empty(0, dtype=p.dtype, device=store.device)
+            placeholder = torch.empty(0, dtype=p.dtype, device=self.compute_device)
             self.params[id(p)] = _Param(name, key, p, placeholder)
         for h in handles:
             h.wait()
@@ -180,14 +182,14 @@ class OffloadedModel:
     def _use(self, group: _Group) -> None:
         for name in self.policy.on_use(group.name):
             for sp in self.groups[name].params:
-                self.store.prefetch(sp.key, Tier.DEVICE)
+                self.store.prefetch(sp.key, self.compute_tier)
                 self.stats.prefetches_issued += 1
 
     def _hold(self, sp: _Param, group: _Group) -> None:
         sp.holds += 1
         if sp.holds == 1:
             t0 = time.perf_counter()
-            sp.param.data = self.store.get(sp.key, Tier.DEVICE)
+            sp.param.data = self.store.get(sp.key, self.compute_tier)
             if sp.param.numel():
                 self._storage_owner[sp.param.untyped_storage().data_ptr()] = sp
             by_group = self.stats.stall_seconds_by_group
@@ -198,7 +200,7 @@ class OffloadedModel:
         if sp.holds == 0:
             self._storage_owner.pop(sp.param.untyped_storage().data_ptr(), None)
             sp.param.data = sp.placeholder
-            self.store.release(sp.key, Tier.DEVICE)
+            self.store.release(sp.key, self.compute_tier)
 
     def _make_pre_forward(self, group: _Group):
         def hook(module: nn.Module, args: Any) -> None:
@@ -320,7 +322,7 @@ class OffloadedModel:
         for sp in self.params.values():
             if sp.holds:
                 raise RuntimeError(f"cannot remove offload while {sp.name!r} is in use (inside forward/backward)")
-            sp.param.data = self._read(sp).to(self.store.device)
+            sp.param.data = self._read(sp).to(self.compute_device)
             self.store.drop(sp.key)
         self.params.clear()
         delattr(self.model, _STATE_KEY)
@@ -328,18 +330,24 @@ class OffloadedModel:
 
 def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | None = None,
                   prefetch_bytes: int | None = None, resident_threshold_bytes: int | None = None,
-                  home: Tier | str | None = None) -> OffloadedModel:
+                  home: Tier | str | None = None, compute_tier: Tier | str | None = None) -> OffloadedModel:
     """Move ``model``'s parameters into ``store`` and fetch them just in time.
 
     Defaults come from ``store.config`` (prefetch_depth, prefetch_bytes,
-    resident_threshold_bytes, param_tier). Parameter names and state_dict keys
-    are unchanged; :meth:`OffloadedModel.remove` undoes it.
+    resident_threshold_bytes, param_tier). ``compute_tier`` is where
+    parameters are held while their module runs: the device tier with CUDA;
+    without it the host tier, since both would be CPU memory and a second copy
+    would only cost bandwidth and budget (pass "device" to use it anyway).
+    Parameter names and state_dict keys are unchanged;
+    :meth:`OffloadedModel.remove` undoes it.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload_model needs an nn.Module, not {type(model).__name__}")
     if hasattr(model, _STATE_KEY):
         raise ValueError("this module is already offloaded; call .remove() on its OffloadedModel first")
     cfg = store.config
+    if compute_tier is not None and Tier.parse(compute_tier) is Tier.NVME:
+        raise ValueError("compute_tier='nvme': modules run on memory; choose 'device' or 'host'")
     state = OffloadedModel(
         model, store,
         prefetch_depth=cfg.prefetch_depth if prefetch_depth is None else prefetch_depth,
@@ -347,6 +355,8 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | N
         resident_threshold_bytes=(cfg.resident_threshold_bytes if resident_threshold_bytes is None
                                   else resident_threshold_bytes),
         home=Tier.parse(home if home is not None else cfg.param_tier),
+        compute_tier=(Tier.parse(compute_tier) if compute_tier is not None
+                      else Tier.DEVICE if store.device.type != "cpu" else Tier.HOST),
     )
     setattr(model, _STATE_KEY, state)
     return state

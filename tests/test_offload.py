@@ -41,16 +41,19 @@ def train_offloaded(model, data, steps, store, step_in_backward=False, **kw):
                                                             (False, False, True), (True, True, True)],
                          ids=["plain", "ckpt+tied", "plain-in-backward", "ckpt+tied-in-backward"])
 @pytest.mark.parametrize("depth", [0, 2])
-def test_offloaded_training_is_bit_identical(make_store, checkpointing, tied, in_backward, depth):
+@pytest.mark.parametrize("compute", ["host", "device"])
+def test_offloaded_training_is_bit_identical(make_store, checkpointing, tied, in_backward, depth, compute):
     torch.manual_seed(0)
     cfg = PRESETS["tiny"]
     ref = ViT(cfg, checkpoint_blocks=checkpointing, tie_head=tied)
     model = copy.deepcopy(ref)
     data = SyntheticImages(cfg)
     # Budgets far below the model's parameters + Adam state (~0.5 MiB + 1 MiB) force traffic to the drive.
-    store = make_store(host_budget_bytes="384KiB", device_budget_bytes="320KiB")
+    # Computing in the host tier, the host holds what the device tier would (so its budget grows by as much).
+    store = make_store(host_budget_bytes="384KiB" if compute == "device" else "704KiB", device_budget_bytes="320KiB")
     ref_losses, ref_opt = train_resident(ref, data, 5)
-    losses, off, opt = train_offloaded(model, data, 5, store, step_in_backward=in_backward, prefetch_depth=depth)
+    losses, off, opt = train_offloaded(model, data, 5, store, step_in_backward=in_backward, prefetch_depth=depth,
+                                       compute_tier=compute)
     assert losses == ref_losses
     assert losses[-1] < losses[0]
     sd = model.state_dict()
@@ -65,6 +68,7 @@ def test_offloaded_training_is_bit_identical(make_store, checkpointing, tied, in
     stats = store.stats_dict()
     assert stats["bytes_read_nvme"] > 0 and stats["bytes_written_nvme"] > 0
     assert store.memory()["device"]["peak_bytes"] <= 320 * 1024
+    assert (store.memory()["device"]["peak_bytes"] > 0) == (compute == "device")
     if depth:
         assert off.policy.trace is not None and off.stats.prefetches_issued > 0
 
@@ -76,7 +80,7 @@ def test_prefetch_turns_misses_into_hits(make_store):
         torch.manual_seed(0)
         model = ViT(cfg)
         store = make_store(host_budget_bytes="2MiB", device_budget_bytes="256KiB")
-        off = offload_model(model, store, prefetch_depth=depth)
+        off = offload_model(model, store, prefetch_depth=depth, compute_tier="device")
         data = SyntheticImages(cfg)
         for step in range(3):
             x, y = data.batch(step, 4)
@@ -139,8 +143,8 @@ def test_saved_views_of_weights_survive_buffer_reuse(make_store, depth):
     ref = copy.deepcopy(model)
     x = torch.randn(2, 5, 64)
     ref(x).sum().backward()
-    store = make_store(device_budget_bytes="40KiB")
-    off = offload_model(model, store, prefetch_depth=depth)
+    store = make_store(device_budget_bytes="40KiB", host_budget_bytes="40KiB")
+    off = offload_model(model, store, prefetch_depth=depth, compute_tier="device")
     for _ in range(3):
         model(x).sum().backward()
         for (name, key, _), p in zip(off.named_offloaded(), ref.parameters()):
