@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._bench_drive import measure_drive
 from ._config import StoreConfig
 from ._store import TierStore
 
@@ -132,15 +133,20 @@ def run_peers_bench(*, path: str, layers: int = 24, width: int = 4096, batch_siz
             samples[name].append(seconds)
     med = {k: statistics.median(v) for k, v in samples.items() if v}
     params = layers * width * (width + 1)
+    drive = measure_drive(path, size_mib=max(16, min(1024, params * 4 // MIB)), read_fraction=0.5)
+    floor_s = params * 4 / (drive["read_gbps"] * 1e9)
     log(f"bench peers: {layers} x Linear({width}, {width}) = {params / 1e6:.0f}M parameters "
         f"({params * 4 / 1e9:.2f} GB fp32), batch {batch_size}, {rounds} alternating rounds, medians; "
         f"page cache {'dropped before each disk run' if cold else 'NOT dropped (not permitted): peers may read cached files'}")
     log(f"tierstore: prefetch depth {prefetch_depth}, host budget {host / MIB:.0f} MiB, device {device / MIB:.0f} MiB, "
         f"read {info.get('read_bytes', 0) / MIB:.0f} MiB from the drive, stall {info.get('stall_s', 0):.3f} s")
-    log(f"{'':12}{'forward s':>10}{'vs memory':>11}")
+    log(f"drive (store, same run): reads {drive['read_gbps']:.2f} GB/s, so reading the weights once takes "
+        f"{floor_s:.3f} s: no disk-backed forward can be faster here")
+    log(f"{'':12}{'forward s':>10}{'vs memory':>11}{'weights GB/s':>14}")
     for name in ("memory", "tierstore", "accelerate"):
         if name in med:
-            log(f"{name:<12}{med[name]:>10.3f}{med[name] / med['memory']:>10.1f}x")
+            rate = "" if name == "memory" else f"{params * 4 / med[name] / 1e9:>14.2f}"
+            log(f"{name:<12}{med[name]:>10.3f}{med[name] / med['memory']:>10.1f}x{rate}")
     if "accelerate" in med:
         log(f"tierstore is {med['accelerate'] / med['tierstore']:.2f}x faster than Accelerate's disk_offload; "
             "outputs equal")
@@ -149,7 +155,8 @@ def run_peers_bench(*, path: str, layers: int = 24, width: int = 4096, batch_siz
     return {"layers": layers, "width": width, "params": params, "batch_size": batch_size, "rounds": rounds,
             "page_cache_dropped": cold, "samples_s": samples, "median_s": med,
             "speedup_vs_accelerate": med["accelerate"] / med["tierstore"] if "accelerate" in med else None,
-            "prefetch_depth": prefetch_depth, "host_budget_bytes": host, "device_budget_bytes": device, **info}
+            "prefetch_depth": prefetch_depth, "host_budget_bytes": host, "device_budget_bytes": device,
+            "drive": drive, "read_floor_s": floor_s, **info}
 
 
 __all__ = ["drop_page_cache", "run_peers_bench"]
