@@ -1,0 +1,87 @@
+"""FSDP2 + NVMe offload: the step with prefetch against prefetch depth 0, on N gloo (or NCCL) ranks.
+
+    python perf/bench_fsdp.py --preset large --ranks 2 --depths 0,2,4 --steps 4 --nvme-path /mnt/nvme
+
+Each depth is one torchrun of ``tierstore.integrations.fsdp_train`` (a fresh
+model and fresh stores); its first step records the trace and is left out,
+the median of the others is reported. Depths run in alternating order over
+``--rounds``. Prints per depth the step time (slowest rank), stall time and
+drive traffic, and the speed-up over depth 0 (the reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+
+def run_depth(args: argparse.Namespace, depth: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-fsdp-", dir=args.nvme_path) as d:
+        out = os.path.join(d, "result.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
+               "-m", "tierstore.integrations.fsdp_train", "--preset", args.preset, "--steps", str(args.steps),
+               "--batch-size", str(args.batch_size), "--nvme-path", d, "--prefetch-depth", str(depth),
+               "--json", out]
+        if args.host_budget:
+            cmd += ["--host-budget", args.host_budget]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, os.cpu_count() or 1)
+                                                                                     // args.ranks)))
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        if r.returncode != 0:
+            raise SystemExit(f"depth {depth}: torchrun failed:\n{r.stdout}\n{r.stderr}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="large")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--depths", default="0,2,4")
+    p.add_argument("--steps", type=int, default=4, help="steps per run; the first is left out (default 4)")
+    p.add_argument("--batch-size", type=int, default=4, help="images per rank per step (default 4)")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--nvme-path", default=".")
+    p.add_argument("--host-budget", help="per rank (default: a third of the rank's state)")
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args(argv)
+    if args.steps < 2:
+        p.error("--steps must be >= 2 (the first step records the trace and is not counted)")
+    depths = [int(d) for d in args.depths.split(",")]
+    if 0 not in depths:
+        depths.insert(0, 0)
+    samples: dict[int, list[dict]] = {d: [] for d in depths}
+    meta: dict = {}
+    for r in range(args.rounds):
+        for d in depths if r % 2 == 0 else list(reversed(depths)):
+            res = run_depth(args, d)
+            meta = {k: res[k] for k in ("params", "ranks", "backend", "host_budget_bytes")}
+            samples[d].extend(res["steps"][1:])
+    rows = {}
+    for d in depths:
+        rows[d] = {k: statistics.median(s[k] for s in samples[d])
+                   for k in ("step_s", "stall_s", "read_bytes", "written_bytes")}
+    base = rows[0]["step_s"]
+    print(f"bench fsdp: ViT-{args.preset}, {meta['params'] / 1e6:.0f}M parameters, {meta['ranks']} ranks "
+          f"({meta['backend']}), batch {args.batch_size} per rank, host budget "
+          f"{meta['host_budget_bytes'] / 2**20:.0f} MiB per rank; medians of steps 2..{args.steps} x {args.rounds} run(s)")
+    print(f"{'depth':>5} {'step s':>8} {'stall s':>8} {'read MiB':>9} {'write MiB':>9} {'vs depth 0':>10}")
+    for d in depths:
+        row = rows[d]
+        row["speedup_vs_depth0"] = base / row["step_s"]
+        print(f"{d:>5} {row['step_s']:>8.3f} {row['stall_s']:>8.3f} {row['read_bytes'] / 2**20:>9.1f} "
+              f"{row['written_bytes'] / 2**20:>9.1f} {row['speedup_vs_depth0']:>9.2f}x")
+    result = {**meta, "preset": args.preset, "depths": {str(d): rows[d] for d in depths}}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
