@@ -183,6 +183,8 @@ class OffloadedAdamW:
         try:
             for k in keys:
                 held[k] = st.get(k, Tier.HOST)
+            for k in keys:  # the last step's write of these bytes must not see a half-done update
+                st.write_back(k).wait()
         except BaseException:
             for k in held:
                 st.release(k, Tier.HOST)
