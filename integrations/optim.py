@@ -101,7 +101,10 @@ class OffloadedAdamW:
         ready = self._ready
         for item in ready[i:i + 1 + self.readahead]:
             self._prefetch(item)
-        self._timed_step(*ready[i])
+        name, key, p, grad = ready[i]
+        self._timed_step(name, key, p, grad)
+        ready[i] = (name, key, p, None)
+        self.offloaded.grads.pop(key, None)  # consumed: its memory goes now, not at zero_grad()
 
     def close(self) -> None:
         """Stop the worker of ``step_in_backward`` (after the updates in flight) and detach from the model."""

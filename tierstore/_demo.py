@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import psutil
 import torch
 import torch.nn.functional as F
 
 from ._config import StoreConfig
+from ._rss import peak_rss_bytes, reset_peak_rss, rss_bytes
 from ._store import TierStore
 from .vit import PRESETS, SyntheticImages, ViT, num_params
 
@@ -71,31 +71,34 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     log(f"budgets: host {host / MIB:.0f} MiB, device {device / MIB:.0f} MiB; prefetch depth {prefetch_depth}; "
         f"batch {batch_size}; optimizer steps " + ("in backward" if step_in_backward else "after backward"))
     data = SyntheticImages(cfg)
-    proc = psutil.Process()
-    peak_rss = proc.memory_info().rss
     rows = []
     with TierStore(config) as store:
         off = offload_model(model, store)
         opt = OffloadedAdamW(off, lr=lr, step_in_backward=step_in_backward)
         store.flush()
+        rss_before = rss_bytes()
+        if not reset_peak_rss():
+            rss_before = 0  # the peak below is then the process's lifetime peak
         header = f"{'step':>4} {'loss':>8} {'step s':>8} {'stall s':>8} {'read MiB':>9} {'write MiB':>9} {'NVMe GB/s':>9}"
         log(header)
         for step in range(steps):
             row = measure_step(model, store, opt, data, batch_size, step)
             rows.append(row)
-            peak_rss = max(peak_rss, proc.memory_info().rss)
             log(f"{step:>4} {row['loss']:>8.4f} {row['step_s']:>8.3f} {row['stall_s']:>8.3f} "
                 f"{row['read_bytes'] / MIB:>9.1f} {row['written_bytes'] / MIB:>9.1f} "
                 f"{row['nvme_gbps']:>9.2f}  {_bar(step + 1, steps)}")
         opt.close()
+        peak_rss = peak_rss_bytes()
         mem = store.memory()
         stats = store.stats_dict()
     log("peak memory per tier (MiB):  " + "  ".join(
         f"{tier} {m['peak_bytes'] / MIB:.1f}/{m['budget_bytes'] / MIB:.1f}" if m["budget_bytes"] > 0
         else f"{tier} {m['peak_bytes'] / MIB:.1f}" for tier, m in mem.items()))
-    log(f"peak RSS: {peak_rss / MIB:.0f} MiB; prefetch hits {stats['hits']}, misses {stats['misses']}")
+    log(f"peak RSS: {peak_rss / MIB:.0f} MiB, {(peak_rss - rss_before) / MIB:.0f} MiB above the RSS before the "
+        f"first step (budgets: host {host / MIB:.1f} + device {device / MIB:.1f} MiB; the rest is activations, "
+        f"gradients not yet consumed and the runtime); prefetch hits {stats['hits']}, misses {stats['misses']}")
     log(f"loss: {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}")
-    return {"preset": preset, "params": n, "steps": rows, "memory": mem, "peak_rss_bytes": peak_rss,
+    return {"preset": preset, "params": n, "steps": rows, "memory": mem, "peak_rss_bytes": peak_rss, "rss_before_steps_bytes": rss_before,
             "hits": stats["hits"], "misses": stats["misses"], "prefetch_depth": prefetch_depth,
             "host_budget_bytes": host, "device_budget_bytes": device}
 
