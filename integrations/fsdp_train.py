@@ -128,6 +128,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ok = None
             if reference is not None:
                 ok = _all(_compare(off, opt, reference, [r["local_loss"] for r in rows]))
+                # Detaching gives every shard its current value back in memory, as FSDP2 alone has it.
+                opt.wait()
+                off.remove()
+                ok = ok and _all(all(torch.equal(p.to_local(), q.to_local()) for p, q in
+                                     zip(model.parameters(), reference[0].parameters())))
         resumed = None
         if args.checkpoint:
             resumed = _all(_resume(args, config, data, rank, world, [r["local_loss"] for r in rows]))

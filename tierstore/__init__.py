@@ -8,6 +8,7 @@ ahead of use.
 from ._config import StoreConfig, from_deepspeed, from_dict, load_config, parse_bytes
 from ._nvme import Syscalls
 from ._store import Handle, TierStore, open_store
+from ._timeline import Timeline
 from ._types import (
     CopyState,
     IntegrityError,
@@ -34,6 +35,7 @@ __all__ = [
     "TierIOError",
     "TierStore",
     "TierStoreError",
+    "Timeline",
     "from_deepspeed",
     "from_dict",
     "load_config",
