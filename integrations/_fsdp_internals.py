@@ -4,8 +4,10 @@ FSDP2's public API has ``unshard()`` and the prefetch setters, but no hook
 that runs before an all-gather reads a parameter group's local shards,
 whichever of forward, backward or a prefetch asked for it. So we wrap two
 methods of each ``FSDPParamGroup`` object (not the class): ``unshard``
-(before it, the shards are made resident) and ``wait_for_unshard`` (after
-it, the all-gather has consumed them and they are freed again). Tested with
+(before it, the shards are made resident), ``wait_for_unshard`` (after
+it, the all-gather has consumed them and they are freed again) and
+``post_backward`` (after it, the group's sharded gradients exist, so the
+optimizer may step them while backward goes on). Tested with
 the torch versions in ``TESTED_TORCH``; others fail with a clear message
 unless ``allow_untested_torch=True``.
 """
@@ -62,10 +64,12 @@ def local_shard(param: nn.Parameter) -> torch.Tensor:
     return param._local_tensor  # type: ignore[attr-defined]
 
 
-def wrap_group(group: Any, before_unshard: Callable[[], None], after_wait: Callable[[], None]) -> Callable[[], None]:
-    """Run ``before_unshard`` before the group's all-gather reads its shards and ``after_wait`` once it
-    has; returns a function that removes the wrappers."""
-    unshard, wait = group.unshard, group.wait_for_unshard
+def wrap_group(group: Any, before_unshard: Callable[[], None], after_wait: Callable[[], None],
+               after_post_backward: Callable[[], None]) -> Callable[[], None]:
+    """Run ``before_unshard`` before the group's all-gather reads its shards, ``after_wait`` once it
+    has, and ``after_post_backward`` once its sharded gradients are assigned (see
+    :func:`wait_for_gradients`); returns a function that removes the wrappers."""
+    unshard, wait, post_backward = group.unshard, group.wait_for_unshard, group.post_backward
 
     def wrapped_unshard(async_op: bool = False) -> None:
         if group._all_gather_result is None and not group.is_unsharded:
@@ -76,13 +80,25 @@ def wrap_group(group: Any, before_unshard: Callable[[], None], after_wait: Calla
         wait()
         after_wait()
 
-    group.unshard, group.wait_for_unshard = wrapped_unshard, wrapped_wait
+    def wrapped_post_backward(*args: Any) -> None:
+        post_backward(*args)
+        after_post_backward()
+
+    group.unshard, group.wait_for_unshard, group.post_backward = wrapped_unshard, wrapped_wait, wrapped_post_backward
 
     def remove() -> None:
-        del group.unshard, group.wait_for_unshard  # back to the class's methods
+        del group.unshard, group.wait_for_unshard, group.post_backward  # back to the class's methods
 
     return remove
 
 
+def wait_for_gradients(group: Any) -> None:
+    """Block until the reduce-scatter that produced the group's sharded gradients has finished (on CUDA it
+    runs on FSDP2's own stream; on the CPU it already has)."""
+    event = getattr(group, "_post_reduce_event", None)
+    if event is not None:
+        event.synchronize()
+
+
 __all__ = ["TESTED_TORCH", "check_group_supported", "check_torch_version", "fsdp_groups", "group_params",
-           "local_shard", "wrap_group"]
+           "local_shard", "wait_for_gradients", "wrap_group"]

@@ -22,7 +22,7 @@ state needs rewriting. The private details this relies on are in
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +75,14 @@ class _ShardGrads:
             return default
         return sh.param.grad.to_local()
 
+    def pop(self, key: str, default: Any = None) -> torch.Tensor | None:
+        """The gradient shard, dropped from its parameter (its memory goes once the caller is done)."""
+        grad = self.get(key, default)
+        sh = self._by_key.get(key)
+        if sh is not None:
+            sh.param.grad = None
+        return grad
+
 
 class FSDPOffload:
     """The NVMe tier under one rank's FSDP2 shards; returned by :func:`offload_fsdp`."""
@@ -86,6 +94,8 @@ class FSDPOffload:
         self.home = home
         self.stats = FSDPOffloadStats()
         self.resident: dict[str, nn.Parameter] = {}
+        # Called with a store key once that shard's gradient for this backward is reduced and assigned.
+        self.grad_ready_callbacks: list[Callable[[str], None]] = []
         self.groups: dict[str, _ShardGroup] = {}
         self.params: dict[int, _Shard] = {}  # id(param) -> shard
         names = {id(p): n for n, p in model.named_parameters()}
@@ -108,7 +118,8 @@ class FSDPOffload:
             h.wait()
         for gname, _module, group in internals.fsdp_groups(model):
             sg = self.groups[gname]
-            sg.remove = internals.wrap_group(group, lambda sg=sg: self._materialize(sg), lambda sg=sg: self._free(sg))
+            sg.remove = internals.wrap_group(group, lambda sg=sg: self._materialize(sg), lambda sg=sg: self._free(sg),
+                                             lambda sg=sg, group=group: self._gradients_ready(sg, group))
         self._by_key = {sh.key: sh for sh in self.params.values()}
         self.grads = _ShardGrads(self._by_key)
         self.policy = PrefetchPolicy(depth=prefetch_depth, max_bytes=prefetch_bytes,
@@ -143,6 +154,16 @@ class FSDPOffload:
         by_group = self.stats.stall_seconds_by_group
         by_group[sg.name] = by_group.get(sg.name, 0.0) + time.perf_counter() - t0
         sg.materialized = True
+
+    def _gradients_ready(self, sg: _ShardGroup, group: Any) -> None:
+        if not self.grad_ready_callbacks:
+            return
+        ready = [sh.key for sh in sg.shards if sh.param.grad is not None]
+        if ready:
+            internals.wait_for_gradients(group)
+        for key in ready:
+            for callback in self.grad_ready_callbacks:
+                callback(key)
 
     def _free(self, sg: _ShardGroup) -> None:
         """The all-gather has read the shards: free their memory (see [Note: Freeing a shard])."""
@@ -185,6 +206,7 @@ class FSDPOffload:
     def remove(self) -> None:
         """Put every shard back in memory (current values) and detach from FSDP2."""
         self._hook.remove()
+        self.grad_ready_callbacks.clear()
         self.store.set_victim_order(None)
         for sg in self.groups.values():
             sg.remove()

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows = []
         with TierStore(config) as store:
             off = offload_fsdp(model, store)
-            opt = OffloadedAdamW(off, lr=args.lr, weight_decay=0.01)
+            opt = OffloadedAdamW(off, lr=args.lr, weight_decay=0.01, step_in_backward=args.step_in_backward)
             store.flush()
             for step in range(args.steps):
                 if args.checkpoint and step == args.save_at:
@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"{step:>4} {r['loss']:>8.4f} {r['step_s']:>8.3f} {r['stall_s']:>8.3f} "
                           f"{r['read_bytes'] / MIB:>9.1f} {r['written_bytes'] / MIB:>9.1f} {r['nvme_gbps']:>9.2f}",
                           flush=True)
+            opt.close()
             per_rank = [None] * world
             shards = [sh.local for sh in off.params.values() if sh.local.numel()]
             mine = {"rank": rank, "state_bytes_by_tier": off.local_state_bytes(), "memory": store.memory(),
@@ -176,10 +177,11 @@ def _resume(args, config, data, rank: int, world: int, losses: list[float]) -> b
     model = _shard(ViT(PRESETS[args.preset]))
     with TierStore(config) as store:
         off = offload_fsdp(model, store)
-        opt = OffloadedAdamW(off, lr=args.lr, weight_decay=0.01)
+        opt = OffloadedAdamW(off, lr=args.lr, weight_decay=0.01, step_in_backward=args.step_in_backward)
         extra = load_checkpoint(args.checkpoint, off, opt)
         again = [_train_step(model, opt, data, s, args.batch_size, rank, world)
                  for s in range(extra["step"], args.steps)]
+        opt.close()
     if again != losses[args.save_at:]:
         print(f"rank {rank}: resumed losses {again} vs {losses[args.save_at:]}", file=sys.stderr)
         return False
@@ -247,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-budget", type=_bytes, help="per rank, e.g. 64MiB (default: a third of the rank's state)")
     p.add_argument("--device-budget", type=_bytes, help="per rank (default: a quarter of the weights)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--step-in-backward", action="store_true",
+                   help="step each shard as soon as its gradient is reduced, overlapping backward")
     p.add_argument("--check", action="store_true", help="also train without offload and compare bit for bit")
     p.add_argument("--json", metavar="FILE", help="rank 0 writes the figures here")
     p.add_argument("--checkpoint", metavar="DIR", help="save a checkpoint here before step --save-at, then "

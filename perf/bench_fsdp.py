@@ -29,6 +29,8 @@ def run_depth(args: argparse.Namespace, depth: int) -> dict:
                "--json", out]
         if args.host_budget:
             cmd += ["--host-budget", args.host_budget]
+        if args.step_in_backward:
+            cmd.append("--step-in-backward")
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, os.cpu_count() or 1)
                                                                                      // args.ranks)))
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -48,6 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--nvme-path", default=".")
     p.add_argument("--host-budget", help="per rank (default: a third of the rank's state)")
+    p.add_argument("--step-in-backward", action="store_true", help="overlap the optimizer with backward")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     if args.steps < 2:
@@ -69,7 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
     base = rows[0]["step_s"]
     print(f"bench fsdp: ViT-{args.preset}, {meta['params'] / 1e6:.0f}M parameters, {meta['ranks']} ranks "
           f"({meta['backend']}), batch {args.batch_size} per rank, host budget "
-          f"{meta['host_budget_bytes'] / 2**20:.0f} MiB per rank; medians of steps 2..{args.steps} x {args.rounds} run(s)")
+          f"{meta['host_budget_bytes'] / 2**20:.0f} MiB per rank; optimizer "
+          f"{'in' if args.step_in_backward else 'after'} backward; medians of steps 2..{args.steps} x {args.rounds} run(s)")
     print(f"{'depth':>5} {'step s':>8} {'stall s':>8} {'read MiB':>9} {'write MiB':>9} {'vs depth 0':>10}")
     for d in depths:
         row = rows[d]
