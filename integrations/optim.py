@@ -10,8 +10,9 @@ one backward: no accumulation over several backward passes and no clipping
 by the global norm (use the default mode for those).
 
 [Note: Pipelined step] Parameters are stepped one at a time in a fixed order.
-Before parameter i is computed, the state of parameters i+1 .. i+readahead is
-already being read into the host tier; after it is computed its state is
+Before parameter i is computed, the state of the next parameters (up to
+``readahead`` of them and ``readahead_bytes`` of state) is already being read
+into the host tier; after it is computed its state is
 marked dirty and a write-back is started at once, so the drive writes
 parameter i while the CPU computes i+1. The arithmetic is that of
 torch.optim.AdamW with foreach=False, operation for operation, so fp32
@@ -39,8 +40,9 @@ class OffloadedAdamW:
     """
 
     def __init__(self, offloaded: OffloadedModel, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, readahead: int = 4,
-                 home: Tier | str | None = None, step_in_backward: bool = False) -> None:
+                 eps: float = 1e-8, weight_decay: float = 1e-2, readahead: int = 16,
+                 readahead_bytes: int | None = None, home: Tier | str | None = None,
+                 step_in_backward: bool = False) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr={lr} must be >= 0")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -53,6 +55,9 @@ class OffloadedAdamW:
         self.store: TierStore = offloaded.store
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.readahead = readahead
+        # Reads in flight keep the drive busy; a quarter of the host tier leaves room for everything else.
+        self.readahead_bytes = (readahead_bytes if readahead_bytes is not None
+                                else max(1, self.store.config.host_budget_bytes // 4))
         home = Tier.parse(home if home is not None else self.store.config.optimizer_tier)
         self.steps: dict[str, float] = {}
         self._pending: list = []  # write-behind handles of the last step
@@ -73,6 +78,8 @@ class OffloadedAdamW:
                                               home=home))
         for h in handles:
             h.wait()
+        self._state_bytes = {name: sum(self.store.info(k)["nbytes"] for k in self._keys(name, key, p))
+                             for name, key, p in self._items}
         self.step_in_backward = step_in_backward
         self._early: dict[str, Future] = {}  # key -> update started in backward
         self._ready: list[tuple] = []  # (name, key, param, grad) in the order gradients completed
@@ -99,8 +106,7 @@ class OffloadedAdamW:
         # Read ahead only a few updates, in the worker's order: reads issued for every gradient as it
         # arrives would overflow the host tier and evict each other before use.
         ready = self._ready
-        for item in ready[i:i + 1 + self.readahead]:
-            self._prefetch(item)
+        self._read_ahead(ready, i)
         name, key, p, grad = ready[i]
         self._timed_step(name, key, p, grad)
         ready[i] = (name, key, p, None)
@@ -151,11 +157,8 @@ class OffloadedAdamW:
                 raise err
         work = [(n, k, p, g) for n, k, p in self._items
                 if k not in early and (g := self._grad(n, k, p)) is not None]
-        for i in range(min(self.readahead, len(work))):
-            self._prefetch(work[i])
         for i, (name, key, p, grad) in enumerate(work):
-            if i + self.readahead < len(work):
-                self._prefetch(work[i + self.readahead])
+            self._read_ahead(work, i)
             self._timed_step(name, key, p, grad)
         self._pending, self._current = self._current, []
 
@@ -172,6 +175,16 @@ class OffloadedAdamW:
         self._current = []
         for h in pending:
             h.wait()
+
+    def _read_ahead(self, items: list[tuple], i: int) -> None:
+        """Prefetch the state of items[i] and of those after it, within readahead and readahead_bytes
+        (prefetching what is already in flight or in memory costs nothing)."""
+        total = 0
+        for item in items[i:i + 1 + self.readahead]:
+            total += self._state_bytes.get(item[0], 0)
+            if total > self.readahead_bytes and item is not items[i]:
+                break
+            self._prefetch(item)
 
     def _prefetch(self, item: tuple) -> None:
         name, key, p, _ = item
