@@ -156,6 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(result, f, indent=2, default=str)
+        dist.barrier()  # no rank tears gloo down while another still talks to it
         return result
     finally:
         dist.destroy_process_group()
