@@ -55,6 +55,7 @@ def test_bench_step_tiny(tmp_path, capsys):
         assert row["bytes_per_step"] > 0
         assert row["bound_s"] >= res["resident_step_s"]
         assert row["overlap_efficiency"] == row["bound_s"] / row["step_s"]
+    assert res["serial"]["step_s"] > 0 and res["serial"]["bytes_per_step"] > 0
     assert "overlap" in capsys.readouterr().out
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     spans = [e for e in trace if e["ph"] == "X"]

@@ -60,15 +60,22 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
         opt = OffloadedAdamW(off, lr=1e-3, step_in_backward=step_in_backward)
         setups[d] = (model, store, opt)
         first = measure_step(model, store, opt, data, batch_size, 0)  # the first step records the trace
+    # The reference without any overlap: no prefetch, the optimizer after backward with no read-ahead, its
+    # writes finished inside the step.
+    model = copy.deepcopy(base)
+    store = TierStore(StoreConfig(nvme_path=nvme_path, host_budget_bytes=host, device_budget_bytes=device))
+    opt = _NoOverlap(OffloadedAdamW(offload_model(model, store, prefetch_depth=0), lr=1e-3, readahead=0))
+    setups["serial"] = (model, store, opt)
+    measure_step(model, store, opt, data, batch_size, 0)
     # A step reads and writes at once; the drive's rate for that mix is what bounds it.
     moved = first["read_bytes"] + first["written_bytes"]
     drive = measure_drive(nvme_path, size_mib=max(16, min(512, state_bytes // MIB)),
                           read_fraction=first["read_bytes"] / moved if moved else 0.5)
     drive_gbps = drive["mixed_gbps"]
-    samples: dict[Any, list] = {"resident": [], **{d: [] for d in depths}}
+    samples: dict[Any, list] = {"resident": [], "serial": [], **{d: [] for d in depths}}
     try:
         for r in range(rounds):
-            order = list(depths) if r % 2 == 0 else list(reversed(depths))
+            order = ["serial", *depths] if r % 2 == 0 else [*reversed(depths), "serial"]
             samples["resident"].append(_resident_step(resident, data, batch_size, r + 1, ropt))
             for d in order:
                 samples[d].append(_offloaded_step(*setups[d], data, batch_size, r + 1))
@@ -93,24 +100,49 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
     log(f"drive (store, same run): {drive['read_fraction']:.0%} reads mixed with writes {drive_gbps:.2f} GB/s "
         f"(reads alone {drive['read_gbps']:.2f}, writes alone {drive['write_gbps']:.2f}); "
         f"optimizer steps {'in' if step_in_backward else 'after'} backward")
-    log(f"resident step: {resident_s:.3f} s")
-    log(f"{'depth':>5} {'step s':>8} {'stall s':>8} {'MiB/step':>9} {'bound s':>8} {'overlap':>8} {'vs depth0':>9}")
-    for d in depths:
-        step_s = statistics.median(s[0] for s in samples[d])
-        stall = statistics.median(s[1] for s in samples[d])
-        moved = statistics.median(s[2] for s in samples[d])
+    log(f"resident step: {resident_s:.3f} s; 'serial': no prefetch, optimizer after backward without read-ahead")
+    log(f"{'depth':>6} {'step s':>8} {'stall s':>8} {'MiB/step':>9} {'bound s':>8} {'overlap':>8} {'vs depth0':>9} "
+        f"{'vs serial':>9}")
+
+    def row_of(key: Any) -> dict[str, float]:
+        step_s = statistics.median(s[0] for s in samples[key])
+        moved = statistics.median(s[2] for s in samples[key])
         bound = max(resident_s, moved / (drive_gbps * 1e9))
-        row = {"step_s": step_s, "stall_s": stall, "bytes_per_step": moved, "bound_s": bound,
-               "overlap_efficiency": bound / step_s}
-        result["depths"][str(d)] = row
+        return {"step_s": step_s, "stall_s": statistics.median(s[1] for s in samples[key]), "bytes_per_step": moved,
+                "bound_s": bound, "overlap_efficiency": bound / step_s}
+
+    serial = result["serial"] = row_of("serial")
+    for key in ["serial", *depths]:
+        row = serial if key == "serial" else row_of(key)
+        if key != "serial":
+            result["depths"][str(key)] = row
         base0 = result["depths"].get(str(depths[0]), row)["step_s"]
-        log(f"{d:>5} {step_s:>8.3f} {stall:>8.3f} {moved / MIB:>9.1f} {bound:>8.3f} {bound / step_s:>8.2f} "
-            f"{base0 / step_s:>9.2f}x")
+        vs_depth0 = "" if key == "serial" else f"{base0 / row['step_s']:.2f}x"
+        log(f"{key:>6} {row['step_s']:>8.3f} {row['stall_s']:>8.3f} {row['bytes_per_step'] / MIB:>9.1f} "
+            f"{row['bound_s']:>8.3f} {row['overlap_efficiency']:>8.2f} {vs_depth0:>9} "
+            f"{serial['step_s'] / row['step_s']:>8.2f}x")
     if trace_path:
         log(f"timeline of one step at prefetch depth {traced}: {n_events} spans in {trace_path} "
             "(open it at https://ui.perfetto.dev)")
         result["trace"] = {"path": trace_path, "depth": traced, "events": n_events}
     return result
+
+
+class _NoOverlap:
+    """An OffloadedAdamW whose step also waits for its writes."""
+
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt
+
+    def step(self) -> None:
+        self.opt.step()
+        self.opt.wait()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def close(self) -> None:
+        self.opt.close()
 
 
 def _offloaded_step(model, store, opt, data, batch_size: int, step: int) -> tuple[float, float, int]:
