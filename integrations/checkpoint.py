@@ -25,14 +25,15 @@ from torch import nn
 from tierstore import Tier, TierStore, TierStoreError
 from tierstore._checkpoint import (
     TensorSource,
-    _write_safetensors,
     commit,
+    dtype_from_name,
     new_directory,
     read_into,
     read_manifest,
     read_tensor,
     write_checkpoint,
     write_files,
+    write_safetensors_file,
 )
 
 from .fsdp import _STATE_KEY as _FSDP_STATE_KEY
@@ -83,7 +84,12 @@ def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 yield (f"{mname}.{bname}" if mname else bname), b
 
 
-def _model_tensors(model: nn.Module, off: OffloadedModel | None) -> tuple[dict[str, Any], dict[str, str]]:
+def _placement(off: Offloaded | None, value: Any) -> str:
+    """Where a tensor of :func:`_model_tensors` lives: the wrapper's home tier for store keys."""
+    return off.home.label if isinstance(value, str) and off is not None else "resident"
+
+
+def _model_tensors(model: nn.Module, off: Offloaded | None) -> tuple[dict[str, Any], dict[str, str]]:
     """name -> (store key or the tensor itself), and alias -> saved name for tied parameters."""
     offloaded = {id(p): key for _, key, p in off.named_offloaded()} if off is not None else {}
     seen: dict[int, str] = {}
@@ -121,8 +127,7 @@ def save_checkpoint(path: str, model: nn.Module | Offloaded, optimizer: Offloade
     files = {MODEL_FILE: sources}
     metadata: dict[str, Any] = {
         "aliases": aliases,
-        "placement": {name: (off.home.label if isinstance(v, str) and off is not None else "resident")
-                      for name, v in tensors.items()},
+        "placement": {name: _placement(off, v) for name, v in tensors.items()},
         "extra": extra or {},
     }
     if off is not None:
@@ -192,7 +197,7 @@ def _shard_dim(param: torch.Tensor) -> int | None:
     return dims[0] if dims else None
 
 
-def load_checkpoint(path: str, model: nn.Module | OffloadedModel, optimizer: OffloadedAdamW | None = None, *,
+def load_checkpoint(path: str, model: nn.Module | Offloaded, optimizer: OffloadedAdamW | None = None, *,
                     strict: bool = True) -> dict[str, Any]:
     """Load a checkpoint saved by :func:`save_checkpoint` into ``model`` (and ``optimizer``); returns ``extra``.
 
@@ -223,8 +228,7 @@ def load_checkpoint(path: str, model: nn.Module | OffloadedModel, optimizer: Off
                              f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
                              f"{'...' if len(unexpected) > 5 else ''} (load with strict=False to skip them)")
     placement = meta.get("placement", {})
-    moved = [n for n, v in tensors.items() if n in placement and placement[n] !=
-             (off.home.label if isinstance(v, str) and off is not None else "resident")]
+    moved = [n for n, v in tensors.items() if n in placement and placement[n] != _placement(off, v)]
     if moved:
         warnings.warn(f"{len(moved)} tensors (e.g. {moved[0]!r}) were saved from another tier than the one the "
                       f"model now keeps them in; they are loaded where the model keeps them", stacklevel=2)
@@ -281,7 +285,7 @@ def consolidate_checkpoint(path: str, out_file: str) -> list[str]:
     """Join the per-rank shards of an FSDP2 checkpoint into one safetensors file of full parameters.
 
     Streams one parameter at a time (memory: the largest full parameter).
-    The file is written under a temporary name, fsynced, then renamed.
+    The file is written under a temporary name, fsynced, then renamed into place.
     Returns the names written.
     """
     directory, top = read_manifest(path)
@@ -298,15 +302,7 @@ def consolidate_checkpoint(path: str, out_file: str) -> list[str]:
             sources.append(_file_source(name, entry, manifests[0][0]))
             continue
         sources.append(_joined_source(name, info, manifests))
-    out_file = os.path.abspath(out_file)
-    tmp = f"{out_file}.tmp-{os.getpid()}"
-    try:
-        _write_safetensors(tmp, sources, os.path.basename(out_file), {"format": "pt"})
-        os.rename(tmp, out_file)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_safetensors_file(out_file, sources, {"format": "pt"})
     return [s.name for s in sources]
 
 
@@ -315,25 +311,19 @@ def _file_source(name: str, entry: dict[str, Any], directory: str) -> TensorSour
     def borrow() -> Iterator[torch.Tensor]:
         yield read_tensor(directory, name, entry)
 
-    return TensorSource(name, tuple(entry["shape"]), _dtype(entry["dtype"]), borrow)
+    return TensorSource(name, tuple(entry["shape"]), dtype_from_name(entry["dtype"]), borrow)
 
 
 def _joined_source(name: str, info: dict[str, Any], manifests: list[tuple[str, dict[str, Any]]]) -> TensorSource:
     entries = [(d, m["tensors"][MODEL_FILE][name]) for d, m in manifests]
+    dtype = dtype_from_name(entries[0][1]["dtype"])
 
     @contextmanager
     def borrow() -> Iterator[torch.Tensor]:
         shards = [s for s in (read_tensor(d, name, e) for d, e in entries) if s.numel()]
-        yield torch.cat(shards, dim=info["dim"]) if shards else torch.empty(info["shape"], dtype=_dtype(
-            entries[0][1]["dtype"]))
+        yield torch.cat(shards, dim=info["dim"]) if shards else torch.empty(info["shape"], dtype=dtype)
 
-    return TensorSource(name, tuple(info["shape"]), _dtype(entries[0][1]["dtype"]), borrow)
-
-
-def _dtype(name: str) -> torch.dtype:
-    from tierstore._checkpoint import _BY_NAME
-
-    return _BY_NAME[name]
+    return TensorSource(name, tuple(info["shape"]), dtype, borrow)
 
 
 def load_parameters(path: str) -> dict[str, torch.Tensor]:

@@ -184,11 +184,7 @@ class FSDPOffload:
         sh = next((s for s in self.params.values() if s.name == name), None)
         if sh is None:
             raise KeyError(f"no offloaded parameter named {name!r}")
-        t = self.store.get(sh.key, Tier.HOST)
-        try:
-            return t.clone()
-        finally:
-            self.store.release(sh.key, Tier.HOST)
+        return self.store.read(sh.key)
 
     def zero_grad(self) -> None:
         for sh in self.params.values():

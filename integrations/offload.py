@@ -283,7 +283,7 @@ class OffloadedModel:
         for name, p in self.model.named_parameters(remove_duplicate=False):  # tied names too
             sp = self.params.get(id(p))
             if sp is not None and prefix + name in state_dict:
-                state_dict[prefix + name] = self._read(sp)
+                state_dict[prefix + name] = self.store.read(sp.key)
 
     # ---- public ------------------------------------------------------------------------
     def read_param(self, name: str) -> torch.Tensor:
@@ -293,14 +293,7 @@ class OffloadedModel:
             if name in self.resident:
                 return self.resident[name].detach().cpu().clone()
             raise KeyError(f"no parameter named {name!r}")
-        return self._read(sp)
-
-    def _read(self, sp: _Param) -> torch.Tensor:
-        t = self.store.get(sp.key, Tier.HOST)
-        try:
-            return t.clone()
-        finally:
-            self.store.release(sp.key, Tier.HOST)
+        return self.store.read(sp.key)
 
     def named_offloaded(self) -> Iterator[tuple[str, str, nn.Parameter]]:
         """(name, store key, parameter) of every offloaded parameter."""
@@ -322,7 +315,7 @@ class OffloadedModel:
         for sp in self.params.values():
             if sp.holds:
                 raise RuntimeError(f"cannot remove offload while {sp.name!r} is in use (inside forward/backward)")
-            sp.param.data = self._read(sp).to(self.compute_device)
+            sp.param.data = self.store.read(sp.key).to(self.compute_device)
             self.store.drop(sp.key)
         self.params.clear()
         delattr(self.model, _STATE_KEY)

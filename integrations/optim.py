@@ -193,8 +193,8 @@ class OffloadedAdamW:
 
     def _step_one(self, name: str, key: str | None, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
         st = self.store
-        master_key = None if key is None else (key if p.dtype == torch.float32 else f"adam/{name}/master")
-        keys = [f"adam/{name}/exp_avg", f"adam/{name}/exp_avg_sq"] + ([master_key] if master_key else [])
+        keys = self._keys(name, key, p)
+        master_key = keys[2] if key is not None else None
         held: dict[str, torch.Tensor] = {}
         try:
             for k in keys:
@@ -267,10 +267,7 @@ class OffloadedAdamW:
         """Plain tensors (read from the store), like torch.optim's state_dict, keyed by parameter name."""
         state: dict[str, dict[str, torch.Tensor]] = {}
         for name, what, k in self.state_tensors():
-            entry = state.setdefault(name, {"step": torch.tensor(self.steps[name])})
-            t = self.store.get(k, Tier.HOST)
-            entry[what] = t.clone()
-            self.store.release(k, Tier.HOST)
+            state.setdefault(name, {"step": torch.tensor(self.steps[name])})[what] = self.store.read(k)
         return {"state": state, "param_groups": [self.hyperparameters()]}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:

@@ -52,28 +52,32 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
     resident = copy.deepcopy(base)
     ropt = torch.optim.AdamW(resident.parameters(), lr=1e-3, foreach=False)
     _resident_step(resident, data, batch_size, 0, ropt)  # warm-up
-    setups = {}
-    for d in depths:
+    setups: dict[Any, tuple] = {}
+
+    def setup(key: Any, depth: int, make_opt) -> dict[str, Any]:
+        """A fresh offloaded model, store and optimizer under ``key``; runs the first (trace-recording) step."""
         model = copy.deepcopy(base)
         store = TierStore(StoreConfig(nvme_path=nvme_path, host_budget_bytes=host, device_budget_bytes=device))
-        off = offload_model(model, store, prefetch_depth=d)
-        opt = OffloadedAdamW(off, lr=1e-3, step_in_backward=step_in_backward)
-        setups[d] = (model, store, opt)
-        first = measure_step(model, store, opt, data, batch_size, 0)  # the first step records the trace
-    # The reference without any overlap: no prefetch, the optimizer after backward with no read-ahead, its
-    # writes finished inside the step.
-    model = copy.deepcopy(base)
-    store = TierStore(StoreConfig(nvme_path=nvme_path, host_budget_bytes=host, device_budget_bytes=device))
-    opt = _NoOverlap(OffloadedAdamW(offload_model(model, store, prefetch_depth=0), lr=1e-3, readahead=0))
-    setups["serial"] = (model, store, opt)
-    measure_step(model, store, opt, data, batch_size, 0)
-    # A step reads and writes at once; the drive's rate for that mix is what bounds it.
-    moved = first["read_bytes"] + first["written_bytes"]
-    drive = measure_drive(nvme_path, size_mib=max(16, min(512, state_bytes // MIB)),
-                          read_fraction=first["read_bytes"] / moved if moved else 0.5)
-    drive_gbps = drive["mixed_gbps"]
+        try:
+            opt = make_opt(offload_model(model, store, prefetch_depth=depth))
+        except BaseException:
+            store.close()
+            raise
+        setups[key] = (model, store, opt)
+        return measure_step(model, store, opt, data, batch_size, 0)
+
     samples: dict[Any, list] = {"resident": [], "serial": [], **{d: [] for d in depths}}
     try:
+        for d in depths:
+            first = setup(d, d, lambda off: OffloadedAdamW(off, lr=1e-3, step_in_backward=step_in_backward))
+        # The reference without any overlap: no prefetch, the optimizer after backward with no read-ahead, its
+        # writes finished inside the step.
+        setup("serial", 0, lambda off: _NoOverlap(OffloadedAdamW(off, lr=1e-3, readahead=0)))
+        # A step reads and writes at once; the drive's rate for that mix is what bounds it.
+        moved = first["read_bytes"] + first["written_bytes"]
+        drive = measure_drive(nvme_path, size_mib=max(16, min(512, state_bytes // MIB)),
+                              read_fraction=first["read_bytes"] / moved if moved else 0.5)
+        drive_gbps = drive["mixed_gbps"]
         for r in range(rounds):
             order = ["serial", *depths] if r % 2 == 0 else [*reversed(depths), "serial"]
             samples["resident"].append(_resident_step(resident, data, batch_size, r + 1, ropt))

@@ -77,6 +77,13 @@ def dtype_name(dtype: torch.dtype) -> str:
                         f"{', '.join(str(d) for d in _DTYPES)}") from None
 
 
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise TierStoreError(f"unknown safetensors dtype {name!r}; known: {', '.join(_BY_NAME)}") from None
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
 
@@ -122,6 +129,21 @@ def _write_safetensors(path: str, sources: list[TensorSource], file_label: str,
         os.fsync(f.fileno())
     _stage(f"file {file_label}")
     return entries
+
+
+def write_safetensors_file(path: str | os.PathLike, sources: Iterable[TensorSource],
+                           metadata: dict[str, str] | None = None) -> None:
+    """One safetensors file at ``path``, written under a temporary name, fsynced, then renamed into place."""
+    path = os.path.abspath(os.fspath(path))
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        _write_safetensors(tmp, list(sources), os.path.basename(path), metadata or {})
+        os.rename(tmp, path)
+        _fsync_dir(os.path.dirname(path))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def new_directory(path: str | os.PathLike) -> str:
@@ -255,7 +277,7 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             if name == "__metadata__":
                 continue
             lo, hi = info["data_offsets"]
-            t = torch.empty(info["shape"], dtype=_BY_NAME[info["dtype"]])
+            t = torch.empty(info["shape"], dtype=dtype_from_name(info["dtype"]))
             if hi - lo != t.numel() * t.element_size() or 8 + n + hi > size:
                 raise IntegrityError(f"{path}: tensor {name!r} has bad offsets {lo}..{hi}")
             f.seek(8 + n + lo)
@@ -266,11 +288,10 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def read_tensor(directory: str, name: str, entry: dict[str, Any]) -> torch.Tensor:
-    out = torch.empty(entry["shape"], dtype=_BY_NAME[entry["dtype"]])
+    out = torch.empty(entry["shape"], dtype=dtype_from_name(entry["dtype"]))
     read_into(directory, name, entry, out)
     return out
 
 
-__all__ = ["TensorSource", "commit", "new_directory", "read_into", "read_manifest", "read_safetensors", "read_tensor",
-           "resolve",
-           "write_checkpoint", "write_files"]
+__all__ = ["TensorSource", "commit", "dtype_from_name", "dtype_name", "new_directory", "read_into", "read_manifest",
+           "read_safetensors", "read_tensor", "resolve", "write_checkpoint", "write_files", "write_safetensors_file"]

@@ -244,6 +244,14 @@ class TierStore:
             copy.last_use = next(self._tick)
             return self._view(entry, copy)
 
+    def read(self, key: str) -> torch.Tensor:
+        """A copy of the tensor's current value in ordinary CPU memory (read through the host tier)."""
+        t = self.get(key, Tier.HOST)
+        try:
+            return t.clone()
+        finally:
+            self.release(key, Tier.HOST)
+
     def release(self, key: str, tier: Tier | str = Tier.DEVICE) -> None:
         """The caller is done with the tensor :meth:`get` returned; the copy becomes evictable."""
         tier = Tier.parse(tier)
