@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tierstore import StoreConfig, TierStore, parse_bytes
+from tierstore._demo import default_budgets
 from tierstore._rss import peak_rss_bytes
 from tierstore.vit import PRESETS, SyntheticImages, ViT, num_params
 
@@ -83,10 +84,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             reference = (ref_model, ref_opt, ref_losses, ref_full_at_save)
         model = _shard(copy.deepcopy(base))
         del base
-        state_bytes = n * 12 // world
-        host = args.host_budget or max(4 * MIB, state_bytes // 3)
-        config = StoreConfig(nvme_path=args.nvme_path, host_budget_bytes=host,
-                             device_budget_bytes=args.device_budget or max(2 * MIB, n * 4 // 4),
+        state_bytes, host, device = default_budgets(n // world, args.host_budget, args.device_budget)  # per rank
+        config = StoreConfig(nvme_path=args.nvme_path, host_budget_bytes=host, device_budget_bytes=device,
                              prefetch_depth=args.prefetch_depth)
         if rank == 0:
             print(f"FSDP2 + NVMe: ViT-{args.preset}, {n / 1e6:.1f}M parameters on {world} ranks "
