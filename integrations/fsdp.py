@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tierstore import Tier, TierStore
-from tierstore._schedule import PrefetchPolicy, group_victim_order
+from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
 from . import _fsdp_internals as internals
 
@@ -96,6 +96,8 @@ class FSDPOffload:
         self.resident: dict[str, nn.Parameter] = {}
         # Called with a store key once that shard's gradient for this backward is reduced and assigned.
         self.grad_ready_callbacks: list[Callable[[str], None]] = []
+        # An optimizer's uses of store keys, which eviction weighs with the trace's.
+        self.later_uses = LaterUses()
         self.groups: dict[str, _ShardGroup] = {}
         self.params: dict[int, _Shard] = {}  # id(param) -> shard
         names = {id(p): n for n, p in model.named_parameters()}
@@ -125,7 +127,7 @@ class FSDPOffload:
         self.policy = PrefetchPolicy(depth=prefetch_depth, max_bytes=prefetch_bytes,
                                      group_bytes={g.name: g.nbytes for g in self.groups.values()})
         self._key_group = {sh.key: g.name for g in self.groups.values() for sh in g.shards}
-        store.set_victim_order(group_victim_order(self.policy, self._key_group))
+        store.set_victim_order(group_victim_order(self.policy, self._key_group, self.later_uses))
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
 
     # ---- the all-gather loop -----------------------------------------------------------
@@ -203,6 +205,7 @@ class FSDPOffload:
         """Put every shard back in memory (current values) and detach from FSDP2."""
         self._hook.remove()
         self.grad_ready_callbacks.clear()
+        self.later_uses = LaterUses()
         self.store.set_victim_order(None)
         for sg in self.groups.values():
             sg.remove()

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from tierstore import Tier, TierStore
-from tierstore._schedule import PrefetchPolicy, group_victim_order
+from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
 _STATE_KEY = "_tierstore_offload"
 
@@ -50,6 +50,7 @@ class _Param:
     key: str
     param: nn.Parameter
     placeholder: torch.Tensor
+    nbytes: int
     holds: int = 0
     backward_hold: bool = False
 
@@ -100,6 +101,8 @@ class OffloadedModel:
         self._callback_queued = False
         # Called with a store key once that parameter's gradient for this backward is complete.
         self.grad_ready_callbacks: list[Callable[[str], None]] = []
+        # An optimizer's uses of store keys, which eviction weighs with the trace's.
+        self.later_uses = LaterUses()
         self._storage_owner: dict[int, _Param] = {}  # data_ptr of a held copy's storage -> its parameter
         self._saved_hooks: Any = None
         handles = []
@@ -111,7 +114,7 @@ class OffloadedModel:
             key = f"param/{name}"
             handles.append(store.put(key, p.detach().contiguous(), home=home))
             placeholder = torch.empty(0, dtype=p.dtype, device=self.compute_device)
-            self.params[id(p)] = _Param(name, key, p, placeholder)
+            self.params[id(p)] = _Param(name, key, p, placeholder, nbytes)
         for h in handles:
             h.wait()
         for sp in self.params.values():
@@ -121,7 +124,7 @@ class OffloadedModel:
                      if p is not None and id(p) in self.params]
             if not owned:
                 continue
-            group = _Group(mname, owned, sum(sp.param.numel() * sp.param.element_size() for sp in owned))
+            group = _Group(mname, owned, sum(sp.nbytes for sp in owned))
             self.groups[mname] = group
             self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(group)))
             self._handles.append(module.register_forward_hook(self._make_post_forward(group)))
@@ -143,7 +146,7 @@ class OffloadedModel:
         for g in self.groups.values():
             for sp in g.params:
                 self._key_group.setdefault(sp.key, g.name)
-        store.set_victim_order(group_victim_order(self.policy, self._key_group))
+        store.set_victim_order(group_victim_order(self.policy, self._key_group, self.later_uses))
 
     # ---- hooks -------------------------------------------------------------------------
     def _start_step(self, module: nn.Module, args: Any) -> None:

@@ -82,7 +82,8 @@ class OffloadedAdamW:
                              for name, key, p in self._items}
         self.step_in_backward = step_in_backward
         self._early: dict[str, Future] = {}  # key -> update started in backward
-        self._ready: list[tuple] = []  # (name, key, param, grad) in the order gradients completed
+        self._queue: list[tuple] = []  # (name, key, param, grad) in the order they are stepped
+        self._done = 0  # how many of the queue are stepped
         self._worker: ThreadPoolExecutor | None = None
         if step_in_backward:
             if not hasattr(offloaded, "grad_ready_callbacks"):
@@ -91,6 +92,25 @@ class OffloadedAdamW:
             self._by_key = {key: (name, key, p) for name, key, p in self._items if key is not None}
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="tierstore-adamw")
             offloaded.grad_ready_callbacks.append(self._on_grad_ready)
+        later = getattr(offloaded, "later_uses", None)
+        if later is not None:  # eviction then knows when this state is used (see [Note: Who uses a copy next])
+            for name, key, p in self._items:
+                if key is not None:
+                    for k in self._keys(name, key, p):
+                        if k != key:
+                            later.after[k] = key
+            later.queues.append(self._queued)
+
+    def _queued(self) -> dict[str, int]:
+        """Store keys of the parameters still to be stepped -> their place in the queue."""
+        queue, done = self._queue, self._done
+        out: dict[str, int] = {}
+        for pos, (name, key, p, _) in enumerate(queue[done:]):
+            if key is not None:
+                out[key] = pos
+                for k in self._keys(name, key, p):
+                    out[k] = pos
+        return out
 
     def _on_grad_ready(self, key: str) -> None:
         name, key_, p = self._by_key[key]
@@ -99,16 +119,17 @@ class OffloadedAdamW:
                                "parameter after one backward, so gradient accumulation needs step_in_backward=False")
         grad = self.offloaded.grads.get(key)
         assert self._worker is not None
-        self._ready.append((name, key_, p, grad))
-        self._early[key] = self._worker.submit(self._step_ready, len(self._ready) - 1)
+        self._queue.append((name, key_, p, grad))
+        self._early[key] = self._worker.submit(self._step_ready, len(self._queue) - 1)
 
     def _step_ready(self, i: int) -> None:
         # Read ahead only a few updates, in the worker's order: reads issued for every gradient as it
         # arrives would overflow the host tier and evict each other before use.
-        ready = self._ready
+        ready = self._queue
         self._read_ahead(ready, i)
         name, key, p, grad = ready[i]
         self._timed_step(name, key, p, grad)
+        self._done = i + 1
         ready[i] = (name, key, p, None)
         self.offloaded.grads.pop(key, None)  # consumed: its memory goes now, not at zero_grad()
 
@@ -120,6 +141,9 @@ class OffloadedAdamW:
             callbacks = self.offloaded.grad_ready_callbacks
             if self._on_grad_ready in callbacks:
                 callbacks.remove(self._on_grad_ready)
+        later = getattr(self.offloaded, "later_uses", None)
+        if later is not None and self._queued in later.queues:
+            later.queues.remove(self._queued)
 
     def _param_shape(self, key: str) -> torch.Size:
         return torch.Size(self.store.info(key)["shape"])
@@ -148,7 +172,7 @@ class OffloadedAdamW:
         """
         early, self._early = self._early, {}
         errors = [f.exception() for f in early.values()]  # waits for the updates started in backward
-        self._ready = []
+        self._queue, self._done = [], 0
         previous, self._pending = self._pending, []
         for h in previous:
             h.wait()
@@ -157,9 +181,12 @@ class OffloadedAdamW:
                 raise err
         work = [(n, k, p, g) for n, k, p in self._items
                 if k not in early and (g := self._grad(n, k, p)) is not None]
+        self._queue = work
         for i, (name, key, p, grad) in enumerate(work):
             self._read_ahead(work, i)
             self._timed_step(name, key, p, grad)
+            self._done = i + 1
+        self._queue, self._done = [], 0
         self._pending, self._current = self._current, []
 
     def _timed_step(self, name: str, key: str | None, p: torch.nn.Parameter, grad: torch.Tensor) -> None:

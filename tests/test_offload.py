@@ -196,3 +196,38 @@ def test_step_in_backward_refuses_gradient_accumulation(make_store):
     with pytest.raises(RuntimeError, match="gradient accumulation needs step_in_backward=False"):
         model(x).sum().backward()
     opt.close()
+
+
+def test_groups_know_their_bytes(make_store):
+    torch.manual_seed(0)
+    model = ViT(PRESETS["tiny"])
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    off = offload_model(model, make_store(), prefetch_depth=2)
+    assert sum(off.policy.group_bytes.values()) == total  # what prefetch_bytes is counted against
+
+
+def test_eviction_keeps_what_the_optimizer_still_needs(make_store):
+    """A parameter whose gradient is complete, and its state, rank as needed by their place in the
+    optimizer's queue; once stepped they rank as never needed (first to go)."""
+    torch.manual_seed(0)
+    model = ViT(PRESETS["tiny"])
+    store = make_store()
+    off = offload_model(model, store, prefetch_depth=2)
+    opt = OffloadedAdamW(off, lr=1e-3)
+    try:
+        data = SyntheticImages(PRESETS["tiny"])
+        _train(model, data, 1, opt)
+        (first, k1, p1), (_, k2, _) = [(n, k, p) for n, k, p in off.named_offloaded()][:2]
+        state = [f"adam/{first}/exp_avg", f"adam/{first}/exp_avg_sq"]
+        assert all(off.later_uses.after[k] == k1 for k in state)
+
+        def order():
+            return store._victim_order(None, [k1, *state, k2])
+
+        assert order() == [k1, *state, k2]  # after the step none is used again: ties keep their order
+        opt._queue = [(first, k1, p1, None)]  # as the backward hook queues it
+        assert off.later_uses.queued() == {k: 0 for k in (k1, *state)}
+        assert order() == [k2, k1, *state]
+    finally:
+        opt.close()
+    assert off.later_uses.queues == []

@@ -1,4 +1,4 @@
-from tierstore._schedule import PrefetchPolicy
+from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
 
 def run_step(policy, uses):
@@ -44,3 +44,34 @@ def test_belady_victim_order():
     p.start_step()
     p.on_use("a")
     assert p.victim_order(["b", "c", "d", "z"]) == ["z", "d", "c", "b"]
+
+
+def test_last_use_distance():
+    p = PrefetchPolicy(depth=1)
+    run_step(p, "abcba")
+    p.start_step()
+    p.on_use("a")
+    assert p.last_use_distance("b") == 2  # its backward use, not its next one
+    assert p.next_use_distance("b") == 0
+    assert p.last_use_distance("a") == 3
+    for g in "bcb":
+        p.on_use(g)
+    assert p.last_use_distance("c") == float("inf")
+
+
+def test_victim_order_weighs_optimizer_uses():
+    p = PrefetchPolicy(depth=1)
+    run_step(p, "abccba")
+    p.start_step()
+    for g in "abcc":  # backward has used c; b and a are next
+        p.on_use(g)
+    key_group = {"param/a": "a", "param/b": "b", "param/c": "c"}
+    later = LaterUses(after={"adam/a": "param/a", "adam/b": "param/b", "adam/c": "param/c"})
+    queue = {"param/c": 0, "adam/c": 0}  # c's gradient is complete and waits for its update
+    later.queues.append(lambda: queue)
+    order = group_victim_order(p, key_group, later)
+    keys = ["param/a", "param/b", "param/c", "adam/a", "adam/b", "adam/c", "adam/stale"]
+    # never used again first; then farthest first: a's state after a's last use, a, b's state, b, c's queue
+    assert order(None, keys) == ["adam/stale", "adam/a", "param/a", "adam/b", "param/b", "param/c", "adam/c"]
+    queue.clear()  # stepped: c and its state are not needed again this step
+    assert order(None, keys)[:3] == ["param/c", "adam/c", "adam/stale"]

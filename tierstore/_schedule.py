@@ -11,12 +11,20 @@ later step that follows the trace keeps the next ``depth`` groups (or the next
 ``max_bytes``) in flight. A use that departs from the trace switches to
 on-demand fetching for the rest of the step and records a new trace, used from
 the next step on; nothing fails or waits because of a departure.
+
+[Note: Who uses a copy next] Eviction ranks every copy by its next use in one
+order: a parameter's next use is its group's next place in the trace; its
+optimizer state is used right after the group's last place in the step (its
+backward); once backward is past it, a parameter and its state wait in the
+optimizer's queue, whose position counts as the distance. Without the queue
+those copies would look unused and go first, and the optimizer, which runs
+behind backward, would read them back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, Mapping, Sequence
 
 
 @dataclass
@@ -30,6 +38,7 @@ class PrefetchPolicy:
     _recording: list[Hashable] = field(default_factory=list)
     _pos: int = 0
     _on_trace: bool = False
+    _last_index: tuple = (None, {})
     departures: int = 0
     steps: int = 0
 
@@ -81,21 +90,72 @@ class PrefetchPolicy:
         if not self._on_trace or self.trace is None:
             return float("inf")
         try:
-            return self.trace.index(group, self._pos)
+            return self.trace.index(group, self._pos) - self._pos
         except ValueError:
             return float("inf")
+
+    def last_use_distance(self, group: Hashable) -> float:
+        """How many uses from now ``group`` is used for the last time in this step (inf if no more)."""
+        if not self._on_trace or self.trace is None:
+            return float("inf")
+        if self._last_index[0] is not self.trace:
+            self._last_index = (self.trace, {g: i for i, g in enumerate(self.trace)})
+        last = self._last_index[1].get(group, -1)
+        return last - self._pos if last >= self._pos else float("inf")
 
     def victim_order(self, candidates: Sequence[Hashable]) -> list[Hashable]:
         """Candidates ordered farthest next use first (Belady); ties keep their given order."""
         return sorted(candidates, key=lambda g: -self.next_use_distance(g))
 
 
-def group_victim_order(policy: PrefetchPolicy, key_group: dict[str, Hashable]) -> Callable[[object, list[str]], list[str]]:
-    """A store victim order (see ``TierStore.set_victim_order``) from ``policy``: keys whose group is
-    next used farthest from now go first; keys of no group count as never used again."""
+@dataclass
+class LaterUses:
+    """Uses of store keys that the trace does not record: an optimizer's (see [Note: Who uses a copy next])."""
+
+    after: dict[str, str] = field(default_factory=dict)
+    """Key -> the parameter key after whose last use in a step it is used (optimizer state)."""
+    queues: list[Callable[[], Mapping[str, int]]] = field(default_factory=list)
+    """Each returns the keys waiting for a consumer, with their position in its queue."""
+
+    def queued(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for queue in self.queues:
+            for k, pos in queue().items():
+                out[k] = min(pos, out.get(k, pos))
+        return out
+
+
+def group_victim_order(policy: PrefetchPolicy, key_group: Mapping[str, Hashable],
+                       later: LaterUses | None = None) -> Callable[[object, list[str]], list[str]]:
+    """A store victim order (see ``TierStore.set_victim_order``) from ``policy``: keys whose next use is
+    farthest from now go first (Belady).
+
+    The next use of a key is its group's next use in the trace (``key_group``: parameters); else, for a
+    key of ``later.after``, the last use in this step of its parameter's group, plus a half; else its
+    position in a ``later`` queue; else never (inf), and those go first of all.
+    """
+    inf = float("inf")
 
     def order(tier: object, keys: list[str]) -> list[str]:
-        far = {g: policy.next_use_distance(g) for g in {key_group.get(k) for k in keys} if g is not None}
-        return sorted(keys, key=lambda k: -far.get(key_group.get(k), float("inf")))
+        waiting = later.queued() if later is not None else {}
+        after = later.after if later is not None else {}
+        memo: dict[tuple[str, Hashable], float] = {}
+
+        def group_distance(how: str, g: Hashable) -> float:
+            if (how, g) not in memo:
+                memo[how, g] = (policy.next_use_distance(g) if how == "next" else policy.last_use_distance(g))
+            return memo[how, g]
+
+        def distance(k: str) -> float:
+            g = key_group.get(k)
+            if g is not None and (d := group_distance("next", g)) != inf:
+                return d
+            owner = after.get(k)
+            g = key_group.get(owner) if owner is not None else None
+            if g is not None and (d := group_distance("last", g)) != inf:
+                return d + 0.5
+            return waiting.get(k, inf)
+
+        return sorted(keys, key=lambda k: -distance(k))
 
     return order
