@@ -7,7 +7,9 @@ overlap backward compute instead of following it (ZeRO-Infinity's overlap of
 the optimizer with backward). ``step()`` then only waits for those updates
 (and steps parameters that stay resident). Gradients must be complete after
 one backward: no accumulation over several backward passes and no clipping
-by the global norm (use the default mode for those).
+by the global norm (use the default mode for those). Gradients queued for
+the worker are memory that no tier budget counts, so backward waits (counted
+as stall time) while more than ``max_grad_backlog_bytes`` of them are queued.
 
 [Note: Pipelined step] Parameters are stepped one at a time in a fixed order.
 Before parameter i is computed, the state of the next parameters (up to
@@ -21,6 +23,8 @@ training is bit-identical to it.
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -42,7 +46,7 @@ class OffloadedAdamW:
     def __init__(self, offloaded: OffloadedModel, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, readahead: int = 16,
                  readahead_bytes: int | None = None, home: Tier | str | None = None,
-                 step_in_backward: bool = False) -> None:
+                 step_in_backward: bool = False, max_grad_backlog_bytes: int | None = None) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr={lr} must be >= 0")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -55,6 +59,11 @@ class OffloadedAdamW:
         self.store: TierStore = offloaded.store
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.readahead = readahead
+        # Gradients waiting for their update are memory no tier budgets (see [Note: Stepping in backward]).
+        self.max_grad_backlog_bytes = (max_grad_backlog_bytes if max_grad_backlog_bytes is not None
+                                       else max(1, self.store.config.host_budget_bytes // 4))
+        if self.max_grad_backlog_bytes < 1:
+            raise ValueError(f"max_grad_backlog_bytes={max_grad_backlog_bytes} must be >= 1")
         # Reads in flight keep the drive busy; a quarter of the host tier leaves room for everything else.
         self.readahead_bytes = (readahead_bytes if readahead_bytes is not None
                                 else max(1, self.store.config.host_budget_bytes // 4))
@@ -84,6 +93,9 @@ class OffloadedAdamW:
         self._early: dict[str, Future] = {}  # key -> update started in backward
         self._queue: list[tuple] = []  # (name, key, param, grad) in the order they are stepped
         self._done = 0  # how many of the queue are stepped
+        self._futures: list[Future] = []  # of the queue's updates started in backward
+        self._backlog_bytes = 0  # of gradients queued and not yet consumed
+        self._backlog_lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
         if step_in_backward:
             if not hasattr(offloaded, "grad_ready_callbacks"):
@@ -119,19 +131,35 @@ class OffloadedAdamW:
                                "parameter after one backward, so gradient accumulation needs step_in_backward=False")
         grad = self.offloaded.grads.get(key)
         assert self._worker is not None
+        # Backward waits while the gradients queued before this one exceed the backlog bound.
+        t0 = time.perf_counter()
+        while self._backlog_bytes > self.max_grad_backlog_bytes and self._done < len(self._futures):
+            self._futures[self._done].exception()
+        waited = time.perf_counter() - t0
+        if waited > 1e-4:
+            self.store.stats.add("stall_seconds", waited)
+        nbytes = grad.numel() * grad.element_size() if grad is not None else 0
+        with self._backlog_lock:
+            self._backlog_bytes += nbytes
         self._queue.append((name, key_, p, grad))
-        self._early[key] = self._worker.submit(self._step_ready, len(self._queue) - 1)
+        future = self._worker.submit(self._step_ready, len(self._queue) - 1, nbytes)
+        self._futures.append(future)
+        self._early[key] = future
 
-    def _step_ready(self, i: int) -> None:
+    def _step_ready(self, i: int, nbytes: int) -> None:
         # Read ahead only a few updates, in the worker's order: reads issued for every gradient as it
         # arrives would overflow the host tier and evict each other before use.
         ready = self._queue
-        self._read_ahead(ready, i)
-        name, key, p, grad = ready[i]
-        self._timed_step(name, key, p, grad)
-        self._done = i + 1
-        ready[i] = (name, key, p, None)
-        self.offloaded.grads.pop(key, None)  # consumed: its memory goes now, not at zero_grad()
+        try:
+            self._read_ahead(ready, i)
+            name, key, p, grad = ready[i]
+            self._timed_step(name, key, p, grad)
+            ready[i] = (name, key, p, None)
+            self.offloaded.grads.pop(key, None)  # consumed: its memory goes now, not at zero_grad()
+        finally:
+            with self._backlog_lock:
+                self._backlog_bytes -= nbytes
+            self._done = i + 1
 
     def close(self) -> None:
         """Stop the worker of ``step_in_backward`` (after the updates in flight) and detach from the model."""
@@ -172,7 +200,7 @@ class OffloadedAdamW:
         """
         early, self._early = self._early, {}
         errors = [f.exception() for f in early.values()]  # waits for the updates started in backward
-        self._queue, self._done = [], 0
+        self._queue, self._done, self._futures = [], 0, []
         previous, self._pending = self._pending, []
         for h in previous:
             h.wait()

@@ -231,3 +231,28 @@ def test_eviction_keeps_what_the_optimizer_still_needs(make_store):
     finally:
         opt.close()
     assert off.later_uses.queues == []
+
+
+def test_gradient_backlog_bound_keeps_numbers(make_store):
+    """With room for one queued gradient, backward waits for the optimizer instead of piling up
+    gradients; the numbers do not change."""
+    torch.manual_seed(0)
+    cfg = PRESETS["tiny"]
+    ref = ViT(cfg)
+    model = copy.deepcopy(ref)
+    data = SyntheticImages(cfg)
+    ref_losses, _ = train_resident(ref, data, 3)
+    store = make_store(host_budget_bytes="704KiB", device_budget_bytes="320KiB")
+    off = offload_model(model, store, prefetch_depth=2)
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=True, max_grad_backlog_bytes=1)
+    stall = store.stats_dict()["stall_seconds"]
+    try:
+        assert _train(model, data, 3, opt) == ref_losses
+    finally:
+        opt.close()
+    assert opt._backlog_bytes == 0
+    assert store.stats_dict()["stall_seconds"] > stall
+    for name, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    with pytest.raises(ValueError, match="max_grad_backlog_bytes=0 must be >= 1"):
+        OffloadedAdamW(off, max_grad_backlog_bytes=0)

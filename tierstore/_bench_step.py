@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ._bench_drive import measure_drive
+from ._bench_rss import measure_rss
 from ._config import StoreConfig
 from ._demo import default_budgets, measure_step
 from ._store import TierStore
@@ -36,7 +37,7 @@ def _resident_step(model, data, batch_size: int, step: int, opt) -> float:
 
 def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path: str, rounds: int,
                    host_budget_bytes: int | None, device_budget_bytes: int | None, trace_path: str | None = None,
-                   step_in_backward: bool = True, log=print) -> dict[str, Any]:
+                   step_in_backward: bool = True, rss: bool = True, log=print) -> dict[str, Any]:
     from .integrations.offload import offload_model
     from .integrations.optim import OffloadedAdamW
 
@@ -95,6 +96,10 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
         for _, store, opt in setups.values():
             opt.close()
             store.close()
+    if rss:  # in a fresh process: this one holds a store per depth (see [Note: Measuring RSS])
+        probe = measure_rss(preset=preset, batch_size=batch_size, nvme_path=nvme_path, host_budget_bytes=host,
+                            device_budget_bytes=device, prefetch_depth=max(depths),
+                            step_in_backward=step_in_backward)
     resident_s = statistics.median(samples["resident"])
     result: dict[str, Any] = {"preset": preset, "params": n, "batch_size": batch_size, "resident_step_s": resident_s,
                               "drive_gbps": drive_gbps, "drive": drive, "host_budget_bytes": host, "device_budget_bytes": device,
@@ -125,6 +130,14 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
         log(f"{key:>6} {row['step_s']:>8.3f} {row['stall_s']:>8.3f} {row['bytes_per_step'] / MIB:>9.1f} "
             f"{row['bound_s']:>8.3f} {row['overlap_efficiency']:>8.2f} {vs_depth0:>9} "
             f"{serial['step_s'] / row['step_s']:>8.2f}x")
+    if rss:
+        result["rss"] = probe
+        log(f"peak RSS (fresh process, depth {max(depths)}): {probe['above_runtime_bytes'] / MIB:.0f} MiB above the "
+            f"runtime's {probe['runtime_rss_bytes'] / MIB:.0f} MiB; budgets {probe['budgets_bytes'] / MIB:.0f} + "
+            f"activations {probe['activations_bytes'] / MIB:.0f} + gradient backlog "
+            f"{probe['grad_backlog_bytes'] / MIB:.0f} + overhead {probe['overhead_bytes'] / MIB:.0f} = "
+            f"{probe['allowed_bytes'] / MIB:.0f} MiB allowed: {'within' if probe['within'] else 'OVER'} "
+            f"(the fp32 state is {state_bytes / MIB:.0f} MiB)")
     if trace_path:
         log(f"timeline of one step at prefetch depth {traced}: {n_events} spans in {trace_path} "
             "(open it at https://ui.perfetto.dev)")

@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     step.add_argument("--step-after-backward", action="store_true",
                       help="run the optimizer after backward instead of overlapping it with backward")
     step.add_argument("--trace", metavar="FILE", help="write a Chrome trace (Perfetto) of one step at the deepest depth")
+    step.add_argument("--no-rss", action="store_true",
+                      help="skip the peak-RSS check (a fresh process training a few steps at the deepest depth)")
     peers = bsub.add_parser("peers", help="cold inference forward, weights on disk: tierstore vs Accelerate's "
                             "disk_offload vs in-memory")
     peers.add_argument("--path", default=".", help="directory on the drive for both (default .)")
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_step_bench(
                 preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=args.nvme_path,
                 depths=[int(d) for d in args.depths.split(",")], trace_path=args.trace,
-                step_in_backward=not args.step_after_backward, **_budgets(args))
+                step_in_backward=not args.step_after_backward, rss=not args.no_rss, **_budgets(args))
             _write_json(args.json, result)
             if args.plot:
                 from ._bench_step import plot_step_bench
