@@ -13,8 +13,9 @@ as stall time) while more than ``max_grad_backlog_bytes`` of them are queued.
 
 [Note: Pipelined step] Parameters are stepped one at a time in a fixed order.
 Before parameter i is computed, the state of the next parameters (up to
-``readahead`` of them and ``readahead_bytes`` of state) is already being read
-into the host tier; after it is computed its state is
+``readahead`` of them, 16 by default or none where the model's prefetch depth
+is 0, and ``readahead_bytes`` of state) is already being read into the host
+tier; after it is computed its state is
 marked dirty and a write-back is started at once, so the drive writes
 parameter i while the CPU computes i+1. The arithmetic is that of
 torch.optim.AdamW with foreach=False, operation for operation, so fp32
@@ -44,7 +45,7 @@ class OffloadedAdamW:
     """
 
     def __init__(self, offloaded: OffloadedModel, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, readahead: int = 16,
+                 eps: float = 1e-8, weight_decay: float = 1e-2, readahead: int | None = None,
                  readahead_bytes: int | None = None, home: Tier | str | None = None,
                  step_in_backward: bool = False, max_grad_backlog_bytes: int | None = None) -> None:
         if not lr >= 0.0:
@@ -53,6 +54,9 @@ class OffloadedAdamW:
             raise ValueError(f"betas={betas} must each be in [0, 1)")
         if not eps >= 0.0:
             raise ValueError(f"eps={eps} must be >= 0")
+        if readahead is None:  # prefetch depth 0 turns off reading ahead, the optimizer's as well
+            policy = getattr(offloaded, "policy", None)
+            readahead = 0 if policy is not None and policy.depth == 0 else 16
         if readahead < 0:
             raise ValueError(f"readahead={readahead} must be >= 0")
         self.offloaded = offloaded

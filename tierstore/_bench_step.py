@@ -109,7 +109,8 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
     log(f"drive (store, same run): {drive['read_fraction']:.0%} reads mixed with writes {drive_gbps:.2f} GB/s "
         f"(reads alone {drive['read_gbps']:.2f}, writes alone {drive['write_gbps']:.2f}); "
         f"optimizer steps {'in' if step_in_backward else 'after'} backward")
-    log(f"resident step: {resident_s:.3f} s; 'serial': no prefetch, optimizer after backward without read-ahead")
+    log(f"resident step: {resident_s:.3f} s; depth 0: nothing read ahead (parameters or optimizer state); "
+        "'serial': that, with the optimizer after backward and its writes waited for")
     log(f"{'depth':>6} {'step s':>8} {'stall s':>8} {'MiB/step':>9} {'bound s':>8} {'overlap':>8} {'vs depth0':>9} "
         f"{'vs serial':>9}")
 
