@@ -136,12 +136,11 @@ class OffloadedAdamW:
         grad = self.offloaded.grads.get(key)
         assert self._worker is not None
         # Backward waits while the gradients queued before this one exceed the backlog bound.
-        t0 = time.perf_counter()
-        while self._backlog_bytes > self.max_grad_backlog_bytes and self._done < len(self._futures):
-            self._futures[self._done].exception()
-        waited = time.perf_counter() - t0
-        if waited > 1e-4:
-            self.store.stats.add("stall_seconds", waited)
+        if self._backlog_bytes > self.max_grad_backlog_bytes:
+            t0 = time.perf_counter()
+            while self._backlog_bytes > self.max_grad_backlog_bytes and self._done < len(self._futures):
+                self._futures[self._done].exception()
+            self.store.stats.add_wait(t0, time.perf_counter(), key="gradient backlog")
         nbytes = grad.numel() * grad.element_size() if grad is not None else 0
         with self._backlog_lock:
             self._backlog_bytes += nbytes
@@ -155,9 +154,10 @@ class OffloadedAdamW:
         # arrives would overflow the host tier and evict each other before use.
         ready = self._queue
         try:
-            self._read_ahead(ready, i)
-            name, key, p, grad = ready[i]
-            self._timed_step(name, key, p, grad)
+            with self.store.stats.background():
+                self._read_ahead(ready, i)
+                name, key, p, grad = ready[i]
+                self._timed_step(name, key, p, grad)
             ready[i] = (name, key, p, None)
             self.offloaded.grads.pop(key, None)  # consumed: its memory goes now, not at zero_grad()
         finally:
@@ -203,11 +203,14 @@ class OffloadedAdamW:
         :meth:`wait`) waits for them first and raises any failure.
         """
         early, self._early = self._early, {}
+        t0 = time.perf_counter()  # the training loop waits here for I/O-bound work: stall time
         errors = [f.exception() for f in early.values()]  # waits for the updates started in backward
         self._queue, self._done, self._futures = [], 0, []
         previous, self._pending = self._pending, []
         for h in previous:
             h.wait()
+        if early or previous:
+            self.store.stats.add_wait(t0, time.perf_counter(), key="optimizer")
         for err in errors:
             if err is not None:
                 raise err

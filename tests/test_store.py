@@ -148,6 +148,23 @@ def test_stats_report_paths_hits_and_stalls(make_store):
     assert s["paths"]["nvme->host"]["bytes"] >= 400_000
     assert s["paths"]["host->device"]["bytes"] == 400_000
     assert s["paths"]["host->nvme"]["bytes"] >= 400_000
+    assert s["background_wait_seconds"] == 0
+
+
+def test_waits_of_a_helper_thread_are_not_stall(make_store):
+    store = make_store()
+    store.put("x", torch.randn(100_000)).wait()
+    store.evict("x", "host")
+    timeline = store.record_timeline()
+    with store.stats.background():
+        store.get("x", "host")
+    store.release("x", "host")
+    s = store.stats_dict()
+    assert s["misses"] == 1 and s["stall_seconds"] == 0 and s["background_wait_seconds"] > 0
+    assert [e["name"] for e in timeline.events() if e["cat"] == "background wait"] == ["wait"]
+    store.evict("x", "host")
+    store.get("x", "host")  # outside the block: the training thread's stall again
+    assert store.stats_dict()["stall_seconds"] > 0
     assert s["bytes_read_nvme"] >= 400_000
 
 

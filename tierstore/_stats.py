@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from ._timeline import Timeline
 from ._types import Tier
@@ -15,14 +16,34 @@ class StoreStats:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._thread = threading.local()
         self.timeline: Timeline | None = None
         self.reset()
+
+    @contextlib.contextmanager
+    def background(self) -> Iterator[None]:
+        """Waits on this thread inside the block are a helper's (an optimizer worker's), which the
+        training loop does not wait for directly: counted as background_wait_seconds, not stall."""
+        before = getattr(self._thread, "background", False)
+        self._thread.background = True
+        try:
+            yield
+        finally:
+            self._thread.background = before
+
+    def add_wait(self, start: float, end: float, **labels: Any) -> None:
+        """A wait for data from ``start`` to ``end`` on this thread: stall, or a background wait."""
+        background = getattr(self._thread, "background", False)
+        self.add("background_wait_seconds" if background else "stall_seconds", end - start)
+        if self.timeline is not None:
+            self.timeline.add("wait" if background else "stall", "background wait" if background else "stall",
+                              start, end, **labels)
 
     def reset(self) -> None:
         with self._lock:
             self._paths: dict[str, dict[str, float]] = {}
             self._counters: dict[str, float] = {
-                "hits": 0, "misses": 0, "get_calls": 0, "stall_seconds": 0.0,
+                "hits": 0, "misses": 0, "get_calls": 0, "stall_seconds": 0.0, "background_wait_seconds": 0.0,
                 "queue_wait_seconds": 0.0, "io_calls": 0, "evictions": 0, "write_backs": 0,
                 "prefetches": 0, "prefetch_skipped": 0, "late_prefetches": 0,
             }

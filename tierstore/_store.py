@@ -212,7 +212,8 @@ class TierStore:
     def get(self, key: str, tier: Tier | str = Tier.DEVICE) -> torch.Tensor:
         """The tensor in ``tier``, held until :meth:`release`; waits for an in-flight prefetch.
 
-        Time spent waiting here is counted as stall time.
+        Time spent waiting here is counted as stall time (as background wait time on a thread
+        inside ``stats.background()``).
         """
         self._check_open()
         tier = self._check_memory_tier(tier)
@@ -235,10 +236,7 @@ class TierStore:
                 try:
                     copy = self._materialize(entry, tier, may_skip=False)
                 finally:
-                    end = time.perf_counter()
-                    self.stats.add("stall_seconds", end - start)
-                    if self.stats.timeline is not None:
-                        self.stats.timeline.add("stall", "stall", start, end, key=key, tier=tier.label)
+                    self.stats.add_wait(start, time.perf_counter(), key=key, tier=tier.label)
             assert copy is not None
             copy.pins += 1
             copy.last_use = next(self._tick)
