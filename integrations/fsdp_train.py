@@ -7,8 +7,9 @@ gloo on CPU, NCCL on CUDA, chosen automatically. Each rank has its own store
 the mean loss, the slowest rank's step time and stall time, and the drive
 bytes and GB/s summed over ranks; at the end each rank's bytes of parameter
 shards and optimizer state per tier. ``--check`` also trains the same model
-with FSDP2 alone (no offload, ``torch.optim.AdamW(foreach=False)``) and fails
-unless losses, parameters and Adam moments are bit-identical.
+with FSDP2 alone (no offload, ``torch.optim.AdamW(foreach=False)``), prints
+its step times, and fails unless losses, parameters and Adam moments are
+bit-identical.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         n = num_params(base)
         data = SyntheticImages(cfg)
         reference = None
+        reference_step_s: list[float] = []
         if args.check:
             ref_model = _shard(copy.deepcopy(base))
             ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=args.lr, weight_decay=0.01, foreach=False)
@@ -80,8 +82,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for s in range(args.steps):
                 if args.checkpoint and s == args.save_at:  # full parameters as a checkpoint there holds them
                     ref_full_at_save = {n: p.full_tensor() for n, p in ref_model.named_parameters()}
+                dist.barrier()
+                t0 = time.perf_counter()
                 ref_losses.append(_train_step(ref_model, ref_opt, data, s, args.batch_size, rank, world))
+                reference_step_s.append(_slowest(time.perf_counter() - t0))
             reference = (ref_model, ref_opt, ref_losses, ref_full_at_save)
+            if rank == 0:
+                print("FSDP2 alone (no offload), slowest rank's step s: "
+                      + " ".join(f"{t:.3f}" for t in reference_step_s), flush=True)
         model = _shard(copy.deepcopy(base))
         del base
         state_bytes, host, device = default_budgets(n // world, args.host_budget, args.device_budget)  # per rank
@@ -140,7 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ok = ok and _all(_check_consolidated(args.checkpoint, reference[3], rank))
         result = {"preset": args.preset, "params": n, "ranks": world, "backend": dist.get_backend(),
                   "steps": rows, "per_rank": per_rank, "bit_identical": ok, "host_budget_bytes": host,
-                  "resumed_identical": resumed}
+                  "resumed_identical": resumed, "reference_step_s": reference_step_s}
         if rank == 0:
             for r in per_rank:
                 tiers = "  ".join(f"{t} {b / MIB:.2f} MiB" for t, b in sorted(r["state_bytes_by_tier"].items()))
@@ -159,6 +167,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return result
     finally:
         dist.destroy_process_group()
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def _all(ok: bool) -> bool:

@@ -123,9 +123,7 @@ class OffloadedAdamW:
         out: dict[str, int] = {}
         for pos, (name, key, p, _) in enumerate(queue[done:]):
             if key is not None:
-                out[key] = pos
-                for k in self._keys(name, key, p):
-                    out[k] = pos
+                out.update(dict.fromkeys((key, *self._keys(name, key, p)), pos))
         return out
 
     def _on_grad_ready(self, key: str) -> None:

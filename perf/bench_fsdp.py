@@ -6,7 +6,10 @@ Each depth is one torchrun of ``tierstore.integrations.fsdp_train`` (a fresh
 model and fresh stores); its first step records the trace and is left out,
 the median of the others is reported. Depths run in alternating order over
 ``--rounds``. Prints per depth the step time (slowest rank), stall time and
-drive traffic, and the speed-up over depth 0 (the reference).
+drive traffic, the speed-up over depth 0, and the step against FSDP2 alone
+(no offload): each round's first run also trains FSDP2 alone in the same
+processes first (``--check``), which gives that reference step time and
+fails the benchmark unless the offloaded run is bit-identical to it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import sys
 import tempfile
 
 
-def run_depth(args: argparse.Namespace, depth: int) -> dict:
+def run_depth(args: argparse.Namespace, depth: int, *, check: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-fsdp-", dir=args.nvme_path) as d:
         out = os.path.join(d, "result.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
@@ -31,6 +34,8 @@ def run_depth(args: argparse.Namespace, depth: int) -> dict:
             cmd += ["--host-budget", args.host_budget]
         if args.step_in_backward:
             cmd.append("--step-in-backward")
+        if check:  # also trains FSDP2 alone first: the reference step time, and a bit-for-bit check
+            cmd.append("--check")
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, os.cpu_count() or 1)
                                                                                      // args.ranks)))
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -60,9 +65,13 @@ def main(argv: list[str] | None = None) -> dict:
         depths.insert(0, 0)
     samples: dict[int, list[dict]] = {d: [] for d in depths}
     meta: dict = {}
+    reference: list[float] = []
     for r in range(args.rounds):
-        for d in depths if r % 2 == 0 else list(reversed(depths)):
-            res = run_depth(args, d)
+        for i, d in enumerate(depths if r % 2 == 0 else list(reversed(depths))):
+            res = run_depth(args, d, check=i == 0)
+            if i == 0 and not res["bit_identical"]:
+                raise SystemExit(f"depth {d}: offloaded training differs from FSDP2 alone")
+            reference.extend(res["reference_step_s"][1:])
             meta = {k: res[k] for k in ("params", "ranks", "backend", "host_budget_bytes")}
             samples[d].extend(res["steps"][1:])
     rows = {}
@@ -74,13 +83,18 @@ def main(argv: list[str] | None = None) -> dict:
           f"({meta['backend']}), batch {args.batch_size} per rank, host budget "
           f"{meta['host_budget_bytes'] / 2**20:.0f} MiB per rank; optimizer "
           f"{'in' if args.step_in_backward else 'after'} backward; medians of steps 2..{args.steps} x {args.rounds} run(s)")
-    print(f"{'depth':>5} {'step s':>8} {'stall s':>8} {'read MiB':>9} {'write MiB':>9} {'vs depth 0':>10}")
+    resident = statistics.median(reference)
+    print(f"FSDP2 alone (no offload, same processes as each round's first run): {resident:.3f} s")
+    print(f"{'depth':>5} {'step s':>8} {'stall s':>8} {'read MiB':>9} {'write MiB':>9} {'vs depth 0':>10} "
+          f"{'/ FSDP2 alone':>13}")
     for d in depths:
         row = rows[d]
         row["speedup_vs_depth0"] = base / row["step_s"]
+        row["vs_fsdp2_alone"] = row["step_s"] / resident
         print(f"{d:>5} {row['step_s']:>8.3f} {row['stall_s']:>8.3f} {row['read_bytes'] / 2**20:>9.1f} "
-              f"{row['written_bytes'] / 2**20:>9.1f} {row['speedup_vs_depth0']:>9.2f}x")
-    result = {**meta, "preset": args.preset, "depths": {str(d): rows[d] for d in depths}}
+              f"{row['written_bytes'] / 2**20:>9.1f} {row['speedup_vs_depth0']:>9.2f}x {row['vs_fsdp2_alone']:>12.2f}x")
+    result = {**meta, "preset": args.preset, "fsdp2_alone_step_s": resident,
+              "depths": {str(d): rows[d] for d in depths}}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -14,5 +14,8 @@ def test_bench_fsdp_tiny(tmp_path, capsys):
     for row in res["depths"].values():
         assert row["step_s"] > 0 and row["read_bytes"] > 0
     assert res["depths"]["0"]["speedup_vs_depth0"] == 1.0
-    assert "vs depth 0" in capsys.readouterr().out
+    assert res["fsdp2_alone_step_s"] > 0
+    assert res["depths"]["2"]["vs_fsdp2_alone"] == res["depths"]["2"]["step_s"] / res["fsdp2_alone_step_s"]
+    out = capsys.readouterr().out
+    assert "vs depth 0" in out and "FSDP2 alone (no offload" in out
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
