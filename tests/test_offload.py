@@ -256,3 +256,22 @@ def test_gradient_backlog_bound_keeps_numbers(make_store):
         assert torch.equal(model.state_dict()[name], value), name
     with pytest.raises(ValueError, match="max_grad_backlog_bytes=0 must be >= 1"):
         OffloadedAdamW(off, max_grad_backlog_bytes=0)
+
+
+def test_prefetched_layers_are_not_read_twice(make_store):
+    """A layer being fetched for use was ranked as unused (its place in the trace just passed), so a
+    prefetch running at that moment could evict it and the layer was read again."""
+    torch.manual_seed(0)
+    width, layers, depth = 1024, 24, 4
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    layer = width * (width + 1) * 4
+    store = make_store(host_budget_bytes=(depth + 2) * layer, device_budget_bytes=2 * layer)
+    offload_model(model, store, prefetch_depth=depth)
+    x = torch.randn(4, width)
+    for _ in range(4):
+        for key in store.keys():
+            store.evict(key, "host")
+        before = store.stats_dict()["bytes_read_nvme"]
+        with torch.no_grad():
+            model(x)
+        assert store.stats_dict()["bytes_read_nvme"] - before == layers * layer

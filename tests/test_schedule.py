@@ -51,19 +51,21 @@ def test_last_use_distance():
     run_step(p, "abcba")
     p.start_step()
     p.on_use("a")
-    assert p.last_use_distance("b") == 2  # its backward use, not its next one
-    assert p.next_use_distance("b") == 0
-    assert p.last_use_distance("a") == 3
+    assert p.next_use_distance("a") == 0  # being fetched for use now
+    assert p.last_use_distance("b") == 3  # its backward use, not its next one
+    assert p.next_use_distance("b") == 1
+    assert p.last_use_distance("a") == 4
     for g in "bcb":
         p.on_use(g)
     assert p.last_use_distance("c") == float("inf")
+    assert p.next_use_distance("b") == 0 and p.next_use_distance("a") == 1
 
 
 def test_victim_order_weighs_optimizer_uses():
     p = PrefetchPolicy(depth=1)
     run_step(p, "abccba")
     p.start_step()
-    for g in "abcc":  # backward has used c; b and a are next
+    for g in "abccb":  # backward has used c and is fetching b; a is next
         p.on_use(g)
     key_group = {"param/a": "a", "param/b": "b", "param/c": "c"}
     later = LaterUses(after={"adam/a": "param/a", "adam/b": "param/b", "adam/c": "param/c"})

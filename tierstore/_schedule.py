@@ -86,11 +86,16 @@ class PrefetchPolicy:
         return out
 
     def next_use_distance(self, group: Hashable) -> float:
-        """How many uses from now ``group`` is next needed (inf if not in the rest of the trace)."""
+        """How many uses from now ``group`` is next needed (inf if not in the rest of the trace).
+
+        The group of the latest :meth:`on_use` is at distance 0: it is being fetched for use now, and
+        must not look unused to an eviction that runs before it is held.
+        """
         if not self._on_trace or self.trace is None:
             return float("inf")
+        now = max(self._pos - 1, 0)
         try:
-            return self.trace.index(group, self._pos) - self._pos
+            return self.trace.index(group, now) - now
         except ValueError:
             return float("inf")
 
@@ -100,8 +105,9 @@ class PrefetchPolicy:
             return float("inf")
         if self._last_index[0] is not self.trace:
             self._last_index = (self.trace, {g: i for i, g in enumerate(self.trace)})
+        now = max(self._pos - 1, 0)
         last = self._last_index[1].get(group, -1)
-        return last - self._pos if last >= self._pos else float("inf")
+        return last - now if last >= now else float("inf")
 
     def victim_order(self, candidates: Sequence[Hashable]) -> list[Hashable]:
         """Candidates ordered farthest next use first (Belady); ties keep their given order."""
