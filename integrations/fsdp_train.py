@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nvme-path", default=".")
     p.add_argument("--prefetch-depth", type=int, default=2)
     p.add_argument("--host-budget", type=_bytes, help="per rank, e.g. 64MiB (default: a third of the rank's state)")
-    p.add_argument("--device-budget", type=_bytes, help="per rank (default: a quarter of the weights)")
+    p.add_argument("--device-budget", type=_bytes, help="per rank (default: a quarter of the weights with CUDA, 1 MiB without)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--step-in-backward", action="store_true",
                    help="step each shard as soon as its gradient is reduced, overlapping backward")
