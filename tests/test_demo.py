@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from tierstore import _cli
 
 try:
@@ -85,3 +87,22 @@ def test_peak_rss_stays_within_budgets(tmp_path):
     assert rss["within"], rss
     state = rss["weights_bytes"] * 3
     assert rss["allowed_bytes"] < state / 2  # so the check can fail if the state stays resident
+
+
+def test_rss_probe_failure_is_reported(tmp_path, capsys, monkeypatch):
+    from tierstore._bench_rss import measure_rss
+
+    with pytest.raises(RuntimeError, match="the RSS probe failed"):
+        measure_rss(preset="no-such-preset", batch_size=1, nvme_path=str(tmp_path), host_budget_bytes=1 << 20,
+                    device_budget_bytes=1 << 20, prefetch_depth=0, step_in_backward=False)
+    # bench step still prints and returns its table, and says why the check is missing
+    from tierstore import _bench_step
+
+    def fail(**kw):
+        raise RuntimeError("probe exploded")
+
+    monkeypatch.setattr(_bench_step, "measure_rss", fail)
+    res = _bench_step.run_step_bench(preset="tiny", batch_size=2, depths=[0], nvme_path=str(tmp_path), rounds=1,
+                                     host_budget_bytes=640 * 1024, device_budget_bytes=320 * 1024)
+    assert res["rss"] == {"error": "probe exploded"} and res["depths"]["0"]["step_s"] > 0
+    assert "peak RSS check could not run: probe exploded" in capsys.readouterr().out

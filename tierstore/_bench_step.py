@@ -96,10 +96,6 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
         for _, store, opt in setups.values():
             opt.close()
             store.close()
-    if rss:  # in a fresh process: this one holds a store per depth (see [Note: Measuring RSS])
-        probe = measure_rss(preset=preset, batch_size=batch_size, nvme_path=nvme_path, host_budget_bytes=host,
-                            device_budget_bytes=device, prefetch_depth=max(depths),
-                            step_in_backward=step_in_backward)
     resident_s = statistics.median(samples["resident"])
     result: dict[str, Any] = {"preset": preset, "params": n, "batch_size": batch_size, "resident_step_s": resident_s,
                               "drive_gbps": drive_gbps, "drive": drive, "host_budget_bytes": host, "device_budget_bytes": device,
@@ -131,8 +127,16 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
         log(f"{key:>6} {row['step_s']:>8.3f} {row['stall_s']:>8.3f} {row['bytes_per_step'] / MIB:>9.1f} "
             f"{row['bound_s']:>8.3f} {row['overlap_efficiency']:>8.2f} {vs_depth0:>9} "
             f"{serial['step_s'] / row['step_s']:>8.2f}x")
-    if rss:
+    if rss:  # in a fresh process: this one held a store per depth (see [Note: Measuring RSS])
+        try:
+            probe = measure_rss(preset=preset, batch_size=batch_size, nvme_path=nvme_path, host_budget_bytes=host,
+                                device_budget_bytes=device, prefetch_depth=max(depths),
+                                step_in_backward=step_in_backward)
+        except RuntimeError as e:
+            probe = {"error": str(e)}
+            log(f"peak RSS check could not run: {e}")
         result["rss"] = probe
+    if rss and "error" not in probe:
         log(f"peak RSS (fresh process, depth {max(depths)}): {probe['above_runtime_bytes'] / MIB:.0f} MiB above the "
             f"runtime's {probe['runtime_rss_bytes'] / MIB:.0f} MiB; budgets {probe['budgets_bytes'] / MIB:.0f} + "
             f"activations {probe['activations_bytes'] / MIB:.0f} + gradient backlog "
