@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tierstore import Tier, TierStore
+from tierstore import Tier, TierStore, parse_bytes
 
 from .offload import OffloadedModel
 
@@ -46,8 +46,8 @@ class OffloadedAdamW:
 
     def __init__(self, offloaded: OffloadedModel, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, readahead: int | None = None,
-                 readahead_bytes: int | None = None, home: Tier | str | None = None,
-                 step_in_backward: bool = False, max_grad_backlog_bytes: int | None = None) -> None:
+                 readahead_bytes: int | str | None = None, home: Tier | str | None = None,
+                 step_in_backward: bool = False, max_grad_backlog_bytes: int | str | None = None) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr={lr} must be >= 0")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -63,14 +63,11 @@ class OffloadedAdamW:
         self.store: TierStore = offloaded.store
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.readahead = readahead
+        quarter = max(1, self.store.config.host_budget_bytes // 4)
         # Gradients waiting for their update are memory no tier budgets (see [Note: Stepping in backward]).
-        self.max_grad_backlog_bytes = (max_grad_backlog_bytes if max_grad_backlog_bytes is not None
-                                       else max(1, self.store.config.host_budget_bytes // 4))
-        if self.max_grad_backlog_bytes < 1:
-            raise ValueError(f"max_grad_backlog_bytes={max_grad_backlog_bytes} must be >= 1")
+        self.max_grad_backlog_bytes = self._positive_bytes(max_grad_backlog_bytes, quarter, "max_grad_backlog_bytes")
         # Reads in flight keep the drive busy; a quarter of the host tier leaves room for everything else.
-        self.readahead_bytes = (readahead_bytes if readahead_bytes is not None
-                                else max(1, self.store.config.host_budget_bytes // 4))
+        self.readahead_bytes = self._positive_bytes(readahead_bytes, quarter, "readahead_bytes")
         home = Tier.parse(home if home is not None else self.store.config.optimizer_tier)
         self.steps: dict[str, float] = {}
         self._pending: list = []  # write-behind handles of the last step
@@ -116,6 +113,14 @@ class OffloadedAdamW:
                         if k != key:
                             later.after[k] = key
             later.queues.append(self._queued)
+
+    @staticmethod
+    def _positive_bytes(value: int | str | None, default: int, name: str) -> int:
+        """A byte count given as an int or a size such as '64MiB'; ``default`` when None."""
+        n = default if value is None else parse_bytes(value, name=name)
+        if n < 1:
+            raise ValueError(f"{name}={value!r} must be at least 1 byte")
+        return n
 
     def _queued(self) -> dict[str, int]:
         """Store keys of the parameters still to be stepped -> their place in the queue."""

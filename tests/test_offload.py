@@ -254,8 +254,12 @@ def test_gradient_backlog_bound_keeps_numbers(make_store):
     assert store.stats_dict()["stall_seconds"] > stall
     for name, value in ref.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
-    with pytest.raises(ValueError, match="max_grad_backlog_bytes=0 must be >= 1"):
+    with pytest.raises(ValueError, match="max_grad_backlog_bytes=0 must be at least 1 byte"):
         OffloadedAdamW(off, max_grad_backlog_bytes=0)
+    with pytest.raises(ValueError, match="readahead_bytes='lots' is not a byte count"):
+        OffloadedAdamW(off, readahead_bytes="lots")
+    fresh = offload_model(ViT(cfg), make_store(), prefetch_depth=2)
+    assert OffloadedAdamW(fresh, max_grad_backlog_bytes="64KiB").max_grad_backlog_bytes == 64 * 1024
 
 
 def test_prefetched_layers_are_not_read_twice(make_store):
