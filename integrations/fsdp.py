@@ -205,7 +205,6 @@ class FSDPOffload:
         """Put every shard back in memory (current values) and detach from FSDP2."""
         self._hook.remove()
         self.grad_ready_callbacks.clear()
-        self.later_uses = LaterUses()
         self.store.set_victim_order(None)
         for sg in self.groups.values():
             sg.remove()

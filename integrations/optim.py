@@ -108,6 +108,10 @@ class OffloadedAdamW:
             self._by_key = {key: (name, key, p) for name, key, p in self._items if key is not None}
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="tierstore-adamw")
             offloaded.grad_ready_callbacks.append(self._on_grad_ready)
+        # Every store key an update of an offloaded parameter uses, built once: eviction asks for the
+        # queue's keys on each allocation.
+        self._use_keys = {name: tuple(dict.fromkeys((key, *self._keys(name, key, p))))
+                          for name, key, p in self._items if key is not None}
         later = getattr(offloaded, "later_uses", None)
         if later is not None:  # eviction then knows when this state is used (see [Note: Who uses a copy next])
             for name, key, p in self._items:
@@ -129,9 +133,8 @@ class OffloadedAdamW:
         """Store keys of the parameters still to be stepped -> their place in the queue."""
         queue, done = self._queue, self._done
         out: dict[str, int] = {}
-        for pos, (name, key, p, _) in enumerate(queue[done:]):
-            if key is not None:
-                out.update(dict.fromkeys((key, *self._keys(name, key, p)), pos))
+        for pos, item in enumerate(queue[done:]):
+            out.update(dict.fromkeys(self._use_keys.get(item[0], ()), pos))
         return out
 
     def _on_grad_ready(self, key: str) -> None:
@@ -156,8 +159,8 @@ class OffloadedAdamW:
         self._early[key] = future
 
     def _step_ready(self, i: int, nbytes: int) -> None:
-        # Read ahead only a few updates, in the worker's order: reads issued for every gradient as it
-        # arrives would overflow the host tier and evict each other before use.
+        # Read ahead in the worker's order, within readahead_bytes: reads issued for every gradient as
+        # it arrives would overflow the host tier and evict each other before use.
         ready = self._queue
         try:
             with self.store.stats.background():
