@@ -546,6 +546,9 @@ class TierStore:
             if busy:
                 self._cv.wait(0.05)
                 continue
+            buf = pool.try_alloc(nbytes, dissolve=True)  # nothing left to evict: the free bytes are in pieces
+            if buf is not None:
+                return buf
             if may_skip:
                 return None
             copies = [(e, c) for e in self._entries.values() for c in e.copies.values()
@@ -553,7 +556,7 @@ class TierStore:
             held = sum(c.buffer.capacity for e, c in copies if c.pins)
             homes = sum(c.buffer.capacity for e, c in copies if e.home is tier and not c.pins)
             raise TierBudgetError(
-                f"{tier.label} tier cannot fit {need} bytes for {for_key!r}: {pool.held_bytes} of "
+                f"{tier.label} tier cannot fit {need} bytes for {for_key!r}: {pool.live_bytes} of "
                 f"{pool.budget_bytes} budget bytes are in use, {held} of them held by get() without "
                 f"release() and {homes} by tensors whose home is this tier; release tensors you are "
                 f"done with or raise {tier.label}_budget_bytes")
@@ -578,7 +581,7 @@ class TierStore:
             freed += copy.buffer.capacity if copy.buffer else 0
             self._free_copy(entry, copy)
             self.stats.add("evictions")
-            if pool.budget_bytes - pool.live_bytes >= need:
+            if pool.can_fit(need):
                 break
         return freed > 0
 
