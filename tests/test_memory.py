@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -140,6 +142,6 @@ def test_buffers_never_overlap_and_stay_within_budget(ops):
         assert pool.held_bytes <= pool.budget_bytes
         assert pool.live_bytes == sum(b.capacity for b, _ in live)
         spans = sorted((b.data.data_ptr(), b.data.data_ptr() + b.capacity) for b, _ in live)
-        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+        assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
     for buf, value in live:  # no buffer was written through another
         assert bool((buf.data == value).all())
