@@ -57,6 +57,10 @@ def test_bench_step_tiny(tmp_path, capsys):
         assert row["bytes_per_step"] > 0
         assert row["bound_s"] >= res["resident_step_s"]
         assert row["overlap_efficiency"] == row["bound_s"] / row["step_s"]
+        # The drive's rate is one it reached in this run, so its share of the bound never passes the step.
+        assert row["bytes_per_step"] / (res["drive_gbps"] * 1e9) <= row["step_s"]
+    assert len(res["drive_mixed_gbps_samples"]) == 3  # before the rounds and after each
+    assert res["drive_gbps"] >= max(res["drive_mixed_gbps_samples"])
     assert res["serial"]["step_s"] > 0 and res["serial"]["bytes_per_step"] > 0
     rss = res["rss"]
     assert rss["within"] and rss["peak_rss_bytes"] > rss["runtime_rss_bytes"] > 0

@@ -4,6 +4,15 @@ bound = max(resident step, bytes moved per step / drive GB/s), both measured
 in the same run, the drive's GB/s for the step's own mix of reads and writes
 (they share the drive: here a mix runs well below reads or writes alone); overlap efficiency = bound / offloaded step. Depths are run
 in alternating order over rounds and medians are reported.
+
+[Note: The drive's rate for the bound] A virtual disk's rate moves from
+minute to minute (0.8 to 1.7 GB/s on one machine, within an hour), so one
+measurement before the steps can be far below what the drive does during
+them, and the bound then comes out loose (an "overlap" of 1.38 was seen).
+The drive is measured before the first round and after every round, and the
+fastest mix is used; a step that moved its bytes faster still (its bytes over
+its whole time) raises the rate to that. The bound is then one the drive
+has shown it can reach in this run, and overlap efficiency cannot pass 1.
 """
 
 from __future__ import annotations
@@ -76,14 +85,19 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
         setup("serial", 0, lambda off: _NoOverlap(OffloadedAdamW(off, lr=1e-3, readahead=0)))
         # A step reads and writes at once; the drive's rate for that mix is what bounds it.
         moved = first["read_bytes"] + first["written_bytes"]
-        drive = measure_drive(nvme_path, size_mib=max(16, min(512, state_bytes // MIB)),
-                              read_fraction=first["read_bytes"] / moved if moved else 0.5)
-        drive_gbps = drive["mixed_gbps"]
+        drives: list[dict[str, float]] = []
+
+        def drive_once() -> None:  # see [Note: The drive's rate for the bound]
+            drives.append(measure_drive(nvme_path, size_mib=max(16, min(512, state_bytes // MIB)),
+                                        read_fraction=first["read_bytes"] / moved if moved else 0.5))
+
+        drive_once()
         for r in range(rounds):
             order = ["serial", *depths] if r % 2 == 0 else [*reversed(depths), "serial"]
             samples["resident"].append(_resident_step(resident, data, batch_size, r + 1, ropt))
             for d in order:
                 samples[d].append(_offloaded_step(*setups[d], data, batch_size, r + 1))
+            drive_once()
         if trace_path:
             traced = max(depths)
             model, store, opt = setups[traced]
@@ -97,14 +111,24 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
             opt.close()
             store.close()
     resident_s = statistics.median(samples["resident"])
+    drive = max(drives, key=lambda m: m["mixed_gbps"])
+    drive_gbps = drive["mixed_gbps"]
+    stepped_gbps = max(s[2] / s[0] / 1e9 for key in ["serial", *depths] for s in samples[key])
+    raised = stepped_gbps > drive_gbps
+    drive_gbps = max(drive_gbps, stepped_gbps)
     result: dict[str, Any] = {"preset": preset, "params": n, "batch_size": batch_size, "resident_step_s": resident_s,
-                              "drive_gbps": drive_gbps, "drive": drive, "host_budget_bytes": host, "device_budget_bytes": device,
+                              "drive_gbps": drive_gbps, "drive": drive, "drive_mixed_gbps_samples":
+                              [m["mixed_gbps"] for m in drives], "drive_gbps_from_a_step": raised,
+                              "host_budget_bytes": host, "device_budget_bytes": device,
                               "state_bytes": state_bytes, "step_in_backward": step_in_backward, "depths": {}}
     log(f"bench step: ViT-{preset} ({n / 1e6:.1f}M params, {state_bytes / MIB:.0f} MiB state), batch {batch_size}, "
         f"host budget {host / MIB:.0f} MiB, device {device / MIB:.0f} MiB")
-    log(f"drive (store, same run): {drive['read_fraction']:.0%} reads mixed with writes {drive_gbps:.2f} GB/s "
-        f"(reads alone {drive['read_gbps']:.2f}, writes alone {drive['write_gbps']:.2f}); "
-        f"optimizer steps {'in' if step_in_backward else 'after'} backward")
+    seen = ", ".join(f"{m['mixed_gbps']:.2f}" for m in drives)
+    log(f"drive (store, same run, fastest of {len(drives)}: {seen}): {drive['read_fraction']:.0%} reads mixed with "
+        f"writes {drive['mixed_gbps']:.2f} GB/s (reads alone {drive['read_gbps']:.2f}, writes alone "
+        f"{drive['write_gbps']:.2f})" + (f"; a step moved its bytes at {stepped_gbps:.2f} GB/s, which the bound uses"
+                                         if raised else "") +
+        f"; optimizer steps {'in' if step_in_backward else 'after'} backward")
     log(f"resident step: {resident_s:.3f} s; depth 0: nothing read ahead (parameters or optimizer state); "
         "'serial': that, with the optimizer after backward and its writes waited for")
     log(f"{'depth':>6} {'step s':>8} {'stall s':>8} {'MiB/step':>9} {'bound s':>8} {'overlap':>8} {'vs depth0':>9} "
