@@ -59,6 +59,18 @@ def align_up(n: int, alignment: int = PAGE_BYTES) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
+def insert_free_range(free: list[tuple[int, int]], offset: int, length: int) -> None:
+    """Insert (offset, length) into a sorted list of free ranges, coalescing with its neighbours."""
+    i = bisect.bisect_left(free, (offset, 0))
+    free.insert(i, (offset, length))
+    if i + 1 < len(free) and free[i][0] + free[i][1] == free[i + 1][0]:
+        free[i] = (free[i][0], free[i][1] + free[i + 1][1])
+        del free[i + 1]
+    if i > 0 and free[i - 1][0] + free[i - 1][1] == free[i][0]:
+        free[i - 1] = (free[i - 1][0], free[i - 1][1] + free[i][1])
+        del free[i]
+
+
 def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
     """A uint8 CPU tensor of ``nbytes`` whose data starts on a page boundary, pre-faulted."""
     raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8, pin_memory=pin)
@@ -87,15 +99,7 @@ class _Arena:
         self.live += length
 
     def give(self, offset: int, length: int) -> None:
-        free = self.free
-        i = bisect.bisect_left(free, (offset, 0))
-        free.insert(i, (offset, length))
-        if i + 1 < len(free) and free[i][0] + free[i][1] == free[i + 1][0]:
-            free[i] = (free[i][0], free[i][1] + free[i + 1][1])
-            del free[i + 1]
-        if i > 0 and free[i - 1][0] + free[i - 1][1] == free[i][0]:
-            free[i - 1] = (free[i - 1][0], free[i - 1][1] + free[i][1])
-            del free[i]
+        insert_free_range(self.free, offset, length)
         self.live -= length
 
 

@@ -13,7 +13,6 @@ threads issue independently, at most ``queue_depth`` at a time.
 
 from __future__ import annotations
 
-import bisect
 import errno
 import os
 import shutil
@@ -30,7 +29,7 @@ import psutil
 import torch
 
 from ._config import StoreConfig
-from ._memory import PAGE_BYTES, align_up
+from ._memory import PAGE_BYTES, align_up, insert_free_range
 from ._stats import StoreStats
 from ._types import IntegrityError, StoreFullError, Tier, TierBudgetError, TierIOError
 
@@ -215,16 +214,7 @@ class NvmeEngine:
         """Return an extent's space; the caller guarantees no transfer still uses it."""
         with self._lock:
             self.used_bytes -= ext.length
-            free = ext.file.free
-            i = bisect.bisect_left(free, (ext.offset, 0))
-            free.insert(i, (ext.offset, ext.length))
-            # Coalesce with the right and then the left neighbour.
-            if i + 1 < len(free) and free[i][0] + free[i][1] == free[i + 1][0]:
-                free[i] = (free[i][0], free[i][1] + free[i + 1][1])
-                del free[i + 1]
-            if i > 0 and free[i - 1][0] + free[i - 1][1] == free[i][0]:
-                free[i - 1] = (free[i - 1][0], free[i - 1][1] + free[i][1])
-                del free[i]
+            insert_free_range(ext.file.free, ext.offset, ext.length)
 
     # ---- transfers ---------------------------------------------------------------------
     def write(self, ext: Extent, buf: torch.Tensor, *, label: str) -> Future:
