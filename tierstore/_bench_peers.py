@@ -30,6 +30,7 @@ from torch import nn
 
 from ._bench_drive import measure_drive
 from ._config import StoreConfig
+from ._rss import write_kernel_control
 from ._store import TierStore
 
 MIB = 1024**2
@@ -38,12 +39,7 @@ MIB = 1024**2
 def drop_page_cache() -> bool:
     """Write back dirty pages and drop the page cache; False where not permitted."""
     os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+    return write_kernel_control("/proc/sys/vm/drop_caches", "3\n")
 
 
 def _stack(layers: int, width: int) -> nn.Sequential:

@@ -157,13 +157,9 @@ class TierPool:
         """
         cap = self.capacity_for(nbytes)
         with self._lock:
-            self._unfence_locked(wait=False)
-            buf = self._carve_locked(cap)
-            if buf is None and self._fenced:
-                self._unfence_locked(wait=True)
-                buf = self._carve_locked(cap)
-            if buf is not None:
-                return buf
+            fit = self._fit_locked(cap)
+            if fit is not None:
+                return self._carve_locked(fit, cap)
             size = self._room_locked(cap)
             if size is None and dissolve and self.carve_any and self.live_bytes + cap <= self.budget_bytes:
                 self._dissolve_locked(self.held_bytes + cap - self.budget_bytes)
@@ -195,13 +191,17 @@ class TierPool:
         """Whether :meth:`try_alloc` of ``nbytes`` would succeed now without dissolving arenas."""
         cap = self.capacity_for(nbytes)
         with self._lock:
-            self._unfence_locked(wait=False)
-            if self._best_fit_locked(cap) is None and self._fenced:
-                self._unfence_locked(wait=True)
-            if self._best_fit_locked(cap) is not None:
-                return True
-            free_whole = sum(a.size for a in self._arenas if a.live == 0)
-            return self.held_bytes - free_whole + cap <= self.budget_bytes
+            return self._fit_locked(cap) is not None or self._room_possible_locked(cap)
+
+    def _fit_locked(self, cap: int) -> tuple[_Arena, int] | None:
+        """The free range :meth:`_best_fit_locked` picks, after taking back fenced buffers whose work is done
+        (and waiting for the rest when nothing fits without them)."""
+        self._unfence_locked(wait=False)
+        fit = self._best_fit_locked(cap)
+        if fit is None and self._fenced:
+            self._unfence_locked(wait=True)
+            fit = self._best_fit_locked(cap)
+        return fit
 
     def _best_fit_locked(self, cap: int) -> tuple[_Arena, int] | None:
         best: tuple[int, _Arena, int] | None = None
@@ -213,10 +213,7 @@ class TierPool:
                         return arena, i
         return None if best is None else (best[1], best[2])
 
-    def _carve_locked(self, cap: int) -> Buffer | None:
-        fit = self._best_fit_locked(cap)
-        if fit is None:
-            return None
+    def _carve_locked(self, fit: tuple[_Arena, int], cap: int) -> Buffer:
         arena, i = fit
         offset = arena.free[i][0]
         arena.take(offset, cap, i)
@@ -226,10 +223,9 @@ class TierPool:
     def _room_locked(self, cap: int) -> int | None:
         """The size of a new arena for ``cap`` bytes, giving wholly free arenas back if needed; None if none fits."""
         if self.held_bytes + cap > self.budget_bytes:
-            free_whole = sorted((a for a in self._arenas if a.live == 0), key=lambda a: a.size)
-            if self.held_bytes - sum(a.size for a in free_whole) + cap > self.budget_bytes:
+            if not self._room_possible_locked(cap):
                 return None
-            for arena in free_whole:
+            for arena in sorted((a for a in self._arenas if a.live == 0), key=lambda a: a.size):
                 self._arenas.remove(arena)
                 self.held_bytes -= arena.size
                 if self.held_bytes + cap <= self.budget_bytes:
@@ -237,6 +233,10 @@ class TierPool:
         if not self.carve_any:
             return cap
         return min(max(cap, self.arena_bytes), self.budget_bytes - self.held_bytes)
+
+    def _room_possible_locked(self, cap: int) -> bool:
+        """Whether an arena for ``cap`` bytes fits the budget once the wholly free arenas are given back."""
+        return self.held_bytes - sum(a.size for a in self._arenas if a.live == 0) + cap <= self.budget_bytes
 
     def _dissolve_locked(self, want: int) -> None:
         """Give back the free pages of the most fragmented arenas until ``want`` bytes have gone."""

@@ -5,14 +5,19 @@ from __future__ import annotations
 import psutil
 
 
-def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS; False where the kernel refuses."""
+def write_kernel_control(path: str, value: str) -> bool:
+    """Write ``value`` to a kernel control file under /proc; False where it is missing or not permitted."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        with open(path, "w") as f:
+            f.write(value)
         return True
     except OSError:
         return False
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS; False where the kernel refuses."""
+    return write_kernel_control("/proc/self/clear_refs", "5")
 
 
 def peak_rss_bytes() -> int:
@@ -31,4 +36,4 @@ def rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-__all__ = ["peak_rss_bytes", "reset_peak_rss", "rss_bytes"]
+__all__ = ["peak_rss_bytes", "reset_peak_rss", "rss_bytes", "write_kernel_control"]
