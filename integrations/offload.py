@@ -25,6 +25,7 @@ rerun there keeps its parameters held until their gradients are accumulated.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 import warnings
 from dataclasses import dataclass, field
 from collections.abc import Callable, Iterator
@@ -302,6 +303,36 @@ class OffloadedModel:
         """(name, store key, parameter) of every offloaded parameter."""
         for sp in self.params.values():
             yield sp.name, sp.key, sp.param
+
+    def grads_in_order(self) -> list[torch.Tensor]:
+        """The gradient of every parameter that has one, in ``model.parameters()`` order (tied ones once)."""
+        out = []
+        for p in self.model.parameters():
+            sp = self.params.get(id(p))
+            grad = p.grad if sp is None else self.grads.get(sp.key)
+            if grad is not None:
+                out.append(grad)
+        return out
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the model's gradients, where they are kept.
+
+        An offloaded parameter's gradient is kept here, not in ``param.grad``, so
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` would see none
+        of them: call this between ``backward()`` and ``opt.step()`` instead. The
+        norm and the scaled gradients are those torch computes for the resident
+        model, bit for bit (tested). Returns the total norm.
+        """
+        if self.grad_ready_callbacks:
+            raise RuntimeError("clip_grad_norm_ needs every gradient before any is stepped, but an optimizer steps "
+                               "them during backward: use OffloadedAdamW(..., step_in_backward=False)")
+        grads = self.grads_in_order()
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        holders = [SimpleNamespace(grad=g) for g in grads]  # what clip_grads_with_norm_ reads of a parameter
+        torch.nn.utils.clip_grads_with_norm_(holders, max_norm, total, foreach)  # type: ignore[arg-type]
+        return total
 
     def zero_grad(self) -> None:
         self.grads.clear()

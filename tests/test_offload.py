@@ -327,3 +327,50 @@ def test_sliced_update_matches_whole_tensor_operations():
             opt._adamw_slice(*whole, grad.float(), step)
         for a, b in zip(sliced, whole):
             assert torch.equal(a, b)
+
+
+def _train_clipped(model, data, steps, opt, clip):
+    """Two micro-batches of gradient accumulation per step, then clipping by the global norm."""
+    losses, norms = [], []
+    for step in range(steps):
+        for micro in range(2):
+            x, y = data.batch(2 * step + micro, 4)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            losses.append(loss.item())
+        norms.append(clip(0.5))
+        opt.step()
+        opt.zero_grad()
+    return losses, norms
+
+
+def test_clipping_and_accumulation_match_resident_training(make_store):
+    torch.manual_seed(0)
+    cfg = PRESETS["tiny"]
+    ref = ViT(cfg, tie_head=True)
+    model = copy.deepcopy(ref)
+    data = SyntheticImages(cfg)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    ref_losses, ref_norms = _train_clipped(ref, data, 4, ropt,
+                                           lambda m: torch.nn.utils.clip_grad_norm_(ref.parameters(), m))
+    # Norms and LayerNorm weights stay resident (below 1 KiB): clipping spans both kinds of parameter.
+    off = offload_model(model, make_store(host_budget_bytes="704KiB", device_budget_bytes="320KiB"),
+                        resident_threshold_bytes=1024)
+    assert off.resident and off.params
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
+    losses, norms = _train_clipped(model, data, 4, opt, off.clip_grad_norm_)
+    assert losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(norms, ref_norms))
+    assert max(n.item() for n in norms) > 0.5  # the clipping did scale gradients
+    for name, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_clipping_refuses_stepping_in_backward(make_store):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    off = offload_model(model, make_store())
+    opt = OffloadedAdamW(off, step_in_backward=True)
+    model(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match="step_in_backward=False"):
+        off.clip_grad_norm_(1.0)
+    opt.close()
