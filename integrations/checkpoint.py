@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dist.init_process_group(backend="nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     try:
         torch.manual_seed(0)
         cfg = PRESETS[args.preset]

@@ -25,10 +25,10 @@ rerun there keeps its parameters held until their gradients are accumulated.
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 import warnings
-from dataclasses import dataclass, field
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch

@@ -1,8 +1,7 @@
 """perf/bench_fsdp.py at a tiny size (2 gloo ranks), so it cannot rot."""
 
-import pytest
-
 import bench_fsdp
+import pytest
 
 
 @pytest.mark.slow

@@ -10,12 +10,12 @@ import sys
 
 import torch
 import torch.nn.functional as F
-
-import tierstore as ts
-from tierstore import _checkpoint
 from tierstore.integrations.checkpoint import save_checkpoint
 from tierstore.integrations.offload import offload_model
 from tierstore.integrations.optim import OffloadedAdamW
+
+import tierstore as ts
+from tierstore import _checkpoint
 from tierstore.vit import PRESETS, SyntheticImages, ViT
 
 

@@ -7,14 +7,19 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from tierstore.integrations.checkpoint import (
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    load_checkpoint,
+    load_parameters,
+    save_checkpoint,
+)
+from tierstore.integrations.offload import offload_model
+from tierstore.integrations.optim import OffloadedAdamW
 
 import tierstore as ts
 from tierstore import _checkpoint
 from tierstore._rss import peak_rss_bytes, reset_peak_rss, rss_bytes
-from tierstore.integrations.checkpoint import (MODEL_FILE, OPTIMIZER_FILE, load_checkpoint, load_parameters,
-                                               save_checkpoint)
-from tierstore.integrations.offload import offload_model
-from tierstore.integrations.optim import OffloadedAdamW
 from tierstore.vit import PRESETS, SyntheticImages, ViT
 
 MIB = 1024**2

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 import torch
-
 from tierstore.integrations import _fsdp_internals
+
 from tierstore._plan import PlanConfig, make_plan
 
 MIB = 1024**2

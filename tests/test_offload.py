@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-
 from tierstore.integrations.offload import offload_model
 from tierstore.integrations.optim import OffloadedAdamW
+
 from tierstore.vit import PRESETS, SyntheticImages, ViT
 
 

@@ -4,12 +4,11 @@ import os
 
 import hypothesis.strategies as st
 import torch
+from conftest import open_fds, tierstore_threads
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import tierstore as ts
-
-from conftest import open_fds, tierstore_threads
 
 KEYS = [f"k{i}" for i in range(6)]
 MEMORY_TIERS = ["device", "host"]

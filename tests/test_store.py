@@ -2,10 +2,9 @@ import threading
 
 import pytest
 import torch
+from conftest import all_dtypes, random_tensor
 
 import tierstore as ts
-
-from conftest import all_dtypes, random_tensor
 
 
 def same(a, b):

@@ -22,9 +22,10 @@ import shutil
 import struct
 import tempfile
 import zlib
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 

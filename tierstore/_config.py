@@ -6,9 +6,9 @@ import dataclasses
 import json
 import os
 import re
-import tomllib
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ._types import Tier
 
@@ -114,7 +114,7 @@ class StoreConfig:
         if self.nvme_path is not None:
             object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
 
-    def replace(self, **changes: Any) -> "StoreConfig":
+    def replace(self, **changes: Any) -> StoreConfig:
         """A copy with some fields changed (validated like any other)."""
         return from_dict({**self.to_dict(), **changes})
 
@@ -138,6 +138,19 @@ def from_dict(values: Mapping[str, Any]) -> StoreConfig:
     return StoreConfig(**values)
 
 
+def _toml_reader(path: str) -> Any:
+    """The standard library's TOML reader (Python 3.11+), or tomli where it is installed."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise ValueError(f"reading {path!r} needs a TOML reader: Python 3.11+, or `pip install tomli` on "
+                             "Python 3.10 (or use a .json config)") from None
+    return tomllib
+
+
 def load_config(path: str | os.PathLike[str], **overrides: Any) -> StoreConfig:
     """Load a config from a .json or .toml file; keywords override the file.
 
@@ -151,6 +164,7 @@ def load_config(path: str | os.PathLike[str], **overrides: Any) -> StoreConfig:
     except OSError as e:
         raise ValueError(f"cannot read config file {path!r}: {e.strerror}") from e
     if path.endswith(".toml"):
+        tomllib = _toml_reader(path)
         try:
             values = tomllib.loads(raw.decode())
         except tomllib.TOMLDecodeError as e:

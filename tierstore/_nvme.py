@@ -334,4 +334,4 @@ class NvmeEngine:
         return [f.path for f in self._files]
 
 
-__all__ = ["NvmeEngine", "Extent", "Syscalls", "PAGE_BYTES"]
+__all__ = ["PAGE_BYTES", "Extent", "NvmeEngine", "Syscalls"]

@@ -23,8 +23,8 @@ behind backward, would read them back.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Mapping, Sequence
 
 
 @dataclass

@@ -20,9 +20,10 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -424,7 +425,7 @@ class TierStore:
     def swap_directory(self) -> str | None:
         return self._engine.directory if self._engine else None
 
-    def __enter__(self) -> "TierStore":
+    def __enter__(self) -> TierStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -13,7 +13,7 @@ class Tier(enum.IntEnum):
     NVME = 2
 
     @classmethod
-    def parse(cls, value: "Tier | str") -> "Tier":
+    def parse(cls, value: Tier | str) -> Tier:
         """Accept a Tier or its name in any case ('nvme', 'HOST', ...)."""
         if isinstance(value, Tier):
             return value
