@@ -12,6 +12,8 @@ def test_bench_peers_tiny(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert len(res["samples_s"]["memory"]) == len(res["samples_s"]["tierstore"]) == 2
     assert res["read_bytes"] >= 3 * 64 * 65 * 4  # every weight came from the drive
+    assert len(res["drive_read_gbps_samples"]) == 2
+    assert res["read_floor_s"] <= min(res["samples_s"]["tierstore"]) * (1 + 1e-9)  # a floor no forward beat
     printed = capsys.readouterr().out
     assert "vs memory" in printed
     try:

@@ -107,6 +107,9 @@ def run_peers_bench(*, path: str, layers: int = 24, width: int = 4096, batch_siz
     _run_tierstore(tiny, tx, path, prefetch_depth, 4 * MIB, 4 * MIB)
     if have_accelerate:
         _run_accelerate(tiny, tx, path)
+    params = layers * width * (width + 1)
+    measure_mib = max(16, min(1024, params * 4 // MIB))
+    drives = [measure_drive(path, size_mib=measure_mib, read_fraction=0.5)]  # before the rounds and after them
     cold = drop_page_cache()
     samples: dict[str, list[float]] = {"memory": [], "tierstore": [], "accelerate": []}
     reference = None
@@ -128,16 +131,21 @@ def run_peers_bench(*, path: str, layers: int = 24, width: int = 4096, batch_siz
                 raise AssertionError(f"{name}'s output differs from the others'")
             samples[name].append(seconds)
     med = {k: statistics.median(v) for k, v in samples.items() if v}
-    params = layers * width * (width + 1)
-    drive = measure_drive(path, size_mib=max(16, min(1024, params * 4 // MIB)), read_fraction=0.5)
-    floor_s = params * 4 / (drive["read_gbps"] * 1e9)
+    drives.append(measure_drive(path, size_mib=measure_mib, read_fraction=0.5))
+    # The floor uses the fastest read rate seen in the run, tierstore's fastest forward included, as bench step
+    # does for its bound ([Note: The drive's rate for the bound]): a rate the drive reached, beaten by no forward.
+    measured = [d["read_gbps"] for d in drives]
+    achieved = params * 4 / min(samples["tierstore"]) / 1e9
+    best_gbps = max(*measured, achieved)
+    floor_s = params * 4 / (best_gbps * 1e9)
     log(f"bench peers: {layers} x Linear({width}, {width}) = {params / 1e6:.0f}M parameters "
         f"({params * 4 / 1e9:.2f} GB fp32), batch {batch_size}, {rounds} alternating rounds, medians; "
         f"page cache {'dropped before each disk run' if cold else 'NOT dropped (not permitted): peers may read cached files'}")
     log(f"tierstore: prefetch depth {prefetch_depth}, host budget {host / MIB:.0f} MiB, device {device / MIB:.0f} MiB, "
         f"read {info.get('read_bytes', 0) / MIB:.0f} MiB from the drive, stall {info.get('stall_s', 0):.3f} s")
-    log(f"drive (store, same run): reads {drive['read_gbps']:.2f} GB/s, so reading the weights once takes "
-        f"{floor_s:.3f} s: no disk-backed forward can be faster here")
+    log(f"drive (store, same run): reads {' and '.join(f'{r:.2f}' for r in measured)} GB/s before and after the "
+        f"rounds; tierstore's fastest forward read at {achieved:.2f}. At the fastest of these, {best_gbps:.2f} GB/s, "
+        f"reading the weights once takes {floor_s:.3f} s: no disk-backed forward can be faster here")
     log(f"{'':12}{'forward s':>10}{'vs memory':>11}{'weights GB/s':>14}")
     for name in ("memory", "tierstore", "accelerate"):
         if name in med:
@@ -145,14 +153,16 @@ def run_peers_bench(*, path: str, layers: int = 24, width: int = 4096, batch_siz
             log(f"{name:<12}{med[name]:>10.3f}{med[name] / med['memory']:>10.1f}x{rate}")
     if "accelerate" in med:
         log(f"tierstore is {med['accelerate'] / med['tierstore']:.2f}x faster than Accelerate's disk_offload; "
-            "outputs equal")
+            f"outputs equal (at the floor, a forward would be {med['accelerate'] / floor_s:.2f}x faster)")
     else:
         log("Accelerate is not installed (pip install accelerate): only tierstore against memory")
     return {"layers": layers, "width": width, "params": params, "batch_size": batch_size, "rounds": rounds,
             "page_cache_dropped": cold, "samples_s": samples, "median_s": med,
             "speedup_vs_accelerate": med["accelerate"] / med["tierstore"] if "accelerate" in med else None,
+            "speedup_at_floor_vs_accelerate": med["accelerate"] / floor_s if "accelerate" in med else None,
             "prefetch_depth": prefetch_depth, "host_budget_bytes": host, "device_budget_bytes": device,
-            "drive": drive, "read_floor_s": floor_s, **info}
+            "drive": drives[-1], "drive_read_gbps_samples": measured, "read_gbps_from_a_forward": achieved,
+            "read_floor_s": floor_s, **info}
 
 
 __all__ = ["drop_page_cache", "run_peers_bench"]
