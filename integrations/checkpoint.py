@@ -138,7 +138,7 @@ def save_checkpoint(path: str, model: nn.Module | Offloaded, optimizer: Offloade
             raise ValueError("the optimizer belongs to a different model")
         files[OPTIMIZER_FILE] = [_store_source(optimizer.store, key, f"{name}/{what}")
                                  for name, what, key in optimizer.state_tensors()]
-        metadata["optimizer"] = {"hyperparameters": optimizer.hyperparameters(), "steps": dict(optimizer.steps)}
+        metadata["optimizer"] = {"param_groups": optimizer.group_states(), "steps": dict(optimizer.steps)}
     file_metadata = {MODEL_FILE: {"format": "pt"}}
     if not isinstance(off, FSDPOffload):
         return write_checkpoint(path, files, metadata=metadata, file_metadata=file_metadata)
@@ -267,8 +267,10 @@ def _load_into_store(store: TierStore, key: str, directory: str, name: str, entr
 
 def _load_optimizer(opt: OffloadedAdamW, directory: str, entries: dict[str, Any], meta: dict[str, Any]) -> None:
     opt.wait()  # surface a failed write-behind before overwriting
-    hp = meta["hyperparameters"]
-    opt.lr, opt.betas, opt.eps, opt.weight_decay = hp["lr"], tuple(hp["betas"]), hp["eps"], hp["weight_decay"]
+    try:  # checkpoints of before parameter groups kept one "hyperparameters" dict
+        opt.load_group_states(meta["param_groups"] if "param_groups" in meta else [meta["hyperparameters"]])
+    except ValueError as e:
+        raise TierStoreError(f"checkpoint {directory}: {e}") from None
     steps = {k: float(v) for k, v in meta["steps"].items()}
     known = {n for n, _, _ in opt._items}
     unknown = sorted(set(steps) - known)

@@ -39,24 +39,44 @@ from .offload import OffloadedModel
 _SLICE = 1 << 18  # elements per slice of the update: [Note: Cache-sized slices]
 
 
-class OffloadedAdamW:
+_HYPER = ("lr", "betas", "eps", "weight_decay")
+
+
+def _check_hyper(group: dict[str, Any], where: str) -> None:
+    lr, betas, eps, wd = (group[k] for k in _HYPER)
+    if not lr >= 0.0:
+        raise ValueError(f"{where}lr={lr} must be >= 0")
+    if not (len(betas) == 2 and 0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"{where}betas={betas} must be two numbers, each in [0, 1)")
+    if not eps >= 0.0:
+        raise ValueError(f"{where}eps={eps} must be >= 0")
+    if not wd >= 0.0:
+        raise ValueError(f"{where}weight_decay={wd} must be >= 0")
+
+
+class OffloadedAdamW(torch.optim.Optimizer):
     """AdamW over an :class:`OffloadedModel`'s parameters, with optimizer state in the store.
 
     For fp32 parameters the master weight is the parameter's own store copy;
     for bf16/fp16 parameters an fp32 master is kept and the parameter is
     rounded from it after each step (mixed precision).
+
+    ``param_groups`` gives some parameters their own hyper-parameters, as
+    torch.optim's parameter groups do: a list of dicts, each with ``"params"``
+    (parameter names or the model's parameters) and any of ``lr``, ``betas``,
+    ``eps``, ``weight_decay``; parameters in no group form a last group with
+    the keyword defaults. It is a ``torch.optim.Optimizer``, so learning-rate
+    schedulers drive it through ``param_groups``; its state lives in the store
+    (read it with :meth:`state_dict`), not in ``self.state``.
     """
 
     def __init__(self, offloaded: OffloadedModel, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, readahead: int | None = None,
-                 readahead_bytes: int | str | None = None, home: Tier | str | None = None,
-                 step_in_backward: bool = False, max_grad_backlog_bytes: int | str | None = None) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"lr={lr} must be >= 0")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas={betas} must each be in [0, 1)")
-        if not eps >= 0.0:
-            raise ValueError(f"eps={eps} must be >= 0")
+                 eps: float = 1e-8, weight_decay: float = 1e-2, param_groups: list[dict[str, Any]] | None = None,
+                 readahead: int | None = None, readahead_bytes: int | str | None = None,
+                 home: Tier | str | None = None, step_in_backward: bool = False,
+                 max_grad_backlog_bytes: int | str | None = None) -> None:
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        _check_hyper(defaults, "")
         if readahead is None:  # prefetch depth 0 turns off reading ahead, the optimizer's as well
             policy = getattr(offloaded, "policy", None)
             readahead = 0 if policy is not None and policy.depth == 0 else sys.maxsize  # bytes bound it
@@ -64,7 +84,6 @@ class OffloadedAdamW:
             raise ValueError(f"readahead={readahead} must be >= 0")
         self.offloaded = offloaded
         self.store: TierStore = offloaded.store
-        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.readahead = readahead
         host = self.store.config.host_budget_bytes
         # Gradients waiting for their update are memory no tier budgets (see [Note: Stepping in backward]).
@@ -83,6 +102,12 @@ class OffloadedAdamW:
             self._items.append((name, key, p))
         for name, p in offloaded.resident.items():
             self._items.append((name, None, p))
+        self._building = True
+        super().__init__(self._torch_groups(param_groups, defaults), defaults)
+        self._building = False
+        by_id = {id(p): name for name, _, p in self._items}
+        # name -> its group, the very dict a scheduler changes: each update reads its hyper-parameters from it.
+        self._group_of = {by_id[id(p)]: g for g in self.param_groups for p in g["params"]}
         for name, key, p in self._items:
             shape = p.shape if key is None else self._param_shape(key)
             zeros = torch.zeros(shape, dtype=torch.float32)
@@ -122,6 +147,53 @@ class OffloadedAdamW:
                         if k != key:
                             later.after[k] = key
             later.queues.append(self._queued)
+
+    def _torch_groups(self, param_groups: list[dict[str, Any]] | None,
+                      defaults: dict[str, Any]) -> list[dict[str, Any]]:
+        """``param_groups`` with parameters for names, and the parameters in no group as a last group."""
+        by_name = {name: p for name, _, p in self._items}
+        by_id = {id(p): name for name, _, p in self._items}
+        seen: dict[str, int] = {}
+        groups = []
+        for i, group in enumerate(param_groups or []):
+            if not isinstance(group, dict) or "params" not in group:
+                raise TypeError(f"param_groups[{i}] must be a dict with a 'params' list")
+            unknown = sorted(set(group) - {"params", *_HYPER})
+            if unknown:
+                raise ValueError(f"param_groups[{i}] has unknown keys {unknown}; valid: 'params', {', '.join(_HYPER)}")
+            params = [group["params"]] if isinstance(group["params"], (str, torch.Tensor)) else list(group["params"])
+            names = []
+            for p in params:
+                name = p if isinstance(p, str) else by_id.get(id(p))
+                if name not in by_name:
+                    what = repr(p) if isinstance(p, str) else f"a tensor of shape {tuple(p.shape)}"
+                    raise ValueError(f"param_groups[{i}]: {what} is not a parameter of the offloaded model "
+                                     f"(give parameter names, as in model.named_parameters(), or the parameters)")
+                if name in seen:
+                    raise ValueError(f"param_groups[{i}]: parameter {name!r} is already in param_groups[{seen[name]}]")
+                seen[name] = i
+                names.append(name)
+            if not names:
+                raise ValueError(f"param_groups[{i}] has no parameters")
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            if "betas" in hyper:
+                hyper["betas"] = tuple(hyper["betas"])
+            _check_hyper({**defaults, **hyper}, f"param_groups[{i}]: ")
+            groups.append({"params": [by_name[n] for n in names], **hyper})
+        rest = [p for name, _, p in self._items if name not in seen]
+        if rest or not groups:
+            groups.append({"params": rest})
+        return groups
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Called by ``Optimizer.__init__`` with the groups :meth:`_torch_groups` checked; refused after it.
+
+        Not torch's own, which imports torch._dynamo on its first call: 68 MiB of RSS here.
+        """
+        if not getattr(self, "_building", False):
+            raise RuntimeError("OffloadedAdamW steps the parameters of the model it was given; pass param_groups= "
+                               "when constructing it")
+        self.param_groups.append({**self.defaults, **param_group, "params": list(param_group["params"])})
 
     @staticmethod
     def _positive_bytes(value: int | str | None, default: int, name: str) -> int:
@@ -197,7 +269,8 @@ class OffloadedAdamW:
             keys.append(key if p.dtype == torch.float32 else f"adam/{name}/master")
         return keys
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient (offloaded gradients are always dropped, never zeroed in place)."""
         self.offloaded.zero_grad()
 
     def _grad(self, name: str, key: str | None, p: torch.nn.Parameter) -> torch.Tensor | None:
@@ -282,7 +355,7 @@ class OffloadedAdamW:
         param = p.data if master_key is None else held[master_key]
         step = self.steps.get(name, 0.0) + 1.0
         try:
-            self._adamw(param, exp_avg, exp_avg_sq, grad, step)
+            self._adamw(param, exp_avg, exp_avg_sq, grad, step, self._hyper(name))
         except BaseException:
             # A partial update must not persist: the copies are still clean, so dropping them
             # brings back the state of before this step.
@@ -306,8 +379,15 @@ class OffloadedAdamW:
             st.release(key, Tier.HOST)
             self._current.append(st.write_back(key))
 
-    def _adamw(self, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
-               step: float) -> None:
+    def _hyper(self, name: str) -> tuple:
+        """(lr, betas, eps, weight_decay) of the parameter's group now: read once per update, so a scheduler
+        changing the group during backward never mixes two learning rates in one update."""
+        group = self._group_of[name]
+        return tuple(group[k] for k in _HYPER)
+
+    @staticmethod
+    def _adamw(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+               step: float, hyper: tuple) -> None:
         """torch.optim.AdamW's single-tensor update (foreach=False), operation for operation, slice by slice.
 
         [Note: Cache-sized slices] Every operation of the update is elementwise, so an
@@ -326,26 +406,26 @@ class OffloadedAdamW:
         tensors = (param, exp_avg, exp_avg_sq, grad)
         n = param.numel()
         if n <= _SLICE or not all(t.is_contiguous() for t in tensors):
-            self._adamw_slice(*tensors, step)
+            OffloadedAdamW._adamw_slice(*tensors, step, hyper)
             return
         flat = [t.view(-1) for t in tensors]
         for start in range(0, n, _SLICE):
-            self._adamw_slice(*(t[start:start + _SLICE] for t in flat), step)
+            OffloadedAdamW._adamw_slice(*(t[start:start + _SLICE] for t in flat), step, hyper)
 
-    def _adamw_slice(self, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                     grad: torch.Tensor, step: float) -> None:
-        beta1, beta2 = self.betas
-        lr = self.lr
+    @staticmethod
+    def _adamw_slice(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+                     step: float, hyper: tuple) -> None:
+        lr, (beta1, beta2), eps, weight_decay = hyper
         grad = grad.to(param.dtype)  # a bf16/fp16 gradient against its fp32 master; no copy when the same
-        if self.weight_decay != 0:
-            param.mul_(1 - lr * self.weight_decay)
+        if weight_decay != 0:
+            param.mul_(1 - lr * weight_decay)
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
         step_size = lr / bias_correction1
         bias_correction2_sqrt = bias_correction2**0.5
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         param.addcdiv_(exp_avg, denom, value=-step_size)
 
     def state_tensors(self) -> list[tuple[str, str, str]]:
@@ -358,21 +438,37 @@ class OffloadedAdamW:
                 out.append((name, what, f"adam/{name}/{what}"))
         return out
 
-    def hyperparameters(self) -> dict[str, Any]:
-        return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}
+    def group_states(self) -> list[dict[str, Any]]:
+        """Each parameter group's hyper-parameters (and what a scheduler added, such as ``initial_lr``), with
+        ``"params"`` as parameter names: what state_dict() and checkpoints keep."""
+        names = {id(p): name for name, _, p in self._items}
+        return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+                for g in self.param_groups]
+
+    def load_group_states(self, groups: list[dict[str, Any]]) -> None:
+        """Restore :meth:`group_states`: the same groups of the same parameters (one group without
+        ``"params"``, as older state dicts have, applies to every group)."""
+        if len(groups) == 1 and "params" not in groups[0]:
+            groups = [{**groups[0], "params": g["params"]} for g in self.group_states()]
+        mine = self.group_states()
+        if [g["params"] for g in groups] != [g["params"] for g in mine]:
+            raise ValueError(f"the saved parameter groups ({len(groups)}) do not hold the same parameters as this "
+                             f"optimizer's ({len(mine)}); build it with the param_groups it was saved with")
+        for target, saved in zip(self.param_groups, groups):
+            for k, v in saved.items():
+                if k != "params":
+                    target[k] = tuple(v) if k == "betas" else v
 
     def state_dict(self) -> dict[str, Any]:
         """Plain tensors (read from the store), like torch.optim's state_dict, keyed by parameter name."""
         state: dict[str, dict[str, torch.Tensor]] = {}
         for name, what, k in self.state_tensors():
             state.setdefault(name, {"step": torch.tensor(self.steps[name])})[what] = self.store.read(k)
-        return {"state": state, "param_groups": [self.hyperparameters()]}
+        return {"state": state, "param_groups": self.group_states()}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.wait()
-        group = sd["param_groups"][0]
-        self.lr, self.betas, self.eps, self.weight_decay = (group["lr"], tuple(group["betas"]), group["eps"],
-                                                            group["weight_decay"])
+        self.load_group_states(sd["param_groups"])
         names = {n for n, _, _ in self._items}
         for name, entry in sd["state"].items():
             if name not in names:
@@ -389,7 +485,6 @@ class OffloadedAdamW:
         self.store.flush()
 
     def __repr__(self) -> str:
-        return (f"OffloadedAdamW(lr={self.lr}, betas={self.betas}, eps={self.eps}, "
-                f"weight_decay={self.weight_decay}, params={len(self._items)})")
-
-
+        groups = ", ".join(f"({len(g['params'])} params: " + ", ".join(f"{k}={g[k]}" for k in _HYPER) + ")"
+                           for g in self.param_groups)
+        return f"OffloadedAdamW({groups})"

@@ -25,7 +25,7 @@ from tierstore.vit import PRESETS, SyntheticImages, ViT
 MIB = 1024**2
 
 
-def _steps(model, opt, data, start, count):
+def _steps(model, opt, data, start, count, sched=None):
     losses = []
     for i in range(start, start + count):
         x, y = data.batch(i, 4)
@@ -33,16 +33,19 @@ def _steps(model, opt, data, start, count):
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if sched is not None:
+            sched.step()
         losses.append(loss.item())
     return losses
 
 
-def _offloaded(make_store, seed, dtype=torch.float32, **kw):
+def _offloaded(make_store, seed, dtype=torch.float32, no_decay_group=False, **kw):
     torch.manual_seed(seed)
     model = ViT(PRESETS["tiny"], checkpoint_blocks=True, tie_head=True).to(dtype)
+    groups = [{"params": [n for n, p in model.named_parameters() if p.ndim < 2], "weight_decay": 0.0}]
     store = make_store(host_budget_bytes="384KiB", device_budget_bytes="320KiB")
-    off = offload_model(model, store, **kw)
-    return model, off, OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
+    off = offload_model(model, store, **kw)  # after it, a parameter's .data is an empty placeholder
+    return model, off, OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, param_groups=groups if no_decay_group else None)
 
 
 @pytest.mark.parametrize("dtype,threshold", [(torch.float32, 0), (torch.float32, 1024), (torch.bfloat16, 0)],
@@ -214,3 +217,27 @@ def test_reader_agrees_with_the_reference_writer(tmp_path):
     st.save_file(tensors, str(tmp_path / "x.safetensors"))
     got = _checkpoint.read_safetensors(str(tmp_path / "x.safetensors"))
     assert set(got) == set(tensors) and all(torch.equal(got[k], v) for k, v in tensors.items())
+
+
+def test_parameter_groups_and_scheduler_resume(make_store, tmp_path):
+    """Per-group hyper-parameters (a scheduler's learning rates) are saved and restored with the optimizer."""
+    data = SyntheticImages(PRESETS["tiny"])
+    model, off, opt = _offloaded(make_store, 0, no_decay_group=True)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+    _steps(model, opt, data, 0, 3, sched)
+    path = str(tmp_path / "ckpt")
+    save_checkpoint(path, off, opt, extra={"scheduler": sched.state_dict()})
+    expected = _steps(model, opt, data, 3, 3, sched)
+
+    resumed, roff, ropt = _offloaded(make_store, 7, no_decay_group=True)
+    rsched = torch.optim.lr_scheduler.ExponentialLR(ropt, gamma=0.5)
+    rsched.load_state_dict(load_checkpoint(path, roff, ropt)["scheduler"])
+    assert [g["lr"] for g in ropt.param_groups] == [1e-3 * 0.5**3] * 2
+    assert [g["weight_decay"] for g in ropt.param_groups] == [0.0, 0.01]
+    assert _steps(resumed, ropt, data, 3, 3, rsched) == expected
+    for (name, a), (_, b) in zip(model.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+
+    _, ooff, oopt = _offloaded(make_store, 1)  # one group: the saved two do not fit it
+    with pytest.raises(ts.TierStoreError, match="do not hold the same parameters"):
+        load_checkpoint(path, ooff, oopt)

@@ -168,12 +168,12 @@ def test_failed_update_leaves_state_as_before_the_step(make_store, monkeypatch):
     F.cross_entropy(model(x), y).backward()
     real = OffloadedAdamW._adamw
 
-    def failing(self, param, exp_avg, exp_avg_sq, grad, step):
+    def failing(self, param, exp_avg, exp_avg_sq, grad, step, hyper):
         if param.shape == (256, 64):  # blocks.0.fc1.weight: fail half-way through its update
             param.add_(1.0)
             exp_avg.add_(1.0)
             raise RuntimeError("update failed")
-        real(self, param, exp_avg, exp_avg_sq, grad, step)
+        real(param, exp_avg, exp_avg_sq, grad, step, hyper)
 
     monkeypatch.setattr(OffloadedAdamW, "_adamw", failing)
     with pytest.raises(RuntimeError, match="update failed"):
@@ -314,8 +314,7 @@ def test_sliced_update_matches_whole_tensor_operations():
     """The update over slices gives the bits of each operation run over the whole tensor, bf16 gradients too."""
     from tierstore.integrations.optim import _SLICE
 
-    opt = OffloadedAdamW.__new__(OffloadedAdamW)
-    opt.betas, opt.lr, opt.eps, opt.weight_decay = (0.9, 0.95), 3e-4, 1e-8, 0.1
+    hyper = (3e-4, (0.9, 0.95), 1e-8, 0.1)  # lr, betas, eps, weight_decay
     g = torch.Generator().manual_seed(3)
     for n, grad_dtype in ((2 * _SLICE + 12345, torch.float32), (_SLICE + 1, torch.bfloat16), (1001, torch.float32)):
         base = [torch.randn(n, generator=g) for _ in range(3)]
@@ -323,8 +322,8 @@ def test_sliced_update_matches_whole_tensor_operations():
         grad = torch.randn(n, generator=g).to(grad_dtype)
         sliced, whole = [t.clone() for t in base], [t.clone() for t in base]
         for step in (1.0, 2.0, 7.0):
-            opt._adamw(*sliced, grad, step)
-            opt._adamw_slice(*whole, grad.float(), step)
+            OffloadedAdamW._adamw(*sliced, grad, step, hyper)
+            OffloadedAdamW._adamw_slice(*whole, grad.float(), step, hyper)
         for a, b in zip(sliced, whole):
             assert torch.equal(a, b)
 
@@ -374,3 +373,68 @@ def test_clipping_refuses_stepping_in_backward(make_store):
     with pytest.raises(RuntimeError, match="step_in_backward=False"):
         off.clip_grad_norm_(1.0)
     opt.close()
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
+def test_parameter_groups_and_a_scheduler_match_torch(make_store, in_backward):
+    torch.manual_seed(0)
+    cfg = PRESETS["tiny"]
+    ref = ViT(cfg)
+    model = copy.deepcopy(ref)
+    data = SyntheticImages(cfg)
+    no_decay = [n for n, p in ref.named_parameters() if p.ndim < 2]  # biases and norms, as ViT recipes do
+    ropt = torch.optim.AdamW([{"params": [p for n, p in ref.named_parameters() if n not in no_decay]},
+                              {"params": [p for n, p in ref.named_parameters() if n in no_decay],
+                               "weight_decay": 0.0, "betas": (0.9, 0.95)}],
+                             lr=1e-3, weight_decay=0.05, foreach=False)
+    off = offload_model(model, make_store(host_budget_bytes="704KiB", device_budget_bytes="320KiB"))
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.05, step_in_backward=in_backward,
+                         param_groups=[{"params": no_decay, "weight_decay": 0.0, "betas": [0.9, 0.95]}])
+    assert len(opt.param_groups) == 2 and opt.param_groups[1]["weight_decay"] == 0.05  # the rest, defaults
+
+    def warmup_then_decay(step):
+        return min(1.0, (step + 1) / 2) * 0.7**step
+
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, warmup_then_decay) for o in (ropt, opt)]
+    losses: dict[str, list[float]] = {"ref": [], "ours": []}
+    try:
+        for step in range(4):
+            for who, m, o, sched in (("ref", ref, ropt, scheds[0]), ("ours", model, opt, scheds[1])):
+                x, y = data.batch(step, 8)
+                loss = F.cross_entropy(m(x), y)
+                loss.backward()
+                o.step()
+                o.zero_grad()
+                sched.step()
+                losses[who].append(loss.item())
+    finally:
+        opt.close()
+    assert losses["ref"] == losses["ours"]
+    assert [g["lr"] for g in opt.param_groups] == [ropt.param_groups[1]["lr"], ropt.param_groups[0]["lr"]] != [1e-3] * 2
+    for name, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    saved = opt.state_dict()["param_groups"]
+    assert saved[0]["params"] == no_decay and saved[0]["initial_lr"] == 1e-3
+
+
+def test_parameter_groups_refuse_bad_input(make_store):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    off = offload_model(model, make_store())
+    with pytest.raises(ValueError, match="'2.weight' is not a parameter"):
+        OffloadedAdamW(off, param_groups=[{"params": ["2.weight"]}])
+    with pytest.raises(ValueError, match="'0.bias' is already in param_groups\\[0\\]"):
+        OffloadedAdamW(off, param_groups=[{"params": ["0.bias"]}, {"params": [model[0].bias]}])
+    with pytest.raises(ValueError, match="unknown keys \\['momentum'\\]"):
+        OffloadedAdamW(off, param_groups=[{"params": ["0.bias"], "momentum": 0.9}])
+    with pytest.raises(ValueError, match="param_groups\\[0\\]: weight_decay=-1"):
+        OffloadedAdamW(off, param_groups=[{"params": ["0.bias"], "weight_decay": -1}])
+    with pytest.raises(ValueError, match="not a parameter of the offloaded model"):
+        OffloadedAdamW(off, param_groups=[{"params": [torch.nn.Parameter(torch.zeros(3))]}])
+    opt = OffloadedAdamW(off, param_groups=[{"params": "1.weight", "lr": 0.5}])
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 3]
+    with pytest.raises(RuntimeError, match="pass param_groups= when constructing it"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    twin = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    other = OffloadedAdamW(offload_model(twin, make_store()))
+    with pytest.raises(ValueError, match="do not hold the same parameters"):
+        other.load_state_dict(opt.state_dict())
