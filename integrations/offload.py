@@ -38,6 +38,9 @@ from tierstore import Tier, TierStore
 from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
 _STATE_KEY = "_tierstore_offload"
+_NOT_COPYABLE = ("an offloaded model cannot be copied or pickled: its parameters live in the store and its module "
+                 "holds empty placeholders. Copy it before offload_model, call .remove() first, or save it with "
+                 "state_dict() (which reads the real values) or save_checkpoint()")
 
 # Our backward pre-hooks need only the gradient of a module's output, so this
 # notice (the first module's input never requires grad) says nothing to act on.
@@ -288,6 +291,12 @@ class OffloadedModel:
             sp = self.params.get(id(p))
             if sp is not None and prefix + name in state_dict:
                 state_dict[prefix + name] = self.store.read(sp.key)
+
+    def __deepcopy__(self, memo: dict) -> OffloadedModel:
+        raise TypeError(_NOT_COPYABLE)
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        raise TypeError(_NOT_COPYABLE)
 
     # ---- public ------------------------------------------------------------------------
     def read_param(self, name: str) -> torch.Tensor:

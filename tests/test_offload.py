@@ -438,3 +438,19 @@ def test_parameter_groups_refuse_bad_input(make_store):
     other = OffloadedAdamW(offload_model(twin, make_store()))
     with pytest.raises(ValueError, match="do not hold the same parameters"):
         other.load_state_dict(opt.state_dict())
+
+
+def test_copying_an_offloaded_model_is_a_clear_error(make_store):
+    import io
+    import pickle
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    off = offload_model(model, make_store())
+    with pytest.raises(TypeError, match="cannot be copied or pickled.*before offload_model"):
+        copy.deepcopy(model)
+    with pytest.raises(TypeError, match="cannot be copied or pickled"):
+        pickle.dumps(model)
+    with pytest.raises(TypeError, match="cannot be copied or pickled"):
+        torch.save(model, io.BytesIO())
+    off.remove()
+    assert torch.equal(copy.deepcopy(model)[0].weight, model[0].weight)  # an ordinary module again
