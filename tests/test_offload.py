@@ -282,9 +282,12 @@ def test_prefetched_layers_are_not_read_twice(make_store):
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
-def test_tensors_larger_than_an_update_slice_are_bit_identical(make_store, in_backward):
-    from tierstore.integrations.optim import _SLICE
+def test_tensors_larger_than_an_update_slice_are_bit_identical(make_store, monkeypatch, in_backward):
+    import tierstore.integrations.optim as optim
 
+    _SLICE = 1 << 18  # slices small enough for a quick test: [Note: Sliced updates]
+    monkeypatch.setattr(optim, "_SLICE", _SLICE)
+    monkeypatch.setattr(optim, "_WHOLE_MAX", _SLICE)
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(640, 1300), torch.nn.Tanh(), torch.nn.Linear(1300, 3))
     assert 3 * _SLICE < ref[0].weight.numel() < 4 * _SLICE  # three whole slices and a partial one
@@ -312,11 +315,12 @@ def test_tensors_larger_than_an_update_slice_are_bit_identical(make_store, in_ba
 
 def test_sliced_update_matches_whole_tensor_operations():
     """The update over slices gives the bits of each operation run over the whole tensor, bf16 gradients too."""
-    from tierstore.integrations.optim import _SLICE
+    from tierstore.integrations.optim import _SLICE, _WHOLE_MAX
 
     hyper = (3e-4, (0.9, 0.95), 1e-8, 0.1)  # lr, betas, eps, weight_decay
     g = torch.Generator().manual_seed(3)
-    for n, grad_dtype in ((2 * _SLICE + 12345, torch.float32), (_SLICE + 1, torch.bfloat16), (1001, torch.float32)):
+    for n, grad_dtype in ((_WHOLE_MAX + 2 * _SLICE + 12345, torch.float32), (_WHOLE_MAX + 1, torch.bfloat16),
+                          (1001, torch.float32)):
         base = [torch.randn(n, generator=g) for _ in range(3)]
         base[2].abs_()
         grad = torch.randn(n, generator=g).to(grad_dtype)
