@@ -34,9 +34,9 @@ class DriveBenchConfig:
     """Bytes written then read per round, in MiB."""
     tensor_mib: int = 64
     """Size of each tensor the store moves (a layer's shard)."""
-    block_size_bytes: int = MIB
-    queue_depth: int = 16
-    io_threads: int = 8
+    block_size_bytes: int = StoreConfig.block_size_bytes
+    queue_depth: int = StoreConfig.queue_depth
+    io_threads: int = StoreConfig.io_threads
     fio_iodepth: int = 32
     rounds: int = 3
     integrity: bool = False

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ._config import parse_bytes
+from ._config import StoreConfig, parse_bytes
 
 
 def _add_drive(sub: argparse._SubParsersAction) -> None:
@@ -14,9 +14,12 @@ def _add_drive(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--path", required=True, help="a directory on the drive to measure")
     p.add_argument("--size-mib", type=int, default=1024, help="MiB written then read per round (default 1024)")
     p.add_argument("--tensor-mib", type=int, default=64, help="size of each tensor moved (default 64)")
-    p.add_argument("--block-size", default="1MiB", help="I/O block size for both (default 1MiB)")
-    p.add_argument("--queue-depth", type=int, default=16, help="store blocks in flight (default 16)")
-    p.add_argument("--io-threads", type=int, default=8, help="store I/O threads (default 8)")
+    d = StoreConfig
+    p.add_argument("--block-size", default=str(d.block_size_bytes),
+                   help=f"I/O block size for both (default the store's, {d.block_size_bytes // 1024**2}MiB)")
+    p.add_argument("--queue-depth", type=int, default=d.queue_depth,
+                   help=f"store blocks in flight (default {d.queue_depth})")
+    p.add_argument("--io-threads", type=int, default=d.io_threads, help=f"store I/O threads (default {d.io_threads})")
     p.add_argument("--fio-iodepth", type=int, default=32, help="fio libaio iodepth (default 32)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are reported (default 3)")
     p.add_argument("--integrity", action="store_true", help="also measure with checksums on and report the cost")

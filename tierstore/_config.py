@@ -52,8 +52,10 @@ class StoreConfig:
     """Most bytes the host tier (pinned CPU buffers with CUDA) may hold, pooled buffers included."""
     nvme_budget_bytes: int | None = None
     """Most bytes of swap space; None means as much as the filesystem has free."""
-    block_size_bytes: int = 1024**2
-    """Size of each read or write the I/O engine issues; a multiple of 4096."""
+    block_size_bytes: int = 4 * 1024**2
+    """Size of each read or write the I/O engine issues; a multiple of 4096. 4 MiB stepped ViT-large 8% faster
+    than 1 MiB here (same-process A/B, medians of 8: 4.49 against 4.88 s, with less CPU in the I/O threads) and
+    reads and writes the drive as fast."""
     queue_depth: int = 16
     """Most block reads/writes the I/O engine keeps in flight at once."""
     io_threads: int = 8
@@ -95,7 +97,7 @@ class StoreConfig:
         if self.block_size_bytes % 4096:
             raise ValueError(
                 f"block_size_bytes={self.block_size_bytes} must be a multiple of 4096 "
-                "(O_DIRECT needs aligned transfers); try 1048576 (1 MiB)"
+                "(O_DIRECT needs aligned transfers); try 4194304 (4 MiB)"
             )
         if self.file_size_bytes % 4096:
             raise ValueError(f"file_size_bytes={self.file_size_bytes} must be a multiple of 4096")
