@@ -493,3 +493,40 @@ class OffloadedAdamW(torch.optim.Optimizer):
         groups = ", ".join(f"({len(g['params'])} params: " + ", ".join(f"{k}={g[k]}" for k in _HYPER) + ")"
                            for g in self.param_groups)
         return f"OffloadedAdamW({groups})"
+
+
+class OffloadedGradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` for :class:`OffloadedAdamW`: loss scaling for fp16 autocast training.
+
+    Used as the stock scaler is (``scaler.scale(loss).backward()``, optionally
+    ``scaler.unscale_(opt)`` before ``off.clip_grad_norm_``, then
+    ``scaler.step(opt)`` and ``scaler.update()``), it unscales and checks for
+    overflow the gradients where the offloaded model keeps them: the stock
+    scaler looks in ``param.grad``, where an offloaded parameter has none, and
+    would neither unscale them nor see an overflow. A step with an inf or NaN
+    gradient is skipped and the scale lowered, as torch does; the numbers are
+    those of ``torch.amp.GradScaler`` on the resident model (tested). It needs
+    ``step_in_backward=False``: the scale must be checked before any update.
+    """
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        grads_in_order = getattr(getattr(optimizer, "offloaded", None), "grads_in_order", None)
+        if grads_in_order is None:  # not an offloaded model: its gradients are in param.grad
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        if getattr(optimizer, "step_in_backward", False):
+            raise RuntimeError("loss scaling needs every gradient checked before any update, but this optimizer "
+                               "steps them during backward: use OffloadedAdamW(..., step_in_backward=False)")
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for grad in grads_in_order():
+            if not allow_fp16 and grad.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients: keep the parameters fp32 and compute in "
+                                 "fp16 under torch.autocast")
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        found: dict[torch.device, torch.Tensor] = {}
+        with torch.no_grad():
+            for (device, _), grads in groups.items():
+                if device not in found:
+                    found[device] = found_inf.to(device, copy=True)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found[device], inv_scale.to(device))
+        return found

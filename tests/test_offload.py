@@ -458,3 +458,56 @@ def test_copying_an_offloaded_model_is_a_clear_error(make_store):
         torch.save(model, io.BytesIO())
     off.remove()
     assert torch.equal(copy.deepcopy(model)[0].weight, model[0].weight)  # an ordinary module again
+
+
+def test_loss_scaling_matches_torch_grad_scaler(make_store):
+    from tierstore.integrations.optim import OffloadedGradScaler
+
+    torch.manual_seed(0)
+    cfg = PRESETS["tiny"]
+    ref = ViT(cfg, tie_head=True)
+    model = copy.deepcopy(ref)
+    data = SyntheticImages(cfg)
+    off = offload_model(model, make_store(host_budget_bytes="704KiB", device_budget_bytes="320KiB"),
+                        resident_threshold_bytes=1024)
+    runs = {}
+    # 2**30 overflows fp16 in the first backward: that step is skipped and the scale backed off to 2**10.
+    scaler_kw = {"init_scale": 2.0**30, "backoff_factor": 2.0**-20, "growth_interval": 2}
+    for who, m, opt, scaler, clip in (
+            ("ref", ref, torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False),
+             torch.amp.GradScaler("cpu", **scaler_kw), lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)),
+            ("ours", model, OffloadedAdamW(off, lr=1e-3, weight_decay=0.01),
+             OffloadedGradScaler("cpu", **scaler_kw), lambda: off.clip_grad_norm_(1.0))):
+        losses, scales, norms = [], [], []
+        for step in range(5):
+            x, y = data.batch(step, 8)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(m(x), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            norms.append(clip())
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            losses.append(loss.item())
+            scales.append(scaler.get_scale())
+        runs[who] = (losses, scales, norms)
+    assert runs["ours"][0] == runs["ref"][0] and runs["ours"][1] == runs["ref"][1]
+    assert all(torch.equal(a, b) or (a.isnan() and b.isnan()) for a, b in zip(runs["ours"][2], runs["ref"][2]))
+    assert runs["ref"][1][0] == 2.0**10 and not torch.isfinite(runs["ref"][2][0])  # the first step overflowed
+    assert runs["ref"][1][-1] > 2.0**10 and torch.isfinite(runs["ref"][2][-1])  # the scale grew after clean steps
+    for name, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_loss_scaling_refuses_stepping_in_backward(make_store):
+    from tierstore.integrations.optim import OffloadedGradScaler
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    off = offload_model(model, make_store())
+    opt = OffloadedAdamW(off, step_in_backward=True)
+    scaler = OffloadedGradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 8)).sum()).backward()
+    with pytest.raises(RuntimeError, match="step_in_backward=False"):
+        scaler.unscale_(opt)
+    opt.close()
