@@ -103,6 +103,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._items.append((name, key, p))
         for name, p in offloaded.resident.items():
             self._items.append((name, None, p))
+        if any(f"adam/{name}/exp_avg" in self.store for name, _, _ in self._items):
+            raise ValueError("this model already has an OffloadedAdamW (its state is in the store); keep using that "
+                             "one (opt.load_state_dict() replaces its state), or offload a fresh model")
         self._building = True
         super().__init__(self._torch_groups(param_groups, defaults), defaults)
         self._building = False

@@ -438,6 +438,8 @@ def test_parameter_groups_refuse_bad_input(make_store):
     assert [len(g["params"]) for g in opt.param_groups] == [1, 3]
     with pytest.raises(RuntimeError, match="pass param_groups= when constructing it"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    with pytest.raises(ValueError, match="already has an OffloadedAdamW"):
+        OffloadedAdamW(off)
     twin = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     other = OffloadedAdamW(offload_model(twin, make_store()))
     with pytest.raises(ValueError, match="do not hold the same parameters"):
