@@ -2,7 +2,8 @@
 just in time for the forward and the backward of each submodule.
 
 [Note: Holding a parameter] A parameter's ``.data`` is its store copy in the
-device tier while anyone holds it and an empty placeholder otherwise. Holds
+device tier while anyone holds it and a placeholder otherwise (one NaN with
+the parameter's shape and zero strides: see :func:`_placeholder`). Holds
 are counted: one per forward of a module that owns it (released by the
 forward post-hook) and at most one for backward (taken by the module's
 backward pre-hook, released when its gradient has been accumulated, or at the
@@ -39,7 +40,7 @@ from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
 _STATE_KEY = "_tierstore_offload"
 _NOT_COPYABLE = ("an offloaded model cannot be copied or pickled: its parameters live in the store and its module "
-                 "holds empty placeholders. Copy it before offload_model, call .remove() first, or save it with "
+                 "holds placeholders. Copy it before offload_model, call .remove() first, or save it with "
                  "state_dict() (which reads the real values) or save_checkpoint()")
 
 # Our backward pre-hooks need only the gradient of a module's output, so this
@@ -117,8 +118,7 @@ class OffloadedModel:
                 continue
             key = f"param/{name}"
             handles.append(store.put(key, p.detach().contiguous(), home=home))
-            placeholder = torch.empty(0, dtype=p.dtype, device=self.compute_device)
-            self.params[id(p)] = _Param(name, key, p, placeholder, nbytes)
+            self.params[id(p)] = _Param(name, key, p, _placeholder(p, self.compute_device), nbytes)
         for h in handles:
             h.wait()
         for sp in self.params.values():
@@ -362,6 +362,13 @@ class OffloadedModel:
             self.store.drop(sp.key)
         self.params.clear()
         delattr(self.model, _STATE_KEY)
+
+
+def _placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """What a parameter's ``.data`` is while nobody holds it: one NaN seen through the parameter's shape (strides
+    0), so ``p.shape``, ``p.ndim`` and ``p.numel()`` stay true at no memory cost and a stray read gives NaN."""
+    fill = float("nan") if p.dtype.is_floating_point or p.dtype.is_complex else 0
+    return torch.full((), fill, dtype=p.dtype, device=device).expand(p.shape)
 
 
 def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | None = None,

@@ -42,9 +42,9 @@ def _steps(model, opt, data, start, count, sched=None):
 def _offloaded(make_store, seed, dtype=torch.float32, no_decay_group=False, **kw):
     torch.manual_seed(seed)
     model = ViT(PRESETS["tiny"], checkpoint_blocks=True, tie_head=True).to(dtype)
-    groups = [{"params": [n for n, p in model.named_parameters() if p.ndim < 2], "weight_decay": 0.0}]
     store = make_store(host_budget_bytes="384KiB", device_budget_bytes="320KiB")
-    off = offload_model(model, store, **kw)  # after it, a parameter's .data is an empty placeholder
+    off = offload_model(model, store, **kw)
+    groups = [{"params": [n for n, p in model.named_parameters() if p.ndim < 2], "weight_decay": 0.0}]
     return model, off, OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, param_groups=groups if no_decay_group else None)
 
 
