@@ -37,6 +37,19 @@ def train_offloaded(model, data, steps, store, step_in_backward=False, **kw):
         opt.close()
 
 
+def _tiny_pair(**vit_kw):
+    """A tiny ViT, a copy of it to offload, and its data."""
+    torch.manual_seed(0)
+    cfg = PRESETS["tiny"]
+    ref = ViT(cfg, **vit_kw)
+    return ref, copy.deepcopy(ref), SyntheticImages(cfg)
+
+
+def _assert_same_parameters(model, ref):
+    for name, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
 @pytest.mark.parametrize("checkpointing,tied,in_backward", [(False, False, False), (True, True, False),
                                                             (False, False, True), (True, True, True)],
                          ids=["plain", "ckpt+tied", "plain-in-backward", "ckpt+tied-in-backward"])
@@ -238,11 +251,7 @@ def test_eviction_keeps_what_the_optimizer_still_needs(make_store):
 def test_gradient_backlog_bound_keeps_numbers(make_store):
     """With room for one queued gradient, backward waits for the optimizer instead of piling up
     gradients; the numbers do not change."""
-    torch.manual_seed(0)
-    cfg = PRESETS["tiny"]
-    ref = ViT(cfg)
-    model = copy.deepcopy(ref)
-    data = SyntheticImages(cfg)
+    ref, model, data = _tiny_pair()
     ref_losses, _ = train_resident(ref, data, 3)
     store = make_store(host_budget_bytes="704KiB", device_budget_bytes="320KiB")
     off = offload_model(model, store, prefetch_depth=2)
@@ -254,13 +263,12 @@ def test_gradient_backlog_bound_keeps_numbers(make_store):
         opt.close()
     assert opt._backlog_bytes == 0
     assert store.stats_dict()["stall_seconds"] > stall
-    for name, value in ref.state_dict().items():
-        assert torch.equal(model.state_dict()[name], value), name
+    _assert_same_parameters(model, ref)
     with pytest.raises(ValueError, match="max_grad_backlog_bytes=0 must be at least 1 byte"):
         OffloadedAdamW(off, max_grad_backlog_bytes=0)
     with pytest.raises(ValueError, match="readahead_bytes='lots' is not a byte count"):
         OffloadedAdamW(off, readahead_bytes="lots")
-    fresh = offload_model(ViT(cfg), make_store(), prefetch_depth=2)
+    fresh = offload_model(ViT(PRESETS["tiny"]), make_store(), prefetch_depth=2)
     assert OffloadedAdamW(fresh, max_grad_backlog_bytes="64KiB").max_grad_backlog_bytes == 64 * 1024
 
 
@@ -308,8 +316,7 @@ def test_tensors_larger_than_an_update_slice_are_bit_identical(make_store, monke
                 o.zero_grad()
     finally:
         opt.close()
-    for name, value in ref.state_dict().items():
-        assert torch.equal(model.state_dict()[name], value), name
+    _assert_same_parameters(model, ref)
     ours = opt.state_dict()["state"]
     for name, p in ref.named_parameters():
         assert torch.equal(ours[name]["exp_avg_sq"], ropt.state[p]["exp_avg_sq"]), name
@@ -350,11 +357,7 @@ def _train_clipped(model, data, steps, opt, clip):
 
 
 def test_clipping_and_accumulation_match_resident_training(make_store):
-    torch.manual_seed(0)
-    cfg = PRESETS["tiny"]
-    ref = ViT(cfg, tie_head=True)
-    model = copy.deepcopy(ref)
-    data = SyntheticImages(cfg)
+    ref, model, data = _tiny_pair(tie_head=True)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
     ref_losses, ref_norms = _train_clipped(ref, data, 4, ropt,
                                            lambda m: torch.nn.utils.clip_grad_norm_(ref.parameters(), m))
@@ -367,27 +370,12 @@ def test_clipping_and_accumulation_match_resident_training(make_store):
     assert losses == ref_losses
     assert all(torch.equal(a, b) for a, b in zip(norms, ref_norms))
     assert max(n.item() for n in norms) > 0.5  # the clipping did scale gradients
-    for name, value in ref.state_dict().items():
-        assert torch.equal(model.state_dict()[name], value), name
-
-
-def test_clipping_refuses_stepping_in_backward(make_store):
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    off = offload_model(model, make_store())
-    opt = OffloadedAdamW(off, step_in_backward=True)
-    model(torch.randn(4, 8)).sum().backward()
-    with pytest.raises(RuntimeError, match="step_in_backward=False"):
-        off.clip_grad_norm_(1.0)
-    opt.close()
+    _assert_same_parameters(model, ref)
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
 def test_parameter_groups_and_a_scheduler_match_torch(make_store, in_backward):
-    torch.manual_seed(0)
-    cfg = PRESETS["tiny"]
-    ref = ViT(cfg)
-    model = copy.deepcopy(ref)
-    data = SyntheticImages(cfg)
+    ref, model, data = _tiny_pair()
     no_decay = [n for n, p in ref.named_parameters() if p.ndim < 2]  # biases and norms, as ViT recipes do
     ropt = torch.optim.AdamW([{"params": [p for n, p in ref.named_parameters() if n not in no_decay]},
                               {"params": [p for n, p in ref.named_parameters() if n in no_decay],
@@ -417,8 +405,7 @@ def test_parameter_groups_and_a_scheduler_match_torch(make_store, in_backward):
         opt.close()
     assert losses["ref"] == losses["ours"]
     assert [g["lr"] for g in opt.param_groups] == [ropt.param_groups[1]["lr"], ropt.param_groups[0]["lr"]] != [1e-3] * 2
-    for name, value in ref.state_dict().items():
-        assert torch.equal(model.state_dict()[name], value), name
+    _assert_same_parameters(model, ref)
     saved = opt.state_dict()["param_groups"]
     assert saved[0]["params"] == no_decay and saved[0]["initial_lr"] == 1e-3
 
@@ -467,11 +454,7 @@ def test_copying_an_offloaded_model_is_a_clear_error(make_store):
 def test_loss_scaling_matches_torch_grad_scaler(make_store):
     from tierstore.integrations.optim import OffloadedGradScaler
 
-    torch.manual_seed(0)
-    cfg = PRESETS["tiny"]
-    ref = ViT(cfg, tie_head=True)
-    model = copy.deepcopy(ref)
-    data = SyntheticImages(cfg)
+    ref, model, data = _tiny_pair(tie_head=True)
     off = offload_model(model, make_store(host_budget_bytes="704KiB", device_budget_bytes="320KiB"),
                         resident_threshold_bytes=1024)
     runs = {}
@@ -500,11 +483,10 @@ def test_loss_scaling_matches_torch_grad_scaler(make_store):
     assert all(torch.equal(a, b) or (a.isnan() and b.isnan()) for a, b in zip(runs["ours"][2], runs["ref"][2]))
     assert runs["ref"][1][0] == 2.0**10 and not torch.isfinite(runs["ref"][2][0])  # the first step overflowed
     assert runs["ref"][1][-1] > 2.0**10 and torch.isfinite(runs["ref"][2][-1])  # the scale grew after clean steps
-    for name, value in ref.state_dict().items():
-        assert torch.equal(model.state_dict()[name], value), name
+    _assert_same_parameters(model, ref)
 
 
-def test_loss_scaling_refuses_stepping_in_backward(make_store):
+def test_clipping_and_loss_scaling_refuse_stepping_in_backward(make_store):
     from tierstore.integrations.optim import OffloadedGradScaler
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
@@ -512,6 +494,8 @@ def test_loss_scaling_refuses_stepping_in_backward(make_store):
     opt = OffloadedAdamW(off, step_in_backward=True)
     scaler = OffloadedGradScaler("cpu")
     scaler.scale(model(torch.randn(4, 8)).sum()).backward()
+    with pytest.raises(RuntimeError, match="step_in_backward=False"):
+        off.clip_grad_norm_(1.0)
     with pytest.raises(RuntimeError, match="step_in_backward=False"):
         scaler.unscale_(opt)
     opt.close()
