@@ -70,3 +70,19 @@ def test_fsdp_checkpoint_resumes_bit_identically_and_consolidates(tmp_path):
     assert sorted(os.listdir(ckpt)) == ["manifest.json", "rank00000", "rank00001"]
     full = st.load_file(str(tmp_path / "ckpt.consolidated.safetensors"))  # compared with FSDP2's full tensors
     assert full["blocks.0.fc1.weight"].shape == (256, 64)
+
+
+@pytest.mark.slow
+def test_fsdp_loss_scaling_matches_fsdp2_alone(tmp_path):
+    """fp16 autocast under FSDP2: an overflow on one rank skips the step on every rank, as with FSDP2 alone."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    child = os.path.join(os.path.dirname(__file__), "fsdp_amp_child.py")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        child, str(tmp_path)], capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert sorted(row["rank"] for row in rows) == [0, 1]
+    for row in rows:
+        assert row["ours"] == row["ref"] and row["same_parameters"]
+        scales = [scale for _, scale in row["ours"]]
+        assert scales[0] == 2.0**10 and scales[-1] > scales[0]  # step 0 overflowed and was skipped; then growth
