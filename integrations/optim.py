@@ -103,15 +103,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._items.append((name, key, p))
         for name, p in offloaded.resident.items():
             self._items.append((name, None, p))
+        self._name_of = {id(p): name for name, _, p in self._items}
         if any(f"adam/{name}/exp_avg" in self.store for name, _, _ in self._items):
             raise ValueError("this model already has an OffloadedAdamW (its state is in the store); keep using that "
                              "one (opt.load_state_dict() replaces its state), or offload a fresh model")
         self._building = True
         super().__init__(self._torch_groups(param_groups, defaults), defaults)
         self._building = False
-        by_id = {id(p): name for name, _, p in self._items}
         # name -> its group, the very dict a scheduler changes: each update reads its hyper-parameters from it.
-        self._group_of = {by_id[id(p)]: g for g in self.param_groups for p in g["params"]}
+        self._group_of = {self._name_of[id(p)]: g for g in self.param_groups for p in g["params"]}
         for name, key, p in self._items:
             shape = p.shape if key is None else self._param_shape(key)
             zeros = torch.zeros(shape, dtype=torch.float32)
@@ -156,7 +156,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
                       defaults: dict[str, Any]) -> list[dict[str, Any]]:
         """``param_groups`` with parameters for names, and the parameters in no group as a last group."""
         by_name = {name: p for name, _, p in self._items}
-        by_id = {id(p): name for name, _, p in self._items}
         seen: dict[str, int] = {}
         groups = []
         for i, group in enumerate(param_groups or []):
@@ -168,7 +167,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             params = [group["params"]] if isinstance(group["params"], (str, torch.Tensor)) else list(group["params"])
             names = []
             for p in params:
-                name = p if isinstance(p, str) else by_id.get(id(p))
+                name = p if isinstance(p, str) else self._name_of.get(id(p))
                 if name not in by_name:
                     what = repr(p) if isinstance(p, str) else f"a tensor of shape {tuple(p.shape)}"
                     raise ValueError(f"param_groups[{i}]: {what} is not a parameter of the offloaded model "
@@ -449,8 +448,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def group_states(self) -> list[dict[str, Any]]:
         """Each parameter group's hyper-parameters (and what a scheduler added, such as ``initial_lr``), with
         ``"params"`` as parameter names: what state_dict() and checkpoints keep."""
-        names = {id(p): name for name, _, p in self._items}
-        return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        return [{**{k: v for k, v in g.items() if k != "params"}, "params": [self._name_of[id(p)] for p in g["params"]]}
                 for g in self.param_groups]
 
     def load_group_states(self, groups: list[dict[str, Any]]) -> None:

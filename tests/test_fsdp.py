@@ -14,15 +14,20 @@ from tierstore._plan import PlanConfig, make_plan
 MIB = 1024**2
 
 
-def _torchrun(ranks: int, *args: str):
+def _launch(ranks: int, *target: str) -> str:
+    """Run ``target`` (a script, or -m and a module, with its arguments) on ``ranks`` gloo ranks; its stdout."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-         "-m", "tierstore.integrations.fsdp_train", "--check", *args],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), *target],
         capture_output=True, text=True, env=env, timeout=600, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "bit-identical to FSDP2 without offload: yes" in r.stdout
     return r.stdout
+
+
+def _torchrun(ranks: int, *args: str):
+    out = _launch(ranks, "-m", "tierstore.integrations.fsdp_train", "--check", *args)
+    assert "bit-identical to FSDP2 without offload: yes" in out
+    return out
 
 
 @pytest.mark.slow
@@ -75,12 +80,8 @@ def test_fsdp_checkpoint_resumes_bit_identically_and_consolidates(tmp_path):
 @pytest.mark.slow
 def test_fsdp_loss_scaling_matches_fsdp2_alone(tmp_path):
     """fp16 autocast under FSDP2: an overflow on one rank skips the step on every rank, as with FSDP2 alone."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    child = os.path.join(os.path.dirname(__file__), "fsdp_amp_child.py")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        child, str(tmp_path)], capture_output=True, text=True, env=env, timeout=600, check=False)
-    assert r.returncode == 0, r.stdout + r.stderr
-    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    out = _launch(2, os.path.join(os.path.dirname(__file__), "fsdp_amp_child.py"), str(tmp_path))
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert sorted(row["rank"] for row in rows) == [0, 1]
     for row in rows:
         assert row["ours"] == row["ref"] and row["same_parameters"]

@@ -8,6 +8,9 @@ import sys
 
 from ._config import StoreConfig, parse_bytes
 
+# The default of demo and bench step, both from _demo.default_budgets.
+_DEVICE_BUDGET_HELP = "device tier budget (default: a quarter of the weights with CUDA, 1 MiB without)"
+
 
 def _add_drive(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("drive", help="the store's NVMe reads and writes against fio on the same drive")
@@ -39,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     step.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians reported (default 3)")
     step.add_argument("--nvme-path", default=".", help="directory for the swap files (default .)")
     step.add_argument("--host-budget", help="host tier budget (default: a third of the state)")
-    step.add_argument("--device-budget", help="device tier budget (default: a quarter of the weights with CUDA, 1 MiB without)")
+    step.add_argument("--device-budget", help=_DEVICE_BUDGET_HELP)
     step.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     step.add_argument("--plot", metavar="FILE.png", help="plot step time and drive GB/s against depth (matplotlib)")
     step.add_argument("--step-after-backward", action="store_true",
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--nvme-path", default=".", help="directory for the swap files (default .)")
     demo.add_argument("--prefetch-depth", type=int, default=2, help="groups read ahead of use (default 2)")
     demo.add_argument("--host-budget", help="host tier budget, e.g. 64MiB (default: a third of the state)")
-    demo.add_argument("--device-budget", help="device tier budget (default: a quarter of the weights with CUDA, 1 MiB without)")
+    demo.add_argument("--device-budget", help=_DEVICE_BUDGET_HELP)
     demo.add_argument("--json", metavar="FILE", help="write per-step figures as JSON")
     demo.add_argument("--step-after-backward", action="store_true",
                       help="run the optimizer after backward instead of overlapping it with backward")

@@ -225,14 +225,19 @@ class TierPool:
         if self.held_bytes + cap > self.budget_bytes:
             if not self._room_possible_locked(cap):
                 return None
-            for arena in sorted((a for a in self._arenas if a.live == 0), key=lambda a: a.size):
-                self._arenas.remove(arena)
-                self.held_bytes -= arena.size
-                if self.held_bytes + cap <= self.budget_bytes:
-                    break
+            self._give_back_idle_locked(cap)
         if not self.carve_any:
             return cap
         return min(max(cap, self.arena_bytes), self.budget_bytes - self.held_bytes)
+
+    def _give_back_idle_locked(self, cap: int | None = None) -> None:
+        """Give wholly free arenas back to the system, smallest first: until an arena of ``cap`` bytes fits the
+        budget, or all of them."""
+        for arena in sorted((a for a in self._arenas if a.live == 0), key=lambda a: a.size):
+            if cap is not None and self.held_bytes + cap <= self.budget_bytes:
+                return
+            self._arenas.remove(arena)
+            self.held_bytes -= arena.size
 
     def _room_possible_locked(self, cap: int) -> bool:
         """Whether an arena for ``cap`` bytes fits the budget once the wholly free arenas are given back."""
@@ -290,6 +295,4 @@ class TierPool:
         """Give every wholly free arena back to the system."""
         with self._lock:
             self._unfence_locked(wait=True)
-            for arena in [a for a in self._arenas if a.live == 0]:
-                self._arenas.remove(arena)
-                self.held_bytes -= arena.size
+            self._give_back_idle_locked()

@@ -85,6 +85,10 @@ class PrefetchPolicy:
                 total += nbytes
         return out
 
+    def _now(self) -> int:
+        """The trace index distances count from: that of the latest :meth:`on_use` (see next_use_distance)."""
+        return max(self._pos - 1, 0)
+
     def next_use_distance(self, group: Hashable) -> float:
         """How many uses from now ``group`` is next needed (inf if not in the rest of the trace).
 
@@ -93,7 +97,7 @@ class PrefetchPolicy:
         """
         if not self._on_trace or self.trace is None:
             return float("inf")
-        now = max(self._pos - 1, 0)
+        now = self._now()
         try:
             return self.trace.index(group, now) - now
         except ValueError:
@@ -105,7 +109,7 @@ class PrefetchPolicy:
             return float("inf")
         if self._last_index[0] is not self.trace:
             self._last_index = (self.trace, {g: i for i, g in enumerate(self.trace)})
-        now = max(self._pos - 1, 0)
+        now = self._now()
         last = self._last_index[1].get(group, -1)
         return last - now if last >= now else float("inf")
 
