@@ -126,7 +126,7 @@ class FSDPOffload:
         self.grads = _ShardGrads(self._by_key)
         self.policy = PrefetchPolicy(depth=prefetch_depth, max_bytes=prefetch_bytes,
                                      group_bytes={g.name: g.nbytes for g in self.groups.values()})
-        self._key_group = {sh.key: g.name for g in self.groups.values() for sh in g.shards}
+        self._key_group = {sh.key: (g.name,) for g in self.groups.values() for sh in g.shards}
         store.set_victim_order(group_victim_order(self.policy, self._key_group, self.later_uses))
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
 

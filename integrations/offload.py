@@ -1,39 +1,73 @@
 """Single-process model offload: parameters live in a TierStore and are fetched
-just in time for the forward and the backward of each submodule.
+just in time for the forward and the backward of each unit of the model.
 
-[Note: Holding a parameter] A parameter's ``.data`` is its store copy in the
-device tier while anyone holds it and a placeholder otherwise (one NaN with
-the parameter's shape and zero strides: see :func:`_placeholder`). Holds
-are counted: one per forward of a module that owns it (released by the
-forward post-hook) and at most one for backward (taken by the module's
-backward pre-hook, released when its gradient has been accumulated, or at the
-end of the backward pass for parameters that get no gradient). Counting makes
-a module called twice, tied parameters and activation checkpointing (which
-reruns forward inside backward) all work with no special cases.
+[Note: Units] A unit is what one forward pre-hook fetches and one forward
+post-hook releases. By default every module is a unit of the parameters it
+owns directly, except instances of ``units`` (``nn.MultiheadAttention`` by
+default), which own their whole subtree, as FSDP2's ``fully_shard`` of a
+module does. What a forward *reads* is learned on top of that: see
+[Note: Reads of an offloaded parameter].
+
+[Note: Reads of an offloaded parameter] An offloaded parameter is an
+``_OffloadedParameter`` (an ``nn.Parameter`` subclass, so ``isinstance`` and
+names are unchanged) whose ``.data`` is its store copy while anyone holds it
+and a placeholder with no storage otherwise: shape, dtype and device are true
+and it holds no memory. No value can be read from it: a torch function that
+reads it is intercepted (below); ``.data`` and ``detach()``, which would alias
+it, give a meta tensor instead, whose computations yield meta tensors or a
+device error, never values. So no stand-in value can ever reach compute. Every torch function called on such a parameter passes through
+its ``__torch_function__``: one that reads values while the parameter is not
+held fetches it on demand when a forward of the model is running (the
+innermost running unit holds it, and learns it: from then on that unit's
+pre-hook fetches it, and the prefetch scheduler counts it in the unit's
+bytes), and in backward; anywhere else it raises
+:class:`OffloadedParameterError`, which names the parameter and says what to
+do. So ``nn.MultiheadAttention`` reading ``out_proj.weight`` without calling
+``out_proj``, a model reading ``self.embed.weight`` for a tied projection, or a
+table shared across layers all compute with the real values.
+
+[Note: Holding a parameter] Holds are counted: one per forward of a unit that
+holds it (released by the forward post-hook) and at most one for backward
+(taken when the gradient of one of the unit's forward outputs is about to be
+computed, released when the parameter's gradient has been accumulated, or at
+the end of the backward pass for parameters that get no gradient). Counting
+makes a module called twice, tied parameters and activation checkpointing
+(which reruns forward inside backward) all work with no special cases.
+
+[Note: Backward without module backward hooks] A module full-backward hook
+makes torch wrap the module's inputs and outputs in a ``BackwardHookFunction``,
+so tensors that were the same object (query, key and value of self-attention)
+arrive as distinct tensors: ``nn.MultiheadAttention`` then leaves its packed
+in-projection path and its gradients round differently. As FSDP2 does, the
+backward fetch is a hook on the forward's output tensors (``register_hook``),
+which adds nothing to the graph torch builds.
 
 [Note: Saved views of parameters] Autograd saves some tensors that alias a
 parameter's storage -- ``F.linear`` saves ``weight.t()``, a view -- and a
 view keeps the storage the parameter had in forward, not the one it gets back
 for backward. Since the store reuses device buffers, such a view would read
-another tensor's bytes in backward. So while the wrapped module runs forward,
-saved-tensor hooks replace every saved tensor that aliases a held parameter
-by (parameter, size, stride, offset), rebuilt in backward from the
-parameter's current copy (held on demand). Inside backward (a checkpointed
-forward rerun) the saved views are kept by checkpointing itself, so a module
-rerun there keeps its parameters held until their gradients are accumulated.
+another tensor's bytes in backward. So while a forward of the model (or of
+any of its modules, called on its own) runs, saved-tensor hooks replace every
+saved tensor that aliases a held parameter by (parameter, size, stride,
+offset), rebuilt in backward from the parameter's current copy (held on
+demand). Inside backward (a checkpointed forward rerun) the saved views are
+kept by checkpointing itself, so a module rerun there keeps its parameters
+held until their gradients are accumulated.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tierstore import Tier, TierStore
 from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
@@ -42,11 +76,123 @@ _STATE_KEY = "_tierstore_offload"
 _NOT_COPYABLE = ("an offloaded model cannot be copied or pickled: its parameters live in the store and its module "
                  "holds placeholders. Copy it before offload_model, call .remove() first, or save it with "
                  "state_dict() (which reads the real values) or save_checkpoint()")
+DEFAULT_UNITS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 
-# Our backward pre-hooks need only the gradient of a module's output, so this
-# notice (the first module's input never requires grad) says nothing to act on.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
-                        "respect to module outputs", category=UserWarning)
+
+class OffloadedParameterError(RuntimeError):
+    """An offloaded parameter's values were needed where tierstore cannot fetch them."""
+
+
+# ---- the parameter class ----------------------------------------------------------------
+_T = torch.Tensor
+# Functions that read no values of a tensor (metadata, hooks, aliases, storage identity): an unheld
+# parameter passes them through. ``detach`` gives an alias of the placeholder, whose reads fail in torch.
+_NO_READ = frozenset({
+    _T.size, _T.dim, _T.numel, _T.nelement, _T.stride, _T.element_size, _T.is_floating_point, _T.is_complex,
+    _T.is_signed, _T.is_contiguous, _T.storage_offset, _T.untyped_storage, _T.data_ptr,
+    _T.requires_grad_, _T.register_hook, _T.register_post_accumulate_grad_hook, _T.is_shared, _T.get_device,
+    _T._is_view, _T.__len__, _T.__hash__, _T.__dir__, _T.__setstate__, torch._has_compatible_shallow_copy_type,
+})
+# Attributes whose getter makes a view or a copy of values (every other attribute is metadata).
+_VALUE_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+# What gives an alias of an unheld parameter's placeholder: a meta tensor is given instead, so that
+# computing with it yields meta tensors or device errors, never values (and never reads unallocated memory).
+_ALIASES = frozenset({"data", "detach"})
+# Conversions that are no-ops when the target is what the parameter already is (``model.to(device)``).
+_CONVERSIONS = frozenset({_T.to, _T.cpu, _T.cuda, _T.float, _T.double, _T.half, _T.bfloat16, _T.type_as})
+
+
+def _offloaded_in(obj: Any) -> Iterator[_OffloadedParameter]:
+    if isinstance(obj, _OffloadedParameter):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _offloaded_in(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _offloaded_in(o)
+
+
+class _OffloadedParameter(nn.Parameter):
+    """The class of an offloaded parameter while it is offloaded (see [Note: Reads of an offloaded parameter])."""
+
+    _tierstore: _Param
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in _NO_READ:
+            attribute = _attribute_of(func)
+            if (attribute or getattr(func, "__name__", None)) in _ALIASES and getattr(func, "__name__", "") != "__set__":
+                p = args[0]
+                if isinstance(p, _OffloadedParameter) and not p._tierstore.holds:
+                    return torch.empty(p.shape, dtype=p.dtype, device="meta")
+            elif attribute is None or attribute in _VALUE_ATTRIBUTES:
+                unheld = [p for p in _offloaded_in((args, kwargs)) if not p._tierstore.holds]
+                if unheld:
+                    fetched = _on_read(unheld, func, args, kwargs)
+                    if fetched is not None:
+                        return fetched[0]
+            elif attribute == "grad" and func.__name__ == "__set__" and args[1] is None:
+                sp = args[0]._tierstore  # model.zero_grad(): the gradient kept for this parameter goes too
+                sp.owner.grads.pop(sp.key, None)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        sp = self._tierstore
+        if sp.holds:
+            with torch._C.DisableTorchFunctionSubclass():
+                return nn.Parameter.__repr__(self)
+        return (f"Parameter(offloaded {sp.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}; "
+                f"read its value with read_param({sp.name!r}))")
+
+
+def _attribute_of(func: Any) -> str | None:
+    """The attribute name when ``func`` is a tensor attribute's getter or setter, else None."""
+    if getattr(func, "__name__", None) in ("__get__", "__set__", "__delete__"):
+        return getattr(getattr(func, "__self__", None), "__name__", "?")
+    return None
+
+
+def _on_read(unheld: list[_OffloadedParameter], func: Any, args: Any, kwargs: Any) -> tuple[Any] | None:
+    """Unheld parameters are about to be read by ``func``: fetch them, or return ``(result,)`` of a
+    conversion that needs no values, or raise."""
+    for p in unheld:
+        sp = p._tierstore
+        if sp.owner.fetch_on_demand(sp):
+            continue
+        if func in _CONVERSIONS and args and args[0] is p:  # a no-op conversion returns its input, reading nothing
+            probe = torch.empty(0, dtype=p.dtype, device=sp.owner.compute_device)
+            with torch._C.DisableTorchFunctionSubclass():
+                if func(probe, *args[1:], **kwargs) is probe:
+                    return (p,)
+        what = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+        module = sp.name.rpartition(".")[0] or "the model"
+        raise OffloadedParameterError(
+            f"{what} read the offloaded parameter {sp.name!r} (of {module}) outside the forward and backward of "
+            f"the model it was offloaded with; its values live in the store, so no value is there to read. "
+            f"Read it with off.read_param({sp.name!r}) or model.state_dict(); compute with it inside the model's "
+            f"forward (any module of the model may read any of its parameters there); convert dtype or device "
+            f"before offload_model; or call off.remove() to make the parameters ordinary tensors again")
+    return None
+
+
+def _refuse_other_optimizers(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A torch optimizer stepping offloaded parameters would see no gradient (they are kept in
+    ``off.grads``) and update nothing, silently: refuse it at its first step."""
+    if getattr(optimizer, "steps_offloaded_parameters", False):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if isinstance(p, _OffloadedParameter):
+                raise OffloadedParameterError(
+                    f"{type(optimizer).__name__} is stepping the offloaded parameter {p._tierstore.name!r}: its "
+                    f"gradient is kept in the offloaded model, not in param.grad, so this optimizer would never "
+                    f"update it. Use tierstore.integrations.OffloadedAdamW(off, ...) for offloaded models")
+
+
+_optimizer_hook: Any = None
 
 
 @dataclass(eq=False)
@@ -54,8 +200,10 @@ class _Param:
     name: str
     key: str
     param: nn.Parameter
+    owner: OffloadedModel
     placeholder: torch.Tensor
     nbytes: int
+    original_class: type
     holds: int = 0
     backward_hold: bool = False
 
@@ -72,11 +220,20 @@ class _SavedView:
 
 @dataclass(eq=False)
 class _Group:
+    """A unit (see [Note: Units]): the parameters its forward holds, its own and those it was seen to read."""
+
     name: str
     params: list[_Param]
     nbytes: int
     forward_started: list[float] = field(default_factory=list)  # a stack: a module may be re-entered
     backward_started: float | None = None
+
+    def learn(self, sp: _Param) -> bool:
+        if any(q is sp for q in self.params):
+            return False
+        self.params.append(sp)
+        self.nbytes += sp.nbytes
+        return True
 
 
 @dataclass
@@ -85,13 +242,15 @@ class OffloadStats:
 
     stall_seconds_by_group: dict[str, float] = field(default_factory=dict)
     prefetches_issued: int = 0
+    reads_learned: int = 0
 
 
 class OffloadedModel:
     """The offload state of one module; returned by :func:`offload_model` and kept on the module."""
 
     def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int, prefetch_bytes: int | None,
-                 resident_threshold_bytes: int, home: Tier, compute_tier: Tier) -> None:
+                 resident_threshold_bytes: int, home: Tier, compute_tier: Tier,
+                 units: Sequence[type[nn.Module] | nn.Module | str]) -> None:
         self.model = model
         self.store = store
         self.home = home
@@ -104,65 +263,117 @@ class OffloadedModel:
         self.stats = OffloadStats()
         self._handles: list[Any] = []
         self._callback_queued = False
+        self._backward_used: set[str] = set()
+        self._running: list[_Group] = []  # units whose forward is running, innermost last
         # Called with a store key once that parameter's gradient for this backward is complete.
         self.grad_ready_callbacks: list[Callable[[str], None]] = []
         # An optimizer's uses of store keys, which eviction weighs with the trace's.
         self.later_uses = LaterUses()
         self._storage_owner: dict[int, _Param] = {}  # data_ptr of a held copy's storage -> its parameter
         self._saved_hooks: Any = None
-        handles = []
+        offloaded: dict[int, tuple[str, int]] = {}
         for name, p in model.named_parameters():  # shared parameters appear once
+            if p.device.type == "meta":
+                raise ValueError(f"parameter {name!r} is on the meta device: it has no values to offload. "
+                                 f"Materialize the model (to_empty() and initialize it) before offload_model")
             nbytes = p.numel() * p.element_size()
             if nbytes < resident_threshold_bytes:
                 self.resident[name] = p
+            else:
+                offloaded[id(p)] = (name, nbytes)
+        unit_modules = _unit_modules(model, units)
+        owned_by = {}
+        for mname, module in model.named_modules():
+            if unit_modules.get(mname) is False:
+                continue  # inside a unit: its unit holds its parameters
+            tensors = module.parameters() if unit_modules.get(mname) else module._parameters.values()
+            owned_by[mname] = (module, list(dict.fromkeys(id(p) for p in tensors if p is not None and id(p) in offloaded)))
+        budget = (store.config.device_budget_bytes if compute_tier is Tier.DEVICE else store.config.host_budget_bytes)
+        for mname, (_, ids) in owned_by.items():
+            need = sum(offloaded[i][1] for i in ids)
+            if need > budget:
+                raise ValueError(
+                    f"unit {mname or '<root>'!r} holds {need / 2**20:.1f} MiB of parameters at once, more than the "
+                    f"{compute_tier.label} budget ({budget / 2**20:.1f} MiB) it computes in: raise "
+                    f"{compute_tier.label}_budget_bytes, or split the unit (units=... names the modules whose "
+                    f"whole subtree is fetched at once)")
+
+        handles = []
+        for name, p in model.named_parameters():
+            if id(p) not in offloaded:
                 continue
             key = f"param/{name}"
             handles.append(store.put(key, p.detach().contiguous(), home=home))
-            self.params[id(p)] = _Param(name, key, p, _placeholder(p, self.compute_device), nbytes)
+            self.params[id(p)] = _Param(name, key, p, self, _placeholder(p, self.compute_device),
+                                        offloaded[id(p)][1], type(p))
         for h in handles:
             h.wait()
         for sp in self.params.values():
             sp.param.data = sp.placeholder
-        for mname, module in model.named_modules():
-            owned = [self.params[id(p)] for p in module._parameters.values()
-                     if p is not None and id(p) in self.params]
-            if not owned:
-                continue
+            sp.param.__class__ = _OffloadedParameter
+            sp.param._tierstore = sp  # type: ignore[attr-defined]
+        for mname, (module, ids) in owned_by.items():
+            owned = [self.params[i] for i in ids]
             group = _Group(mname, owned, sum(sp.nbytes for sp in owned))
             self.groups[mname] = group
-            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(group)))
-            self._handles.append(module.register_forward_hook(self._make_post_forward(group)))
-            self._handles.append(module.register_full_backward_pre_hook(self._make_pre_backward(group)))
+            self._handles.append(module.register_forward_pre_hook(partial(self._pre_forward, group)))
+            self._handles.append(module.register_forward_hook(partial(self._post_forward, group), always_call=True))
         self._handles.append(model.register_forward_pre_hook(self._start_step, prepend=True))
-        self._handles.append(model.register_forward_hook(self._end_forward, always_call=True))
         for sp in self.params.values():
             if sp.param.requires_grad:
-                self._handles.append(sp.param.register_post_accumulate_grad_hook(self._make_grad_hook(sp)))
+                self._handles.append(sp.param.register_post_accumulate_grad_hook(partial(self._grad_accumulated, sp)))
+
         def state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
             self._fill_state_dict(state_dict, prefix)
 
         self._handles.append(model.register_state_dict_post_hook(state_dict_hook))
-        # Until a step has been recorded, guess that forward uses the modules in definition order.
+        # Until a step has been recorded, guess that forward uses the units in definition order.
         self.policy = PrefetchPolicy(depth=prefetch_depth, max_bytes=prefetch_bytes,
                                      group_bytes={g.name: g.nbytes for g in self.groups.values()},
-                                     trace=list(self.groups))
-        self._key_group = {}
+                                     trace=[g.name for g in self.groups.values() if g.params])
+        self._key_groups: dict[str, tuple[str, ...]] = {}
         for g in self.groups.values():
             for sp in g.params:
-                self._key_group.setdefault(sp.key, g.name)
-        store.set_victim_order(group_victim_order(self.policy, self._key_group, self.later_uses))
+                self._key_groups[sp.key] = (*self._key_groups.get(sp.key, ()), g.name)
+        store.set_victim_order(group_victim_order(self.policy, self._key_groups, self.later_uses))
+        global _optimizer_hook
+        if _optimizer_hook is None:
+            _optimizer_hook = register_optimizer_step_pre_hook(_refuse_other_optimizers)
 
     # ---- hooks -------------------------------------------------------------------------
+    def _in_backward(self) -> bool:
+        return self._callback_queued or torch._C._current_graph_task_id() != -1
+
+    def _queue_end_backward(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
     def _start_step(self, module: nn.Module, args: Any) -> None:
-        if not self._callback_queued:  # not a forward rerun inside backward (checkpointing)
+        if torch.compiler.is_compiling():
+            raise OffloadedParameterError(
+                "torch.compile of an offloaded model is not supported: its parameters are fetched by hooks between "
+                "modules. Compile the modules inside it instead (e.g. each block: block.compile()), before or "
+                "after offload_model")
+        if not self._in_backward():  # not a forward rerun inside backward (checkpointing)
             self._release_all()  # holds left by a forward that raised
             self.policy.start_step()
-        if torch.is_grad_enabled() and self._saved_hooks is None:
+
+    def _enter_forward(self, group: _Group) -> bool:
+        """Push ``group`` on the running units; True when the forward runs inside backward."""
+        in_backward = self._in_backward()
+        if not self._running and not in_backward and torch.is_grad_enabled() and self._saved_hooks is None:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
+        self._running.append(group)
+        return in_backward
 
-    def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._saved_hooks is not None:
+    def _exit_forward(self, group: _Group) -> None:
+        if self._running and self._running[-1] is group:
+            self._running.pop()
+        elif group in self._running:  # a forward that raised inside an inner module left it there
+            del self._running[self._running.index(group):]
+        if not self._running and self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
 
@@ -180,13 +391,17 @@ class OffloadedModel:
         if not isinstance(saved, _SavedView):
             return saved
         sp = saved.param
-        if not sp.backward_hold:  # used in backward before its module's backward pre-hook
-            sp.backward_hold = True
-            self._hold(sp, self.groups[self._key_group[sp.key]])
+        if not sp.backward_hold:  # used in backward before its unit's backward fetch
+            self._backward_hold(sp, self._unit_of(sp))
         data = sp.param.data
         return data.as_strided(saved.size, saved.stride, data.storage_offset() + saved.offset)
 
+    def _unit_of(self, sp: _Param) -> _Group:
+        return self.groups[self._key_groups[sp.key][0]]
+
     def _use(self, group: _Group) -> None:
+        if not group.params:
+            return
         for name in self.policy.on_use(group.name):
             for sp in self.groups[name].params:
                 self.store.prefetch(sp.key, self.compute_tier)
@@ -209,65 +424,91 @@ class OffloadedModel:
             sp.param.data = sp.placeholder
             self.store.release(sp.key, self.compute_tier)
 
-    def _make_pre_forward(self, group: _Group):
-        def hook(module: nn.Module, args: Any) -> None:
-            self._use(group)
-            for sp in group.params:
+    def _backward_hold(self, sp: _Param, group: _Group) -> None:
+        self._queue_end_backward()
+        sp.backward_hold = True
+        self._hold(sp, group)
+
+    def fetch_on_demand(self, sp: _Param) -> bool:
+        """Hold ``sp`` for a read that its units' hooks did not foresee (see [Note: Reads of an offloaded
+        parameter]); False when no forward or backward of the model is running to hold it for."""
+        if self._running:
+            group = self._running[-1]
+            if group.learn(sp):  # held from now on by this unit's pre-hook, released by its post-hook
+                self._key_groups[sp.key] = (*self._key_groups.get(sp.key, ()), group.name)
+                self.policy.group_bytes[group.name] = group.nbytes
+                self.stats.reads_learned += 1
                 self._hold(sp, group)
-                if self._callback_queued and not sp.backward_hold and torch.is_grad_enabled():
-                    sp.backward_hold = True  # a forward rerun inside backward (checkpointing)
-                    self._hold(sp, group)
-            if self.store.timeline is not None:
-                group.forward_started.append(time.perf_counter())
-        return hook
+            else:  # read again after its hold ended inside this unit's forward (not expected)
+                self._backward_hold(sp, group)
+            if self._in_backward() and torch.is_grad_enabled() and not sp.backward_hold:
+                self._backward_hold(sp, group)
+            return True
+        if self._in_backward():
+            self._backward_hold(sp, self._unit_of(sp))
+            return True
+        return False
 
-    def _make_post_forward(self, group: _Group):
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            for sp in group.params:
+    def _pre_forward(self, group: _Group, module: nn.Module, args: Any) -> None:
+        in_backward = self._enter_forward(group)
+        self._use(group)
+        for sp in group.params:
+            self._hold(sp, group)
+            if in_backward and not sp.backward_hold and torch.is_grad_enabled():
+                self._backward_hold(sp, group)  # a forward rerun inside backward (checkpointing)
+        if self.store.timeline is not None:
+            group.forward_started.append(time.perf_counter())
+
+    def _post_forward(self, group: _Group, module: nn.Module, args: Any, output: Any) -> None:
+        for sp in group.params:
+            if sp.holds:
                 self._unhold(sp)
-            timeline = self.store.timeline
-            if timeline is not None and group.forward_started:
-                timeline.add(f"forward {group.name or '<root>'}", "compute", group.forward_started.pop(),
-                             time.perf_counter())
-        return hook
+        if group.params and torch.is_grad_enabled() and not self._in_backward():
+            for t in _tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(partial(self._pre_backward, group))
+        self._exit_forward(group)
+        timeline = self.store.timeline
+        if timeline is not None and group.forward_started:
+            timeline.add(f"forward {group.name or '<root>'}", "compute", group.forward_started.pop(),
+                         time.perf_counter())
 
-    def _make_pre_backward(self, group: _Group):
-        def hook(module: nn.Module, grad_output: Any) -> None:
-            if not self._callback_queued:
-                self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            self._use(group)
-            for sp in group.params:
-                if not sp.backward_hold:
-                    sp.backward_hold = True
-                    self._hold(sp, group)
-            if self.store.timeline is not None:
-                group.backward_started = time.perf_counter()
-        return hook
+    def _pre_backward(self, group: _Group, grad: torch.Tensor) -> None:
+        """A hook on a forward output of ``group``: its gradient is about to be computed, so the unit's
+        backward is next (see [Note: Backward without module backward hooks])."""
+        if group.name in self._backward_used:
+            return
+        self._queue_end_backward()
+        self._backward_used.add(group.name)
+        self._use(group)
+        for sp in group.params:
+            if not sp.backward_hold:
+                self._backward_hold(sp, group)
+        if self.store.timeline is not None:
+            group.backward_started = time.perf_counter()
 
-    def _make_grad_hook(self, sp: _Param):
-        def hook(param: torch.Tensor) -> None:
+    def _grad_accumulated(self, sp: _Param, param: torch.Tensor) -> None:
+        with torch._C.DisableTorchFunctionSubclass():
             grad = param.grad
             param.grad = None
-            if grad is not None:
-                # Gradients leave the device tier as soon as they are complete.
-                host = grad.detach().to("cpu", copy=grad.device.type != "cpu")
-                prev = self.grads.get(sp.key)
-                self.grads[sp.key] = host if prev is None else prev.add_(host)
-            if sp.backward_hold:
-                sp.backward_hold = False
-                self._unhold(sp)
-            group = self.groups.get(self._key_group.get(sp.key))  # type: ignore[arg-type]
-            timeline = self.store.timeline
-            if (timeline is not None and group is not None and group.backward_started is not None
-                    and not any(p.backward_hold for p in group.params)):
-                timeline.add(f"backward {group.name or '<root>'}", "compute", group.backward_started,
-                             time.perf_counter())
-                group.backward_started = None
-            if grad is not None:
-                for callback in self.grad_ready_callbacks:
-                    callback(sp.key)
-        return hook
+        if grad is not None:
+            # Gradients leave the device tier as soon as they are complete.
+            host = grad.detach().to("cpu", copy=grad.device.type != "cpu")
+            prev = self.grads.get(sp.key)
+            self.grads[sp.key] = host if prev is None else prev.add_(host)
+        if sp.backward_hold:
+            sp.backward_hold = False
+            self._unhold(sp)
+        group = self._unit_of(sp)
+        timeline = self.store.timeline
+        if (timeline is not None and group.backward_started is not None
+                and not any(p.backward_hold for p in group.params)):
+            timeline.add(f"backward {group.name or '<root>'}", "compute", group.backward_started,
+                         time.perf_counter())
+            group.backward_started = None
+        if grad is not None:
+            for callback in self.grad_ready_callbacks:
+                callback(sp.key)
 
     def _end_backward(self) -> None:
         """Release every hold left at the end of backward.
@@ -277,6 +518,8 @@ class OffloadedModel:
         the forward post-hooks of the last modules of a rerun never fire.
         """
         self._callback_queued = False
+        self._backward_used.clear()
+        self._running.clear()
         self._release_all()
 
     def _release_all(self) -> None:
@@ -312,6 +555,11 @@ class OffloadedModel:
         """(name, store key, parameter) of every offloaded parameter."""
         for sp in self.params.values():
             yield sp.name, sp.key, sp.param
+
+    def units(self) -> dict[str, list[str]]:
+        """Each unit that holds parameters (module name, ``""`` for the root) with the names of what its
+        forward holds: its own parameters and those it was seen to read (see [Note: Units])."""
+        return {g.name: [sp.name for sp in g.params] for g in self.groups.values() if g.params}
 
     def grads_in_order(self) -> list[torch.Tensor]:
         """The gradient of every parameter that has one, in ``model.parameters()`` order (tied ones once)."""
@@ -350,30 +598,85 @@ class OffloadedModel:
 
     def remove(self) -> None:
         """Detach from the module: parameters get their current values back as ordinary tensors."""
+        for sp in self.params.values():
+            if sp.holds:
+                raise RuntimeError(f"cannot remove offload while {sp.name!r} is in use (inside forward/backward)")
         self.grad_ready_callbacks.clear()
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self.store.set_victim_order(None)
         for sp in self.params.values():
-            if sp.holds:
-                raise RuntimeError(f"cannot remove offload while {sp.name!r} is in use (inside forward/backward)")
-            sp.param.data = self.store.read(sp.key).to(self.compute_device)
+            value = self.store.read(sp.key).to(self.compute_device)
+            sp.param.__class__ = sp.original_class
+            del sp.param._tierstore
+            sp.param.data = value
             self.store.drop(sp.key)
         self.params.clear()
         delattr(self.model, _STATE_KEY)
 
 
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a forward's output: nested tuples, lists and mappings (a ModelOutput is one)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors_in(o)
+    elif isinstance(obj, Mapping):
+        for o in obj.values():
+            yield from _tensors_in(o)
+
+
+def _unit_modules(model: nn.Module, units: Sequence[type[nn.Module] | nn.Module | str]) -> dict[str, bool]:
+    """Module name -> True for a unit's root, False for a module inside a unit (see [Note: Units])."""
+    classes, ids, names = [], set(), set()
+    modules = dict(model.named_modules())
+    for u in units:
+        if isinstance(u, type) and issubclass(u, nn.Module):
+            classes.append(u)
+        elif isinstance(u, nn.Module):
+            if not any(m is u for m in modules.values()):
+                raise ValueError(f"units: the {type(u).__name__} given is not a module of this model")
+            ids.add(id(u))
+        elif isinstance(u, str):
+            if u not in modules:
+                raise ValueError(f"units: the model has no module named {u!r} (names as in model.named_modules())")
+            names.add(u)
+        else:
+            raise TypeError(f"units: each unit is an nn.Module class, a module of the model or a module name, "
+                            f"not {type(u).__name__}")
+    out: dict[str, bool] = {}
+    inside: list[str] = []
+    for mname, module in modules.items():
+        if any(p == "" or mname.startswith(p + ".") for p in inside):
+            out[mname] = False
+        elif isinstance(module, tuple(classes)) or id(module) in ids or mname in names:
+            out[mname] = True
+            inside.append(mname)
+    return out
+
+
+class _NoStorage(torch.Tensor):
+    """A tensor with a shape and no storage (see [Note: Reads of an offloaded parameter])."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise OffloadedParameterError(f"{func} on the placeholder of an offloaded parameter, which holds no values")
+
+
 def _placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """What a parameter's ``.data`` is while nobody holds it: one NaN seen through the parameter's shape (strides
-    0), so ``p.shape``, ``p.ndim`` and ``p.numel()`` stay true at no memory cost and a stray read gives NaN."""
-    fill = float("nan") if p.dtype.is_floating_point or p.dtype.is_complex else 0
-    return torch.full((), fill, dtype=p.dtype, device=device).expand(p.shape)
+    """What a parameter's ``.data`` is while nobody holds it: its shape, dtype and device with no storage
+    (see [Note: Reads of an offloaded parameter])."""
+    return torch.Tensor._make_wrapper_subclass(_NoStorage, p.shape, dtype=p.dtype, device=device)
 
 
 def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | None = None,
                   prefetch_bytes: int | None = None, resident_threshold_bytes: int | None = None,
-                  home: Tier | str | None = None, compute_tier: Tier | str | None = None) -> OffloadedModel:
+                  home: Tier | str | None = None, compute_tier: Tier | str | None = None,
+                  units: Sequence[type[nn.Module] | nn.Module | str] = DEFAULT_UNITS) -> OffloadedModel:
     """Move ``model``'s parameters into ``store`` and fetch them just in time.
 
     Defaults come from ``store.config`` (prefetch_depth, prefetch_bytes,
@@ -381,6 +684,10 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | N
     parameters are held while their module runs: the device tier with CUDA;
     without it the host tier, since both would be CPU memory and a second copy
     would only cost bandwidth and budget (pass "device" to use it anyway).
+    ``units`` names modules (by class, instance or name) whose whole subtree is
+    fetched at once, like a module given to FSDP2's ``fully_shard``; every
+    other module fetches the parameters it owns, and what its forward was seen
+    to read of others (see [Note: Units]).
     Parameter names and state_dict keys are unchanged;
     :meth:`OffloadedModel.remove` undoes it.
     """
@@ -400,6 +707,7 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | N
         home=Tier.parse(home if home is not None else cfg.param_tier),
         compute_tier=(Tier.parse(compute_tier) if compute_tier is not None
                       else Tier.DEVICE if store.device.type != "cpu" else Tier.HOST),
+        units=units,
     )
     setattr(model, _STATE_KEY, state)
     return state

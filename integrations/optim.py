@@ -71,6 +71,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     (read it with :meth:`state_dict`), not in ``self.state``.
     """
 
+    steps_offloaded_parameters = True  # other torch optimizers are refused over offloaded parameters
+
     def __init__(self, offloaded: OffloadedModel, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, param_groups: list[dict[str, Any]] | None = None,
                  readahead: int | None = None, readahead_bytes: int | str | None = None,

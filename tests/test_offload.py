@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from tierstore.integrations.offload import offload_model
+from tierstore.integrations.offload import OffloadedParameterError, offload_model
 from tierstore.integrations.optim import OffloadedAdamW
 
 from tierstore.vit import PRESETS, SyntheticImages, ViT
@@ -126,8 +126,19 @@ def test_remove_restores_module(make_store):
     off = offload_model(model, store)
     with pytest.raises(ValueError, match="already offloaded"):
         offload_model(model, store)
-    for p, r in zip(model.parameters(), ref.parameters()):  # the memory is gone, the shape stays
-        assert p.untyped_storage().nbytes() == p.element_size() and p.shape == r.shape and p.isnan().all()
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):  # the memory is gone, the shape stays
+        assert p.data_ptr() == 0 and p.shape == r.shape and p.dtype == r.dtype and p.device == r.device
+        assert isinstance(p, torch.nn.Parameter) and p.is_leaf and p.requires_grad
+        assert p.data.is_meta and p.detach().is_meta
+        with pytest.raises(OffloadedParameterError, match=f"{name}.*read_param"):  # never a stand-in value
+            p.sum()
+        with pytest.raises(RuntimeError, match="meta"):  # .data bypasses the parameter: no value to read there
+            p.data.sum().item()
+        assert "offloaded" in repr(p)
+    assert not any(m._backward_pre_hooks or m._backward_hooks for m in model.modules())
+    model.to("cpu")  # a conversion that changes nothing reads nothing
+    with pytest.raises(OffloadedParameterError, match="convert dtype or device before offload_model"):
+        model.double()
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref.parameters())
     x, _ = SyntheticImages(PRESETS["tiny"]).batch(0, 2)
     y = model(x)
@@ -135,6 +146,7 @@ def test_remove_restores_module(make_store):
     assert not model._forward_pre_hooks and not model.blocks[0].qkv._forward_hooks
     assert not model.blocks[0].qkv._backward_pre_hooks
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
     assert torch.equal(model(x), ref(x)) and torch.equal(y, ref(x))
     assert store.keys() == []
 
@@ -146,7 +158,7 @@ def test_resident_threshold_keeps_small_params(make_store):
     off = offload_model(model, store, resident_threshold_bytes=1024)
     assert "blocks.0.norm1.weight" in off.resident  # 64 floats = 256 bytes
     assert model.blocks[0].norm1.weight.untyped_storage().nbytes() == 64 * 4  # resident: its own memory
-    assert model.blocks[0].fc1.weight.untyped_storage().nbytes() == 4  # offloaded: a placeholder
+    assert model.blocks[0].fc1.weight.data_ptr() == 0  # offloaded: a placeholder
 
 
 @pytest.mark.parametrize("depth", [0, 2])

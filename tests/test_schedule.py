@@ -67,7 +67,7 @@ def test_victim_order_weighs_optimizer_uses():
     p.start_step()
     for g in "abccb":  # backward has used c and is fetching b; a is next
         p.on_use(g)
-    key_group = {"param/a": "a", "param/b": "b", "param/c": "c"}
+    key_group = {"param/a": ("a",), "param/b": ("b",), "param/c": ("c",)}
     later = LaterUses(after={"adam/a": "param/a", "adam/b": "param/b", "adam/c": "param/c"})
     queue = {"param/c": 0, "adam/c": 0}  # c's gradient is complete and waits for its update
     later.queues.append(lambda: queue)
@@ -77,3 +77,13 @@ def test_victim_order_weighs_optimizer_uses():
     assert order(None, keys) == ["adam/stale", "adam/a", "param/a", "adam/b", "param/b", "param/c", "adam/c"]
     queue.clear()  # stepped: c and its state are not needed again this step
     assert order(None, keys)[:3] == ["param/c", "adam/c", "adam/stale"]
+
+
+def test_victim_order_takes_the_nearest_use_of_a_shared_key():
+    p = PrefetchPolicy(depth=1)
+    run_step(p, "abcd")
+    p.start_step()
+    p.on_use("a")
+    # "param/t" is read by a (now) and d; "param/x" only by c: a shared key counts from its nearest use.
+    order = group_victim_order(p, {"param/t": ("d", "b"), "param/x": ("c",), "param/y": ("d",)})
+    assert order(None, ["param/t", "param/x", "param/y"]) == ["param/y", "param/x", "param/t"]

@@ -135,14 +135,15 @@ class LaterUses:
         return out
 
 
-def group_victim_order(policy: PrefetchPolicy, key_group: Mapping[str, Hashable],
+def group_victim_order(policy: PrefetchPolicy, key_groups: Mapping[str, Sequence[Hashable]],
                        later: LaterUses | None = None) -> Callable[[object, list[str]], list[str]]:
     """A store victim order (see ``TierStore.set_victim_order``) from ``policy``: keys whose next use is
     farthest from now go first (Belady).
 
-    The next use of a key is its group's next use in the trace (``key_group``: parameters); else, for a
-    key of ``later.after``, the last use in this step of its parameter's group, plus a half; else its
-    position in a ``later`` queue; else never (inf), and those go first of all.
+    The next use of a key is the nearest next use in the trace of the groups that use it (``key_groups``:
+    parameters; a tied or shared parameter is used by several); else, for a key of ``later.after``, the
+    last use in this step of its parameter's groups, plus a half; else its position in a ``later`` queue;
+    else never (inf), and those go first of all. ``key_groups`` may grow while it is installed.
     """
     inf = float("inf")
 
@@ -156,13 +157,14 @@ def group_victim_order(policy: PrefetchPolicy, key_group: Mapping[str, Hashable]
                 memo[how, g] = (policy.next_use_distance(g) if how == "next" else policy.last_use_distance(g))
             return memo[how, g]
 
+        def nearest(how: str, k: str | None) -> float:
+            groups = key_groups.get(k, ()) if k is not None else ()
+            return min((group_distance(how, g) for g in groups), default=inf)
+
         def distance(k: str) -> float:
-            g = key_group.get(k)
-            if g is not None and (d := group_distance("next", g)) != inf:
+            if (d := nearest("next", k)) != inf:
                 return d
-            owner = after.get(k)
-            g = key_group.get(owner) if owner is not None else None
-            if g is not None and (d := group_distance("last", g)) != inf:
+            if (d := nearest("last", after.get(k))) != inf:
                 return d + 0.5
             return waiting.get(k, inf)
 
