@@ -48,8 +48,14 @@ _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") el
 
 
 def _give_pages_back(data: torch.Tensor, offset: int, length: int) -> None:
-    """Return the pages of a page-aligned range of plain host memory to the system; they read as zero after."""
+    """Return the pages of a page-aligned range of plain host memory to the system; they read as zero after.
+
+    The kernel rounds the length up to whole pages: a range that did not end on a page boundary would
+    zero bytes past it (a neighbour's, or the allocator's own records), so it is refused.
+    """
     assert _libc is not None
+    if (data.data_ptr() + offset) % PAGE_BYTES or length % PAGE_BYTES:
+        raise ValueError(f"giving back pages of an unaligned range (offset {offset}, length {length})")
     if _libc.madvise(ctypes.c_void_p(data.data_ptr() + offset), ctypes.c_size_t(length), _MADV_DONTNEED) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"madvise(MADV_DONTNEED) failed: {err}")
@@ -228,7 +234,9 @@ class TierPool:
             self._give_back_idle_locked(cap)
         if not self.carve_any:
             return cap
-        return min(max(cap, self.arena_bytes), self.budget_bytes - self.held_bytes)
+        # Whole pages only, so that every free range can give its pages back (cap is whole pages itself).
+        room = (self.budget_bytes - self.held_bytes) // PAGE_BYTES * PAGE_BYTES
+        return min(max(cap, self.arena_bytes), room)
 
     def _give_back_idle_locked(self, cap: int | None = None) -> None:
         """Give wholly free arenas back to the system, smallest first: until an arena of ``cap`` bytes fits the
