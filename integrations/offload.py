@@ -133,9 +133,8 @@ class _OffloadedParameter(nn.Parameter):
                     fetched = _on_read(unheld, func, args, kwargs)
                     if fetched is not None:
                         return fetched[0]
-            elif attribute == "grad" and func.__name__ == "__set__" and args[1] is None:
-                sp = args[0]._tierstore  # model.zero_grad(): the gradient kept for this parameter goes too
-                sp.owner.grads.pop(sp.key, None)
+            elif attribute == "grad" and isinstance(args[0], _OffloadedParameter):
+                return _kept_grad(args[0]._tierstore, func.__name__, args[1:])
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -146,6 +145,22 @@ class _OffloadedParameter(nn.Parameter):
                 return nn.Parameter.__repr__(self)
         return (f"Parameter(offloaded {sp.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}; "
                 f"read its value with read_param({sp.name!r}))")
+
+
+def _kept_grad(sp: _Param, how: str, value: Any) -> torch.Tensor | None:
+    """``param.grad`` of an offloaded parameter is the gradient its model keeps for it (on the host, out of
+    the compute tier): torch's ``clip_grad_norm_``, ``model.zero_grad()`` and the like act on it."""
+    grads = sp.owner.grads
+    if how == "__get__":
+        return grads.get(sp.key)
+    if how == "__set__" and value[0] is not None:
+        grad = value[0]
+        if grad.shape != sp.param.shape:
+            raise ValueError(f"a gradient of shape {tuple(grad.shape)} for {sp.name!r} of shape {tuple(sp.param.shape)}")
+        grads[sp.key] = grad.detach().to("cpu")
+    else:
+        grads.pop(sp.key, None)
+    return None
 
 
 def _attribute_of(func: Any) -> str | None:
@@ -350,17 +365,19 @@ class OffloadedModel:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _start_step(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():
-            raise OffloadedParameterError(
-                "torch.compile of an offloaded model is not supported: its parameters are fetched by hooks between "
-                "modules. Compile the modules inside it instead (e.g. each block: block.compile()), before or "
-                "after offload_model")
         if not self._in_backward():  # not a forward rerun inside backward (checkpointing)
             self._release_all()  # holds left by a forward that raised
             self.policy.start_step()
 
     def _enter_forward(self, group: _Group) -> bool:
         """Push ``group`` on the running units; True when the forward runs inside backward."""
+        # Traced by dynamo, or run eagerly inside a compiled region (where dynamo falls back to eager on this
+        # hook's raise): either way parameters would be traced as graph constants or inputs, not fetched.
+        if torch.compiler.is_compiling() or torch._C._dynamo.eval_frame.get_eval_frame_callback():
+            raise OffloadedParameterError(
+                f"torch.compile of an offloaded model, or of any of its modules ({group.name or 'the root'} "
+                f"here), is not supported: its parameters are fetched by hooks as its modules run. Run it "
+                f"eagerly; compile only code that takes no offloaded parameter (a loss function, say)")
         in_backward = self._in_backward()
         if not self._running and not in_backward and torch.is_grad_enabled() and self._saved_hooks is None:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)

@@ -50,6 +50,19 @@ def test_fsdp_offload_is_bit_identical_and_sharded_as_planned(tmp_path, ranks):
     assert [n for n in os.listdir(tmp_path) if n != "result.json"] == []  # swap directories removed
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama-tied", "mha-encoder"])
+def test_models_we_did_not_write_are_bit_identical_under_fsdp(tmp_path, name):
+    pytest.importorskip("transformers")
+    child = os.path.join(os.path.dirname(__file__), "fsdp_conformance_child.py")
+    lines = [json.loads(line) for line in _launch(2, child, name, str(tmp_path)).splitlines()
+             if line.startswith("{")]
+    assert sorted(r["rank"] for r in lines) == [0, 1]
+    for r in lines:
+        assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"], r
+        assert r["read_bytes"] > 0
+
+
 def test_offload_fsdp_needs_torch_distributed(make_store):
     from tierstore.integrations.fsdp import offload_fsdp
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from tierstore.integrations.offload import OffloadedParameterError, offload_model
 from tierstore.integrations.optim import OffloadedAdamW
 
-from tierstore.vit import PRESETS, SyntheticImages, ViT
+from tierstore.vit import PRESETS, Block, SyntheticImages, ViT
 
 
 def _train(model, data, steps, opt):
@@ -511,3 +511,127 @@ def test_clipping_and_loss_scaling_refuse_stepping_in_backward(make_store):
     with pytest.raises(RuntimeError, match="step_in_backward=False"):
         scaler.unscale_(opt)
     opt.close()
+
+
+class _TiedProjection(torch.nn.Module):
+    """A parent with no parameters of its own that reads its children's weights directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 16))
+        self.head = torch.nn.Linear(16, 16)
+
+    def forward(self, ids):
+        h = self.body(self.embed(ids))
+        logits = F.linear(h, self.embed.weight)  # a tied projection: never calls self.embed
+        penalty = self.head.weight.pow(2).mean()  # a term that reads a child's weight, not its forward
+        return F.cross_entropy(logits.flatten(0, 1), ids.flatten()) + penalty + self.head(h).mean()
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_parent_reading_a_childs_weight_trains_bit_identically(make_store, in_backward):
+    torch.manual_seed(0)
+    ref = _TiedProjection()
+    model = copy.deepcopy(ref)
+    store = make_store(host_budget_bytes="96KiB")
+    off = offload_model(model, store)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = OffloadedAdamW(off, lr=1e-2, step_in_backward=in_backward)
+    for step in range(4):
+        ids = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(step))
+        ref_loss = ref(ids)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = model(ids)
+        assert torch.isfinite(loss) and loss.item() == ref_loss.item(), step
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    _assert_same_parameters(model, ref)
+    # Learned: the root unit now fetches the weights its forward reads, ahead of use.
+    assert set(off.units()[""]) == {"embed.weight", "head.weight"}
+    with pytest.raises(OffloadedParameterError, match=r"'head.weight' \(of head\).*read_param"):
+        model.head.weight.pow(2).mean()  # outside the forward: no value to compute with
+
+
+def test_mha_keeps_its_packed_path_and_gradients(make_store, monkeypatch):
+    """Backward fetches leave autograd's graph alone: query, key and value stay one tensor, so
+    MultiheadAttention takes the packed in-projection, as it does without tierstore."""
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+    model = copy.deepcopy(ref)
+    off = offload_model(model, make_store(), units=())  # no unit: out_proj's weight is fetched on demand
+    packed = []
+    real = F._in_projection_packed
+
+    def recording(q, k, v, w, b=None):
+        packed.append(q is k and k is v)
+        return real(q, k, v, w, b)
+
+    monkeypatch.setattr(F, "_in_projection_packed", recording)
+    for mha in (ref, model):
+        x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        out, _ = mha(x, x, x, need_weights=False)
+        out.pow(2).sum().backward()
+        mha.input_grad = x.grad
+    assert packed == [True, True]
+    assert torch.equal(model.input_grad, ref.input_grad)
+    for name, p in ref.named_parameters():
+        assert torch.equal(off.grads[f"param/{name}"], p.grad), name
+
+
+def test_a_torch_optimizer_over_offloaded_parameters_is_refused(make_store):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    offload_model(model, make_store())
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 8)).sum().backward()
+    with pytest.raises(OffloadedParameterError, match="0.weight.*OffloadedAdamW"):
+        opt.step()
+
+
+def test_submodule_called_alone_then_model_under_no_grad(make_store):
+    """A submodule's forward outside the model's keeps its saved views of weights: the buffers the
+    no_grad forward reuses in between do not leak into its gradients."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+    model = copy.deepcopy(ref)
+    off = offload_model(model, make_store(host_budget_bytes="24KiB"))  # ~ five weights: buffers are reused
+    x = torch.randn(3, 32)
+    for m in (ref, model):
+        y = m[1](m[0](x))
+        with torch.no_grad():
+            m(x)
+        y.pow(2).sum().backward()
+    for name, p in ref.named_parameters():
+        if p.grad is not None:
+            assert torch.equal(off.grads[f"param/{name}"], p.grad), name
+    model.zero_grad()  # torch's own zero_grad clears the gradients kept for offloaded parameters too
+    assert off.grads == {}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")  # raised by torch importing dynamo
+def test_torch_compile_is_refused(make_store):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    offload_model(model, make_store())
+    with pytest.raises(OffloadedParameterError, match="torch.compile of an offloaded model"):
+        torch.compile(model)(torch.randn(2, 8))
+
+
+def test_units_hold_whole_subtrees_and_must_fit_the_compute_budget(make_store):
+    torch.manual_seed(0)
+    cfg = PRESETS["tiny"]
+    model = ViT(cfg)
+    off = offload_model(model, make_store(), units=[Block])
+    units = off.units()
+    assert set(units["blocks.0"]) == {f"blocks.0.{n}" for n, _ in model.blocks[0].named_parameters()}
+    assert not any(name.startswith("blocks.0.") for name in units)  # nothing inside a unit is a unit
+    off.remove()
+    store = make_store(host_budget_bytes="64KiB")  # a block's parameters are ~200 KiB
+    with pytest.raises(ValueError, match=r"unit 'blocks.0' holds .* MiB .* host budget"):
+        offload_model(model, store, units=[Block])
+    assert store.keys() == [] and type(model.blocks[0].qkv.weight) is torch.nn.Parameter  # nothing left behind
+    with pytest.raises(ValueError, match="no module named 'blocks.99'"):
+        offload_model(model, store, units=["blocks.99"])

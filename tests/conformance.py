@@ -1,0 +1,228 @@
+"""The conformance harness: offloaded training of a model we did not write against resident training, bit for bit.
+
+Each case builds a model from a config with random weights (no downloads), and a
+batch function and a loss; :func:`check_bit_identical` trains a copy resident
+with ``torch.optim.AdamW(foreach=False)`` and a copy offloaded (parameters and
+AdamW state homed on the NVMe tier, host budget a third of the fp32 state) and
+compares losses, parameters, buffers and moments after every step, and an eval
+forward under ``no_grad``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+from tierstore.integrations.offload import offload_model
+from tierstore.integrations.optim import OffloadedAdamW
+
+import tierstore as ts
+
+
+@dataclass
+class Case:
+    build: Callable[[], torch.nn.Module]
+    batch: Callable[[int], Any]  # step -> the forward's keyword arguments
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+def state_bytes(model: torch.nn.Module) -> int:
+    """fp32 parameters and two AdamW moments."""
+    return 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _seeded(fn: Callable[[], Any], seed: int) -> Any:
+    torch.manual_seed(seed)
+    return fn()
+
+
+def check_bit_identical(case: Case, nvme_path: str, *, steps: int = 3, step_in_backward: bool = False,
+                        prepare: Callable[[torch.nn.Module], None] | None = None,
+                        units: Any = None, host_budget_fraction: float = 1 / 3) -> dict[str, Any]:
+    """Train resident and offloaded; assert every figure equal; return what the offloaded run saw."""
+    ref = _seeded(case.build, 0)
+    model = copy.deepcopy(ref)
+    if prepare is not None:
+        prepare(ref)
+        prepare(model)
+    ref.train()
+    model.train()
+    budget = max(int(state_bytes(ref) * host_budget_fraction), 64 * 1024)
+    store = ts.TierStore(nvme_path=nvme_path, host_budget_bytes=budget, device_budget_bytes="1MiB",
+                         file_size_bytes="4MiB", block_size_bytes="64KiB", param_tier="nvme",
+                         optimizer_tier="nvme")
+    try:
+        kw = {} if units is None else {"units": units}
+        off = offload_model(model, store, **kw)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=step_in_backward)
+        try:
+            for step in range(steps):
+                batch = case.batch(step)
+                torch.manual_seed(100 + step)  # dropout draws the same masks in both runs
+                ref_loss = case.loss(ref, batch)
+                ref_loss.backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+                torch.manual_seed(100 + step)
+                loss = case.loss(model, batch)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                assert torch.isfinite(loss), f"step {step}: loss {loss.item()}"
+                assert loss.item() == ref_loss.item(), f"step {step}: loss {loss.item()} != {ref_loss.item()}"
+                _assert_same_state(model, ref, opt, ref_opt, f"after step {step}")
+            ref.eval()
+            model.eval()
+            with torch.no_grad():
+                batch = case.batch(steps)
+                assert torch.equal(case.loss(model, batch), case.loss(ref, batch)), "eval forward under no_grad"
+        finally:
+            opt.close()
+        stats = store.stats_dict()
+        assert stats["bytes_read_nvme"] > 0, "nothing was read from the drive: the test would prove nothing"
+        return {"off": off, "stats": stats, "units": off.units()}
+    finally:
+        store.close()
+
+
+def _assert_same_state(model: torch.nn.Module, ref: torch.nn.Module, opt: OffloadedAdamW,
+                       ref_opt: torch.optim.Optimizer, when: str) -> None:
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    assert list(sd) == list(ref_sd), when
+    for name, value in ref_sd.items():
+        assert torch.equal(sd[name], value), f"{name} differs {when} (max {(sd[name] - value).abs().max()})"
+    ours = opt.state_dict()["state"]
+    for name, p in ref.named_parameters():
+        st = ref_opt.state.get(p)
+        if not st:  # never had a gradient (an expert no token chose): torch keeps no state, ours is zeros
+            assert all(not ours.get(name, {}).get(m, torch.zeros(1)).any() for m in ("exp_avg", "exp_avg_sq")), \
+                f"{name}: moments without a gradient {when}"
+            continue
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ours[name][moment], st[moment]), f"{name} {moment} differs {when}"
+
+
+# ---- the models -----------------------------------------------------------------------------
+VOCAB = 96
+
+
+def _tokens(step: int, batch: int = 2, length: int = 12) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (batch, length), generator=g)
+
+
+def _causal_lm(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _llama(tied: bool) -> nn.Module:
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=tied)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _gpt2() -> nn.Module:
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _mixtral() -> nn.Module:
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                     num_experts_per_tok=1, max_position_embeddings=64)
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def _bert() -> nn.Module:
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=112, max_position_embeddings=64)
+    return transformers.BertForMaskedLM(cfg)
+
+
+def _masked_lm(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    labels = ids.clone()
+    labels[:, ::2] = -100
+    return model(input_ids=ids, labels=labels).loss
+
+
+def _t5() -> nn.Module:
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=112, num_layers=2, num_heads=4,
+                                relative_attention_num_buckets=8, decoder_start_token_id=0)
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
+def _seq2seq(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids.flip(1)).loss
+
+
+class MLPBlock(nn.Sequential):
+    """torchvision.models.vision_transformer.MLPBlock."""
+
+    def __init__(self, in_dim: int, mlp_dim: int, dropout: float) -> None:
+        super().__init__(nn.Linear(in_dim, mlp_dim), nn.GELU(), nn.Dropout(dropout), nn.Linear(mlp_dim, in_dim),
+                         nn.Dropout(dropout))
+
+
+class EncoderBlock(nn.Module):
+    """torchvision.models.vision_transformer.EncoderBlock, line for line."""
+
+    def __init__(self, num_heads: int, hidden_dim: int, mlp_dim: int, dropout: float, attention_dropout: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.ln_1 = partial(nn.LayerNorm, eps=1e-6)(hidden_dim)
+        self.self_attention = nn.MultiheadAttention(hidden_dim, num_heads, dropout=attention_dropout,
+                                                    batch_first=True)
+        self.dropout = nn.Dropout(dropout)
+        self.ln_2 = partial(nn.LayerNorm, eps=1e-6)(hidden_dim)
+        self.mlp = MLPBlock(hidden_dim, mlp_dim, dropout)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        torch._assert(input.dim() == 3, f"Expected (batch_size, seq_length, hidden_dim) got {input.shape}")
+        x = self.ln_1(input)
+        x, _ = self.self_attention(x, x, x, need_weights=False)
+        x = self.dropout(x)
+        x = x + input
+        y = self.ln_2(x)
+        y = self.mlp(y)
+        return x + y
+
+
+class Encoder(nn.Module):
+    """torchvision's ViT encoder (pos embedding, blocks, norm) with a token embedding and a head."""
+
+    def __init__(self, depth: int = 2, dim: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.pos_embedding = nn.Parameter(torch.empty(1, 12, dim).normal_(std=0.02))
+        self.layers = nn.Sequential(OrderedDict(
+            (f"encoder_layer_{i}", EncoderBlock(4, dim, 2 * dim, 0.1, 0.1)) for i in range(depth)))
+        self.ln = nn.LayerNorm(dim, eps=1e-6)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln(self.layers(self.embed(ids) + self.pos_embedding)))
+
+
+def _encoder_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(ids).flatten(0, 1), ids.flip(1).flatten())
+
+
+CASES = {
+    "llama-tied": Case(partial(_llama, True), _tokens, _causal_lm),
+    "llama-untied": Case(partial(_llama, False), _tokens, _causal_lm),
+    "gpt2": Case(_gpt2, _tokens, _causal_lm),
+    "bert": Case(_bert, _tokens, _masked_lm),
+    "t5": Case(_t5, _tokens, _seq2seq),
+    "mixtral": Case(_mixtral, _tokens, _causal_lm),
+    "mha-encoder": Case(Encoder, _tokens, _encoder_loss),
+}

@@ -1,0 +1,68 @@
+"""Run under torchrun: a model tierstore did not write (see conformance.py), sharded with FSDP2 per layer,
+trained offloaded against FSDP2 alone. Prints one JSON line per rank: both runs' losses and whether the
+offloaded shards and Adam moments end bit-identical to FSDP2's."""
+
+import copy
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from conformance import CASES
+from tierstore import StoreConfig, TierStore
+from tierstore.integrations.fsdp import offload_fsdp
+from tierstore.integrations.optim import OffloadedAdamW
+
+LAYERS = {"llama-tied": lambda m: m.model.layers, "mha-encoder": lambda m: m.layers}
+
+
+def shard(model, layers):
+    for layer in layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def train(model, opt, case, rank, world):
+    losses = []
+    for step in range(3):
+        batch = case.batch(step, batch=2 * world)[rank::world]
+        torch.manual_seed(100 + rank * 10 + step)  # dropout: the same masks in both runs
+        loss = case.loss(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def main(name: str, nvme_path: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    case = CASES[name]
+    torch.manual_seed(0)
+    base = case.build()
+    ref = shard(copy.deepcopy(base), LAYERS[name])
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    ref_losses = train(ref, ref_opt, case, rank, world)
+    model = shard(copy.deepcopy(base), LAYERS[name])
+    with TierStore(StoreConfig(nvme_path=nvme_path, host_budget_bytes="256KiB", device_budget_bytes="1MiB",
+                               file_size_bytes="4MiB", block_size_bytes="64KiB")) as store:
+        off = offload_fsdp(model, store)
+        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
+        losses = train(model, opt, case, rank, world)
+        opt.wait()
+        moments = opt.state_dict()["state"]
+        same = all(torch.equal(off.read_param(n), p.to_local()) for n, p in ref.named_parameters())
+        same_moments = all(torch.equal(moments[n][m], ref_opt.state[p][m].to_local())
+                           for n, p in ref.named_parameters() for m in ("exp_avg", "exp_avg_sq"))
+        read = store.stats_dict()["bytes_read_nvme"]
+    print(json.dumps({"rank": rank, "ref": ref_losses, "ours": losses, "same_parameters": same,
+                      "same_moments": same_moments, "read_bytes": read}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

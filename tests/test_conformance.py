@@ -1,0 +1,55 @@
+"""Offloaded training is bit-identical to resident training on models tierstore did not write.
+
+transformers' models are built from tiny configs with random weights (no downloads); the encoder
+block is built on ``nn.MultiheadAttention`` exactly as torchvision's ViT builds it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tierstore.integrations.offload import offload_model
+
+pytest.importorskip("transformers")
+
+from conformance import CASES, _gpt2, _tokens, check_bit_identical  # noqa: E402
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bit_identical(name, nvme_dir):
+    check_bit_identical(CASES[name], nvme_dir)
+
+
+def test_mha_without_default_units_learns_out_proj(nvme_dir):
+    """With no unit given, MultiheadAttention's read of out_proj's weight (it never calls out_proj) is fetched
+    on demand in the first step and learned: its unit then fetches it ahead."""
+    seen = check_bit_identical(CASES["mha-encoder"], nvme_dir, units=())
+    attn = "layers.encoder_layer_0.self_attention"
+    assert f"{attn}.out_proj.weight" in seen["units"][attn] and f"{attn}.out_proj.bias" in seen["units"][attn]
+    assert seen["off"].stats.reads_learned >= 4
+
+
+def test_step_in_backward(nvme_dir):
+    check_bit_identical(CASES["llama-untied"], nvme_dir, step_in_backward=True)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing(nvme_dir, reentrant):
+    def prepare(model):
+        kwargs = {"use_reentrant": reentrant}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24's name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    check_bit_identical(CASES["llama-tied"], nvme_dir, prepare=prepare)
+
+
+def test_generate_gives_the_resident_tokens(make_store):
+    torch.manual_seed(0)
+    ref = _gpt2().eval()
+    model = _gpt2().eval()
+    model.load_state_dict(ref.state_dict())
+    offload_model(model, make_store(host_budget_bytes="256KiB"))
+    ids = _tokens(0, batch=1, length=5)
+    kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
