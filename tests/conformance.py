@@ -226,3 +226,43 @@ CASES = {
     "mixtral": Case(_mixtral, _tokens, _causal_lm),
     "mha-encoder": Case(Encoder, _tokens, _encoder_loss),
 }
+
+
+# ---- vision models: torchvision and timm, where installed (`bash .ci/run conformance`) ----------------------
+def _images(step: int, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + step)
+    return torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def _classify(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+try:
+    import torchvision
+except ImportError:  # PyPI's torchvision wheels need the CUDA build of torch: absent from the default suite
+    torchvision = None
+if torchvision is not None:
+    def _vit_b_16() -> nn.Module:
+        """torchvision's vit_b_16 (patch 16) at a tiny width and depth."""
+        return torchvision.models.VisionTransformer(image_size=32, patch_size=16, num_layers=2, num_heads=4,
+                                                    hidden_dim=64, mlp_dim=128, num_classes=10)
+
+    CASES["torchvision-vit_b_16"] = Case(_vit_b_16, _images, _classify)
+
+try:
+    import timm
+except ImportError:
+    timm = None
+if timm is not None:
+    def _timm_vit() -> nn.Module:
+        return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+                                 embed_dim=64, num_heads=4, num_classes=10)
+
+    def _timm_resnet() -> nn.Module:
+        from timm.models.resnet import BasicBlock, ResNet
+        return ResNet(block=BasicBlock, layers=[1, 1, 1, 1], num_classes=10)  # BatchNorm: buffers move in forward
+
+    CASES["timm-vit"] = Case(_timm_vit, _images, _classify)
+    CASES["timm-resnet"] = Case(_timm_resnet, _images, _classify)
