@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from tierstore import Tier, TierStore, parse_bytes
+from tierstore._memory import TierPool
 
 from .offload import OffloadedModel
 
@@ -106,6 +107,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for name, p in offloaded.resident.items():
             self._items.append((name, None, p))
         self._name_of = {id(p): name for name, _, p in self._items}
+        self._check_host_budget(host)
         if any(f"adam/{name}/exp_avg" in self.store for name, _, _ in self._items):
             raise ValueError("this model already has an OffloadedAdamW (its state is in the store); keep using that "
                              "one (opt.load_state_dict() replaces its state), or offload a fresh model")
@@ -153,6 +155,20 @@ class OffloadedAdamW(torch.optim.Optimizer):
                         if k != key:
                             later.after[k] = key
             later.queues.append(self._queued)
+
+    def _check_host_budget(self, host_budget: int) -> None:
+        """One update holds its parameter's fp32 master and both moments in the host tier at once: a budget
+        below that for the largest parameter could never step it, so say so now, before any state exists."""
+        def one_update(name: str, key: str | None, p: torch.nn.Parameter) -> int:
+            n = (p.numel() if key is None else self._param_shape(key).numel()) * 4
+            return TierPool.capacity_for(n) * (2 if key is None else 3)
+
+        need, name = max(((one_update(n, k, p), n) for n, k, p in self._items), default=(0, ""))
+        if need > host_budget:
+            raise ValueError(f"host_budget_bytes={host_budget} ({host_budget / 2**20:.1f} MiB) is below what one "
+                             f"AdamW update of {name!r} holds at once: {need} bytes ({need / 2**20:.1f} MiB) for its "
+                             f"fp32 master and two moments. Raise host_budget_bytes to at least that (a few times "
+                             f"more lets the optimizer read ahead)")
 
     def _torch_groups(self, param_groups: list[dict[str, Any]] | None,
                       defaults: dict[str, Any]) -> list[dict[str, Any]]:

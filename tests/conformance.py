@@ -55,7 +55,10 @@ def check_bit_identical(case: Case, nvme_path: str, *, steps: int = 3, step_in_b
         prepare(model)
     ref.train()
     model.train()
-    budget = max(int(state_bytes(ref) * host_budget_fraction), 64 * 1024)
+    # A third of the state, and at least what the largest parameter's AdamW update holds at once (its fp32
+    # master and two moments) with room to read the next one ahead.
+    largest = max(p.numel() * 4 for p in ref.parameters())
+    budget = max(int(state_bytes(ref) * host_budget_fraction), 5 * largest, 64 * 1024)
     store = ts.TierStore(nvme_path=nvme_path, host_budget_bytes=budget, device_budget_bytes="1MiB",
                          file_size_bytes="4MiB", block_size_bytes="64KiB", param_tier="nvme",
                          optimizer_tier="nvme")

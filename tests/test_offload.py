@@ -638,3 +638,13 @@ def test_units_hold_whole_subtrees_and_must_fit_the_compute_budget(make_store):
     assert store.keys() == [] and type(model.blocks[0].qkv.weight) is torch.nn.Parameter  # nothing left behind
     with pytest.raises(ValueError, match="no module named 'blocks.99'"):
         offload_model(model, store, units=["blocks.99"])
+
+
+def test_a_host_budget_below_one_update_is_refused_before_any_state_exists(make_store):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))  # 16 KiB weight: 3 x 16 KiB
+    store = make_store(host_budget_bytes="40KiB")
+    off = offload_model(model, store)
+    keys = store.keys()
+    with pytest.raises(ValueError, match=r"host_budget_bytes=40960 .* AdamW update of '0.weight' .* 49152 bytes"):
+        OffloadedAdamW(off)
+    assert store.keys() == keys  # nothing of the optimizer was left in the store
