@@ -14,7 +14,6 @@ atomic: see [Note: Atomic checkpoint commit] in ``tierstore/_checkpoint.py``.
 from __future__ import annotations
 
 import os
-import shutil
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,6 +26,7 @@ from tierstore import Tier, TierStore, TierStoreError
 from tierstore._checkpoint import (
     TensorSource,
     commit,
+    discard,
     dtype_from_name,
     new_directory,
     read_into,
@@ -182,7 +182,7 @@ def _save_sharded(path: str, off: FSDPOffload, files: dict, metadata: dict, file
                                                "extra": metadata["extra"]})
                 commit(tmp, path)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            discard(tmp)
     dist.barrier()
     if error is not None:
         raise error

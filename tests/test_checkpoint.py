@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -180,6 +181,16 @@ def test_sigkill_during_save_always_leaves_a_loadable_checkpoint(tmp_path):
         for name, entry in manifest["tensors"][OPTIMIZER_FILE].items():  # checksums verified on read
             _checkpoint.read_tensor(opt_dir, name, entry)
         outcomes.append((stages[k], which))
+        # What the killed process left (its swap directory, a staging directory if killed before the commit)
+        # is removed, and said, by the next store on that drive and the next save at that path.
+        staged = [n for n in os.listdir(tmp_path) if n.startswith(f"ckpt{k}.tmp-")]
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            _checkpoint.discard(_checkpoint.new_directory(path))
+            ts.TierStore(nvme_path=str(nvme)).close()
+        assert [n for n in os.listdir(tmp_path) if n.startswith(f"ckpt{k}.tmp-")] == []
+        assert os.listdir(nvme) == []
+        assert len(said) == 1 + bool(staged) and all("left by processes that are gone" in str(w.message) for w in said)
     assert {w for _, w in outcomes} == {"A", "B"}, outcomes  # killed before and after the commit
 
 

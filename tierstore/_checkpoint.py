@@ -21,6 +21,7 @@ import os
 import shutil
 import struct
 import tempfile
+import warnings
 import zlib
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ._ownership import describe, lock, reclaim, unlock
 from ._types import IntegrityError, TierStoreError
 
 FORMAT = "tierstore-checkpoint"
@@ -147,13 +149,36 @@ def write_safetensors_file(path: str | os.PathLike, sources: Iterable[TensorSour
         raise
 
 
+_staging_locks: dict[str, int] = {}  # staging directory -> the fd holding its lock (see [Note: Owned directories])
+
+
 def new_directory(path: str | os.PathLike) -> str:
-    """A fresh private temporary directory next to ``path`` to write a checkpoint into."""
+    """A fresh private temporary directory next to ``path`` to write a checkpoint into, locked by this process
+    until :func:`commit` or :func:`discard`. Staging directories of earlier saves at ``path`` whose process died
+    (killed during a save) are removed first, and said."""
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         raise FileNotFoundError(f"cannot write checkpoint {path}: directory {parent} does not exist; create it first")
-    return tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
+    prefix = os.path.basename(path) + ".tmp-"
+    reclaimed = reclaim(parent, (prefix,), beside=True)
+    if reclaimed:
+        warnings.warn(f"checkpoint {path}: {describe(reclaimed)}", stacklevel=3)
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    _staging_locks[tmp] = lock(tmp, beside=True)
+    return tmp
+
+
+def _let_go(tmp: str) -> None:
+    fd = _staging_locks.pop(tmp, None)
+    if fd is not None:
+        unlock(tmp, fd, beside=True)
+
+
+def discard(tmp: str) -> None:
+    """Remove a staging directory that will not be committed."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    _let_go(tmp)
 
 
 def write_files(directory: str, files: dict[str, Iterable[TensorSource]], *, metadata: dict[str, Any] | None = None,
@@ -193,6 +218,7 @@ def commit(tmp: str, path: str | os.PathLike) -> None:
         _stage("renamed old")
     os.rename(tmp, path)
     _fsync_dir(parent)
+    _let_go(tmp)  # held until the staging directory is gone: no other save may reclaim it before
     _stage("renamed new")
     shutil.rmtree(prev, ignore_errors=True)
     _stage("done")
@@ -211,7 +237,7 @@ def write_checkpoint(path: str | os.PathLike, files: dict[str, Iterable[TensorSo
         manifest = write_files(tmp, files, metadata=metadata, file_metadata=file_metadata)
         commit(tmp, path)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp)
         raise
     return manifest
 
@@ -294,5 +320,5 @@ def read_tensor(directory: str, name: str, entry: dict[str, Any]) -> torch.Tenso
     return out
 
 
-__all__ = ["TensorSource", "commit", "dtype_from_name", "dtype_name", "new_directory", "read_into", "read_manifest",
+__all__ = ["TensorSource", "commit", "discard", "dtype_from_name", "dtype_name", "new_directory", "read_into", "read_manifest",
            "read_safetensors", "read_tensor", "resolve", "write_checkpoint", "write_files", "write_safetensors_file"]

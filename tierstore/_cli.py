@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+from . import __version__
 from ._config import StoreConfig, parse_bytes
+from ._types import TierStoreError
 
 # The default of demo and bench step, both from _demo.default_budgets.
 _DEVICE_BUDGET_HELP = "device tier budget (default: a quarter of the weights with CUDA, 1 MiB without)"
@@ -31,7 +34,10 @@ def _add_drive(sub: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tierstore", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"tierstore {__version__}")
     cmds = parser.add_subparsers(dest="cmd", required=True)
+    gc = cmds.add_parser("gc", help="remove swap directories left under PATH by stores whose process is gone")
+    gc.add_argument("path", help="the nvme_path the stores used")
     bench = cmds.add_parser("bench", help="benchmarks that print ours, the reference and their ratio")
     bsub = bench.add_subparsers(dest="bench", required=True)
     _add_drive(bsub)
@@ -85,6 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     args = parser.parse_args(argv)
     try:
+        if args.cmd == "gc":
+            from ._ownership import describe, reclaim_swap
+
+            if not os.path.isdir(args.path):
+                raise ValueError(f"{args.path!r} is not a directory")
+            reclaimed = reclaim_swap(args.path)
+            print(f"{args.path}: {describe(reclaimed)}" if reclaimed else f"{args.path}: nothing to reclaim")
+            return 0
         if args.cmd == "plan":
             from ._plan import PlanConfig, format_plan, make_plan
 
@@ -137,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_drive_bench(cfg)
             _write_json(args.json, result)
             return 0
-    except ValueError as e:
+    except (ValueError, TierStoreError) as e:
         print(f"tierstore: error: {e}", file=sys.stderr)
         return 2
     parser.error("unknown command")

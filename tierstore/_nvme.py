@@ -16,7 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import tempfile
+import signal
 import threading
 import time
 import warnings
@@ -30,6 +30,7 @@ import torch
 
 from ._config import StoreConfig
 from ._memory import PAGE_BYTES, align_up, insert_free_range
+from ._ownership import describe, make_swap_directory, reclaim_swap
 from ._stats import StoreStats
 from ._types import IntegrityError, StoreFullError, Tier, TierBudgetError, TierIOError
 
@@ -91,12 +92,39 @@ class _Batch:
 
 
 def _cleanup(directory: str, fds: list[int]) -> None:
-    for fd in fds:
+    # The files go before the lock is let go (the first fd): no other store may reclaim a half-removed directory.
+    shutil.rmtree(directory, ignore_errors=True)
+    for fd in reversed(fds):
         try:
             os.close(fd)
         except OSError:
             pass
-    shutil.rmtree(directory, ignore_errors=True)
+    fds.clear()
+
+
+_live_engines: weakref.WeakSet[NvmeEngine] = weakref.WeakSet()
+_sigterm_installed = False
+
+
+def _cleanup_on_sigterm() -> None:
+    """Remove the swap directories of this process's stores when it gets SIGTERM (the default ``kill``, a
+    scheduler's preemption, torchrun's teardown), then die of it as before. Only where SIGTERM has no handler
+    yet and only from the main thread (where Python allows one): a program's own handler is left alone, and a
+    directory left by a death this cannot see (SIGKILL) is reclaimed by the next store on that path."""
+    global _sigterm_installed
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+    _sigterm_installed = True
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        for engine in list(_live_engines):
+            engine._finalizer()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 class NvmeEngine:
@@ -115,12 +143,18 @@ class NvmeEngine:
         self.stats = stats or StoreStats()
         self._sys = syscalls or Syscalls()
         self.block_size = config.block_size_bytes
+        # Space left by stores whose process died (kill -9, a preempted job) comes back first; it is said.
+        self.reclaimed = reclaim_swap(base)
+        if self.reclaimed:
+            warnings.warn(f"nvme_path {base!r}: {describe(self.reclaimed)}", stacklevel=3)
         try:
-            self.directory = tempfile.mkdtemp(prefix="tierstore-", dir=base)  # mode 0700
+            self.directory, lock_fd = make_swap_directory(base)  # mode 0700, locked while this store lives
         except OSError as e:
             raise ValueError(f"cannot create a swap directory under nvme_path {base!r}: {e.strerror}") from e
-        self._fds: list[int] = []
+        self._fds: list[int] = [lock_fd]
         self._finalizer = weakref.finalize(self, _cleanup, self.directory, self._fds)
+        _live_engines.add(self)
+        _cleanup_on_sigterm()
         self.direct = config.direct_io and self._probe_direct()
         self._files: list[_SwapFile] = []
         self._lock = threading.Lock()

@@ -1,0 +1,98 @@
+"""Swap directories belong to one live process: what a dead one left is reclaimed, a live one's never."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import tierstore as ts
+from tierstore import _ownership
+from tierstore._cli import main as cli_main
+
+CHILD = os.path.join(os.path.dirname(__file__), "owner_child.py")
+
+
+def _start(path: str, steps: int) -> tuple[subprocess.Popen, str]:
+    """A training process with its store under ``path``, once it has printed ``steps`` steps."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, CHILD, path], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    assert proc.stdout is not None
+    directory = proc.stdout.readline().split()[1]
+    for _ in range(steps):
+        line = proc.stdout.readline()
+        assert line.startswith("step"), line + proc.stderr.read()  # type: ignore[union-attr]
+    return proc, directory
+
+
+def _stop(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> int:
+    proc.send_signal(sig)
+    proc.communicate(timeout=60)
+    return proc.returncode
+
+
+def _swap_dirs(path: str) -> list[str]:
+    return sorted(n for n in os.listdir(path) if "tierstore" in n)
+
+
+@pytest.mark.parametrize("steps", [0, 3])
+def test_a_killed_process_leaves_space_that_the_next_store_reclaims(nvme_dir, steps):
+    proc, directory = _start(nvme_dir, steps)
+    _stop(proc)
+    assert os.path.isdir(directory)  # SIGKILL: nothing ran in the dying process
+    with pytest.warns(UserWarning, match=r"removed 1 directory left by processes that are gone, [\d.]+ MiB freed"):
+        store = ts.TierStore(nvme_path=nvme_dir)
+    assert not os.path.exists(directory)
+    assert _swap_dirs(nvme_dir) == [os.path.basename(store.swap_directory)]
+    store.close()
+    assert _swap_dirs(nvme_dir) == []
+
+
+@pytest.mark.parametrize("steps", [0, 3])
+def test_sigterm_removes_the_swap_directory_and_still_kills(nvme_dir, steps):
+    proc, directory = _start(nvme_dir, steps)
+    assert _stop(proc, signal.SIGTERM) == -signal.SIGTERM
+    assert _swap_dirs(nvme_dir) == []
+
+
+def test_a_live_stores_directory_is_never_touched(nvme_dir):
+    proc, directory = _start(nvme_dir, 1)
+    try:
+        with ts.TierStore(nvme_path=nvme_dir) as store:  # no warning: nothing to reclaim
+            assert os.path.isdir(directory) and _ownership.reclaim_swap(nvme_dir) == []
+            assert set(_swap_dirs(nvme_dir)) == {os.path.basename(directory), os.path.basename(store.swap_directory)}
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert line.startswith("step")  # still training
+    finally:
+        _stop(proc)
+    assert [r.path for r in _ownership.reclaim_swap(nvme_dir)] == [directory]
+
+
+def test_directories_without_a_lock_go_only_when_quiet(nvme_dir):
+    old = os.path.join(nvme_dir, "tierstore-legacy1")  # as an older version left them
+    os.mkdir(old)
+    with open(os.path.join(old, "swap-0000.bin"), "wb") as f:
+        f.write(b"x" * 8192)
+    assert _ownership.reclaim_swap(nvme_dir) == []  # written a moment ago: it may have a live writer
+    quiet = time.time() - _ownership.STALE_SECONDS - 5
+    os.utime(os.path.join(old, "swap-0000.bin"), (quiet, quiet))
+    os.utime(old, (quiet, quiet))
+    assert [r.path for r in _ownership.reclaim_swap(nvme_dir)] == [old]
+    other = os.path.join(nvme_dir, "not-ours")
+    os.mkdir(other)
+    os.utime(other, (quiet, quiet))
+    assert _ownership.reclaim_swap(nvme_dir) == [] and os.path.isdir(other)
+
+
+def test_gc_command_reports_what_it_freed(nvme_dir, capsys):
+    proc, directory = _start(nvme_dir, 1)
+    _stop(proc)
+    assert cli_main(["gc", nvme_dir]) == 0
+    assert "removed 1 directory" in capsys.readouterr().out and not os.path.exists(directory)
+    assert cli_main(["gc", nvme_dir]) == 0
+    assert "nothing to reclaim" in capsys.readouterr().out
