@@ -22,16 +22,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierstore import Tier, TierStore, TierStoreError
+from tierstore import CheckpointError, Tier, TierStore, TierStoreError
 from tierstore._checkpoint import (
+    MANIFEST,
     TensorSource,
     commit,
     discard,
     dtype_from_name,
+    dtype_name,
     new_directory,
     read_into,
     read_manifest,
     read_tensor,
+    verify_tensor,
     write_checkpoint,
     write_files,
     write_safetensors_file,
@@ -202,32 +205,34 @@ def load_checkpoint(path: str, model: nn.Module | Offloaded, optimizer: Offloade
                     strict: bool = True) -> dict[str, Any]:
     """Load a checkpoint saved by :func:`save_checkpoint` into ``model`` (and ``optimizer``); returns ``extra``.
 
-    Offloaded parameters are written into the store tensor by tensor (within
-    the host budget) and stay where the wrapper keeps them; every tensor's
-    checksum is verified. With ``strict``, a parameter missing from the
-    checkpoint or a tensor the model lacks is an error.
+    All or nothing: first the manifest's own checksum, every file, every
+    tensor's shape, dtype and CRC and the optimizer's groups and steps are
+    checked (under FSDP2, on every rank, and every rank learns of any
+    failure); any problem is a :class:`~tierstore.CheckpointError` naming the
+    file and the entry, raised before the model, the optimizer or the store
+    changes. Then offloaded parameters are written into the store tensor by
+    tensor (within the host budget) and stay where the wrapper keeps them.
+    With ``strict``, a parameter missing from the checkpoint or a tensor the
+    model lacks is an error.
     """
     model, off = _offloaded(model)
+    error: BaseException | None = None
+    try:
+        load = _check_load(path, model, off, optimizer, strict)
+    except BaseException as e:  # under FSDP2 every rank must learn of it before any loads
+        error = e
     if isinstance(off, FSDPOffload):
         import torch.distributed as dist
 
-        _, top = read_manifest(path)
-        saved, world = top["metadata"].get("world_size"), dist.get_world_size()
-        if saved != world:
-            raise TierStoreError(f"checkpoint {path} was saved by {saved} ranks, this job has {world}; "
-                                 "consolidate_checkpoint() it and load the full parameters instead")
-        directory, manifest = read_manifest(path, _part(dist.get_rank()))
-    else:
-        directory, manifest = read_manifest(path)
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else f"rank {dist.get_rank()}: {error}")
+        failed = [e for e in errors if e is not None]
+        if failed and error is None:
+            raise CheckpointError(f"checkpoint {path} not loaded: " + "; ".join(failed))
+    if error is not None:
+        raise error
+    directory, manifest, tensors, entries = load
     meta = manifest["metadata"]
-    entries = manifest["tensors"].get(MODEL_FILE, {})
-    tensors, _ = _model_tensors(model, off)
-    missing = sorted(set(tensors) - set(entries))
-    unexpected = sorted(set(entries) - set(tensors))
-    if strict and (missing or unexpected):
-        raise TierStoreError(f"checkpoint {directory} does not match the model: missing {missing[:5]}"
-                             f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-                             f"{'...' if len(unexpected) > 5 else ''} (load with strict=False to skip them)")
     placement = meta.get("placement", {})
     moved = [n for n, v in tensors.items() if n in placement and placement[n] != _placement(off, v)]
     if moved:
@@ -247,12 +252,82 @@ def load_checkpoint(path: str, model: nn.Module | Offloaded, optimizer: Offloade
         if meta.get("trace") is not None:
             off.policy.trace = list(meta["trace"])
     if optimizer is not None:
-        if "optimizer" not in meta:
-            raise TierStoreError(f"checkpoint {directory} holds no optimizer state")
         _load_optimizer(optimizer, directory, manifest["tensors"].get(OPTIMIZER_FILE, {}), meta["optimizer"])
     if store is not None:
         store.flush()
     return meta.get("extra", {})
+
+
+def _check_load(path: str, model: nn.Module, off: Offloaded | None, optimizer: OffloadedAdamW | None,
+                strict: bool) -> tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Everything a load will read, checked: (directory, manifest, the model's tensors, their entries)."""
+    if isinstance(off, FSDPOffload):
+        import torch.distributed as dist
+
+        _, top = read_manifest(path)
+        saved, world = top["metadata"].get("world_size"), dist.get_world_size()
+        if saved != world:
+            raise CheckpointError(f"checkpoint {path} was saved by {saved} ranks, this job has {world}; "
+                                  "consolidate_checkpoint() it and load the full parameters instead")
+        directory, manifest = read_manifest(path, _part(dist.get_rank()))
+    else:
+        directory, manifest = read_manifest(path)
+    where = os.path.join(directory, MANIFEST)
+    meta = manifest["metadata"]
+    if not isinstance(meta.get("extra", {}), dict) or not isinstance(meta.get("trace") or [], list):
+        raise CheckpointError(f"{where}: malformed metadata (extra, trace)")
+    entries = manifest["tensors"].get(MODEL_FILE, {})
+    tensors, _ = _model_tensors(model, off)
+    missing = sorted(set(tensors) - set(entries))
+    unexpected = sorted(set(entries) - set(tensors))
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"checkpoint {directory} does not match the model: missing {missing[:5]}"
+                              f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                              f"{'...' if len(unexpected) > 5 else ''} (load with strict=False to skip them)")
+    store = off.store if off is not None else None
+    reads = []
+    for name, v in tensors.items():
+        if name in entries:
+            info = store.info(v) if isinstance(v, str) and store is not None else {"shape": v.shape, "dtype": v.dtype}
+            reads.append((name, entries[name], tuple(info["shape"]), info["dtype"], MODEL_FILE))
+    if optimizer is not None:
+        reads += _check_optimizer(optimizer, directory, manifest)
+    for name, entry, shape, dtype, file in reads:
+        if tuple(entry["shape"]) != shape or entry["dtype"] != dtype_name(dtype):
+            raise CheckpointError(f"{os.path.join(directory, file)}: tensor {name!r} is {entry['shape']} "
+                                  f"{entry['dtype']}, but this model expects {list(shape)} {dtype_name(dtype)}: "
+                                  f"wrong model or config")
+    for name, entry, *_ in reads:
+        verify_tensor(directory, name, entry)
+    return directory, manifest, tensors, entries
+
+
+def _check_optimizer(opt: OffloadedAdamW, directory: str, manifest: dict[str, Any]) -> list[tuple]:
+    """The optimizer tensors a load will read, with the shapes the optimizer expects; its groups and steps
+    checked."""
+    where = os.path.join(directory, MANIFEST)
+    meta = manifest["metadata"].get("optimizer")
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {directory} holds no optimizer state")
+    try:  # checkpoints of before parameter groups kept one "hyperparameters" dict
+        opt.check_group_states(meta["param_groups"] if "param_groups" in meta else [meta.get("hyperparameters")])
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    steps = meta.get("steps")
+    if not isinstance(steps, dict) or not all(type(v) in (int, float) and v >= 1 for v in steps.values()):
+        raise CheckpointError(f"{where}: malformed optimizer step counts")
+    unknown = sorted(set(steps) - {name for name, _, _ in opt.state_tensors(dict.fromkeys(steps, 1.0))})
+    if unknown:
+        raise CheckpointError(f"checkpoint {directory} has optimizer state for unknown parameters {unknown[:5]}")
+    entries = manifest["tensors"].get(OPTIMIZER_FILE, {})
+    out = []
+    for name, what, key in opt.state_tensors(steps):
+        entry = entries.get(f"{name}/{what}")
+        if entry is None:
+            raise CheckpointError(f"{os.path.join(directory, OPTIMIZER_FILE)}: no optimizer tensor {name}/{what}")
+        info = opt.store.info(key)
+        out.append((f"{name}/{what}", entry, tuple(info["shape"]), info["dtype"], OPTIMIZER_FILE))
+    return out
 
 
 def _load_into_store(store: TierStore, key: str, directory: str, name: str, entry: dict[str, Any]) -> None:
@@ -266,22 +341,12 @@ def _load_into_store(store: TierStore, key: str, directory: str, name: str, entr
 
 
 def _load_optimizer(opt: OffloadedAdamW, directory: str, entries: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Apply optimizer state that :func:`_check_optimizer` has checked."""
     opt.wait()  # surface a failed write-behind before overwriting
-    try:  # checkpoints of before parameter groups kept one "hyperparameters" dict
-        opt.load_group_states(meta["param_groups"] if "param_groups" in meta else [meta["hyperparameters"]])
-    except ValueError as e:
-        raise TierStoreError(f"checkpoint {directory}: {e}") from None
-    steps = {k: float(v) for k, v in meta["steps"].items()}
-    known = {n for n, _, _ in opt._items}
-    unknown = sorted(set(steps) - known)
-    if unknown:
-        raise TierStoreError(f"checkpoint {directory} has optimizer state for unknown parameters {unknown[:5]}")
-    opt.steps = steps
+    opt.load_group_states(meta["param_groups"] if "param_groups" in meta else [meta["hyperparameters"]])
+    opt.steps = {k: float(v) for k, v in meta["steps"].items()}
     for name, what, key in opt.state_tensors():
-        entry = entries.get(f"{name}/{what}")
-        if entry is None:
-            raise TierStoreError(f"checkpoint {directory} lacks optimizer tensor {name}/{what}")
-        _load_into_store(opt.store, key, directory, f"{name}/{what}", entry)
+        _load_into_store(opt.store, key, directory, f"{name}/{what}", entries[f"{name}/{what}"])
 
 
 def consolidate_checkpoint(path: str, out_file: str) -> list[str]:

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
 import torch
@@ -107,7 +108,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for name, p in offloaded.resident.items():
             self._items.append((name, None, p))
         self._name_of = {id(p): name for name, _, p in self._items}
-        self._check_host_budget(host)
+        self._check_host_budget(host, step_in_backward)
         if any(f"adam/{name}/exp_avg" in self.store for name, _, _ in self._items):
             raise ValueError("this model already has an OffloadedAdamW (its state is in the store); keep using that "
                              "one (opt.load_state_dict() replaces its state), or offload a fresh model")
@@ -136,6 +137,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._backlog_bytes = 0  # of gradients queued and not yet consumed
         self._backlog_lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
+        self._worker_ident: int | None = None
         if step_in_backward:
             if not hasattr(offloaded, "grad_ready_callbacks"):
                 raise ValueError(f"step_in_backward needs gradients signalled as they complete, which "
@@ -156,19 +158,34 @@ class OffloadedAdamW(torch.optim.Optimizer):
                             later.after[k] = key
             later.queues.append(self._queued)
 
-    def _check_host_budget(self, host_budget: int) -> None:
-        """One update holds its parameter's fp32 master and both moments in the host tier at once: a budget
-        below that for the largest parameter could never step it, so say so now, before any state exists."""
+    def _check_host_budget(self, host_budget: int, step_in_backward: bool) -> None:
+        """One update holds its parameter's fp32 master and both moments in the host tier at once (stepping in
+        backward, beside what backward holds there): a budget below that for the largest parameter could never
+        step it, or only by luck, so say so now, before any state exists."""
         def one_update(name: str, key: str | None, p: torch.nn.Parameter) -> int:
             n = (p.numel() if key is None else self._param_shape(key).numel()) * 4
             return TierPool.capacity_for(n) * (2 if key is None else 3)
 
-        need, name = max(((one_update(n, k, p), n) for n, k, p in self._items), default=(0, ""))
+        beside: dict[str, int] = {}  # name -> what backward may hold in the host tier while it is updated
+        groups = getattr(self.offloaded, "groups", {})
+        if step_in_backward and groups and getattr(self.offloaded, "compute_tier", None) is Tier.HOST:
+            # The update runs while backward holds another unit (and the root's own parameters, held throughout).
+            units = sorted(((sum(TierPool.capacity_for(sp.nbytes) for sp in g.params), {sp.name for sp in g.params})
+                            for name, g in groups.items() if name and g.params), key=lambda u: -u[0])
+            root = {sp.name: TierPool.capacity_for(sp.nbytes) for sp in groups[""].params} if "" in groups else {}
+            for name, _, _ in self._items:
+                other = next((nbytes for nbytes, names in units if name not in names), 0)
+                beside[name] = other + sum(v for k, v in root.items() if k != name)
+        need, name = max(((one_update(n, k, p) + beside.get(n, 0), n) for n, k, p in self._items),
+                         default=(0, ""))
+        what = "its fp32 master and two moments"
+        if beside.get(name):
+            what += f", beside the largest unit backward may hold meanwhile ({beside[name]} bytes)"
         if need > host_budget:
             raise ValueError(f"host_budget_bytes={host_budget} ({host_budget / 2**20:.1f} MiB) is below what one "
-                             f"AdamW update of {name!r} holds at once: {need} bytes ({need / 2**20:.1f} MiB) for its "
-                             f"fp32 master and two moments. Raise host_budget_bytes to at least that (a few times "
-                             f"more lets the optimizer read ahead)")
+                             f"AdamW update of {name!r} needs at once: {need} bytes ({need / 2**20:.1f} MiB) for "
+                             f"{what}. Raise host_budget_bytes to at least that (a few times more lets the "
+                             f"optimizer read ahead)")
 
     def _torch_groups(self, param_groups: list[dict[str, Any]] | None,
                       defaults: dict[str, Any]) -> list[dict[str, Any]]:
@@ -243,7 +260,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self._backlog_bytes > self.max_grad_backlog_bytes:
             t0 = time.perf_counter()
             while self._backlog_bytes > self.max_grad_backlog_bytes and self._done < len(self._futures):
-                self._futures[self._done].exception()
+                try:
+                    self._futures[self._done].exception(timeout=0.05)
+                except FutureTimeoutError:
+                    # The worker waits for host memory that backward holds: backward goes on (and releases
+                    # it), the backlog over its bound for a while, rather than both waiting for each other.
+                    if self._worker_ident is not None and self.store.is_waiting_for_room(self._worker_ident):
+                        break
             self.store.stats.add_wait(t0, time.perf_counter(), key="gradient backlog")
         nbytes = grad.numel() * grad.element_size() if grad is not None else 0
         with self._backlog_lock:
@@ -254,6 +277,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._early[key] = future
 
     def _step_ready(self, i: int, nbytes: int) -> None:
+        self._worker_ident = threading.get_ident()
         # Read ahead in the worker's order, within readahead_bytes: reads issued for every gradient as
         # it arrives would overflow the host tier and evict each other before use.
         ready = self._queue
@@ -453,11 +477,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         param.addcdiv_(exp_avg, denom, value=-step_size)
 
-    def state_tensors(self) -> list[tuple[str, str, str]]:
-        """(parameter name, state name, store key) of every state tensor of parameters stepped so far."""
+    def state_tensors(self, steps: dict[str, float] | None = None) -> list[tuple[str, str, str]]:
+        """(parameter name, state name, store key) of every state tensor of parameters stepped so far (or,
+        given ``steps``, of those it names)."""
+        stepped = self.steps if steps is None else steps
         out = []
         for name, key, p in self._items:
-            if name not in self.steps:
+            if name not in stepped:
                 continue
             for what in ("exp_avg", "exp_avg_sq") + (("master",) if key and p.dtype != torch.float32 else ()):
                 out.append((name, what, f"adam/{name}/{what}"))
@@ -469,19 +495,35 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return [{**{k: v for k, v in g.items() if k != "params"}, "params": [self._name_of[id(p)] for p in g["params"]]}
                 for g in self.param_groups]
 
-    def load_group_states(self, groups: list[dict[str, Any]]) -> None:
-        """Restore :meth:`group_states`: the same groups of the same parameters (one group without
-        ``"params"``, as older state dicts have, applies to every group)."""
-        if len(groups) == 1 and "params" not in groups[0]:
-            groups = [{**groups[0], "params": g["params"]} for g in self.group_states()]
+    def check_group_states(self, groups: Any) -> list[dict[str, Any]]:
+        """``groups`` as :meth:`load_group_states` would apply them, checked without changing anything: the same
+        groups of the same parameters (one group without ``"params"``, as older state dicts have, applies to
+        every group), each with valid hyper-parameters. Raises ValueError."""
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            raise ValueError("parameter groups must be a list of dicts")
         mine = self.group_states()
-        if [g["params"] for g in groups] != [g["params"] for g in mine]:
+        if len(groups) == 1 and "params" not in groups[0]:
+            groups = [{**groups[0], "params": g["params"]} for g in mine]
+        if [g.get("params") for g in groups] != [g["params"] for g in mine]:
             raise ValueError(f"the saved parameter groups ({len(groups)}) do not hold the same parameters as this "
                              f"optimizer's ({len(mine)}); build it with the param_groups it was saved with")
-        for target, saved in zip(self.param_groups, groups):
+        out = []
+        for i, (saved, current) in enumerate(zip(groups, mine)):
+            group = {**current, **{k: (tuple(v) if k == "betas" and isinstance(v, list) else v)
+                                   for k, v in saved.items()}}
+            try:
+                _check_hyper(group, f"group {i}: ")
+            except TypeError:
+                raise ValueError(f"group {i}: hyper-parameters of the wrong type: {saved}") from None
+            out.append(group)
+        return out
+
+    def load_group_states(self, groups: list[dict[str, Any]]) -> None:
+        """Restore :meth:`group_states` (checked by :meth:`check_group_states` first)."""
+        for target, saved in zip(self.param_groups, self.check_group_states(groups)):
             for k, v in saved.items():
                 if k != "params":
-                    target[k] = tuple(v) if k == "betas" else v
+                    target[k] = v
 
     def state_dict(self) -> dict[str, Any]:
         """Plain tensors (read from the store), like torch.optim's state_dict, keyed by parameter name."""

@@ -1,5 +1,6 @@
 """Checkpoints: resume is bit-identical, files are plain safetensors, corruption and crashes lose nothing."""
 
+import json
 import os
 import subprocess
 import sys
@@ -252,3 +253,87 @@ def test_parameter_groups_and_scheduler_resume(make_store, tmp_path):
     _, ooff, oopt = _offloaded(make_store, 1)  # one group: the saved two do not fit it
     with pytest.raises(ts.TierStoreError, match="do not hold the same parameters"):
         load_checkpoint(path, ooff, oopt)
+
+
+def _small(make_store, seed):
+    """A small offloaded model with one AdamW step taken (a short manifest, for the exhaustive test)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+    off = offload_model(model, make_store())
+    opt = OffloadedAdamW(off, lr=1e-3)
+    F.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 0])).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.wait()
+    return model, off, opt
+
+
+def _everything(model, opt):
+    """Parameters, optimizer state, step counts and groups, as plain values to compare."""
+    sd = opt.state_dict()
+    return (model.state_dict(), {n: dict(s) for n, s in sd["state"].items()}, dict(opt.steps), sd["param_groups"])
+
+
+def _same_everything(a, b):
+    (ma, sa, ta, ga), (mb, sb, tb, gb) = a, b
+    return (ta == tb and ga == gb and ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+            and sa.keys() == sb.keys() and all(torch.equal(sa[n][k], sb[n][k]) for n in sa for k in sa[n]))
+
+
+def test_a_manifest_with_any_byte_changed_never_loads(make_store, tmp_path):
+    model, off, opt = _small(make_store, 0)
+    path = str(tmp_path / "c")
+    save_checkpoint(path, off, opt, extra={"step": 1, "lr": 0.5})
+    other, other_off, other_opt = _small(make_store, 1)  # different values: a load would show
+    before = _everything(other, other_opt)
+    manifest = tmp_path / "c" / "manifest.json"
+    raw = manifest.read_bytes()
+    assert raw.startswith(b'{"sha256": "')
+    for i in range(len(raw)):
+        for delta in (1, 0x20):  # one bit, and a letter's case (or a space into a "@"/NUL)
+            edited = bytearray(raw)
+            edited[i] = (edited[i] + delta) % 256
+            manifest.write_bytes(bytes(edited))
+            with pytest.raises(ts.CheckpointError, match="manifest"):
+                load_checkpoint(path, other_off, other_opt)
+    assert _same_everything(_everything(other, other_opt), before)  # 2 x len(raw) refusals changed nothing
+    manifest.write_bytes(raw)
+    assert load_checkpoint(path, other_off, other_opt) == {"step": 1, "lr": 0.5}
+    assert _same_everything(_everything(other, other_opt), _everything(model, opt))
+
+
+@pytest.mark.parametrize("damage", ["no optimizer file", "optimizer byte", "model byte", "truncated model"])
+def test_a_failed_load_changes_nothing(make_store, tmp_path, damage):
+    model, off, opt = _small(make_store, 0)
+    path = tmp_path / "c"
+    save_checkpoint(str(path), off, opt)
+    other, other_off, other_opt = _small(make_store, 1)
+    before = _everything(other, other_opt)
+    if damage == "no optimizer file":
+        (path / OPTIMIZER_FILE).unlink()
+        expected = r"cannot open .*optimizer.safetensors"
+    elif damage == "truncated model":
+        raw = (path / MODEL_FILE).read_bytes()
+        (path / MODEL_FILE).write_bytes(raw[:-10])
+        expected = r"model.safetensors is truncated"
+    else:
+        file = path / (OPTIMIZER_FILE if damage == "optimizer byte" else MODEL_FILE)
+        raw = bytearray(file.read_bytes())
+        raw[-3] ^= 0x10  # the last tensor's bytes: every other tensor checks out and would have been loaded
+        file.write_bytes(bytes(raw))
+        expected = rf"checksum mismatch in .*{file.name}"
+    with pytest.raises(ts.CheckpointError, match=expected):
+        load_checkpoint(str(path), other_off, other_opt)
+    assert _same_everything(_everything(other, other_opt), before)
+
+
+def test_version_1_manifests_still_load(make_store, tmp_path):
+    model, off, opt = _small(make_store, 0)
+    path = tmp_path / "c"
+    save_checkpoint(str(path), off, opt, extra={"step": 3})
+    manifest = _checkpoint.read_manifest(str(path))[1]
+    manifest["version"] = 1
+    (path / "manifest.json").write_text(json.dumps(manifest, indent=1))  # as version 1 wrote it: no checksum
+    other, other_off, other_opt = _small(make_store, 1)
+    assert load_checkpoint(str(path), other_off, other_opt) == {"step": 3}
+    assert _same_everything(_everything(other, other_opt), _everything(model, opt))

@@ -155,7 +155,7 @@ def test_device_full_of_held_tensors(make_store):
     store.put("c", torch.zeros(1024)).wait()
     store.get("a", "device")
     store.get("b", "device")
-    with pytest.raises(ts.TierBudgetError, match="held by get\\(\\) without release\\(\\)"):
+    with pytest.raises(ts.TierBudgetError, match=r"by get\(\) without release\(\): MainThread holds 2 \(a, b\)"):
         store.get("c", "device")
     h = store.prefetch("c", "device")
     h.wait()

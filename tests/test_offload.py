@@ -645,6 +645,22 @@ def test_a_host_budget_below_one_update_is_refused_before_any_state_exists(make_
     store = make_store(host_budget_bytes="40KiB")
     off = offload_model(model, store)
     keys = store.keys()
-    with pytest.raises(ValueError, match=r"host_budget_bytes=40960 .* AdamW update of '0.weight' .* 49152 bytes"):
+    with pytest.raises(ValueError, match=r"host_budget_bytes=40960 .* AdamW update of .0.weight. needs .* 49152 bytes"):
         OffloadedAdamW(off)
     assert store.keys() == keys  # nothing of the optimizer was left in the store
+
+
+def test_stepping_in_backward_at_the_tightest_budget_never_fails_spuriously(make_store):
+    """The optimizer's worker and backward share a host budget that just holds one update beside a unit: each
+    waits for what the other will release, 20 runs in a row, always bit-identical to resident training."""
+    ref, _, data = _tiny_pair()
+    ref_losses, _ = train_resident(copy.deepcopy(ref), data, 3)
+    for run in range(20):
+        model = copy.deepcopy(ref)
+        store = make_store(host_budget_bytes="272KiB", device_budget_bytes="256KiB")
+        losses, off, opt = train_offloaded(model, data, 3, store, step_in_backward=True)
+        assert losses == ref_losses, run
+        store.close()
+    with pytest.raises(ValueError, match="beside the largest unit backward may hold"):  # any less: refused at once
+        OffloadedAdamW(offload_model(copy.deepcopy(ref), make_store(host_budget_bytes="256KiB")),
+                       step_in_backward=True)

@@ -1,4 +1,6 @@
+import random
 import threading
+import time
 
 import pytest
 import torch
@@ -218,3 +220,125 @@ def test_victim_order_policy_is_used(make_store):
     assert order and set(order[0]) == {"a", "b"}
     assert "device" in store.info("a")["copies"]
     assert "device" not in store.info("b")["copies"]
+
+
+def test_a_get_waits_for_room_another_thread_will_release(make_store):
+    n = 64 * 1024
+    store = make_store(host_budget_bytes=2 * n)
+    for k in "abc":
+        store.put(k, torch.full((n // 4,), float(ord(k))), home="nvme").wait()
+    store.get("a", "host")
+    store.get("b", "host")  # the host tier is full of held copies
+    held = threading.Event()
+    got = []
+
+    def other():
+        held.wait()
+        got.append(store.get("c", "host").clone())  # waits: the main thread will release one
+        store.release("c", "host")
+
+    t = threading.Thread(target=other)
+    t.start()
+    held.set()
+    time.sleep(0.3)
+    assert not got  # still waiting, not failed
+    store.release("a", "host")
+    t.join(timeout=10)
+    assert got and bool((got[0] == ord("c")).all())
+    assert store.stats_dict()["budget_waits"] == 1
+    store.release("b", "host")
+
+
+def test_threads_waiting_on_each_other_fail_at_once_naming_who_holds_what(make_store):
+    n = 64 * 1024
+    store = make_store(host_budget_bytes=2 * n)
+    for k in "abcd":
+        store.put(k, torch.zeros(n // 4), home="nvme").wait()
+    store.get("a", "host")
+    errors = []
+    barrier = threading.Barrier(2)
+
+    def other():
+        store.get("b", "host")
+        barrier.wait()
+        try:
+            store.get("d", "host")  # each needs room the other holds
+        except ts.TierBudgetError as e:
+            errors.append(e)
+        finally:
+            store.release("b", "host")
+
+    t = threading.Thread(target=other, name="worker")
+    t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    try:
+        store.get("c", "host")
+        store.release("c", "host")
+    except ts.TierBudgetError as e:
+        errors.append(e)
+    finally:
+        store.release("a", "host")  # whichever thread fails lets go, and the other goes on
+    t.join()
+    assert time.perf_counter() - t0 < 5  # no waiting out the bound: the second to wait saw neither could go on
+    assert len(errors) == 1 and "MainThread holds 1 (a); worker holds 1 (b)" in str(errors[0])
+
+
+def test_get_while_the_stores_own_write_back_of_an_older_copy_is_in_flight(make_store):
+    store = make_store(host_budget_bytes="1MiB", device_budget_bytes="1MiB")
+    store.put("k", torch.zeros(64 * 1024), home="nvme").wait()
+    for i in range(20):  # the write-back below is usually still in flight when the host copy goes stale
+        h = store.get("k", "host")
+        h.fill_(float(i))
+        store.mark_dirty("k", "host")
+        store.release("k", "host")
+        store.write_back("k")
+        d = store.get("k", "device")
+        d.add_(0.5)
+        store.mark_dirty("k", "device")
+        store.release("k", "device")
+        assert float(store.get("k", "host")[0]) == i + 0.5  # not "held at an older version"
+        store.release("k", "host")
+
+
+def test_threads_at_a_tight_budget_wait_for_each_other_and_lose_nothing(make_store):
+    """Four threads each hold one copy while getting a second, under a host budget of five copies: there is
+    always a way forward, so no get() may fail, and every increment must survive the evictions."""
+    n = 16 * 1024
+    store = make_store(host_budget_bytes=5 * n, device_budget_bytes=2 * n)
+    keys = [f"k{i}" for i in range(12)]
+    for k in keys:
+        store.put(k, torch.zeros(n // 4), home="nvme").wait()
+    counts = {k: 0 for k in keys}
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def work(seed: int) -> None:
+        rng = random.Random(seed)
+        mine = keys[seed * 3:(seed + 1) * 3]  # each thread changes its own keys: their values are known
+        try:
+            for _ in range(60):
+                first, second = rng.sample(mine, 2)
+                if rng.random() < 0.3:
+                    store.prefetch(rng.choice(keys), "host")
+                tier_b = "device" if rng.random() < 0.2 else "host"
+                a = store.get(first, "host")
+                store.get(second, tier_b)
+                a.add_(1.0)
+                store.mark_dirty(first, "host")
+                with lock:
+                    counts[first] += 1
+                store.release(first, "host")
+                store.release(second, tier_b)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    store.flush()
+    for k in keys:
+        assert float(store.read(k)[0]) == counts[k], k

@@ -10,6 +10,8 @@ from ._nvme import Syscalls
 from ._store import Handle, TierStore, open_store
 from ._timeline import Timeline
 from ._types import (
+    CheckpointError,
+    CheckpointIntegrityError,
     CopyState,
     IntegrityError,
     StoreClosedError,
@@ -23,6 +25,8 @@ from ._types import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointIntegrityError",
     "CopyState",
     "Handle",
     "IntegrityError",

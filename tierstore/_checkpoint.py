@@ -4,6 +4,12 @@ Mechanism only: it knows tensors by name and a way to borrow each one in
 host memory; the integrations decide which tensors a model and an
 optimizer have and where they come from.
 
+[Note: A manifest that vouches for itself] The manifest's first line is
+``{"sha256": "<hex>",`` and the hex is the SHA-256 of every byte after that
+line: a manifest with any byte changed, even one that still parses, fails
+the check and never loads. It stays plain JSON (the first line opens the
+object). Version 1 manifests (no checksum) still load.
+
 [Note: Atomic checkpoint commit] Everything is written into a sibling
 directory ``<path>.tmp-<random>``: the safetensors files, then the manifest
 (last, so a directory with a manifest is complete); every file and the
@@ -16,6 +22,7 @@ leaves ``<path>`` complete (old or new) or, between the two renames, no
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -31,10 +38,12 @@ from typing import Any
 import torch
 
 from ._ownership import describe, lock, reclaim, unlock
-from ._types import IntegrityError, TierStoreError
+from ._types import CheckpointError, CheckpointIntegrityError, IntegrityError, TierStoreError
 
 FORMAT = "tierstore-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
+_HEAD = b'{"sha256": "'
 MANIFEST = "manifest.json"
 
 _DTYPES = {
@@ -193,8 +202,8 @@ def write_files(directory: str, files: dict[str, Iterable[TensorSource]], *, met
     for name, sources in files.items():
         manifest["tensors"][name] = _write_safetensors(os.path.join(directory, name), list(sources), name,
                                                        (file_metadata or {}).get(name, {}))
-    with open(os.path.join(directory, MANIFEST), "x") as f:
-        json.dump(manifest, f, indent=1)
+    with open(os.path.join(directory, MANIFEST), "xb") as f:
+        f.write(encode_manifest(manifest))
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(directory)
@@ -257,6 +266,60 @@ def resolve(path: str | os.PathLike) -> str:
     raise FileNotFoundError(f"no checkpoint at {path} (no {MANIFEST} there or in {path}.prev)")
 
 
+def encode_manifest(manifest: dict[str, Any]) -> bytes:
+    """The manifest's bytes (see [Note: A manifest that vouches for itself])."""
+    body = json.dumps(manifest, indent=1).encode()
+    assert body.startswith(b"{\n") and "sha256" not in manifest
+    rest = body[1:]
+    return _HEAD + hashlib.sha256(rest).hexdigest().encode() + b'",' + rest
+
+
+def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
+    """The manifest in ``raw`` (the bytes of file ``where``), its checksum and its entries checked."""
+    if raw.startswith(_HEAD):
+        digest, sep, rest = raw[len(_HEAD):len(_HEAD) + 64], raw[len(_HEAD) + 64:len(_HEAD) + 66], raw[len(_HEAD) + 66:]
+        if sep != b'",' or hashlib.sha256(rest).hexdigest().encode() != digest:
+            raise CheckpointError(f"{where}: the manifest does not match its checksum: it was changed or damaged "
+                                  f"after it was written. Load the previous checkpoint or save a new one")
+    try:
+        manifest = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{where}: not a readable manifest ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{where} is not a {FORMAT} manifest")
+    version = manifest.get("version")
+    if version not in _READABLE_VERSIONS or (version != 1) != raw.startswith(_HEAD):
+        raise CheckpointError(f"{where}: manifest version {version!r} cannot be read here (this version of "
+                              f"tierstore reads versions {', '.join(map(str, _READABLE_VERSIONS))})")
+    manifest.pop("sha256", None)
+    _check_manifest(manifest, where)
+    return manifest
+
+
+def _check_manifest(manifest: dict[str, Any], where: str) -> None:
+    """Every entry has the fields a load uses, of the right types and consistent sizes."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {what}; the manifest is not one tierstore wrote")
+
+    if not isinstance(manifest.get("metadata"), dict) or not isinstance(manifest.get("tensors"), dict):
+        raise bad("no metadata or tensors")
+    for file, entries in manifest["tensors"].items():
+        if not isinstance(entries, dict) or os.sep in file or file in (MANIFEST, "", ".", ".."):
+            raise bad(f"bad file entry {file!r}")
+        for name, e in entries.items():
+            ints = ("offset", "nbytes", "crc32")
+            if (not isinstance(e, dict) or e.get("file") != file or e.get("dtype") not in _BY_NAME
+                    or any(type(e.get(k)) is not int or e[k] < 0 for k in ints)
+                    or not isinstance(e.get("shape"), list)
+                    or any(type(d) is not int or d < 0 for d in e["shape"])):
+                raise bad(f"entry {name!r} of {file} is malformed")
+            numel = 1
+            for d in e["shape"]:
+                numel *= d
+            if numel * torch.empty((), dtype=_BY_NAME[e["dtype"]]).element_size() != e["nbytes"]:
+                raise bad(f"entry {name!r} of {file}: {e['nbytes']} bytes for shape {e['shape']} {e['dtype']}")
+
+
 def read_manifest(path: str | os.PathLike, subdirectory: str | None = None) -> tuple[str, dict[str, Any]]:
     """(directory, manifest) of the checkpoint at ``path`` (of its part in ``subdirectory``, if given)."""
     directory = resolve(path)
@@ -264,17 +327,37 @@ def read_manifest(path: str | os.PathLike, subdirectory: str | None = None) -> t
         directory = os.path.join(directory, subdirectory)
         if not os.path.isfile(os.path.join(directory, MANIFEST)):
             raise FileNotFoundError(f"checkpoint {path} has no part {subdirectory!r}")
-    with open(os.path.join(directory, MANIFEST)) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
-        raise TierStoreError(f"{directory} is not a {FORMAT} version {FORMAT_VERSION} checkpoint")
-    return directory, manifest
+    where = os.path.join(directory, MANIFEST)
+    with open(where, "rb") as f:
+        return directory, decode_manifest(f.read(), where)
+
+
+def verify_tensor(directory: str, name: str, entry: dict[str, Any], *, chunk_bytes: int = 16 * 1024**2) -> None:
+    """Check that tensor ``name``'s bytes are in their file and match their CRC, reading them in chunks."""
+    file = os.path.join(directory, entry["file"])
+    try:
+        f = open(file, "rb")
+    except OSError as e:
+        raise CheckpointError(f"checkpoint tensor {name!r}: cannot open {file}: {e.strerror}") from None
+    with f:
+        f.seek(entry["offset"])
+        crc, left = 0, entry["nbytes"]
+        while left:
+            block = f.read(min(left, chunk_bytes))
+            if not block:
+                raise CheckpointIntegrityError(f"checkpoint tensor {name!r}: {file} is truncated "
+                                               f"({entry['nbytes'] - left} of {entry['nbytes']} bytes)")
+            crc = zlib.crc32(block, crc)
+            left -= len(block)
+    if crc != entry["crc32"]:
+        raise CheckpointIntegrityError(f"checkpoint tensor {name!r}: checksum mismatch in {file} at byte "
+                                       f"{entry['offset']}; the file is corrupt")
 
 
 def read_into(directory: str, name: str, entry: dict[str, Any], out: torch.Tensor) -> None:
     """Read tensor ``name`` described by manifest ``entry`` into ``out`` (contiguous CPU), checking its CRC."""
     if list(out.shape) != entry["shape"] or dtype_name(out.dtype) != entry["dtype"]:
-        raise TierStoreError(f"checkpoint tensor {name!r} is {entry['shape']} {entry['dtype']}, but the "
+        raise CheckpointError(f"checkpoint tensor {name!r} is {entry['shape']} {entry['dtype']}, but the "
                              f"model expects {list(out.shape)} {dtype_name(out.dtype)}: wrong model or config")
     file = os.path.join(directory, entry["file"])
     mv = _bytes_of(out)
@@ -282,9 +365,10 @@ def read_into(directory: str, name: str, entry: dict[str, Any], out: torch.Tenso
         f.seek(entry["offset"])
         got = f.readinto(mv)
     if got != entry["nbytes"]:
-        raise IntegrityError(f"checkpoint tensor {name!r}: {file} is truncated ({got} of {entry['nbytes']} bytes)")
+        raise CheckpointIntegrityError(f"checkpoint tensor {name!r}: {file} is truncated ({got} of "
+                                       f"{entry['nbytes']} bytes)")
     if zlib.crc32(mv) != entry["crc32"]:
-        raise IntegrityError(f"checkpoint tensor {name!r}: checksum mismatch in {file} at byte "
+        raise CheckpointIntegrityError(f"checkpoint tensor {name!r}: checksum mismatch in {file} at byte "
                              f"{entry['offset']}; the file is corrupt")
 
 
@@ -320,5 +404,5 @@ def read_tensor(directory: str, name: str, entry: dict[str, Any]) -> torch.Tenso
     return out
 
 
-__all__ = ["TensorSource", "commit", "discard", "dtype_from_name", "dtype_name", "new_directory", "read_into", "read_manifest",
-           "read_safetensors", "read_tensor", "resolve", "write_checkpoint", "write_files", "write_safetensors_file"]
+__all__ = ["TensorSource", "commit", "decode_manifest", "discard", "encode_manifest", "dtype_from_name", "dtype_name", "new_directory", "read_into", "read_manifest",
+           "read_safetensors", "read_tensor", "resolve", "verify_tensor", "write_checkpoint", "write_files", "write_safetensors_file"]

@@ -45,7 +45,7 @@ class StoreStats:
             self._paths: dict[str, dict[str, float]] = {}
             self._counters: dict[str, float] = {
                 "hits": 0, "misses": 0, "get_calls": 0, "stall_seconds": 0.0, "background_wait_seconds": 0.0,
-                "queue_wait_seconds": 0.0, "io_calls": 0, "evictions": 0, "write_backs": 0,
+                "queue_wait_seconds": 0.0, "io_calls": 0, "evictions": 0, "write_backs": 0, "budget_waits": 0,
                 "prefetches": 0, "prefetch_skipped": 0, "late_prefetches": 0,
             }
 

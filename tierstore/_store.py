@@ -45,6 +45,7 @@ class _Copy:
     extent: Extent | None = None  # NVME
     loading: Future | None = None  # set while bytes are being read into it
     pins: int = 0
+    holders: dict[int, int] = field(default_factory=dict)  # thread ident -> its pins (get() without release())
     io_refs: int = 0  # transfers reading from or writing into it
     last_use: int = 0
 
@@ -96,6 +97,10 @@ class Handle:
         return f"Handle({self.key!r}, {self.tier.label}, {state})"
 
 
+# How long an allocation waits for other threads to release what they hold (see [Note: Waiting for room]).
+BUDGET_WAIT_SECONDS = 30.0
+
+
 def _done_future(result: Any = True) -> Future:
     f: Future = Future()
     f.set_result(result)
@@ -138,6 +143,8 @@ class TierStore:
         self._movers = ThreadPoolExecutor(max(2, config.io_threads // 2), thread_name_prefix="tierstore-mover")
         self._tick = itertools.count(1)
         self._victim_order: Callable[[Tier, list[str]], list[str]] | None = None
+        # (thread ident, tier) -> its _alloc calls waiting for other threads to release room in that tier
+        self._waiting_for_room: dict[tuple[int, Tier], int] = {}
         self._closed = False
         self._cuda_streams = None
         if cuda:
@@ -240,6 +247,8 @@ class TierStore:
                     self.stats.add_wait(start, time.perf_counter(), key=key, tier=tier.label)
             assert copy is not None
             copy.pins += 1
+            me = threading.get_ident()
+            copy.holders[me] = copy.holders.get(me, 0) + 1
             copy.last_use = next(self._tick)
             return self._view(entry, copy)
 
@@ -262,6 +271,13 @@ class TierStore:
             if copy is None or copy.pins == 0:
                 raise ValueError(f"release({key!r}, {tier.label!r}) without a matching get()")
             copy.pins -= 1
+            # Released by the thread that got it, or (a hand-over) by another: one of the holders lets go.
+            holder = threading.get_ident()
+            if holder not in copy.holders:
+                holder = next(iter(copy.holders))
+            copy.holders[holder] -= 1
+            if not copy.holders[holder]:
+                del copy.holders[holder]
             if self._cuda_streams is not None and copy.buffer is not None and tier is Tier.DEVICE:
                 ev = torch.cuda.Event()
                 ev.record()
@@ -421,6 +437,11 @@ class TierStore:
     def closed(self) -> bool:
         return self._closed
 
+    def is_waiting_for_room(self, thread_ident: int) -> bool:
+        """Whether that thread is waiting for other threads to release memory (see [Note: Waiting for room])."""
+        with self._cv:
+            return any(t == thread_ident for t, _ in self._waiting_for_room)
+
     @property
     def swap_directory(self) -> str | None:
         return self._engine.directory if self._engine else None
@@ -530,6 +551,7 @@ class TierStore:
     # ---- budgets and eviction -----------------------------------------------------------
     def _alloc(self, tier: Tier, nbytes: int, *, may_skip: bool, for_key: str) -> Buffer | None:
         pool = self._pools[tier]
+        waited_since: float | None = None
         while True:
             if self._closed:
                 raise StoreClosedError("the store was closed while waiting for space")
@@ -552,15 +574,47 @@ class TierStore:
                 return buf
             if may_skip:
                 return None
-            copies = [(e, c) for e in self._entries.values() for c in e.copies.values()
-                      if c.tier is tier and c.buffer is not None]
-            held = sum(c.buffer.capacity for e, c in copies if c.pins)
-            homes = sum(c.buffer.capacity for e, c in copies if e.home is tier and not c.pins)
-            raise TierBudgetError(
-                f"{tier.label} tier cannot fit {need} bytes for {for_key!r}: {pool.live_bytes} of "
-                f"{pool.budget_bytes} budget bytes are in use, {held} of them held by get() without "
-                f"release() and {homes} by tensors whose home is this tier; release tensors you are "
-                f"done with or raise {tier.label}_budget_bytes")
+            # [Note: Waiting for room] What remains is held by get()s. Held by other threads (the optimizer's
+            # worker, the training thread), it will be released as they go on: wait, as long as one of them is
+            # not itself waiting here for room in this tier (then no one could go on), and for at most
+            # BUDGET_WAIT_SECONDS (a holder may be waiting for this thread some other way).
+            me = threading.get_ident()
+            others = {t for e in self._entries.values() for c in e.copies.values() if c.tier is tier
+                      for t in c.holders if t != me}
+            if others and not others <= {t for t, waits_in in self._waiting_for_room if waits_in is tier}:
+                if waited_since is None:
+                    waited_since = time.perf_counter()
+                    self.stats.add("budget_waits")
+                if time.perf_counter() - waited_since < BUDGET_WAIT_SECONDS:
+                    waiter = (me, tier)
+                    self._waiting_for_room[waiter] = self._waiting_for_room.get(waiter, 0) + 1
+                    try:
+                        self._cv.wait(0.05)
+                    finally:
+                        self._waiting_for_room[waiter] -= 1
+                        if not self._waiting_for_room[waiter]:
+                            del self._waiting_for_room[waiter]
+                    continue
+            raise TierBudgetError(self._budget_message(tier, need, for_key, waited_since))
+
+    def _budget_message(self, tier: Tier, need: int, for_key: str, waited_since: float | None) -> str:
+        pool = self._pools[tier]
+        copies = [(e, c) for e in self._entries.values() for c in e.copies.values()
+                  if c.tier is tier and c.buffer is not None]
+        homes = sum(c.buffer.capacity for e, c in copies if e.home is tier and not c.pins)
+        names = {t.ident: t.name for t in threading.enumerate()}
+        by_thread: dict[str, list[str]] = {}
+        for e, c in copies:
+            for t in c.holders:
+                by_thread.setdefault(names.get(t, f"thread {t}"), []).append(e.key)
+        held = "; ".join(f"{who} holds {len(keys)} ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})"
+                         for who, keys in by_thread.items()) or "none held"
+        waited = (f" after waiting {time.perf_counter() - waited_since:.1f} s for other threads to release theirs"
+                  if waited_since is not None else "")
+        return (f"{tier.label} tier cannot fit {need} bytes for {for_key!r}{waited}: {pool.live_bytes} of "
+                f"{pool.budget_bytes} budget bytes are in use, {homes} by tensors whose home is this tier and the "
+                f"rest by get() without release(): {held}. Release tensors you are done with or raise "
+                f"{tier.label}_budget_bytes")
 
     def _candidates(self, tier: Tier) -> list[tuple[_Entry, _Copy]]:
         out = [(e, c) for e in self._entries.values() for c in e.copies.values()
@@ -658,10 +712,13 @@ class TierStore:
             if copy is not None and copy.version == entry.version:
                 return copy
             if copy is not None:  # stale
-                if copy.pins or copy.io_refs:
+                if copy.pins:
                     raise TierStoreError(
                         f"{entry.key!r} is held in the {tier.label} tier at an older version; "
                         "release() it before getting the new one")
+                if copy.io_refs:  # the store's own write-back of it is in flight: it is freed when done
+                    self._cv.wait(0.05)
+                    continue
                 self._free_copy(entry, copy)
             src = self._source(entry, tier)
             if src is None:

@@ -60,3 +60,12 @@ class StoreFullError(TierIOError):
 
 class IntegrityError(TierIOError):
     """Bytes read back from the NVMe tier do not match their checksum."""
+
+
+class CheckpointError(TierStoreError):
+    """A checkpoint cannot be loaded as it is (a damaged or edited manifest, a missing file, a tensor that does
+    not match the model); names the file and the entry. Raised before anything is loaded."""
+
+
+class CheckpointIntegrityError(CheckpointError, IntegrityError):
+    """A checkpoint's bytes do not match the checksum its manifest records."""
