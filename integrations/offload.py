@@ -57,8 +57,8 @@ held until their gradients are accumulated.
 
 from __future__ import annotations
 
+import contextlib
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -314,15 +314,23 @@ class OffloadedModel:
                     f"whole subtree is fetched at once)")
 
         handles = []
-        for name, p in model.named_parameters():
-            if id(p) not in offloaded:
-                continue
-            key = f"param/{name}"
-            handles.append(store.put(key, p.detach().contiguous(), home=home))
-            self.params[id(p)] = _Param(name, key, p, self, _placeholder(p, self.compute_device),
-                                        offloaded[id(p)][1], type(p))
-        for h in handles:
-            h.wait()
+        try:
+            for name, p in model.named_parameters():
+                if id(p) not in offloaded:
+                    continue
+                key = f"param/{name}"
+                handles.append(store.put(key, p.detach().contiguous(), home=home))
+                self.params[id(p)] = _Param(name, key, p, self, _placeholder(p, self.compute_device),
+                                            offloaded[id(p)][1], type(p))
+            for h in handles:
+                h.wait()
+        except BaseException:  # the model keeps its parameters and the store holds nothing of it
+            for h in handles:
+                with contextlib.suppress(BaseException):
+                    h.wait()
+                if store.contains(h.key):
+                    store.drop(h.key)
+            raise
         for sp in self.params.values():
             sp.param.data = sp.placeholder
             sp.param.__class__ = _OffloadedParameter

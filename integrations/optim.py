@@ -24,6 +24,7 @@ training is bit-identical to it.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -117,16 +118,24 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._building = False
         # name -> its group, the very dict a scheduler changes: each update reads its hyper-parameters from it.
         self._group_of = {self._name_of[id(p)]: g for g in self.param_groups for p in g["params"]}
-        for name, key, p in self._items:
-            shape = p.shape if key is None else self._param_shape(key)
-            zeros = torch.zeros(shape, dtype=torch.float32)
-            handles.append(self.store.put(f"adam/{name}/exp_avg", zeros, home=home))
-            handles.append(self.store.put(f"adam/{name}/exp_avg_sq", zeros, home=home))
-            if key is not None and p.dtype != torch.float32:
-                handles.append(self.store.put(f"adam/{name}/master", self.offloaded.read_param(name).float(),
-                                              home=home))
-        for h in handles:
-            h.wait()
+        try:
+            for name, key, p in self._items:
+                shape = p.shape if key is None else self._param_shape(key)
+                zeros = torch.zeros(shape, dtype=torch.float32)
+                handles.append(self.store.put(f"adam/{name}/exp_avg", zeros, home=home))
+                handles.append(self.store.put(f"adam/{name}/exp_avg_sq", zeros, home=home))
+                if key is not None and p.dtype != torch.float32:
+                    handles.append(self.store.put(f"adam/{name}/master", self.offloaded.read_param(name).float(),
+                                                  home=home))
+            for h in handles:
+                h.wait()
+        except BaseException:  # a failed constructor leaves nothing in the store (a retry must not see it)
+            for h in handles:
+                with contextlib.suppress(BaseException):
+                    h.wait()
+                if self.store.contains(h.key):
+                    self.store.drop(h.key)
+            raise
         self._state_bytes = {name: sum(self.store.info(k)["nbytes"] for k in self._keys(name, key, p))
                              for name, key, p in self._items}
         self.step_in_backward = step_in_backward

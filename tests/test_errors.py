@@ -178,3 +178,35 @@ def test_use_after_close(make_store):
 def test_wrong_config_type():
     with pytest.raises(TypeError, match="must be a StoreConfig"):
         ts.TierStore({"host_budget_bytes": 1})
+
+
+def test_a_closed_store_says_so_for_every_call(make_store):
+    store = make_store()
+    store.put("a", torch.zeros(8)).wait()
+    store.close()
+    for call in (lambda: store.get("a", "host"), lambda: store.release("a", "host"), lambda: store.info("a"),
+                 lambda: store.mark_dirty("a", "host"), lambda: store.drop("a"), lambda: store.evict("a", "host"),
+                 lambda: store.prefetch("a", "host"), lambda: store.put("b", torch.zeros(8))):
+        with pytest.raises(ts.StoreClosedError, match="closed"):
+            call()
+
+
+def test_a_budget_beyond_the_machines_memory_is_refused(nvme_dir):
+    import psutil
+
+    too_much = psutil.virtual_memory().total + 2**30
+    with pytest.raises(ValueError, match=r"host_budget_bytes=.* GiB exceeds this machine's memory"):
+        ts.TierStore(nvme_path=nvme_dir, host_budget_bytes=too_much)
+
+
+def test_a_failed_optimizer_construction_leaves_nothing_behind(make_store):
+    from tierstore.integrations.offload import offload_model
+    from tierstore.integrations.optim import OffloadedAdamW
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    store = make_store(nvme_budget_bytes="1MiB", file_size_bytes="1MiB")  # the weights fit, their moments not
+    off = offload_model(model, store)
+    keys = store.keys()
+    with pytest.raises(ts.TierBudgetError, match="nvme_budget_bytes"):
+        OffloadedAdamW(off)
+    assert store.keys() == keys  # a retry would not find another optimizer's state

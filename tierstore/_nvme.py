@@ -91,6 +91,12 @@ class _Batch:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+try:  # Swap checksums live only as long as the store, so the function may differ from run to run.
+    from crc32c import crc32c as _checksum  # hardware CRC32C: ~20 GB/s a core here, against zlib's ~3.8
+except ImportError:
+    _checksum = zlib.crc32
+
+
 def _cleanup(directory: str, fds: list[int]) -> None:
     # The files go before the lock is let go (the first fd): no other store may reclaim a half-removed directory.
     shutil.rmtree(directory, ignore_errors=True)
@@ -289,12 +295,12 @@ class NvmeEngine:
                     self.stats.add("queue_wait_seconds", time.perf_counter() - queued)
                     if write:
                         if self.config.verify_checksums:
-                            batch.checksums[index] = zlib.crc32(mv)
+                            batch.checksums[index] = _checksum(mv)
                         self._io_all(self._sys.pwritev, ext, mv, off, batch.label, "write")
                     else:
                         self._io_all(self._sys.preadv, ext, mv, off, batch.label, "read")
                         if self.config.verify_checksums and ext.checksums is not None \
-                                and zlib.crc32(mv) != ext.checksums[index]:
+                                and _checksum(mv) != ext.checksums[index]:
                             raise IntegrityError(
                                 f"{batch.label}: checksum mismatch in {ext.path} at byte "
                                 f"{ext.offset + off} ({len(mv)} bytes); the swap data is corrupt"

@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import torch
 
 from ._config import StoreConfig
@@ -101,6 +102,19 @@ class Handle:
 BUDGET_WAIT_SECONDS = 30.0
 
 
+def _check_budgets_fit_memory(config: StoreConfig, cuda: bool) -> None:
+    """Budgets are promises of memory: one this machine cannot keep fails now, not as an out-of-memory kill
+    later. Without CUDA the device tier is CPU memory too."""
+    total = psutil.virtual_memory().total
+    budgets = [("host_budget_bytes", config.host_budget_bytes)]
+    if not cuda:
+        budgets.append(("device_budget_bytes", config.device_budget_bytes))
+    if sum(v for _, v in budgets) > total:
+        given = " + ".join(f"{name}={value / 2**30:.2f} GiB" for name, value in budgets)
+        raise ValueError(f"{given} exceeds this machine's memory ({total / 2**30:.2f} GiB); lower them (host "
+                         f"memory also holds the model's activations and the program itself)")
+
+
 def _done_future(result: Any = True) -> Future:
     f: Future = Future()
     f.set_result(result)
@@ -128,6 +142,7 @@ class TierStore:
         self.config = config
         self.stats = StoreStats()
         cuda = torch.cuda.is_available()
+        _check_budgets_fit_memory(config, cuda)
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self._pools = {
             Tier.DEVICE: TierPool(Tier.DEVICE, config.device_budget_bytes, self.device),
@@ -467,6 +482,7 @@ class TierStore:
         try:
             return self._entries[key]
         except KeyError:
+            self._check_open()  # after close() every key is gone: say so, not "put() it first"
             raise KeyError(f"unknown key {key!r}: put() it into the store first") from None
 
     def _check_fits(self, key: str, nbytes: int, home: Tier) -> None:
