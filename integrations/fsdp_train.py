@@ -113,12 +113,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 before = store.stats_dict()
                 dist.barrier()
                 t0 = time.perf_counter()
-                loss = _train_step(model, opt, data, step, args.batch_size, rank, world)
+                with _CollectiveBytes(world) as collectives:
+                    loss = _train_step(model, opt, data, step, args.batch_size, rank, world)
                 dt = time.perf_counter() - t0
                 after = store.stats_dict()
                 local = torch.tensor([loss, dt, after["stall_seconds"] - before["stall_seconds"],
                                       after["bytes_read_nvme"] - before["bytes_read_nvme"],
-                                      after["bytes_written_nvme"] - before["bytes_written_nvme"]],
+                                      after["bytes_written_nvme"] - before["bytes_written_nvme"],
+                                      collectives.bytes["all_gather"], collectives.bytes["reduce_scatter"]],
                                      dtype=torch.float64)
                 rows.append(_aggregate(local, world))
                 if rank == 0:
@@ -229,7 +231,43 @@ def _aggregate(local: torch.Tensor, world: int) -> dict[str, float]:
     read, written = g[:, 3].sum().item(), g[:, 4].sum().item()
     return {"local_loss": local[0].item(), "loss": g[:, 0].mean().item(), "step_s": step_s,
             "stall_s": g[:, 2].max().item(), "read_bytes": read, "written_bytes": written,
-            "nvme_gbps": (read + written) / step_s / 1e9}
+            "nvme_gbps": (read + written) / step_s / 1e9,
+            # per rank (the mean over ranks): what `tierstore plan` predicts for these links
+            "all_gather_bytes_per_rank": g[:, 5].mean().item(), "reduce_scatter_bytes_per_rank": g[:, 6].mean().item()}
+
+
+class _CollectiveBytes:
+    """Bytes this rank receives in FSDP2's all-gathers and sends in its reduce-scatters, counted where FSDP2 calls
+    torch.distributed (``all_gather_single`` / ``reduce_scatter_single``, or the ``*_tensor`` forms)."""
+
+    _CALLS = {"all_gather": (("all_gather_single", "all_gather_into_tensor"), 0, ("output_tensor", "output")),
+              "reduce_scatter": (("reduce_scatter_single", "reduce_scatter_tensor"), 1, ("input", "input_tensor"))}
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.bytes = {kind: 0.0 for kind in self._CALLS}
+        self._saved: list[tuple[str, Any]] = []
+
+    def __enter__(self) -> _CollectiveBytes:
+        for kind, (names, index, keywords) in self._CALLS.items():
+            for name in names:
+                fn = getattr(dist, name, None)
+                if fn is not None:
+                    self._saved.append((name, fn))
+                    setattr(dist, name, self._counted(fn, kind, index, keywords))
+        return self
+
+    def _counted(self, fn: Any, kind: str, index: int, keywords: tuple[str, ...]) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t = next((kwargs[k] for k in keywords if k in kwargs), None)
+            t = args[index] if t is None else t
+            self.bytes[kind] += t.numel() * t.element_size() * (self.world - 1) / self.world
+            return fn(*args, **kwargs)
+        return call
+
+    def __exit__(self, *exc: object) -> None:
+        for name, fn in self._saved:
+            setattr(dist, name, fn)
 
 
 def _compare(off, opt, reference, losses: list[float]) -> bool:

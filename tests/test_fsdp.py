@@ -42,6 +42,18 @@ def test_fsdp_offload_is_bit_identical_and_sharded_as_planned(tmp_path, ranks):
     plan = make_plan(PlanConfig(params=res["params"], ranks=ranks, dtype="fp32", optimizer="adamw",
                                 host_budget_bytes=2 * MIB, device_budget_bytes=1 * MIB))
     assert plan["homes"] == {"weights": "nvme", "optimizer_state": "nvme"}
+    # Link traffic per step: collectives counted where FSDP2 calls torch.distributed, drive bytes from the
+    # stores' stats (summed over ranks), against what the plan predicts per rank.
+    traffic = plan["traffic_per_step"]
+    for step in res["steps"]:
+        for link in ("all_gather", "reduce_scatter"):
+            measured, predicted = step[f"{link}_bytes_per_rank"], traffic[link]
+            assert abs(measured - predicted) <= 0.10 * predicted, (link, measured, predicted)
+        assert abs(step["written_bytes"] - ranks * traffic["nvme_write"]) <= 0.10 * ranks * traffic["nvme_write"]
+        # Every byte the plan reads is read; a host budget of 2 MiB makes prefetched shards be read again.
+        assert step["read_bytes"] >= 0.9 * ranks * traffic["nvme_read"]
+    first = res["steps"][0]["read_bytes"]
+    assert abs(first - ranks * traffic["nvme_read"]) <= 0.10 * ranks * traffic["nvme_read"]
     planned = plan["per_rank_by_tier"]["nvme"]
     for rank in res["per_rank"]:
         measured = rank["state_bytes_by_tier"]["nvme"]

@@ -15,7 +15,14 @@ def test_seed_example_7b_on_8_ranks(capsys, tmp_path):
     assert t["weights"] == 14e9  # bf16
     assert t["moments"] == 56e9 and t["optimizer_state"] == 84e9  # with the fp32 master copy
     assert r["moments"] == 7e9
+    # Each all-gather brings the other 7/8 of 14 GB of weights into every rank, twice a step (forward, backward);
+    # the reduce-scatter sends 7/8 of the 14 GB of gradients. With the weights on the drive, their shards
+    # come to the device before each all-gather and the gradient shards go down to the CPU optimizer.
+    tr = plan["traffic_per_step"]
+    assert tr["all_gather"] == 24.5e9 and tr["reduce_scatter"] == 12.25e9
+    assert tr["host_to_device"] == 2 * 1.75e9 and tr["device_to_host"] == 1.75e9
     out = capsys.readouterr().out
+    assert "all gather 24.50  reduce scatter 12.25" in out
     assert "Adam moments (fp32 m, v)       56.00         7.00" in out
     assert "optimizer state, all           84.00        10.50" in out
 
@@ -25,11 +32,20 @@ def test_placement_follows_budgets():
     plan = make_plan(PlanConfig(params=7 * gb, ranks=8, device_budget_bytes=4 * gb, host_budget_bytes=16 * gb))
     assert plan["homes"] == {"weights": "device", "optimizer_state": "host"}  # 1.75 GB, then 10.5 of 12 GB
     assert plan["traffic_per_step"]["nvme_read"] == 0
+    # The optimizer steps on the CPU: gradient shards go down, updated weight shards come back up.
+    assert plan["traffic_per_step"]["device_to_host"] == plan["traffic_per_step"]["host_to_device"] == 1.75e9
     plan = make_plan(PlanConfig(params=7 * gb, ranks=8, host_budget_bytes=8 * gb))
     assert plan["homes"] == {"weights": "host", "optimizer_state": "nvme"}
     assert plan["traffic_per_step"]["nvme_read"] == plan["per_rank"]["optimizer_state"]
     plan = make_plan(PlanConfig(params=7 * gb, ranks=1, nvme_budget_bytes=10 * gb))
     assert not plan["fits"]
+
+
+@pytest.mark.parametrize("text,count", [("7e9", 7 * 10**9), ("7B", 7 * 10**9), ("350M", 350 * 10**6),
+                                        ("1.5b", 1_500_000_000), ("125k", 125_000)])
+def test_parameter_counts_as_people_write_them(tmp_path, text, count):
+    assert _cli.main(["plan", "--params", text, "--json", str(tmp_path / "p.json")]) == 0
+    assert json.loads((tmp_path / "p.json").read_text())["config"]["params"] == count
 
 
 def test_preset_and_bad_input(capsys):
@@ -38,5 +54,7 @@ def test_preset_and_bad_input(capsys):
     assert _cli.main(["plan", "--params", "7e9", "--dtype", "int8"]) == 2
     assert "choose one of fp32, bf16, fp16" in capsys.readouterr().err
     assert _cli.main(["plan", "--preset", "huge"]) == 2
+    assert _cli.main(["plan", "--params", "seven"]) == 2
+    assert "give a count such as 7e9, 7B or 350M" in capsys.readouterr().err
     with pytest.raises(ValueError, match="ranks=0 must be >= 1"):
         PlanConfig(params=1, ranks=0)

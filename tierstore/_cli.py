@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="run the optimizer after backward instead of overlapping it with backward")
     plan = cmds.add_parser("plan", help="ZeRO-3 memory per rank and tier, and the bytes each step moves")
     what = plan.add_mutually_exclusive_group(required=True)
-    what.add_argument("--params", type=float, help="parameter count, e.g. 7e9")
+    what.add_argument("--params", help="parameter count: 7e9, 7B, 350M, 1.5b")
     what.add_argument("--preset", help="a ViT preset: tiny, small, base, large, 1b")
     plan.add_argument("--ranks", type=int, default=1, help="data-parallel ranks sharding the model (default 1)")
     plan.add_argument("--dtype", default="bf16", help="compute dtype: bf16, fp16, fp32 (default bf16)")
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             from ._plan import PlanConfig, format_plan, make_plan
 
             result = make_plan(PlanConfig(
-                params=int(args.params) if args.params is not None else _preset_params(args.preset),
+                params=_count(args.params) if args.params is not None else _preset_params(args.preset),
                 ranks=args.ranks, dtype=args.dtype, optimizer=args.optimizer,
                 **{f"{t}_budget_bytes": parse_bytes(v, name=f"--{t}-budget") if v else None
                    for t, v in (("device", args.device_budget), ("host", args.host_budget),
@@ -156,6 +156,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser.error("unknown command")
     return 2
+
+
+def _count(text: str) -> int:
+    """A parameter count: a number (7e9, 7000000000) or one with a K/M/B/T suffix (7B, 350M, 1.5b)."""
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(text.strip()[-1:].lower())
+    try:
+        value = float(text.strip()[:-1]) * scale if scale else float(text)
+    except ValueError:
+        raise ValueError(f"--params {text!r}: give a count such as 7e9, 7B or 350M") from None
+    if not value >= 1 or value != value:
+        raise ValueError(f"--params {text!r} must be at least 1")
+    return int(value)
 
 
 def _preset_params(preset: str) -> int:

@@ -75,16 +75,22 @@ def make_plan(cfg: PlanConfig) -> dict[str, Any]:
             by_tier[tier.label] += need
     w_home, o_home = homes["weights"], homes["optimizer_state"]
     w, o = per_rank["weights"], per_rank["optimizer_state"]
-    gather = (n - 1) / n
+    others = (n - 1) / n  # the share of each collective's bytes that comes from (or goes to) other ranks
+    stepped_on_cpu = cfg.optimizer != "none"
     traffic = {
-        # FSDP all-gathers the weights for forward and again for backward, and reduce-scatters gradients.
-        "all_gather": 2 * totals["weights"] * gather / n if n > 1 else 0.0,
-        "reduce_scatter": totals["grads"] * gather / n if n > 1 else 0.0,
+        # [Note: Link traffic] FSDP2 all-gathers the whole weights into every rank for forward and again for
+        # backward: each rank receives the other ranks' shards, 2 x weights x (N-1)/N; the reduce-scatter
+        # sends each rank's gradient for the others' shards, grads x (N-1)/N.
+        "all_gather": 2 * totals["weights"] * others,
+        "reduce_scatter": totals["grads"] * others,
         # Weights are read for forward and backward and, when they are the fp32 master, by the optimizer.
         "nvme_read": (w * (2 if master else 3) if w_home == "nvme" else 0.0) + (o if o_home == "nvme" else 0.0),
         "nvme_write": (o if o_home == "nvme" else 0.0) + (w if w_home == "nvme" else 0.0),
-        "host_to_device": 2 * w if w_home != "device" else 0.0,
-        "device_to_host": per_rank["grads"] if w_home != "device" else 0.0,
+        # Shards kept off the device come to it before each all-gather; the optimizer steps on the CPU, so
+        # the gradient shard goes down and, for weights homed on the device, the updated shard comes back.
+        "host_to_device": (2 * w if w_home != "device" else 0.0) + (w if w_home == "device" and stepped_on_cpu
+                                                                     else 0.0),
+        "device_to_host": per_rank["grads"] if stepped_on_cpu else 0.0,
     }
     fits = all(h is not None for h in homes.values())
     return {"config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "totals": totals,
