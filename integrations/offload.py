@@ -308,8 +308,8 @@ class OffloadedModel:
             need = sum(offloaded[i][1] for i in ids)
             if need > budget:
                 raise ValueError(
-                    f"unit {mname or '<root>'!r} holds {need / 2**20:.1f} MiB of parameters at once, more than the "
-                    f"{compute_tier.label} budget ({budget / 2**20:.1f} MiB) it computes in: raise "
+                    f"unit {mname or '<root>'!r} holds {need} bytes ({need / 2**20:.2f} MiB) of parameters at once, "
+                    f"more than the {compute_tier.label} budget ({budget} bytes) it computes in: raise "
                     f"{compute_tier.label}_budget_bytes, or split the unit (units=... names the modules whose "
                     f"whole subtree is fetched at once)")
 

@@ -11,7 +11,7 @@ from tierstore._bench_drive import fio_available
 @pytest.mark.parametrize("integrity", [False, True])
 def test_bench_drive_tiny(tmp_path, capsys, integrity):
     out = tmp_path / "drive.json"
-    args = ["bench", "drive", "--path", str(tmp_path), "--size-mib", "8", "--tensor-mib", "2",
+    args = ["bench", "drive", "--nvme-path", str(tmp_path), "--size-mib", "8", "--tensor-mib", "2",
             "--rounds", "2", "--json", str(out)] + (["--integrity"] if integrity else [])
     assert _cli.main(args) == 0
     res = json.loads(out.read_text())
@@ -31,5 +31,5 @@ def test_bench_drive_tiny(tmp_path, capsys, integrity):
 
 
 def test_bench_drive_bad_path(tmp_path, capsys):
-    assert _cli.main(["bench", "drive", "--path", str(tmp_path / "missing")]) == 2
+    assert _cli.main(["bench", "drive", "--nvme-path", str(tmp_path / "missing")]) == 2
     assert "is not a directory" in capsys.readouterr().err

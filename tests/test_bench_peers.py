@@ -7,7 +7,7 @@ from tierstore import _cli
 
 def test_bench_peers_tiny(tmp_path, capsys):
     out = tmp_path / "peers.json"
-    assert _cli.main(["bench", "peers", "--path", str(tmp_path), "--layers", "3", "--width", "64",
+    assert _cli.main(["bench", "peers", "--nvme-path", str(tmp_path), "--layers", "3", "--width", "64",
                       "--rounds", "2", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert len(res["samples_s"]["memory"]) == len(res["samples_s"]["tierstore"]) == 2

@@ -1,10 +1,13 @@
 """The main job at a tiny size: it trains, the loss falls, budgets hold, the figures are real."""
 
 import json
+import os
 
 import pytest
+import torch
 
 from tierstore import _cli
+from tierstore._demo import PRESET_LR
 
 try:
     import matplotlib  # noqa: F401
@@ -23,8 +26,10 @@ def test_demo_tiny(tmp_path, capsys):
                     "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
-    for word in ("loss", "stall s", "NVMe GB/s", "peak memory per tier", "peak RSS"):
+    for word in ("loss", "stall s", "drive GB/s", "peak memory per tier", "peak RSS", "synthetic", "warm-up"):
         assert word in printed
+    if not torch.cuda.is_available():  # the device tier is not used without CUDA: not shown
+        assert "device" not in printed.split("peak memory per tier")[1].splitlines()[0]
     res = json.loads(out.read_text())
     steps = res["steps"]
     assert len(steps) == 6
@@ -36,6 +41,25 @@ def test_demo_tiny(tmp_path, capsys):
     # Training adds the tier budgets plus a fixed overhead (activations, runtime) to the RSS, never the model's
     # state (~1.2 MiB here, so this bound says little at this size; the demo prints the figure at real sizes).
     assert res["peak_rss_bytes"] - res["rss_before_steps_bytes"] < 128 * 1024**2
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_demo_loss_falls_at_its_default_learning_rate(tmp_path, preset):
+    out = tmp_path / "demo.json"
+    assert _cli.main(["demo", "--preset", preset, "--steps", "6", "--batch-size", "16",
+                      "--nvme-path", str(tmp_path), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    losses = [s["loss"] for s in res["steps"]]
+    assert res["lr"] == PRESET_LR[preset] and losses[-1] < 0.8 * losses[0], losses
+
+
+def test_demo_defaults_to_a_swap_path_outside_the_current_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TIERSTORE_NVME_PATH", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert _cli.main(["demo", "--preset", "tiny", "--steps", "1", "--batch-size", "2", "--lr", "1e-4"]) == 0
+    assert f"under '{tmp_path / 'cache' / 'tierstore'}'" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path)) == ["cache"]
 
 
 def test_demo_bad_preset(tmp_path, capsys):
@@ -110,3 +134,12 @@ def test_rss_probe_failure_is_reported(tmp_path, capsys, monkeypatch):
                                      host_budget_bytes=640 * 1024, device_budget_bytes=320 * 1024)
     assert res["rss"] == {"error": "probe exploded"} and res["depths"]["0"]["step_s"] > 0
     assert "peak RSS check could not run: probe exploded" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("budget,says", [("1KB", "unit '<root>' holds"), ("3MiB", "below what one AdamW update")])
+def test_a_budget_below_the_models_minimum_is_one_line_before_training(tmp_path, capsys, budget, says):
+    assert _cli.main(["demo", "--preset", "small", "--steps", "1", "--nvme-path", str(tmp_path),
+                      "--host-budget", budget]) == 2
+    out = capsys.readouterr()
+    assert says in out.err and len(out.err.strip().splitlines()) == 1 and "stall s" not in out.out  # no step ran
+    assert os.listdir(tmp_path) == []

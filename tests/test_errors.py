@@ -210,3 +210,8 @@ def test_a_failed_optimizer_construction_leaves_nothing_behind(make_store):
     with pytest.raises(ts.TierBudgetError, match="nvme_budget_bytes"):
         OffloadedAdamW(off)
     assert store.keys() == keys  # a retry would not find another optimizer's state
+
+
+def test_a_misspelt_setting_is_named_with_the_valid_ones(nvme_dir):
+    with pytest.raises(TypeError, match=r"'prefech_depth' \(did you mean 'prefetch_depth'\?\).*host_budget_bytes"):
+        ts.TierStore(nvme_path=nvme_dir, prefech_depth=4)

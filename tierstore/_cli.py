@@ -11,13 +11,15 @@ from . import __version__
 from ._config import StoreConfig, parse_bytes
 from ._types import TierStoreError
 
+_NVME_PATH_HELP = ("directory on the drive for the swap files (default: $TIERSTORE_NVME_PATH, else "
+                   "$XDG_CACHE_HOME/tierstore or ~/.cache/tierstore)")
 # The default of demo and bench step, both from _demo.default_budgets.
 _DEVICE_BUDGET_HELP = "device tier budget (default: a quarter of the weights with CUDA, 1 MiB without)"
 
 
 def _add_drive(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("drive", help="the store's NVMe reads and writes against fio on the same drive")
-    p.add_argument("--path", required=True, help="a directory on the drive to measure")
+    p.add_argument("--nvme-path", "--path", dest="nvme_path", default=None, help=_NVME_PATH_HELP)
     p.add_argument("--size-mib", type=int, default=1024, help="MiB written then read per round (default 1024)")
     p.add_argument("--tensor-mib", type=int, default=64, help="size of each tensor moved (default 64)")
     d = StoreConfig
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     step.add_argument("--batch-size", type=int, default=32)
     step.add_argument("--depths", default="0,1,2,4,8", help="prefetch depths (default 0,1,2,4,8)")
     step.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians reported (default 3)")
-    step.add_argument("--nvme-path", default=".", help="directory for the swap files (default .)")
+    step.add_argument("--nvme-path", "--path", dest="nvme_path", default=None, help=_NVME_PATH_HELP)
     step.add_argument("--host-budget", help="host tier budget (default: a third of the state)")
     step.add_argument("--device-budget", help=_DEVICE_BUDGET_HELP)
     step.add_argument("--json", metavar="FILE", help="write the figures as JSON")
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="skip the peak-RSS check (a fresh process training a few steps at the deepest depth)")
     peers = bsub.add_parser("peers", help="cold inference forward, weights on disk: tierstore vs Accelerate's "
                             "disk_offload vs in-memory")
-    peers.add_argument("--path", default=".", help="directory on the drive for both (default .)")
+    peers.add_argument("--nvme-path", "--path", dest="nvme_path", default=None, help=_NVME_PATH_HELP)
     peers.add_argument("--layers", type=int, default=24, help="Linear layers in the stack (default 24)")
     peers.add_argument("--width", type=int, default=4096, help="features per layer (default 4096)")
     peers.add_argument("--batch-size", type=int, default=8)
@@ -71,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--preset", default="small", help="model size: tiny, small, base, large, 1b (default small)")
     demo.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
     demo.add_argument("--batch-size", type=int, default=32, help="images per step (default 32)")
-    demo.add_argument("--nvme-path", default=".", help="directory for the swap files (default .)")
+    demo.add_argument("--nvme-path", "--path", dest="nvme_path", default=None, help=_NVME_PATH_HELP)
     demo.add_argument("--prefetch-depth", type=int, default=2, help="groups read ahead of use (default 2)")
+    demo.add_argument("--lr", type=float, help="peak AdamW learning rate, reached after a warm-up over the first "
+                      "half of the steps (default by preset: tiny/small 1e-3, base 1e-4, large 3e-5, 1b 1e-5)")
     demo.add_argument("--host-budget", help="host tier budget, e.g. 64MiB (default: a third of the state)")
     demo.add_argument("--device-budget", help=_DEVICE_BUDGET_HELP)
     demo.add_argument("--json", metavar="FILE", help="write per-step figures as JSON")
@@ -115,15 +119,16 @@ def main(argv: list[str] | None = None) -> int:
             from ._demo import run_demo
 
             result = run_demo(
-                preset=args.preset, steps=args.steps, batch_size=args.batch_size, nvme_path=args.nvme_path,
-                prefetch_depth=args.prefetch_depth, step_in_backward=not args.step_after_backward, **_budgets(args))
+                preset=args.preset, steps=args.steps, batch_size=args.batch_size, nvme_path=_nvme_path(args),
+                prefetch_depth=args.prefetch_depth, step_in_backward=not args.step_after_backward, lr=args.lr,
+                **_budgets(args))
             _write_json(args.json, result)
             return 0
         if args.cmd == "bench" and args.bench == "step":
             from ._bench_step import run_step_bench
 
             result = run_step_bench(
-                preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=args.nvme_path,
+                preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=_nvme_path(args),
                 depths=[int(d) for d in args.depths.split(",")], trace_path=args.trace,
                 step_in_backward=not args.step_after_backward, rss=not args.no_rss, **_budgets(args))
             _write_json(args.json, result)
@@ -135,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "bench" and args.bench == "peers":
             from ._bench_peers import run_peers_bench
 
-            result = run_peers_bench(path=args.path, layers=args.layers, width=args.width,
+            result = run_peers_bench(path=_nvme_path(args), layers=args.layers, width=args.width,
                                      batch_size=args.batch_size, rounds=args.rounds,
                                      prefetch_depth=args.prefetch_depth, **_budgets(args))
             _write_json(args.json, result)
@@ -144,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             from ._bench_drive import DriveBenchConfig, run_drive_bench
 
             cfg = DriveBenchConfig(
-                path=args.path, size_mib=args.size_mib, tensor_mib=args.tensor_mib,
+                path=_nvme_path(args), size_mib=args.size_mib, tensor_mib=args.tensor_mib,
                 block_size_bytes=parse_bytes(args.block_size, name="--block-size"),
                 queue_depth=args.queue_depth, io_threads=args.io_threads, fio_iodepth=args.fio_iodepth,
                 rounds=args.rounds, integrity=args.integrity)
@@ -156,6 +161,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser.error("unknown command")
     return 2
+
+
+def _nvme_path(args: argparse.Namespace) -> str:
+    """--nvme-path, else $TIERSTORE_NVME_PATH, else a cache directory of the user's (created): never the current
+    directory, which may be a source checkout."""
+    if args.nvme_path:
+        return args.nvme_path
+    path = os.environ.get("TIERSTORE_NVME_PATH") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tierstore")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
 
 
 def _count(text: str) -> int:

@@ -14,6 +14,9 @@ from ._store import TierStore
 from .vit import PRESETS, SyntheticImages, ViT, num_params
 
 MIB = 1024**2
+# Peak learning rates under which the demo's loss falls within its default steps (measured resident, 5-8 steps,
+# batch 32, warm-up over the first half): larger ViTs need smaller ones; 1b's is extrapolated.
+PRESET_LR = {"tiny": 1e-3, "small": 1e-3, "base": 1e-4, "large": 3e-5, "1b": 1e-5}
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:
@@ -32,7 +35,8 @@ def default_budgets(num_params: int, host_budget_bytes: int | None,
     return state_bytes, host, device
 
 
-def measure_step(model, store: TierStore, opt, data: SyntheticImages, batch_size: int, step: int) -> dict[str, Any]:
+def measure_step(model, store: TierStore, opt, data: SyntheticImages, batch_size: int, step: int,
+                 sched=None) -> dict[str, Any]:
     """Run one training step; its loss, wall time, stall time and NVMe bytes read and written."""
     before = store.stats_dict()
     t0 = time.perf_counter()
@@ -41,6 +45,8 @@ def measure_step(model, store: TierStore, opt, data: SyntheticImages, batch_size
     loss.backward()
     opt.step()
     opt.zero_grad()
+    if sched is not None:
+        sched.step()
     dt = time.perf_counter() - t0
     after = store.stats_dict()
     read = after["bytes_read_nvme"] - before["bytes_read_nvme"]
@@ -51,7 +57,7 @@ def measure_step(model, store: TierStore, opt, data: SyntheticImages, batch_size
 
 
 def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefetch_depth: int,
-             host_budget_bytes: int | None, device_budget_bytes: int | None, lr: float = 1e-3,
+             host_budget_bytes: int | None, device_budget_bytes: int | None, lr: float | None = None,
              step_in_backward: bool = True, log=print) -> dict[str, Any]:
     from .integrations.offload import offload_model
     from .integrations.optim import OffloadedAdamW
@@ -60,6 +66,10 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
         raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
     if steps < 1 or batch_size < 1:
         raise ValueError("--steps and --batch-size must be >= 1")
+    lr = PRESET_LR[preset] if lr is None else lr
+    if not lr > 0:
+        raise ValueError(f"--lr {lr} must be > 0")
+    warmup = max(1, steps // 2)
     torch.manual_seed(0)
     cfg = PRESETS[preset]
     model = ViT(cfg)
@@ -67,41 +77,49 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     state_bytes, host, device = default_budgets(n, host_budget_bytes, device_budget_bytes)
     config = StoreConfig(nvme_path=nvme_path, host_budget_bytes=host, device_budget_bytes=device,
                          prefetch_depth=prefetch_depth)
+    cuda = torch.cuda.is_available()
     log(f"tierstore demo: ViT-{preset}, {n / 1e6:.1f}M parameters, {state_bytes / MIB:.0f} MiB of fp32 "
         f"parameters + AdamW state on NVMe under {nvme_path!r}")
-    log(f"budgets: host {host / MIB:.0f} MiB, device {device / MIB:.0f} MiB; prefetch depth {prefetch_depth}; "
-        f"batch {batch_size}; optimizer steps " + ("in backward" if step_in_backward else "after backward"))
+    log(f"data: synthetic {cfg.image_size}x{cfg.image_size} images ({cfg.num_classes} random templates plus noise, "
+        f"made in-process), batch {batch_size}; AdamW lr {lr:g} after {warmup} warm-up step(s)")
+    budgets = f"host {host / MIB:.0f} MiB" + (f", device {device / MIB:.0f} MiB" if cuda else
+                                              " (no CUDA: modules compute in the host tier)")
+    log(f"budgets: {budgets}; prefetch depth {prefetch_depth}; optimizer steps "
+        + ("in backward" if step_in_backward else "after backward"))
     data = SyntheticImages(cfg)
     rows = []
     with TierStore(config) as store:
         off = offload_model(model, store)
         opt = OffloadedAdamW(off, lr=lr, step_in_backward=step_in_backward)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
         store.flush()
         rss_before = rss_bytes()
         if not reset_peak_rss():
             rss_before = 0  # the peak below is then the process's lifetime peak
-        header = f"{'step':>4} {'loss':>8} {'step s':>8} {'stall s':>8} {'read MiB':>9} {'write MiB':>9} {'NVMe GB/s':>9}"
+        log("drive columns: bytes the step read from and wrote to the drive, and their sum over the step's time")
+        header = f"{'step':>4} {'loss':>8} {'step s':>8} {'stall s':>8} {'read MiB':>9} {'write MiB':>9} {'drive GB/s':>10}"
         log(header)
         for step in range(steps):
-            row = measure_step(model, store, opt, data, batch_size, step)
+            row = measure_step(model, store, opt, data, batch_size, step, sched)
             rows.append(row)
             log(f"{step:>4} {row['loss']:>8.4f} {row['step_s']:>8.3f} {row['stall_s']:>8.3f} "
                 f"{row['read_bytes'] / MIB:>9.1f} {row['written_bytes'] / MIB:>9.1f} "
-                f"{row['nvme_gbps']:>9.2f}  {_bar(step + 1, steps)}")
+                f"{row['nvme_gbps']:>10.2f}  {_bar(step + 1, steps)}")
         opt.close()
         peak_rss = peak_rss_bytes()
         mem = store.memory()
         stats = store.stats_dict()
     log("peak memory per tier (MiB):  " + "  ".join(
         f"{tier} {m['peak_bytes'] / MIB:.1f}/{m['budget_bytes'] / MIB:.1f}" if m["budget_bytes"] > 0
-        else f"{tier} {m['peak_bytes'] / MIB:.1f}" for tier, m in mem.items()))
+        else f"{tier} {m['peak_bytes'] / MIB:.1f}" for tier, m in mem.items() if tier != "device" or cuda))
     log(f"peak RSS: {peak_rss / MIB:.0f} MiB, {(peak_rss - rss_before) / MIB:.0f} MiB above the RSS before the "
-        f"first step (budgets: host {host / MIB:.1f} + device {device / MIB:.1f} MiB; the rest is activations, "
+        f"first step (budgets: host {host / MIB:.1f}" + (f" + device {device / MIB:.1f}" if cuda else "")
+        + " MiB; the rest is activations, "
         f"gradients not yet consumed and the runtime); prefetch hits {stats['hits']}, misses {stats['misses']}")
     log(f"loss: {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}")
     return {"preset": preset, "params": n, "steps": rows, "memory": mem, "peak_rss_bytes": peak_rss, "rss_before_steps_bytes": rss_before,
             "hits": stats["hits"], "misses": stats["misses"], "prefetch_depth": prefetch_depth,
-            "host_budget_bytes": host, "device_budget_bytes": device}
+            "host_budget_bytes": host, "device_budget_bytes": device, "lr": lr}
 
 
 __all__ = ["default_budgets", "measure_step", "run_demo"]

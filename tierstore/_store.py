@@ -17,6 +17,7 @@ running is loading, so no cycle of waits can form.
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import threading
 import time
@@ -133,6 +134,12 @@ class TierStore:
 
     def __init__(self, config: StoreConfig | None = None, *, syscalls: Syscalls | None = None,
                  **overrides: Any) -> None:
+        unknown = sorted(set(overrides) - set(StoreConfig.__dataclass_fields__))
+        if unknown:
+            hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, StoreConfig.__dataclass_fields__, 1))
+                     else repr(k) for k in unknown]
+            raise TypeError(f"TierStore got unknown settings {', '.join(hints)}; the settings are: "
+                            f"{', '.join(StoreConfig.__dataclass_fields__)}")
         if config is None:
             config = StoreConfig(**overrides)
         elif overrides:
