@@ -98,6 +98,7 @@ class FSDPOffload:
         self.grad_ready_callbacks: list[Callable[[str], None]] = []
         # An optimizer's uses of store keys, which eviction weighs with the trace's.
         self.later_uses = LaterUses()
+        self.on_remove: list[Callable[[], None]] = []  # called by remove(): optimizers drop their state
         self.groups: dict[str, _ShardGroup] = {}
         self.params: dict[int, _Shard] = {}  # id(param) -> shard
         names = {id(p): n for n, p in model.named_parameters()}
@@ -202,7 +203,11 @@ class FSDPOffload:
         return out
 
     def remove(self) -> None:
-        """Put every shard back in memory (current values) and detach from FSDP2."""
+        """Put every shard back in memory (current values) and detach from FSDP2 (an optimizer of it drops its
+        state)."""
+        for drop in self.on_remove:
+            drop()
+        self.on_remove.clear()
         self._hook.remove()
         self.grad_ready_callbacks.clear()
         self.store.set_victim_order(None)

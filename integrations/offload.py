@@ -284,6 +284,7 @@ class OffloadedModel:
         self.grad_ready_callbacks: list[Callable[[str], None]] = []
         # An optimizer's uses of store keys, which eviction weighs with the trace's.
         self.later_uses = LaterUses()
+        self.on_remove: list[Callable[[], None]] = []  # called by remove(): optimizers drop their state
         self._storage_owner: dict[int, _Param] = {}  # data_ptr of a held copy's storage -> its parameter
         self._saved_hooks: Any = None
         offloaded: dict[int, tuple[str, int]] = {}
@@ -622,10 +623,14 @@ class OffloadedModel:
             p.grad = None
 
     def remove(self) -> None:
-        """Detach from the module: parameters get their current values back as ordinary tensors."""
+        """Detach from the module: parameters get their current values back as ordinary tensors, and the state of
+        an optimizer of it leaves the store."""
         for sp in self.params.values():
             if sp.holds:
                 raise RuntimeError(f"cannot remove offload while {sp.name!r} is in use (inside forward/backward)")
+        for drop in self.on_remove:  # an optimizer of this model drops its state
+            drop()
+        self.on_remove.clear()
         self.grad_ready_callbacks.clear()
         for h in self._handles:
             h.remove()

@@ -166,6 +166,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
                         if k != key:
                             later.after[k] = key
             later.queues.append(self._queued)
+        on_remove = getattr(offloaded, "on_remove", None)
+        if on_remove is not None:  # the state goes with the model's offload: a later one may reuse the names
+            on_remove.append(self._drop_state)
 
     def _check_host_budget(self, host_budget: int, step_in_backward: bool) -> None:
         """One update holds its parameter's fp32 master and both moments in the host tier at once (stepping in
@@ -313,6 +316,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
         later = getattr(self.offloaded, "later_uses", None)
         if later is not None and self._queued in later.queues:
             later.queues.remove(self._queued)
+
+    def _drop_state(self) -> None:
+        """Drop this optimizer's state from the store (its model's offload is being removed)."""
+        self.close()
+        with contextlib.suppress(BaseException):
+            self.wait()
+        for name, key, p in self._items:
+            for k in self._keys(name, key, p):
+                if k != key and self.store.contains(k):
+                    self.store.drop(k)
+        self._items = []
+        self.steps = {}
 
     def _param_shape(self, key: str) -> torch.Size:
         return torch.Size(self.store.info(key)["shape"])

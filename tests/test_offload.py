@@ -664,3 +664,16 @@ def test_stepping_in_backward_at_the_tightest_budget_never_fails_spuriously(make
     with pytest.raises(ValueError, match="beside the largest unit backward may hold"):  # any less: refused at once
         OffloadedAdamW(offload_model(copy.deepcopy(ref), make_store(host_budget_bytes="256KiB")),
                        step_in_backward=True)
+
+
+def test_remove_takes_the_optimizers_state_out_of_the_store(make_store):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    store = make_store()
+    off = offload_model(model, store)
+    opt = OffloadedAdamW(off, step_in_backward=True)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    off.remove()
+    assert store.keys() == []  # a new offload of a model with the same names starts clean
+    off = offload_model(model, store)
+    OffloadedAdamW(off).close()

@@ -1,0 +1,85 @@
+"""Every python block of the README runs as written, in order, in one namespace (so they cannot drift).
+
+What the text leaves to the reader is given here: ``model`` (a fresh tiny ViT before each block that
+wraps one), ``loader``, ``loss_fn``, ``x``/``y``, ``steps``/``step``, the config files block 1 reads, a
+process group of one rank for the FSDP2 block; ``/mnt/nvme`` becomes a temporary directory and the working
+directory is a temporary one, so ``runs/`` and ``step.json`` land there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tierstore.integrations.optim import OffloadedAdamW
+
+import tierstore as ts
+from tierstore.vit import PRESETS, SyntheticImages, ViT
+
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+
+
+def _blocks() -> list[str]:
+    with open(README) as f:
+        return re.findall(r"```python\n(.*?)```", f.read(), re.S)
+
+
+def _fresh_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return ViT(PRESETS["tiny"])
+
+
+def _recording(init, made: list):
+    def recorded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+    return recorded
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_readme_python_blocks_run_as_written(tmp_path, monkeypatch):
+    blocks = _blocks()
+    assert len(blocks) >= 7
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tierstore.toml").write_text(f'nvme_path = "{nvme}"\nhost_budget_bytes = "64MiB"\n')
+    (tmp_path / "ds_config.json").write_text(json.dumps({"zero_optimization": {
+        "offload_param": {"device": "nvme", "nvme_path": str(nvme)}}}))
+    data = SyntheticImages(PRESETS["tiny"])
+    x, y = data.batch(0, 4)
+    ns: dict = {"loader": [data.batch(i, 4) for i in range(2)], "loss_fn": F.cross_entropy, "x": x, "y": y,
+                "steps": 2, "step": 1}
+    made: list = []  # every store and optimizer the blocks make, to close at the end
+    for cls in (ts.TierStore, OffloadedAdamW):
+        monkeypatch.setattr(cls, "__init__", _recording(cls.__init__, made))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    try:
+        for i, block in enumerate(blocks):
+            code = block.replace("/mnt/nvme", str(nvme))
+            if "offload_model(model" in code or "fully_shard(" in code:
+                ns["model"] = _fresh_model()
+            if "fully_shard(" in code and not dist.is_initialized():
+                dist.init_process_group("gloo", rank=0, world_size=1)
+            try:
+                exec(compile(code, f"README.md python block {i}", "exec"), ns)
+            except Exception as e:
+                raise AssertionError(f"README python block {i} fails as written:\n{block}") from e
+        assert (tmp_path / "runs" / "ckpt" / "manifest.json").is_file() and (tmp_path / "step.json").is_file()
+    finally:
+        for thing in reversed(made):
+            thing.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
