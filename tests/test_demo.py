@@ -62,6 +62,22 @@ def test_demo_defaults_to_a_swap_path_outside_the_current_directory(tmp_path, mo
     assert sorted(os.listdir(tmp_path)) == ["cache"]
 
 
+def test_plot_without_matplotlib_fails_before_measuring(tmp_path, capsys, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("no matplotlib")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert _cli.main(["bench", "step", "--preset", "tiny", "--nvme-path", str(tmp_path), "--plot", "p.png"]) == 2
+    out = capsys.readouterr()
+    assert "--plot needs matplotlib" in out.err and "resident step" not in out.out  # nothing was measured
+
+
 def test_demo_bad_preset(tmp_path, capsys):
     assert _cli.main(["demo", "--preset", "huge", "--nvme-path", str(tmp_path)]) == 2
     assert "unknown preset 'huge'; choose one of" in capsys.readouterr().err
@@ -92,6 +108,9 @@ def test_bench_step_tiny(tmp_path, capsys):
                                     + rss["overhead_bytes"])
     printed = capsys.readouterr().out
     assert "overlap" in printed and "peak RSS (fresh process, depth 2)" in printed
+    assert "higher is better" in printed
+    if HAVE_MATPLOTLIB:
+        assert f"plot written to {tmp_path / 'p.png'}" in printed and (tmp_path / "p.png").stat().st_size > 0
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     spans = [e for e in trace if e["ph"] == "X"]
     assert len(spans) == res["trace"]["events"]

@@ -132,6 +132,8 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
         f"; optimizer steps {'in' if step_in_backward else 'after'} backward")
     log(f"resident step: {resident_s:.3f} s; depth 0: nothing read ahead (parameters or optimizer state); "
         "'serial': that, with the optimizer after backward and its writes waited for")
+    log("overlap = bound / step (1.00 is the best a step can do); the last two columns: how many times faster "
+        "than depth 0 and than 'serial' (higher is better)")
     log(f"{'depth':>6} {'step s':>8} {'stall s':>8} {'MiB/step':>9} {'bound s':>8} {'overlap':>8} {'vs depth0':>9} "
         f"{'vs serial':>9}")
 
@@ -197,36 +199,43 @@ def _offloaded_step(model, store, opt, data, batch_size: int, step: int) -> tupl
     return row["step_s"], row["stall_s"], row["read_bytes"] + row["written_bytes"]
 
 
-def plot_step_bench(result: dict[str, Any], path: str) -> None:
-    """Step time and drive throughput against prefetch depth, with the resident step and the bound."""
+def check_plotting() -> None:
+    """Raise ValueError now, before any measuring, when --plot cannot be drawn."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError as e:
         raise ValueError("--plot needs matplotlib: pip install 'tierstore[bench]' (or matplotlib)") from e
+
+
+def plot_step_bench(result: dict[str, Any], path: str) -> None:
+    """Two panels sharing the depth axis, one quantity each: seconds per step (offloaded, resident, the bound)
+    and the drive's GB/s (during the step, and measured alone); legends beside the panels, not over the lines."""
+    check_plotting()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     depths = sorted(result["depths"], key=int)
     xs = [int(d) for d in depths]
     rows = [result["depths"][d] for d in depths]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot(xs, [r["step_s"] for r in rows], "o-", color="C0", label="offloaded step")
-    ax.plot(xs, [r["bound_s"] for r in rows], "--", color="C3", label="bound: max(resident, bytes / drive)")
-    ax.axhline(result["resident_step_s"], color="C2", linestyle=":", label="resident step")
-    ax.set_xlabel("prefetch depth (groups read ahead)")
-    ax.set_ylabel("seconds per step")
-    ax.set_ylim(bottom=0)
-    ax.set_xticks(xs)
-    ax2 = ax.twinx()
-    ax2.plot(xs, [r["bytes_per_step"] / r["step_s"] / 1e9 for r in rows], "s-", color="C1",
-             label="drive GB/s during the step")
-    ax2.axhline(result["drive_gbps"], color="C1", linestyle="--", linewidth=0.8, label="drive GB/s (bench)")
-    ax2.set_ylabel("GB/s")
-    ax2.set_ylim(bottom=0)
-    lines = ax.get_legend_handles_labels()
-    lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="lower left", fontsize=8)
-    ax.set_title(f"ViT-{result['preset']} ({result['params'] / 1e6:.0f}M params), batch {result['batch_size']}")
+    during = [r["bytes_per_step"] / r["step_s"] / 1e9 for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8.5, 5.6), height_ratios=[3, 2])
+    top.plot(xs, [r["step_s"] for r in rows], "o-", color="C0", linewidth=2, label="offloaded step")
+    top.plot(xs, [r["bound_s"] for r in rows], "x--", color="C3", markersize=8,
+             label="bound: max(resident,\nbytes / drive GB/s)")
+    top.axhline(result["resident_step_s"], color="C2", linestyle=":", linewidth=2, label="resident step")
+    top.set_ylabel("seconds per step")
+    top.set_ylim(bottom=0, top=max(r["step_s"] for r in rows) * 1.15)
+    top.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
+    top.set_title(f"ViT-{result['preset']} ({result['params'] / 1e6:.0f}M params), batch {result['batch_size']}")
+    bottom.plot(xs, during, "s-", color="C1", label="drive GB/s during\nthe step")
+    bottom.axhline(result["drive_gbps"], color="C7", linestyle="--", label="drive GB/s measured\nalone (same mix)")
+    bottom.set_ylabel("GB/s")
+    bottom.set_ylim(bottom=0, top=max([result["drive_gbps"], *during]) * 1.2)
+    bottom.set_xlabel("prefetch depth (units read ahead)")
+    bottom.set_xticks(xs)
+    bottom.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

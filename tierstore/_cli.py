@@ -125,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
             _write_json(args.json, result)
             return 0
         if args.cmd == "bench" and args.bench == "step":
-            from ._bench_step import run_step_bench
+            from ._bench_step import check_plotting, run_step_bench
+
+            if args.plot:
+                check_plotting()
 
             result = run_step_bench(
                 preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=_nvme_path(args),
@@ -136,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 from ._bench_step import plot_step_bench
 
                 plot_step_bench(result, args.plot)
+                print(f"plot written to {args.plot}")
             return 0
         if args.cmd == "bench" and args.bench == "peers":
             from ._bench_peers import run_peers_bench
