@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tierstore import StoreConfig, TierStore, parse_bytes
+from tierstore._config import default_nvme_path
 from tierstore._demo import default_budgets
 from tierstore._rss import peak_rss_bytes
 from tierstore.vit import PRESETS, SyntheticImages, ViT, num_params
@@ -296,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="small", choices=list(PRESETS))
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=8, help="images per rank per step (default 8)")
-    p.add_argument("--nvme-path", default=".")
+    p.add_argument("--nvme-path", help="directory on the drive for the swap files (default: $TIERSTORE_NVME_PATH, "
+                   "else ~/.cache/tierstore)")
     p.add_argument("--prefetch-depth", type=int, default=2)
     p.add_argument("--host-budget", type=_bytes, help="per rank, e.g. 64MiB (default: a third of the rank's state)")
     p.add_argument("--device-budget", type=_bytes, help="per rank (default: a quarter of the weights with CUDA, 1 MiB without)")
@@ -309,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                    "resume a fresh model from it and check it gives the same losses")
     p.add_argument("--save-at", type=int, default=1, help="step before which to save (default 1)")
     args = p.parse_args(argv)
+    args.nvme_path = args.nvme_path or default_nvme_path()
     result = run(args)
     return 0 if result["bit_identical"] in (None, True) and result["resumed_identical"] in (None, True) else 1
 

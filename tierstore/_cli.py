@@ -8,7 +8,7 @@ import os
 import sys
 
 from . import __version__
-from ._config import StoreConfig, parse_bytes
+from ._config import StoreConfig, default_nvme_path, parse_bytes
 from ._types import TierStoreError
 
 _NVME_PATH_HELP = ("directory on the drive for the swap files (default: $TIERSTORE_NVME_PATH, else "
@@ -168,14 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _nvme_path(args: argparse.Namespace) -> str:
-    """--nvme-path, else $TIERSTORE_NVME_PATH, else a cache directory of the user's (created): never the current
-    directory, which may be a source checkout."""
-    if args.nvme_path:
-        return args.nvme_path
-    path = os.environ.get("TIERSTORE_NVME_PATH") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tierstore")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    return path
+    return args.nvme_path or default_nvme_path()
 
 
 def _count(text: str) -> int:

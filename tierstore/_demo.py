@@ -30,7 +30,7 @@ def default_budgets(num_params: int, host_budget_bytes: int | None,
     of the offloaded state (fp32 parameters + two moments) and the device a quarter of the weights
     (with CUDA; without it modules compute in the host tier and the device tier gets 1 MiB)."""
     state_bytes = num_params * 4 * 3
-    host = host_budget_bytes or max(4 * MIB, state_bytes // 3)
+    host = host_budget_bytes or max(384 * 1024, state_bytes // 3)  # the floor: a tiny ViT's AdamW update
     device = device_budget_bytes or (max(2 * MIB, num_params * 4 // 4) if torch.cuda.is_available() else MIB)
     return state_bytes, host, device
 
