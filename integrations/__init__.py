@@ -1,3 +1,24 @@
-"""Hooks that attach a TierStore to training loops and distributed engines."""
+"""Hooks that attach a TierStore to training loops and distributed engines: the public front.
 
-__all__: list[str] = []
+    from tierstore.integrations import offload_model, OffloadedAdamW, save_checkpoint, load_checkpoint
+"""
+
+from .checkpoint import consolidate_checkpoint, load_checkpoint, load_parameters, save_checkpoint
+from .fsdp import FSDPOffload, offload_fsdp
+from .offload import DEFAULT_UNITS, OffloadedModel, OffloadedParameterError, offload_model
+from .optim import OffloadedAdamW, OffloadedGradScaler
+
+__all__ = [
+    "DEFAULT_UNITS",
+    "FSDPOffload",
+    "OffloadedAdamW",
+    "OffloadedGradScaler",
+    "OffloadedModel",
+    "OffloadedParameterError",
+    "consolidate_checkpoint",
+    "load_checkpoint",
+    "load_parameters",
+    "offload_fsdp",
+    "offload_model",
+    "save_checkpoint",
+]
