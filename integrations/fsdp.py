@@ -128,7 +128,10 @@ class FSDPOffload:
         self.policy = PrefetchPolicy(depth=prefetch_depth, max_bytes=prefetch_bytes,
                                      group_bytes={g.name: g.nbytes for g in self.groups.values()})
         self._key_group = {sh.key: (g.name,) for g in self.groups.values() for sh in g.shards}
-        store.set_victim_order(group_victim_order(self.policy, self._key_group, self.later_uses))
+        # Which of its copies eviction should drop first (Belady over its trace and its optimizer's queue).
+        self.victim_order = group_victim_order(self.policy, self._key_group, self.later_uses)
+        self._victim_token = store.add_victim_order(
+            self.victim_order, owns=lambda k: k in self._key_group or k in self.later_uses.after)
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
 
     # ---- the all-gather loop -----------------------------------------------------------
@@ -210,7 +213,7 @@ class FSDPOffload:
         self.on_remove.clear()
         self._hook.remove()
         self.grad_ready_callbacks.clear()
-        self.store.set_victim_order(None)
+        self.store.remove_victim_order(self._victim_token)
         for sg in self.groups.values():
             sg.remove()
             sg.materialized = False

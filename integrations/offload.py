@@ -359,7 +359,10 @@ class OffloadedModel:
         for g in self.groups.values():
             for sp in g.params:
                 self._key_groups[sp.key] = (*self._key_groups.get(sp.key, ()), g.name)
-        store.set_victim_order(group_victim_order(self.policy, self._key_groups, self.later_uses))
+        # Which of its copies eviction should drop first (Belady over its trace and its optimizer's queue).
+        self.victim_order = group_victim_order(self.policy, self._key_groups, self.later_uses)
+        self._victim_token = store.add_victim_order(
+            self.victim_order, owns=lambda k: k in self._key_groups or k in self.later_uses.after)
         global _optimizer_hook
         if _optimizer_hook is None:
             _optimizer_hook = register_optimizer_step_pre_hook(_refuse_other_optimizers)
@@ -635,7 +638,7 @@ class OffloadedModel:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.store.set_victim_order(None)
+        self.store.remove_victim_order(self._victim_token)
         for sp in self.params.values():
             value = self.store.read(sp.key).to(self.compute_device)
             sp.param.__class__ = sp.original_class

@@ -249,7 +249,7 @@ def test_eviction_keeps_what_the_optimizer_still_needs(make_store):
         assert all(off.later_uses.after[k] == k1 for k in state)
 
         def order():
-            return store._victim_order(None, [k1, *state, k2])
+            return off.victim_order(None, [k1, *state, k2])
 
         assert order() == [k1, *state, k2]  # after the step none is used again: ties keep their order
         opt._queue = [(first, k1, p1, None)]  # as the backward hook queues it
@@ -677,3 +677,34 @@ def test_remove_takes_the_optimizers_state_out_of_the_store(make_store):
     assert store.keys() == []  # a new offload of a model with the same names starts clean
     off = offload_model(model, store)
     OffloadedAdamW(off).close()
+
+
+def test_two_models_on_one_store_keep_their_own_eviction_order(make_store):
+    """Each offloaded model ranks its own copies: a second model no longer replaces the first's order, and
+    removing one leaves the other's in place. Both train bit-identically to resident training."""
+    ref_a, model_a, data = _tiny_pair()
+    torch.manual_seed(1)
+    ref_b = torch.nn.Sequential(torch.nn.Linear(3072, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
+    model_b = copy.deepcopy(ref_b)
+    store = make_store(host_budget_bytes="3MiB", device_budget_bytes="256KiB")  # the state is ~3 MiB
+    off_a, off_b = offload_model(model_a, store), offload_model(model_b, store)
+    opts = [OffloadedAdamW(off, lr=1e-3, weight_decay=0.01) for off in (off_a, off_b)]
+    ref_opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01, foreach=False) for m in (ref_a, ref_b)]
+
+    def step(m, o, i, flat):
+        x, y = data.batch(i, 8)
+        loss = F.cross_entropy(m(x.flatten(1) if flat else x), y)
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        return loss.item()
+
+    for i in range(3):  # both models train in turns on the one store
+        assert step(model_a, opts[0], i, False) == step(ref_a, ref_opts[0], i, False)
+        assert step(model_b, opts[1], i, True) == step(ref_b, ref_opts[1], i, True)
+    off_a.remove()
+    for i in range(3, 5):  # the other's order is still in place
+        assert step(model_b, opts[1], i, True) == step(ref_b, ref_opts[1], i, True)
+    _assert_same_parameters(model_a, ref_a)
+    _assert_same_parameters(model_b, ref_b)
+    assert store.stats_dict()["evictions"] > 0

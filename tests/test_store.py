@@ -342,3 +342,33 @@ def test_threads_at_a_tight_budget_wait_for_each_other_and_lose_nothing(make_sto
     store.flush()
     for k in keys:
         assert float(store.read(k)[0]) == counts[k], k
+
+
+def test_each_owners_victim_order_ranks_its_own_keys(make_store):
+    n = 1024
+    store = make_store(device_budget_bytes=5 * 4 * n)
+    keys = ["a1", "a2", "b1", "b2", "x", "new"]
+    for k in keys:
+        store.put(k, torch.zeros(n)).wait()
+    seen = {}
+
+    def ranking(owner, first):
+        def order(tier, mine):
+            seen[owner] = sorted(mine)
+            return sorted(mine, key=lambda k: k != first)  # its own farthest-next-use copy first
+        return order
+
+    ta = store.add_victim_order(ranking("a", "a2"), owns=lambda k: k.startswith("a"))
+    tb = store.add_victim_order(ranking("b", "b1"), owns=lambda k: k.startswith("b"))
+    for k in keys[:5]:
+        store.get(k, "device")
+        store.release(k, "device")
+    store.get("new", "device")  # one copy must go: "x", which no owner claims
+    store.release("new", "device")
+    assert seen == {"a": ["a1", "a2"], "b": ["b1", "b2"]}  # each ranked only its own
+    assert "device" not in store.info("x")["copies"]
+    store.remove_victim_order(ta)  # one owner leaving keeps the other's order
+    store.get("x", "device")  # now a's keys are unclaimed: the least recently used of them goes first
+    store.release("x", "device")
+    assert "device" not in store.info("a1")["copies"] and "device" in store.info("b1")["copies"]
+    store.remove_victim_order(tb)

@@ -82,7 +82,7 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
         f"parameters + AdamW state on NVMe under {nvme_path!r}")
     log(f"data: synthetic {cfg.image_size}x{cfg.image_size} images ({cfg.num_classes} random templates plus noise, "
         f"made in-process), batch {batch_size}; AdamW lr {lr:g} after {warmup} warm-up step(s)")
-    budgets = f"host {host / MIB:.0f} MiB" + (f", device {device / MIB:.0f} MiB" if cuda else
+    budgets = f"host {host / MIB:.1f} MiB" + (f", device {device / MIB:.1f} MiB" if cuda else
                                               " (no CUDA: modules compute in the host tier)")
     log(f"budgets: {budgets}; prefetch depth {prefetch_depth}; optimizer steps "
         + ("in backward" if step_in_backward else "after backward"))

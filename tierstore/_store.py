@@ -165,6 +165,8 @@ class TierStore:
         self._movers = ThreadPoolExecutor(max(2, config.io_threads // 2), thread_name_prefix="tierstore-mover")
         self._tick = itertools.count(1)
         self._victim_order: Callable[[Tier, list[str]], list[str]] | None = None
+        # token -> (victim order, which keys it ranks) of each owner (see [Note: Several owners' victim orders])
+        self._owner_orders: dict[object, tuple[Callable[[Tier, list[str]], list[str]], Callable[[str], bool]]] = {}
         # (thread ident, tier) -> its _alloc calls waiting for other threads to release room in that tier
         self._waiting_for_room: dict[tuple[int, Tier], int] = {}
         self._closed = False
@@ -437,9 +439,21 @@ class TierStore:
         return self.stats.timeline
 
     def set_victim_order(self, fn: Callable[[Tier, list[str]], list[str]] | None) -> None:
-        """Install an eviction policy: given a tier and candidate keys (least recently used
+        """Install an eviction policy for every key: given a tier and candidate keys (least recently used
         first), return them in the order they should be evicted. None restores LRU."""
         self._victim_order = fn
+
+    def add_victim_order(self, fn: Callable[[Tier, list[str]], list[str]], owns: Callable[[str], bool]) -> object:
+        """Install the eviction policy of one owner (an offloaded model) for the keys ``owns`` says are its own;
+        returns a token for :meth:`remove_victim_order`. See [Note: Several owners' victim orders]."""
+        token = object()
+        with self._cv:
+            self._owner_orders[token] = (fn, owns)
+        return token
+
+    def remove_victim_order(self, token: object) -> None:
+        with self._cv:
+            self._owner_orders.pop(token, None)
 
     def close(self) -> None:
         """Wait for background work, free every buffer and delete the swap files."""
@@ -647,7 +661,25 @@ class TierStore:
             by_key = {e.key: (e, c) for e, c in out}
             order = self._victim_order(tier, list(by_key))
             out = [by_key[k] for k in order if k in by_key] + [ec for k, ec in by_key.items() if k not in order]
+        elif self._owner_orders and out:
+            out = self._by_owner_orders(tier, out)
         return out
+
+    def _by_owner_orders(self, tier: Tier, out: list[tuple[_Entry, _Copy]]) -> list[tuple[_Entry, _Copy]]:
+        """[Note: Several owners' victim orders] Each owner ranks its own keys (Belady over its own trace); no
+        owner can say when another's copy is next used. So keys no owner claims go first (least recently used
+        first), then the owners give up their farthest copy in turn, round robin."""
+        by_key = {e.key: (e, c) for e, c in out}
+        claimed: set[str] = set()
+        ranked: list[list[str]] = []
+        for fn, owns in list(self._owner_orders.values()):
+            mine = [k for k in by_key if k not in claimed and owns(k)]
+            claimed.update(mine)
+            ranked.append([k for k in fn(tier, mine) if k in by_key] if mine else [])
+        order = [k for k in by_key if k not in claimed]
+        for turn in itertools.zip_longest(*ranked):
+            order.extend(k for k in turn if k is not None)
+        return [by_key[k] for k in order]
 
     def _evict_clean(self, tier: Tier, need: int) -> bool:
         """Free clean, unheld copies in ``tier`` until ``need`` bytes could fit. True if any freed."""
