@@ -85,8 +85,8 @@ class OffloadedParameterError(RuntimeError):
 
 # ---- the parameter class ----------------------------------------------------------------
 _T = torch.Tensor
-# Functions that read no values of a tensor (metadata, hooks, aliases, storage identity): an unheld
-# parameter passes them through. ``detach`` gives an alias of the placeholder, whose reads fail in torch.
+# Functions that read no values of a tensor (metadata, hooks, storage identity): an unheld parameter passes
+# them through.
 _NO_READ = frozenset({
     _T.size, _T.dim, _T.numel, _T.nelement, _T.stride, _T.element_size, _T.is_floating_point, _T.is_complex,
     _T.is_signed, _T.is_contiguous, _T.storage_offset, _T.untyped_storage, _T.data_ptr,
@@ -102,15 +102,17 @@ _ALIASES = frozenset({"data", "detach"})
 _CONVERSIONS = frozenset({_T.to, _T.cpu, _T.cuda, _T.float, _T.double, _T.half, _T.bfloat16, _T.type_as})
 
 
-def _offloaded_in(obj: Any) -> Iterator[_OffloadedParameter]:
-    if isinstance(obj, _OffloadedParameter):
+def _leaves(obj: Any, cls: type) -> Iterator[Any]:
+    """The instances of ``cls`` in nested tuples, lists and mappings (a forward's output, a ModelOutput, the
+    arguments of a torch function)."""
+    if isinstance(obj, cls):
         yield obj
     elif isinstance(obj, (list, tuple)):
         for o in obj:
-            yield from _offloaded_in(o)
-    elif isinstance(obj, dict):
+            yield from _leaves(o, cls)
+    elif isinstance(obj, Mapping):
         for o in obj.values():
-            yield from _offloaded_in(o)
+            yield from _leaves(o, cls)
 
 
 class _OffloadedParameter(nn.Parameter):
@@ -128,7 +130,7 @@ class _OffloadedParameter(nn.Parameter):
                 if isinstance(p, _OffloadedParameter) and not p._tierstore.holds:
                     return torch.empty(p.shape, dtype=p.dtype, device="meta")
             elif attribute is None or attribute in _VALUE_ATTRIBUTES:
-                unheld = [p for p in _offloaded_in((args, kwargs)) if not p._tierstore.holds]
+                unheld = [p for p in _leaves((args, kwargs), _OffloadedParameter) if not p._tierstore.holds]
                 if unheld:
                     fetched = _on_read(unheld, func, args, kwargs)
                     if fetched is not None:
@@ -194,17 +196,17 @@ def _on_read(unheld: list[_OffloadedParameter], func: Any, args: Any, kwargs: An
 
 
 def _refuse_other_optimizers(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """A torch optimizer stepping offloaded parameters would see no gradient (they are kept in
-    ``off.grads``) and update nothing, silently: refuse it at its first step."""
+    """A torch optimizer stepping offloaded parameters would update their placeholders between uses, not the
+    values in the store: refuse it at its first step, before it touches anything."""
     if getattr(optimizer, "steps_offloaded_parameters", False):
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
             if isinstance(p, _OffloadedParameter):
                 raise OffloadedParameterError(
-                    f"{type(optimizer).__name__} is stepping the offloaded parameter {p._tierstore.name!r}: its "
-                    f"gradient is kept in the offloaded model, not in param.grad, so this optimizer would never "
-                    f"update it. Use tierstore.integrations.OffloadedAdamW(off, ...) for offloaded models")
+                    f"{type(optimizer).__name__} is stepping the offloaded parameter {p._tierstore.name!r}, whose "
+                    f"values and optimizer state belong in the store; this optimizer cannot update them there. "
+                    f"Use tierstore.integrations.OffloadedAdamW(off, ...) for offloaded models")
 
 
 _optimizer_hook: Any = None
@@ -493,7 +495,7 @@ class OffloadedModel:
             if sp.holds:
                 self._unhold(sp)
         if group.params and torch.is_grad_enabled() and not self._in_backward():
-            for t in _tensors_in(output):
+            for t in _leaves(output, torch.Tensor):
                 if t.requires_grad:
                     t.register_hook(partial(self._pre_backward, group))
         self._exit_forward(group)
@@ -647,18 +649,6 @@ class OffloadedModel:
             self.store.drop(sp.key)
         self.params.clear()
         delattr(self.model, _STATE_KEY)
-
-
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a forward's output: nested tuples, lists and mappings (a ModelOutput is one)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors_in(o)
-    elif isinstance(obj, Mapping):
-        for o in obj.values():
-            yield from _tensors_in(o)
 
 
 def _unit_modules(model: nn.Module, units: Sequence[type[nn.Module] | nn.Module | str]) -> dict[str, bool]:

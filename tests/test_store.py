@@ -108,6 +108,15 @@ def test_prefetch_is_idempotent_and_get_waits(make_store):
     assert stats["hits"] == 1
 
 
+def _run_threads(target, count: int) -> None:
+    """``target(i)`` on ``count`` threads at once; returns when all are done."""
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+
+
 def test_many_threads_prefetch_and_get_the_same_keys(make_store):
     store = make_store(host_budget_bytes=8 * 1024**2, device_budget_bytes=4 * 1024**2)
     xs = {f"k{i}": torch.randn(100_000, generator=torch.Generator().manual_seed(i)) for i in range(8)}
@@ -126,11 +135,7 @@ def test_many_threads_prefetch_and_get_the_same_keys(make_store):
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_threads(worker, 6)
     assert not errors, errors
     assert store.memory()["device"]["peak_bytes"] <= 4 * 1024**2
 
@@ -333,11 +338,7 @@ def test_threads_at_a_tight_budget_wait_for_each_other_and_lose_nothing(make_sto
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    _run_threads(work, 4)
     assert not errors, errors
     store.flush()
     for k in keys:
