@@ -42,6 +42,20 @@ in-projection path and its gradients round differently. As FSDP2 does, the
 backward fetch is a hook on the forward's output tensors (``register_hook``),
 which adds nothing to the graph torch builds.
 
+[Note: Building on the meta device] A model built under ``torch.device("meta")``
+has shapes and no memory. ``offload_model`` walks its modules in
+``named_modules()`` order; each module's own meta parameters and buffers get
+CPU memory and are initialized by the module's ``reset_parameters()`` (or
+``init_fn(module)``), its parameters go to the store and their memory goes,
+before the next module: peak memory is one module's tensors. A parameter
+tied across modules is one object, initialized where it is met first. With
+a fixed seed this gives the parameters eager construction gives when each
+module's constructor draws its random numbers in ``reset_parameters()`` and
+modules are constructed in the order they are registered (nn.Linear,
+nn.Embedding, nn.LayerNorm, convolutions...); parameters a parent initializes
+in its own ``__init__`` (a class token drawn with ``normal_``) need
+``init_fn``, and the random draws then differ from eager construction.
+
 [Note: Saved views of parameters] Autograd saves some tensors that alias a
 parameter's storage -- ``F.linear`` saves ``weight.t()``, a view -- and a
 view keeps the storage the parameter had in forward, not the one it gets back
@@ -69,7 +83,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tierstore import Tier, TierStore
+from tierstore import StoreFullError, Tier, TierStore
 from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
 _STATE_KEY = "_tierstore_offload"
@@ -267,7 +281,8 @@ class OffloadedModel:
 
     def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int, prefetch_bytes: int | None,
                  resident_threshold_bytes: int, home: Tier, compute_tier: Tier,
-                 units: Sequence[type[nn.Module] | nn.Module | str]) -> None:
+                 units: Sequence[type[nn.Module] | nn.Module | str],
+                 init_fn: Callable[[nn.Module], None] | None = None) -> None:
         self.model = model
         self.store = store
         self.home = home
@@ -275,6 +290,7 @@ class OffloadedModel:
         self.compute_device = store.device if compute_tier is Tier.DEVICE else torch.device("cpu")
         self.params: dict[int, _Param] = {}
         self.resident: dict[str, nn.Parameter] = {}
+        self.resident_ids: set[int] = set()
         self.groups: dict[str, _Group] = {}
         self.grads: dict[str, torch.Tensor] = {}
         self.stats = OffloadStats()
@@ -289,51 +305,40 @@ class OffloadedModel:
         self.on_remove: list[Callable[[], None]] = []  # called by remove(): optimizers drop their state
         self._storage_owner: dict[int, _Param] = {}  # data_ptr of a held copy's storage -> its parameter
         self._saved_hooks: Any = None
-        offloaded: dict[int, tuple[str, int]] = {}
-        for name, p in model.named_parameters():  # shared parameters appear once
-            if p.device.type == "meta":
-                raise ValueError(f"parameter {name!r} is on the meta device: it has no values to offload. "
-                                 f"Materialize the model (to_empty() and initialize it) before offload_model")
-            nbytes = p.numel() * p.element_size()
-            if nbytes < resident_threshold_bytes:
-                self.resident[name] = p
-            else:
-                offloaded[id(p)] = (name, nbytes)
-        unit_modules = _unit_modules(model, units)
-        owned_by = {}
-        for mname, module in model.named_modules():
-            if unit_modules.get(mname) is False:
-                continue  # inside a unit: its unit holds its parameters
-            tensors = module.parameters() if unit_modules.get(mname) else module._parameters.values()
-            owned_by[mname] = (module, list(dict.fromkeys(id(p) for p in tensors if p is not None and id(p) in offloaded)))
-        budget = (store.config.device_budget_bytes if compute_tier is Tier.DEVICE else store.config.host_budget_bytes)
-        for mname, (_, ids) in owned_by.items():
-            need = sum(offloaded[i][1] for i in ids)
-            if need > budget:
-                raise ValueError(
-                    f"unit {mname or '<root>'!r} holds {need} bytes ({need / 2**20:.2f} MiB) of parameters at once, "
-                    f"more than the {compute_tier.label} budget ({budget} bytes) it computes in: raise "
-                    f"{compute_tier.label}_budget_bytes, or split the unit (units=... names the modules whose "
-                    f"whole subtree is fetched at once)")
-
-        handles = []
+        meta = _check_meta(model, init_fn)
+        offloaded, owned_by = self._plan_units(model, units, resident_threshold_bytes)  # checked before any write
+        total = sum(nbytes for _, nbytes in offloaded.values())
+        if home is Tier.NVME and total > (room := store.nvme_room_bytes()):
+            raise StoreFullError(f"offloading {total / 2**20:.1f} MiB of parameters needs that much room on the "
+                                 f"drive, but only {room / 2**20:.1f} MiB is free under {store.config.nvme_path!r} (within "
+                                 f"nvme_budget_bytes): free space there, or choose another nvme_path")
+        handles: list = []
+        done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+        undo: list[tuple[nn.Module, str, Any]] = []
         try:
-            for name, p in model.named_parameters():
-                if id(p) not in offloaded:
-                    continue
-                key = f"param/{name}"
-                handles.append(store.put(key, p.detach().contiguous(), home=home))
-                self.params[id(p)] = _Param(name, key, p, self, _placeholder(p, self.compute_device),
-                                            offloaded[id(p)][1], type(p))
+            if meta:  # materialized module by module: one module's tensors in memory at a time
+                for mname, module in model.named_modules():
+                    _materialize(module, init_fn, done, undo)
+                    for pname, p in module._parameters.items():
+                        name = f"{mname}.{pname}" if mname else pname
+                        if p is not None and id(p) not in self.params and id(p) not in self.resident_ids:
+                            self._put(name, p, home, store, handles, resident_threshold_bytes, wait=True)
+            else:
+                for name, p in model.named_parameters():
+                    self._put(name, p, home, store, handles, resident_threshold_bytes, wait=False)
             for h in handles:
                 h.wait()
-        except BaseException:  # the model keeps its parameters and the store holds nothing of it
+        except BaseException:  # the store holds nothing of the model, and the model is as it was given
             for h in handles:
                 with contextlib.suppress(BaseException):
                     h.wait()
                 if store.contains(h.key):
                     store.drop(h.key)
+            _unmaterialize(undo)
+            self.params.clear()
             raise
+        if meta:  # the parameters are new objects: what the units hold is known by them now
+            offloaded, owned_by = self._plan_units(model, units, resident_threshold_bytes)
         for sp in self.params.values():
             sp.param.data = sp.placeholder
             sp.param.__class__ = _OffloadedParameter
@@ -368,6 +373,50 @@ class OffloadedModel:
         global _optimizer_hook
         if _optimizer_hook is None:
             _optimizer_hook = register_optimizer_step_pre_hook(_refuse_other_optimizers)
+
+    # ---- construction ------------------------------------------------------------------
+    def _plan_units(self, model: nn.Module, units: Sequence[type[nn.Module] | nn.Module | str],
+                    resident_threshold_bytes: int) -> tuple[dict[int, tuple[str, int]], dict[str, tuple]]:
+        """(id -> (name, bytes) of each parameter to offload, unit name -> (module, ids it holds)); a unit that
+        cannot fit the compute tier is an error here, before anything is written."""
+        offloaded: dict[int, tuple[str, int]] = {}
+        for name, p in model.named_parameters():  # shared parameters appear once
+            nbytes = p.numel() * p.element_size()
+            if nbytes >= resident_threshold_bytes:
+                offloaded[id(p)] = (name, nbytes)
+        unit_modules = _unit_modules(model, units)
+        owned_by = {}
+        for mname, module in model.named_modules():
+            if unit_modules.get(mname) is False:
+                continue  # inside a unit: its unit holds its parameters
+            tensors = module.parameters() if unit_modules.get(mname) else module._parameters.values()
+            owned_by[mname] = (module, list(dict.fromkeys(id(p) for p in tensors if p is not None and id(p) in offloaded)))
+        budget = (self.store.config.device_budget_bytes if self.compute_tier is Tier.DEVICE
+                  else self.store.config.host_budget_bytes)
+        for mname, (_, ids) in owned_by.items():
+            need = sum(offloaded[i][1] for i in ids)
+            if need > budget:
+                raise ValueError(
+                    f"unit {mname or '<root>'!r} holds {need} bytes ({need / 2**20:.2f} MiB) of parameters at once, "
+                    f"more than the {self.compute_tier.label} budget ({budget} bytes) it computes in: raise "
+                    f"{self.compute_tier.label}_budget_bytes, or split the unit (units=... names the modules whose "
+                    f"whole subtree is fetched at once)")
+        return offloaded, owned_by
+
+    def _put(self, name: str, p: nn.Parameter, home: Tier, store: TierStore, handles: list, threshold: int, *,
+             wait: bool) -> None:
+        """Give ``p``'s bytes to the store (or keep it resident when small)."""
+        nbytes = p.numel() * p.element_size()
+        if nbytes < threshold:
+            self.resident[name] = p
+            self.resident_ids.add(id(p))
+            return
+        key = f"param/{name}"
+        handles.append(store.put(key, p.detach().contiguous(), home=home))
+        sp = self.params[id(p)] = _Param(name, key, p, self, _placeholder(p, self.compute_device), nbytes, type(p))
+        if wait:  # its memory goes now
+            handles[-1].wait()
+            sp.param.data = sp.placeholder
 
     # ---- hooks -------------------------------------------------------------------------
     def _in_backward(self) -> bool:
@@ -680,6 +729,68 @@ def _unit_modules(model: nn.Module, units: Sequence[type[nn.Module] | nn.Module 
     return out
 
 
+def _check_meta(model: nn.Module, init_fn: Callable[[nn.Module], None] | None) -> bool:
+    """Whether ``model`` is (partly) on the meta device; if so, that every module with meta tensors of its own can
+    be initialized (its ``reset_parameters()``, or ``init_fn``), else an error naming them."""
+    on_meta = [(mname, m) for mname, m in model.named_modules()
+               if any(t is not None and t.is_meta for t in (*m._parameters.values(), *m._buffers.values()))]
+    if not on_meta:
+        return False
+    if init_fn is None:
+        cannot = [mname or "<root>" for mname, m in on_meta if not callable(getattr(m, "reset_parameters", None))]
+        if cannot:
+            raise ValueError(f"the model is on the meta device and {len(cannot)} module(s) with tensors of their own "
+                             f"have no reset_parameters() to initialize them: {', '.join(cannot[:5])}"
+                             f"{'...' if len(cannot) > 5 else ''}. Pass offload_model(..., init_fn=f), f(module) "
+                             f"initializing a module's own parameters and buffers (transformers: "
+                             f"init_fn=model._init_weights)")
+    return True
+
+
+def _materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None,
+                 done: dict[int, tuple[nn.Parameter, nn.Parameter]], undo: list[tuple[nn.Module, str, Any]]) -> None:
+    """Give ``module``'s own meta parameters and buffers CPU memory and initialize them, as its constructor would
+    have (see [Note: Building on the meta device]). ``done``: id of a meta parameter -> (it, its new parameter),
+    so that a tied one stays one object; ``undo``: (module, name, what was there) to put the model back."""
+    fresh, tied = [], {}
+    for name, p in list(module._parameters.items()):
+        if p is None or not p.is_meta:
+            continue
+        if id(p) in done:  # tied: given memory and values where it was met first
+            tied[name] = done[id(p)][1]
+        else:
+            done[id(p)] = (p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad))
+            fresh.append(name)
+        undo.append((module, name, p))
+        module._parameters[name] = done[id(p)][1]
+    meta_buffers = [name for name, b in module._buffers.items() if b is not None and b.is_meta]
+    for name in meta_buffers:
+        undo.append((module, name, module._buffers[name]))
+        module._buffers[name] = torch.empty(module._buffers[name].shape, dtype=module._buffers[name].dtype)
+    if not fresh and not meta_buffers:
+        return
+    # A tied parameter keeps the values it has (it may be offloaded already): this module's init writes a scratch.
+    for name, p in tied.items():
+        module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+    try:
+        with torch.no_grad():
+            if init_fn is not None:
+                init_fn(module)
+            else:
+                module.reset_parameters()
+    finally:
+        module._parameters.update(tied)
+
+
+def _unmaterialize(undo: list[tuple[nn.Module, str, Any]]) -> None:
+    """Put back what :func:`_materialize` replaced: the model is on the meta device again, as it was given."""
+    for module, name, old in reversed(undo):
+        if name in module._parameters:
+            module._parameters[name] = old
+        else:
+            module._buffers[name] = old
+
+
 class _NoStorage(torch.Tensor):
     """A tensor with a shape and no storage (see [Note: Reads of an offloaded parameter])."""
 
@@ -699,7 +810,8 @@ def _placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:
 def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | None = None,
                   prefetch_bytes: int | None = None, resident_threshold_bytes: int | None = None,
                   home: Tier | str | None = None, compute_tier: Tier | str | None = None,
-                  units: Sequence[type[nn.Module] | nn.Module | str] = DEFAULT_UNITS) -> OffloadedModel:
+                  units: Sequence[type[nn.Module] | nn.Module | str] = DEFAULT_UNITS,
+                  init_fn: Callable[[nn.Module], None] | None = None) -> OffloadedModel:
     """Move ``model``'s parameters into ``store`` and fetch them just in time.
 
     Defaults come from ``store.config`` (prefetch_depth, prefetch_bytes,
@@ -710,7 +822,12 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | N
     ``units`` names modules (by class, instance or name) whose whole subtree is
     fetched at once, like a module given to FSDP2's ``fully_shard``; every
     other module fetches the parameters it owns, and what its forward was seen
-    to read of others (see [Note: Units]).
+    to read of others (see [Note: Units]). A model built on the meta device
+    (``with torch.device("meta"): model = Net()``) is materialized module by
+    module straight into the store, each initialized by its
+    ``reset_parameters()`` or by ``init_fn(module)`` (see [Note: Building on the
+    meta device]), so the whole model never exists in memory; the drive's room
+    for the parameters is checked before anything is written.
     Parameter names and state_dict keys are unchanged;
     :meth:`OffloadedModel.remove` undoes it.
     """
@@ -731,6 +848,7 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | N
         compute_tier=(Tier.parse(compute_tier) if compute_tier is not None
                       else Tier.DEVICE if store.device.type != "cpu" else Tier.HOST),
         units=units,
+        init_fn=init_fn,
     )
     setattr(model, _STATE_KEY, state)
     return state

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from tierstore.integrations.offload import OffloadedParameterError, offload_model
 from tierstore.integrations.optim import OffloadedAdamW
 
+import tierstore as ts
 from tierstore.vit import PRESETS, Block, SyntheticImages, ViT
 
 
@@ -708,3 +709,79 @@ def test_two_models_on_one_store_keep_their_own_eviction_order(make_store):
     _assert_same_parameters(model_a, ref_a)
     _assert_same_parameters(model_b, ref_b)
     assert store.stats_dict()["evictions"] > 0
+
+
+class _TiedLM(torch.nn.Module):
+    """Standard modules only, constructed in the order they are registered, with a tied output projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.body = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.GELU(), torch.nn.LayerNorm(96),
+                                        torch.nn.Linear(96, 32))
+        self.head = torch.nn.Linear(32, 64, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return F.cross_entropy(self.head(self.body(self.embed(ids))).flatten(0, 1), ids.flatten())
+
+
+def test_a_model_built_on_meta_equals_eager_construction_and_trains_bit_identically(make_store):
+    torch.manual_seed(0)
+    ref = _TiedLM()
+    with torch.device("meta"):
+        model = _TiedLM()
+    store = make_store(host_budget_bytes="96KiB")
+    torch.manual_seed(0)  # the same draws, module by module, as eager construction made
+    off = offload_model(model, store)
+    assert model.head.weight is model.embed.weight and not any(t.is_meta for t in model.state_dict().values())
+    _assert_same_parameters(model, ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = OffloadedAdamW(off, lr=1e-2)
+    for step in range(3):
+        ids = torch.randint(0, 64, (4, 5), generator=torch.Generator().manual_seed(step))
+        ref_loss = ref(ids)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = model(ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert loss.item() == ref_loss.item(), step
+    opt.close()
+    _assert_same_parameters(model, ref)
+
+
+def test_meta_modules_without_an_init_need_init_fn_and_nothing_is_left_behind(make_store):
+    class Scaled(torch.nn.Module):  # a parameter of its own and no reset_parameters()
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(32))
+            self.proj = torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            return self.proj(x) * self.scale
+
+    with torch.device("meta"):
+        model = Scaled()
+    store = make_store()
+    with pytest.raises(ValueError, match=r"no reset_parameters\(\) to initialize them: <root>.*init_fn"):
+        offload_model(model, store)
+    assert store.keys() == [] and model.scale.is_meta
+
+    def init(module):
+        if isinstance(module, Scaled):
+            torch.nn.init.ones_(module.scale)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+    off = offload_model(model, store, init_fn=init)
+    assert torch.equal(off.read_param("scale"), torch.ones(32))
+    off.remove()
+    with torch.device("meta"):
+        big = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])  # 1 MiB of weights
+    small = make_store(nvme_budget_bytes="512KiB")
+    with pytest.raises(ts.StoreFullError, match=r"1.0 MiB of parameters needs that much room .* 0.5 MiB is free"):
+        offload_model(big, small)
+    assert small.keys() == [] and all(p.is_meta for p in big.parameters())  # checked before any write

@@ -208,6 +208,15 @@ class NvmeEngine:
             assert ext is not None
             return ext
 
+    def room_bytes(self) -> int:
+        """How many more bytes tensors could take here now: the free ranges of the swap files plus the drive's
+        free space (less the reserve), within nvme_budget_bytes."""
+        with self._lock:
+            inside = sum(n for f in self._files for _, n in f.free)
+            room = inside + max(0, psutil.disk_usage(self.directory).free - FREE_SPACE_RESERVE_BYTES)
+            budget = self.config.nvme_budget_bytes
+            return room if budget is None else min(room, budget - self.used_bytes)
+
     def _take_locked(self, f: _SwapFile, length: int) -> Extent | None:
         for i, (off, n) in enumerate(f.free):
             if n >= length:

@@ -478,6 +478,10 @@ class TierStore:
         with self._cv:
             return any(t == thread_ident for t, _ in self._waiting_for_room)
 
+    def nvme_room_bytes(self) -> int:
+        """Bytes the NVMe tier could still take (0 without one): what a caller checks before writing a model."""
+        return self._engine.room_bytes() if self._engine is not None else 0
+
     @property
     def swap_directory(self) -> str | None:
         return self._engine.directory if self._engine else None

@@ -1,0 +1,120 @@
+"""Bigger than the host budget: a model built on the meta device, offloaded and trained; peak RSS of the whole
+process (construction included) against the budgets plus a fixed overhead.
+
+    python perf/bench_capacity.py --layers 24 --width 2048 --state-per-budget 10 --nvme-path /mnt/nvme
+
+The model is a stack of Linear(width, width) layers with GELU, fp32, AdamW. It runs in a fresh process, whose
+RSS before the model exists is the baseline; the claim is
+``peak RSS - baseline <= host budget + device budget + activations + max_grad_backlog_bytes + the largest
+gradient (autograd makes it before the store sees it) + overhead``,
+and the printed ratio (measured / allowed) must stay at or below 1. Eager construction alone would add the
+model's fp32 weights to the peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+MIB = 1024**2
+OVERHEAD_BYTES = 64 * MIB  # the allocator, thread stacks, autograd's bookkeeping
+
+
+def _child(args: argparse.Namespace) -> dict:
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    import tierstore as ts
+    from tierstore._rss import peak_rss_bytes, reset_peak_rss, rss_bytes
+    from tierstore.integrations import OffloadedAdamW, offload_model
+
+    torch.set_num_threads(2)
+
+    def build() -> torch.nn.Module:
+        layers: list[torch.nn.Module] = []
+        for _ in range(args.layers):
+            layers += [torch.nn.Linear(args.width, args.width), torch.nn.GELU()]
+        return torch.nn.Sequential(*layers)
+
+    params = args.layers * (args.width * args.width + args.width)
+    state = params * 4 * 3
+    host = max(state // args.state_per_budget, 5 * 4 * (args.width * args.width + args.width))  # an update + a unit
+    torch.manual_seed(0)
+    batch = torch.randn(args.batch_size, args.width)
+    target = torch.randn(args.batch_size, args.width)
+    baseline = rss_bytes()
+    if not reset_peak_rss():
+        baseline = 0
+    with ts.TierStore(nvme_path=args.nvme_path, host_budget_bytes=host, device_budget_bytes="1MiB") as store:
+        t0 = time.perf_counter()
+        with torch.device("meta"):
+            model = build()
+        off = offload_model(model, store)
+        built_s = time.perf_counter() - t0
+        built_peak = peak_rss_bytes() - baseline
+        opt = OffloadedAdamW(off, lr=1e-4, step_in_backward=True)  # gradients stepped as they come, not kept
+        losses, steps_s = [], []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            loss = F.mse_loss(model(batch), target)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            steps_s.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+        opt.close()
+        stats = store.stats_dict()
+    peak = peak_rss_bytes() - baseline
+    activations = 2 * args.layers * args.batch_size * args.width * 4 * 2  # outputs and GELU inputs, with grads
+    in_flight = 4 * (args.width * args.width + args.width)  # the gradient autograd makes before the store sees it
+    allowed = host + MIB + activations + host // 4 + in_flight + OVERHEAD_BYTES
+    return {"params": params, "state_bytes": state, "peak_rss_after_build": built_peak, "host_budget_bytes": host, "peak_rss_above_baseline": peak,
+            "allowed_bytes": allowed, "ratio": peak / allowed, "weights_bytes": params * 4, "losses": losses,
+            "build_s": built_s, "steps_s": steps_s, "bytes_read_nvme": stats["bytes_read_nvme"],
+            "bytes_written_nvme": stats["bytes_written_nvme"]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--state-per-budget", type=int, default=10, help="fp32 state / host budget (default 10)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--nvme-path", default=None, help="directory on the drive (default: a temporary one in /var/tmp)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(_child(args)))
+        return {}
+    with tempfile.TemporaryDirectory(prefix="bench-capacity-", dir=args.nvme_path or "/var/tmp") as d:
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--layers", str(args.layers), "--width",
+               str(args.width), "--state-per-budget", str(args.state_per_budget), "--steps", str(args.steps),
+               "--batch-size", str(args.batch_size), "--nvme-path", d]
+        # Freed tensors go back to the kernel (glibc's dynamic threshold would keep them in the heap), so RSS
+        # counts what is live: see [Note: Measuring RSS] in tierstore/_bench_rss.py.
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+        r = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+        if r.returncode != 0:
+            raise SystemExit(f"the measured process failed:\n{r.stderr}")
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+    print(f"capacity: {res['params'] / 1e6:.1f}M parameters, fp32 state {res['state_bytes'] / MIB:.0f} MiB = "
+          f"{res['state_bytes'] / res['host_budget_bytes']:.1f}x the host budget of "
+          f"{res['host_budget_bytes'] / MIB:.0f} MiB; built on meta in {res['build_s']:.2f} s")
+    print("step s: " + " ".join(f"{s:.2f}" for s in res["steps_s"]) + "; loss: "
+          + " -> ".join(f"{x:.4f}" for x in (res["losses"][0], res["losses"][-1])))
+    print(f"peak RSS above the runtime: {res['peak_rss_above_baseline'] / MIB:.0f} MiB "
+          f"({res['peak_rss_after_build'] / MIB:.0f} MiB by the end of construction); allowed (budgets + "
+          f"activations + gradient backlog + one gradient in flight + {OVERHEAD_BYTES // MIB} MiB): {res['allowed_bytes'] / MIB:.0f} MiB; "
+          f"ratio {res['ratio']:.2f} (<= 1 holds); the weights alone would be {res['weights_bytes'] / MIB:.0f} MiB")
+    return res
+
+
+if __name__ == "__main__":
+    main()
