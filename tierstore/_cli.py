@@ -70,13 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     peers.add_argument("--device-budget", help="device tier budget (default: 2 layers)")
     peers.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     demo = cmds.add_parser("demo", help="train a ViT with parameters and AdamW state offloaded to NVMe")
-    demo.add_argument("--preset", default="small", help="model size: tiny, small, base, large, 1b (default small)")
+    demo.add_argument("--preset", default="small", help="model size: tiny, small, base, large, 1b, 3b (default small)")
+    demo.add_argument("--dtype", default="fp32", help="weights: fp32, or bf16 with fp32 masters (default fp32)")
     demo.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
     demo.add_argument("--batch-size", type=int, default=32, help="images per step (default 32)")
     demo.add_argument("--nvme-path", "--path", dest="nvme_path", default=None, help=_NVME_PATH_HELP)
     demo.add_argument("--prefetch-depth", type=int, default=2, help="groups read ahead of use (default 2)")
     demo.add_argument("--lr", type=float, help="peak AdamW learning rate, reached after a warm-up over the first "
-                      "half of the steps (default by preset: tiny/small 1e-3, base 1e-4, large 3e-5, 1b 1e-5)")
+                      "half of the steps (default by preset: tiny/small 1e-3, base 1e-4, large 3e-5, 1b 1e-5, 3b 5e-6)")
     demo.add_argument("--host-budget", help="host tier budget, e.g. 64MiB (default: a third of the state)")
     demo.add_argument("--device-budget", help=_DEVICE_BUDGET_HELP)
     demo.add_argument("--json", metavar="FILE", help="write per-step figures as JSON")
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_demo(
                 preset=args.preset, steps=args.steps, batch_size=args.batch_size, nvme_path=_nvme_path(args),
                 prefetch_depth=args.prefetch_depth, step_in_backward=not args.step_after_backward, lr=args.lr,
-                **_budgets(args))
+                dtype=args.dtype, **_budgets(args))
             _write_json(args.json, result)
             return 0
         if args.cmd == "bench" and args.bench == "step":

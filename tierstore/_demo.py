@@ -16,7 +16,8 @@ from .vit import PRESETS, SyntheticImages, ViT, num_params
 MIB = 1024**2
 # Peak learning rates under which the demo's loss falls within its default steps (measured resident, 5-8 steps,
 # batch 32, warm-up over the first half): larger ViTs need smaller ones; 1b's is extrapolated.
-PRESET_LR = {"tiny": 1e-3, "small": 1e-3, "base": 1e-4, "large": 3e-5, "1b": 1e-5}
+PRESET_LR = {"tiny": 1e-3, "small": 1e-3, "base": 1e-4, "large": 3e-5, "1b": 1e-5, "3b": 5e-6}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:
@@ -36,12 +37,12 @@ def default_budgets(num_params: int, host_budget_bytes: int | None,
 
 
 def measure_step(model, store: TierStore, opt, data: SyntheticImages, batch_size: int, step: int,
-                 sched=None) -> dict[str, Any]:
+                 sched=None, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Run one training step; its loss, wall time, stall time and NVMe bytes read and written."""
     before = store.stats_dict()
     t0 = time.perf_counter()
     x, y = data.batch(step, batch_size)
-    loss = F.cross_entropy(model(x), y)
+    loss = F.cross_entropy(model(x.to(dtype)).float(), y)
     loss.backward()
     opt.step()
     opt.zero_grad()
@@ -58,7 +59,7 @@ def measure_step(model, store: TierStore, opt, data: SyntheticImages, batch_size
 
 def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefetch_depth: int,
              host_budget_bytes: int | None, device_budget_bytes: int | None, lr: float | None = None,
-             step_in_backward: bool = True, log=print) -> dict[str, Any]:
+             step_in_backward: bool = True, dtype: str = "fp32", log=print) -> dict[str, Any]:
     from .integrations.offload import offload_model
     from .integrations.optim import OffloadedAdamW
 
@@ -70,16 +71,23 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     if not lr > 0:
         raise ValueError(f"--lr {lr} must be > 0")
     warmup = max(1, steps // 2)
-    torch.manual_seed(0)
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
+    rss_start = rss_bytes()  # the whole process from here, the model's construction included
+    start_resettable = reset_peak_rss()
     cfg = PRESETS[preset]
-    model = ViT(cfg)
+    with torch.device("meta"):  # no memory: offload_model builds it module by module into the store
+        model = ViT(cfg).to(torch_dtype)
+    torch.manual_seed(0)
     n = num_params(model)
     state_bytes, host, device = default_budgets(n, host_budget_bytes, device_budget_bytes)
     config = StoreConfig(nvme_path=nvme_path, host_budget_bytes=host, device_budget_bytes=device,
                          prefetch_depth=prefetch_depth)
     cuda = torch.cuda.is_available()
-    log(f"tierstore demo: ViT-{preset}, {n / 1e6:.1f}M parameters, {state_bytes / MIB:.0f} MiB of fp32 "
-        f"parameters + AdamW state on NVMe under {nvme_path!r}")
+    masters = "" if torch_dtype == torch.float32 else " (+ fp32 masters)"
+    log(f"tierstore demo: ViT-{preset}, {n / 1e6:.1f}M parameters, {dtype} weights{masters}, {state_bytes / MIB:.0f} "
+        f"MiB of fp32 parameters + AdamW state on NVMe under {nvme_path!r}, built on the meta device")
     log(f"data: synthetic {cfg.image_size}x{cfg.image_size} images ({cfg.num_classes} random templates plus noise, "
         f"made in-process), batch {batch_size}; AdamW lr {lr:g} after {warmup} warm-up step(s)")
     budgets = f"host {host / MIB:.1f} MiB" + (f", device {device / MIB:.1f} MiB" if cuda else
@@ -89,10 +97,13 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     data = SyntheticImages(cfg)
     rows = []
     with TierStore(config) as store:
+        t0 = time.perf_counter()
         off = offload_model(model, store)
+        log(f"built into the store in {time.perf_counter() - t0:.1f} s")
         opt = OffloadedAdamW(off, lr=lr, step_in_backward=step_in_backward)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
         store.flush()
+        built_peak = peak_rss_bytes() - rss_start if start_resettable else None  # construction's own peak
         rss_before = rss_bytes()
         if not reset_peak_rss():
             rss_before = 0  # the peak below is then the process's lifetime peak
@@ -100,7 +111,7 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
         header = f"{'step':>4} {'loss':>8} {'step s':>8} {'stall s':>8} {'read MiB':>9} {'write MiB':>9} {'drive GB/s':>10}"
         log(header)
         for step in range(steps):
-            row = measure_step(model, store, opt, data, batch_size, step, sched)
+            row = measure_step(model, store, opt, data, batch_size, step, sched, torch_dtype)
             rows.append(row)
             log(f"{step:>4} {row['loss']:>8.4f} {row['step_s']:>8.3f} {row['stall_s']:>8.3f} "
                 f"{row['read_bytes'] / MIB:>9.1f} {row['written_bytes'] / MIB:>9.1f} "
@@ -116,10 +127,15 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
         f"first step (budgets: host {host / MIB:.1f}" + (f" + device {device / MIB:.1f}" if cuda else "")
         + " MiB; the rest is activations, "
         f"gradients not yet consumed and the runtime); prefetch hits {stats['hits']}, misses {stats['misses']}")
+    if built_peak is not None:
+        whole_peak = max(built_peak, peak_rss - rss_start)
+        log(f"peak RSS of the whole process, construction included: {whole_peak / MIB:.0f} MiB above the RSS "
+            f"before the model existed (construction alone: {built_peak / MIB:.0f} MiB)")
     log(f"loss: {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}")
     return {"preset": preset, "params": n, "steps": rows, "memory": mem, "peak_rss_bytes": peak_rss, "rss_before_steps_bytes": rss_before,
             "hits": stats["hits"], "misses": stats["misses"], "prefetch_depth": prefetch_depth,
-            "host_budget_bytes": host, "device_budget_bytes": device, "lr": lr}
+            "host_budget_bytes": host, "device_budget_bytes": device, "lr": lr, "dtype": dtype,
+            "construction_peak_rss_bytes": built_peak}
 
 
 __all__ = ["default_budgets", "measure_step", "run_demo"]

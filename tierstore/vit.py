@@ -33,6 +33,7 @@ PRESETS = {
     "base": ViTConfig(dim=768, depth=12, heads=12),  # ~85M parameters
     "large": ViTConfig(dim=1024, depth=24, heads=16),  # ~300M
     "1b": ViTConfig(dim=1536, depth=36, heads=16),  # ~1.0B
+    "3b": ViTConfig(dim=2560, depth=38, heads=20),  # ~3.0B: the largest the demo trains on a 24 GiB machine
 }
 
 
@@ -62,8 +63,9 @@ class ViT(nn.Module):
         self.checkpoint_blocks = checkpoint_blocks
         patches = (cfg.image_size // cfg.patch_size) ** 2
         self.patch = nn.Linear(cfg.channels * cfg.patch_size**2, cfg.dim)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.dim))
-        self.pos = nn.Parameter(torch.randn(1, patches + 1, cfg.dim) * 0.02)
+        self.cls_token = nn.Parameter(torch.empty(1, 1, cfg.dim))
+        self.pos = nn.Parameter(torch.empty(1, patches + 1, cfg.dim))
+        self.reset_parameters()
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
         self.norm = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.num_classes)
@@ -71,6 +73,13 @@ class ViT(nn.Module):
             # A tied weight: the class embedding doubles as the output projection.
             self.class_embed = nn.Embedding(cfg.num_classes, cfg.dim)
             self.head.weight = self.class_embed.weight
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialize the parameters this module owns itself (its children have their own), so that a ViT built
+        on the meta device can be materialized module by module."""
+        self.cls_token.zero_()
+        self.pos.copy_(torch.randn(self.pos.shape, device=self.pos.device) * 0.02)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         c, p = self.cfg.channels, self.cfg.patch_size
