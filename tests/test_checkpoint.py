@@ -337,3 +337,27 @@ def test_version_1_manifests_still_load(make_store, tmp_path):
     other, other_off, other_opt = _small(make_store, 1)
     assert load_checkpoint(str(path), other_off, other_opt) == {"step": 3}
     assert _same_everything(_everything(other, other_opt), _everything(model, opt))
+
+
+def test_a_save_onto_a_full_disk_names_the_file_and_keeps_the_old_checkpoint(make_store, tmp_path, monkeypatch):
+    import errno
+
+    model, off, opt = _small(make_store, 0)
+    path = str(tmp_path / "c")
+    save_checkpoint(path, off, opt, extra={"step": 1})
+    real_open = open
+
+    def full_disk(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        if "x" in mode and str(file).endswith(OPTIMIZER_FILE):
+            def write(data):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            f.write = write
+        return f
+
+    monkeypatch.setattr("builtins.open", full_disk)
+    with pytest.raises(ts.TierIOError, match=r"optimizer.safetensors failed: No space left on device.*untouched"):
+        save_checkpoint(path, off, opt, extra={"step": 2})
+    monkeypatch.undo()
+    assert load_checkpoint(path, off, opt) == {"step": 1}
+    assert [n for n in os.listdir(tmp_path) if n.startswith("c.")] == []  # the staging directory went

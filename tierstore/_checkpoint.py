@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ._ownership import describe, lock, reclaim, unlock
-from ._types import CheckpointError, CheckpointIntegrityError, IntegrityError, TierStoreError
+from ._types import CheckpointError, CheckpointIntegrityError, IntegrityError, TierIOError, TierStoreError
 
 FORMAT = "tierstore-checkpoint"
 FORMAT_VERSION = 2
@@ -122,6 +122,15 @@ def _write_safetensors(path: str, sources: list[TensorSource], file_label: str,
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     base = 8 + len(raw)
+    try:
+        return _write_body(path, sources, file_label, header, raw, base)
+    except OSError as e:  # a full disk, a lost mount: name the file and what to do (nothing was committed)
+        raise TierIOError(f"writing checkpoint file {path} failed: {e.strerror or e}; the previous checkpoint at "
+                          f"that path is untouched. Free space there (or choose another path) and save again") from e
+
+
+def _write_body(path: str, sources: list[TensorSource], file_label: str, header: dict[str, Any], raw: bytes,
+                base: int) -> dict[str, dict[str, Any]]:
     entries: dict[str, dict[str, Any]] = {}
     with open(path, "xb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)

@@ -85,9 +85,11 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     config = StoreConfig(nvme_path=nvme_path, host_budget_bytes=host, device_budget_bytes=device,
                          prefetch_depth=prefetch_depth)
     cuda = torch.cuda.is_available()
-    masters = "" if torch_dtype == torch.float32 else " (+ fp32 masters)"
-    log(f"tierstore demo: ViT-{preset}, {n / 1e6:.1f}M parameters, {dtype} weights{masters}, {state_bytes / MIB:.0f} "
-        f"MiB of fp32 parameters + AdamW state on NVMe under {nvme_path!r}, built on the meta device")
+    # On the drive: the weights, their fp32 masters unless they are fp32, and two fp32 moments.
+    on_drive = n * (torch.empty((), dtype=torch_dtype).element_size() + (0 if torch_dtype == torch.float32 else 4) + 8)
+    what = "weights" if torch_dtype == torch.float32 else "weights, fp32 masters"
+    log(f"tierstore demo: ViT-{preset}, {n / 1e6:.1f}M parameters, {dtype}; {on_drive / MIB:.0f} MiB of {what} and "
+        f"AdamW moments on NVMe under {nvme_path!r}, built on the meta device")
     log(f"data: synthetic {cfg.image_size}x{cfg.image_size} images ({cfg.num_classes} random templates plus noise, "
         f"made in-process), batch {batch_size}; AdamW lr {lr:g} after {warmup} warm-up step(s)")
     budgets = f"host {host / MIB:.1f} MiB" + (f", device {device / MIB:.1f} MiB" if cuda else
@@ -135,7 +137,7 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     return {"preset": preset, "params": n, "steps": rows, "memory": mem, "peak_rss_bytes": peak_rss, "rss_before_steps_bytes": rss_before,
             "hits": stats["hits"], "misses": stats["misses"], "prefetch_depth": prefetch_depth,
             "host_budget_bytes": host, "device_budget_bytes": device, "lr": lr, "dtype": dtype,
-            "construction_peak_rss_bytes": built_peak}
+            "construction_peak_rss_bytes": built_peak, "bytes_on_drive": on_drive}
 
 
 __all__ = ["default_budgets", "measure_step", "run_demo"]
