@@ -3,7 +3,13 @@
     from tierstore.integrations import offload_model, OffloadedAdamW, save_checkpoint, load_checkpoint
 """
 
-from .checkpoint import consolidate_checkpoint, load_checkpoint, load_parameters, save_checkpoint
+from .checkpoint import (
+    consolidate_checkpoint,
+    load_checkpoint,
+    load_parameters,
+    load_safetensors,
+    save_checkpoint,
+)
 from .fsdp import FSDPOffload, offload_fsdp
 from .offload import DEFAULT_UNITS, OffloadedModel, OffloadedParameterError, offload_model
 from .optim import OffloadedAdamW, OffloadedGradScaler
@@ -18,6 +24,7 @@ __all__ = [
     "consolidate_checkpoint",
     "load_checkpoint",
     "load_parameters",
+    "load_safetensors",
     "offload_fsdp",
     "offload_model",
     "save_checkpoint",

@@ -33,7 +33,9 @@ from tierstore._checkpoint import (
     new_directory,
     read_into,
     read_manifest,
+    read_raw,
     read_tensor,
+    safetensors_entries,
     verify_tensor,
     write_checkpoint,
     write_files,
@@ -349,6 +351,63 @@ def _load_optimizer(opt: OffloadedAdamW, directory: str, entries: dict[str, Any]
         _load_into_store(opt.store, key, directory, f"{name}/{what}", entries[f"{name}/{what}"])
 
 
+def load_safetensors(path: str, model: nn.Module | Offloaded, *, strict: bool = True) -> list[str]:
+    """Load pretrained weights from safetensors into a model, offloaded or not, one tensor at a time.
+
+    ``path``: one ``.safetensors`` file, a ``model.safetensors.index.json`` (sharded, as transformers writes
+    them) or a directory holding either. Each tensor is read, converted to its parameter's dtype (bf16 on disk
+    into fp32 parameters, say), and written where the parameter lives (the store, through the host budget),
+    so memory holds one tensor at a time. Names, shapes and (with ``strict``) missing or unexpected keys are
+    checked first, as ``load_state_dict(strict=True)`` does, and any problem is one ``CheckpointError`` listing
+    them, with nothing changed. Load before creating the model's ``OffloadedAdamW`` (its fp32 masters are
+    taken from the parameters). Returns the names loaded.
+    """
+    model, off = _offloaded(model)
+    if off is not None and off.on_remove:
+        raise CheckpointError("load pretrained weights before creating the model's OffloadedAdamW: its fp32 "
+                              "masters and moments were made from the parameters as they are now")
+    entries = safetensors_entries(path)
+    tensors, aliases = _model_tensors(model, off)
+    by_saved = {}  # the name in the file -> the model's name (a tied parameter may be saved under either)
+    for name in entries:
+        target = aliases.get(name, name)
+        if target in tensors and target not in by_saved.values():
+            by_saved[name] = target
+    missing = sorted(set(tensors) - set(by_saved.values()))
+    unexpected = sorted(n for n in entries if n not in by_saved and aliases.get(n, n) not in tensors)
+    store = off.store if off is not None else None
+
+    def shape_of(v: Any) -> list[int]:
+        return list(store.info(v)["shape"]) if isinstance(v, str) and store is not None else list(v.shape)
+
+    mis_shaped = [f"{n}: {entries[n]['shape']} in the file, {shape_of(tensors[t])} in the model"
+                  for n, t in by_saved.items() if entries[n]["shape"] != shape_of(tensors[t])]
+    problems = [f"size mismatch for {m}" for m in mis_shaped]
+    if strict:
+        problems += ([f"missing key(s): {', '.join(missing)}"] if missing else []) + (
+            [f"unexpected key(s): {', '.join(unexpected)}"] if unexpected else [])
+    if problems:
+        raise CheckpointError(f"loading {path}: " + "; ".join(problems) + " (nothing was loaded)")
+    for saved, name in by_saved.items():
+        value = read_raw(saved, entries[saved])
+        v = tensors[name]
+        if isinstance(v, str) and store is not None:
+            t = store.get(v, Tier.HOST)
+            try:
+                t.copy_(value)  # converts the dtype
+                store.mark_dirty(v, Tier.HOST)
+            finally:
+                store.release(v, Tier.HOST)
+            store.write_back(v)
+        else:
+            with torch.no_grad():
+                v.copy_(value)
+        del value
+    if store is not None:
+        store.flush()
+    return list(by_saved.values())
+
+
 def consolidate_checkpoint(path: str, out_file: str) -> list[str]:
     """Join the per-rank shards of an FSDP2 checkpoint into one safetensors file of full parameters.
 
@@ -405,4 +464,4 @@ def load_parameters(path: str) -> dict[str, torch.Tensor]:
 
 
 __all__ = ["MODEL_FILE", "OPTIMIZER_FILE", "consolidate_checkpoint", "load_checkpoint", "load_parameters",
-           "save_checkpoint"]
+           "load_safetensors", "save_checkpoint"]

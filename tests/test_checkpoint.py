@@ -14,6 +14,7 @@ from tierstore.integrations.checkpoint import (
     OPTIMIZER_FILE,
     load_checkpoint,
     load_parameters,
+    load_safetensors,
     save_checkpoint,
 )
 from tierstore.integrations.offload import offload_model
@@ -361,3 +362,55 @@ def test_a_save_onto_a_full_disk_names_the_file_and_keeps_the_old_checkpoint(mak
     monkeypatch.undo()
     assert load_checkpoint(path, off, opt) == {"step": 1}
     assert [n for n in os.listdir(tmp_path) if n.startswith("c.")] == []  # the staging directory went
+
+
+def _pretrained(tmp_path, dtype, sharded):
+    """A ViT's weights written by the reference writer: one file, or two shards and the index transformers writes."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(7)
+    sd = {k: v.to(dtype) for k, v in ViT(PRESETS["tiny"]).state_dict().items()}
+    if not sharded:
+        save_file(sd, str(tmp_path / "model.safetensors"))
+        return sd, str(tmp_path / "model.safetensors")
+    names = sorted(sd)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in halves.items():
+        save_file({n: sd[n] for n in part}, str(tmp_path / file))
+    index = {"metadata": {}, "weight_map": {n: f for f, part in halves.items() for n in part}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return sd, str(tmp_path)
+
+
+@pytest.mark.parametrize("dtype,sharded", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)],
+                         ids=["one-file", "sharded", "bf16-into-fp32"])
+def test_pretrained_safetensors_stream_into_an_offloaded_model(make_store, tmp_path, dtype, sharded):
+    sd, path = _pretrained(tmp_path, dtype, sharded)
+    torch.manual_seed(0)
+    ref = ViT(PRESETS["tiny"])
+    model = ViT(PRESETS["tiny"])
+    ref.load_state_dict(sd)  # what torch gives: each tensor converted to its parameter's dtype
+    off = offload_model(model, make_store(host_budget_bytes="384KiB"))
+    loaded = load_safetensors(path, off)
+    assert sorted(loaded) == sorted(sd)
+    for name, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_pretrained_safetensors_that_do_not_match_list_every_problem_and_change_nothing(make_store, tmp_path):
+    from safetensors.torch import save_file
+
+    sd, _ = _pretrained(tmp_path, torch.float32, False)
+    sd["head.weight"] = torch.zeros(3, 64)  # the wrong shape
+    sd["extra.bias"] = torch.zeros(2)
+    del sd["norm.bias"]
+    save_file(sd, str(tmp_path / "bad.safetensors"))
+    torch.manual_seed(0)
+    model = ViT(PRESETS["tiny"])
+    off = offload_model(model, make_store())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ts.CheckpointError, match=r"size mismatch for head.weight: \[3, 64\] in the file, \[10, 64\] "
+                                                 r"in the model; missing key\(s\): norm.bias; unexpected key\(s\): "
+                                                 r"extra.bias \(nothing was loaded\)"):
+        load_safetensors(str(tmp_path / "bad.safetensors"), off)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())

@@ -407,6 +407,73 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return out
 
 
+def safetensors_entries(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """Where each tensor of a safetensors checkpoint lies, reading only headers: ``path`` is one
+    ``.safetensors`` file, a ``model.safetensors.index.json`` (the sharded layout transformers writes) or a
+    directory holding one of them. name -> {"file", "offset", "nbytes", "shape", "dtype"}."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        for candidate in ("model.safetensors.index.json", "model.safetensors"):
+            if os.path.exists(os.path.join(path, candidate)):
+                path = os.path.join(path, candidate)
+                break
+        else:
+            raise CheckpointError(f"{path} holds neither model.safetensors nor model.safetensors.index.json")
+    if path.endswith(".json"):
+        try:
+            with open(path) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{path}: not a safetensors index with a weight_map ({e})") from None
+        out: dict[str, dict[str, Any]] = {}
+        for file in sorted(set(weight_map.values())):
+            shard = _header_entries(os.path.join(os.path.dirname(path), file))
+            out.update((name, e) for name, e in shard.items() if weight_map.get(name) == file)
+        missing = sorted(set(weight_map) - set(out))
+        if missing:
+            raise CheckpointError(f"{path}: the index names tensors its files lack: {missing[:5]}")
+        return out
+    return _header_entries(path)
+
+
+def _header_entries(file: str) -> dict[str, dict[str, Any]]:
+    try:
+        with open(file, "rb") as f:
+            head = f.read(8)
+            (n,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
+            size = os.fstat(f.fileno()).st_size
+            if n is None or n > size - 8:
+                raise CheckpointError(f"{file} is not a safetensors file (bad header length)")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise CheckpointError(f"cannot read {file}: {e.strerror}") from None
+    except ValueError as e:
+        raise CheckpointError(f"{file}: unreadable safetensors header ({e})") from None
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        lo, hi = info["data_offsets"]
+        if info.get("dtype") not in _BY_NAME or 8 + n + hi > size or hi < lo:
+            raise CheckpointError(f"{file}: tensor {name!r} has a bad dtype or offsets")
+        out[name] = {"file": file, "offset": 8 + n + lo, "nbytes": hi - lo, "shape": list(info["shape"]),
+                     "dtype": info["dtype"]}
+    return out
+
+
+def read_raw(name: str, entry: dict[str, Any]) -> torch.Tensor:
+    """The tensor ``entry`` describes, as stored (no checksum: safetensors files of other writers carry none)."""
+    out = torch.empty(entry["shape"], dtype=_BY_NAME[entry["dtype"]])
+    if out.numel() * out.element_size() != entry["nbytes"]:
+        raise CheckpointError(f"{entry['file']}: tensor {name!r} has {entry['nbytes']} bytes for shape "
+                              f"{entry['shape']} {entry['dtype']}")
+    with open(entry["file"], "rb") as f:
+        f.seek(entry["offset"])
+        if out.numel() and f.readinto(_bytes_of(out)) != entry["nbytes"]:
+            raise CheckpointIntegrityError(f"{entry['file']}: tensor {name!r} is truncated")
+    return out
+
+
 def read_tensor(directory: str, name: str, entry: dict[str, Any]) -> torch.Tensor:
     out = torch.empty(entry["shape"], dtype=dtype_from_name(entry["dtype"]))
     read_into(directory, name, entry, out)
@@ -414,4 +481,4 @@ def read_tensor(directory: str, name: str, entry: dict[str, Any]) -> torch.Tenso
 
 
 __all__ = ["TensorSource", "commit", "decode_manifest", "discard", "encode_manifest", "dtype_from_name", "dtype_name", "new_directory", "read_into", "read_manifest",
-           "read_safetensors", "read_tensor", "resolve", "verify_tensor", "write_checkpoint", "write_files", "write_safetensors_file"]
+           "read_safetensors", "read_raw", "read_tensor", "resolve", "safetensors_entries", "verify_tensor", "write_checkpoint", "write_files", "write_safetensors_file"]
