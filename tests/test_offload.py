@@ -517,6 +517,24 @@ def test_clipping_and_loss_scaling_refuse_stepping_in_backward(make_store):
     opt.close()
 
 
+def _train_on_ids(ref, model, off, *, vocab: int, steps: int, step_in_backward: bool = False) -> None:
+    """Train a model whose forward returns its loss on token ids, resident and offloaded; same losses each step."""
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = OffloadedAdamW(off, lr=1e-2, step_in_backward=step_in_backward)
+    for step in range(steps):
+        ids = torch.randint(0, vocab, (4, 6), generator=torch.Generator().manual_seed(step))
+        ref_loss = ref(ids)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = model(ids)
+        assert torch.isfinite(loss) and loss.item() == ref_loss.item(), step
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+
+
 class _TiedProjection(torch.nn.Module):
     """A parent with no parameters of its own that reads its children's weights directly."""
 
@@ -540,20 +558,7 @@ def test_parent_reading_a_childs_weight_trains_bit_identically(make_store, in_ba
     model = copy.deepcopy(ref)
     store = make_store(host_budget_bytes="96KiB")
     off = offload_model(model, store)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
-    opt = OffloadedAdamW(off, lr=1e-2, step_in_backward=in_backward)
-    for step in range(4):
-        ids = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(step))
-        ref_loss = ref(ids)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss = model(ids)
-        assert torch.isfinite(loss) and loss.item() == ref_loss.item(), step
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    opt.close()
+    _train_on_ids(ref, model, off, vocab=32, steps=4, step_in_backward=in_backward)
     _assert_same_parameters(model, ref)
     # Learned: the root unit now fetches the weights its forward reads, ahead of use.
     assert set(off.units()[""]) == {"embed.weight", "head.weight"}
@@ -736,20 +741,7 @@ def test_a_model_built_on_meta_equals_eager_construction_and_trains_bit_identica
     off = offload_model(model, store)
     assert model.head.weight is model.embed.weight and not any(t.is_meta for t in model.state_dict().values())
     _assert_same_parameters(model, ref)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
-    opt = OffloadedAdamW(off, lr=1e-2)
-    for step in range(3):
-        ids = torch.randint(0, 64, (4, 5), generator=torch.Generator().manual_seed(step))
-        ref_loss = ref(ids)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss = model(ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        assert loss.item() == ref_loss.item(), step
-    opt.close()
+    _train_on_ids(ref, model, off, vocab=64, steps=3)
     _assert_same_parameters(model, ref)
 
 
