@@ -32,7 +32,7 @@ def _child(args: argparse.Namespace) -> dict:
 
     import tierstore as ts
     from tierstore._rss import peak_rss_bytes, reset_peak_rss, rss_bytes
-    from tierstore.integrations import OffloadedAdamW, offload_model
+    from tierstore.integrations import OffloadedAdamW, load_safetensors, offload_model
 
     torch.set_num_threads(2)
 
@@ -56,6 +56,8 @@ def _child(args: argparse.Namespace) -> dict:
         with torch.device("meta"):
             model = build()
         off = offload_model(model, store)
+        if args.load:  # pretrained weights streamed in, one tensor at a time
+            load_safetensors(args.load, off)
         built_s = time.perf_counter() - t0
         built_peak = peak_rss_bytes() - baseline
         opt = OffloadedAdamW(off, lr=1e-4, step_in_backward=True)  # gradients stepped as they come, not kept
@@ -80,6 +82,21 @@ def _child(args: argparse.Namespace) -> dict:
             "bytes_written_nvme": stats["bytes_written_nvme"]}
 
 
+def _write_pretrained(args: argparse.Namespace, directory: str) -> str:
+    """Weights for the stack, in bf16 (converted to the fp32 parameters as they load), one layer at a time."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(1)
+    weights = {}
+    for i in range(args.layers):
+        weights[f"{2 * i}.weight"] = (torch.randn(args.width, args.width, generator=g) * 0.02).bfloat16()
+        weights[f"{2 * i}.bias"] = torch.zeros(args.width, dtype=torch.bfloat16)
+    path = os.path.join(directory, "pretrained.safetensors")
+    save_file(weights, path)
+    return path
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=24)
@@ -88,6 +105,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--nvme-path", default=None, help="directory on the drive (default: a temporary one in /var/tmp)")
+    p.add_argument("--pretrained", action="store_true",
+                   help="also load weights from a safetensors file (written first, outside the measured process)")
+    p.add_argument("--load", help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -97,6 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--layers", str(args.layers), "--width",
                str(args.width), "--state-per-budget", str(args.state_per_budget), "--steps", str(args.steps),
                "--batch-size", str(args.batch_size), "--nvme-path", d]
+        if args.pretrained:
+            cmd += ["--load", _write_pretrained(args, d)]
         # Freed tensors go back to the kernel (glibc's dynamic threshold would keep them in the heap), so RSS
         # counts what is live: see [Note: Measuring RSS] in tierstore/_bench_rss.py.
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
@@ -106,7 +128,9 @@ def main(argv: list[str] | None = None) -> dict:
         res = json.loads(r.stdout.strip().splitlines()[-1])
     print(f"capacity: {res['params'] / 1e6:.1f}M parameters, fp32 state {res['state_bytes'] / MIB:.0f} MiB = "
           f"{res['state_bytes'] / res['host_budget_bytes']:.1f}x the host budget of "
-          f"{res['host_budget_bytes'] / MIB:.0f} MiB; built on meta in {res['build_s']:.2f} s")
+          f"{res['host_budget_bytes'] / MIB:.0f} MiB; built on meta" + (" and pretrained weights loaded"
+                                                                        if args.pretrained else "")
+          + f" in {res['build_s']:.2f} s")
     print("step s: " + " ".join(f"{s:.2f}" for s in res["steps_s"]) + "; loss: "
           + " -> ".join(f"{x:.4f}" for x in (res["losses"][0], res["losses"][-1])))
     print(f"peak RSS above the runtime: {res['peak_rss_above_baseline'] / MIB:.0f} MiB "

@@ -7,10 +7,10 @@ import bench_capacity
 
 def test_bench_capacity_tiny(tmp_path, capsys):
     res = bench_capacity.main(["--layers", "10", "--width", "512", "--state-per-budget", "10", "--steps", "2",
-                               "--nvme-path", str(tmp_path)])
+                               "--pretrained", "--nvme-path", str(tmp_path)])
     assert res["state_bytes"] >= 6 * res["host_budget_bytes"]
     assert res["ratio"] <= 1.0 and res["peak_rss_above_baseline"] > 0
     assert res["bytes_read_nvme"] > 0 and all(x == x for x in res["losses"])
     out = capsys.readouterr().out
-    assert "ratio" in out and "built on meta" in out
+    assert "ratio" in out and "built on meta and pretrained weights loaded" in out
     assert os.listdir(tmp_path) == []
