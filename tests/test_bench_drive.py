@@ -27,6 +27,12 @@ def test_bench_drive_tiny(tmp_path, capsys, integrity):
         assert res["read_ratio"] is None
     if integrity:
         assert "checksum_read_cost" in res and "checksum cost" in printed
+    for kind in ("read", "write"):  # CPU per GB moved, the store against the bare pool, in the same run
+        store_cpu, bare_cpu = res[f"store_{kind}_cpu_s_per_gb"], res[f"bare_{kind}_cpu_s_per_gb"]
+        assert store_cpu >= 0 and bare_cpu >= 0  # 8 MiB may pass within one tick of the CPU clock
+        assert res[f"cpu_{kind}_ratio"] == (store_cpu / bare_cpu if bare_cpu > 0 else None)
+        assert res[f"bare_{kind}_gbps"] > 0
+    assert "CPU s per GB" in printed and "bare preadv/pwritev pool" in printed
     assert [p.name for p in tmp_path.iterdir()] == ["drive.json"]
 
 

@@ -1,4 +1,6 @@
-"""`tierstore bench drive`: the store's NVMe path against fio on the same file size and block size.
+"""`tierstore bench drive`: the store's NVMe path against fio on the same file size and block size, and its CPU
+seconds per GB against a bare preadv/pwritev thread pool (GB/s alone cannot show the engine's cost here: the
+drive's rate swings more from run to run than the engines differ).
 
 Runs alternate (store, fio, store, fio ...), several rounds, and reports
 medians and ratios, because this class of disk swings by 2x from run to run.
@@ -13,6 +15,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +23,7 @@ import psutil
 import torch
 
 from ._config import StoreConfig
+from ._memory import aligned_empty
 from ._store import TierStore
 from ._types import Tier
 
@@ -65,6 +69,46 @@ def _run_fio(directory: str, cfg: DriveBenchConfig, rw: str) -> float:
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     job = json.loads(out[out.index("{"):])["jobs"][0]
     return job["read" if rw == "read" else "write"]["bw_bytes"] / 1e9
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU of this process, all threads."""
+    t = psutil.Process().cpu_times()
+    return t.user + t.system
+
+
+class _BarePool:
+    """The reference for the store's CPU cost: ``preadv``/``pwritev`` of one file in ``block_size`` blocks from a
+    pool of ``io_threads`` threads, into and out of one pre-faulted buffer, O_DIRECT where the store used it:
+    nothing else (no tiers, no copies, no bookkeeping)."""
+
+    def __init__(self, directory: str, nbytes: int, cfg: DriveBenchConfig, *, direct: bool) -> None:
+        self.nbytes, self.block = nbytes, cfg.block_size_bytes
+        self.buffer = aligned_empty(nbytes)
+        self.buffer.random_(0, 255)
+        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
+        self.fd = os.open(os.path.join(directory, "bare.bin"), flags, 0o600)
+        os.posix_fallocate(self.fd, 0, nbytes)
+        self.pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="bench-bare")
+
+    def _all(self, call: Any) -> float:
+        mv = memoryview(self.buffer.numpy())
+        t0 = time.perf_counter()
+        jobs = [self.pool.submit(call, self.fd, [mv[off:off + self.block]], off)
+                for off in range(0, self.nbytes, self.block)]
+        for j in jobs:
+            j.result()
+        return self.nbytes / (time.perf_counter() - t0) / 1e9
+
+    def write(self) -> float:
+        return self._all(os.pwritev)
+
+    def read(self) -> float:
+        return self._all(os.preadv)
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        os.close(self.fd)
 
 
 class _StoreDrive:
@@ -148,24 +192,31 @@ def run_drive_bench(cfg: DriveBenchConfig, *, log=print) -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix="tierstore-bench-", dir=cfg.path)
     samples: dict[str, list[float]] = {k: [] for k in
                                        ("store_write", "store_read", "fio_write", "fio_read",
-                                        "crc_write", "crc_read")}
-    stores = []
+                                        "crc_write", "crc_read", "bare_write", "bare_read")}
+    cpu: dict[str, list[float]] = {k: [] for k in ("store_write", "store_read", "bare_write", "bare_read")}
+    stores: list[Any] = []
     try:
         plain = _StoreDrive(work, cfg, checksums=False)
         stores.append(plain)
         crc = _StoreDrive(work, cfg, checksums=True) if cfg.integrity else None
         if crc:
             stores.append(crc)
+        bare = _BarePool(work, plain.nbytes, cfg, direct=plain.direct)
+        stores.append(bare)
         for r in range(cfg.rounds):
-            steps = [("store", plain)] + ([("crc", crc)] if crc else []) + ([("fio", None)] if has_fio else [])
+            steps = ([("store", plain)] + ([("crc", crc)] if crc else []) + [("bare", bare)]
+                     + ([("fio", None)] if has_fio else []))
             if r % 2:
                 steps.reverse()  # alternate who goes first
             for kind in ("write", "read"):
                 for name, drive in steps:
                     if drive is None:
                         samples[f"fio_{kind}"].append(_run_fio(work, cfg, kind))
-                    else:
-                        samples[f"{name}_{kind}"].append(getattr(drive, kind)())
+                        continue
+                    c0 = _cpu_seconds()
+                    samples[f"{name}_{kind}"].append(getattr(drive, kind)())
+                    if f"{name}_{kind}" in cpu:  # CPU seconds per GB moved, all threads of this process
+                        cpu[f"{name}_{kind}"].append((_cpu_seconds() - c0) / (plain.nbytes / 1e9))
         direct = plain.direct
     finally:
         for s in stores:
@@ -181,8 +232,14 @@ def run_drive_bench(cfg: DriveBenchConfig, *, log=print) -> dict[str, Any]:
         "rounds": cfg.rounds, "direct_io": direct, "fio": has_fio,
         "store_read_gbps": med("store_read"), "store_write_gbps": med("store_write"),
         "fio_read_gbps": med("fio_read"), "fio_write_gbps": med("fio_write"),
-        "samples_gbps": samples,
+        "samples_gbps": samples, "cpu_seconds_per_gb_samples": cpu,
+        "bare_read_gbps": med("bare_read"), "bare_write_gbps": med("bare_write"),
     }
+    for name in cpu:
+        result[f"{name}_cpu_s_per_gb"] = statistics.median(cpu[name])
+    for kind in ("read", "write"):  # None where a run is too short for the CPU clock (10 ms ticks) to see it
+        bare_cpu = result[f"bare_{kind}_cpu_s_per_gb"]
+        result[f"cpu_{kind}_ratio"] = result[f"store_{kind}_cpu_s_per_gb"] / bare_cpu if bare_cpu > 0 else None
     result["read_ratio"] = result["store_read_gbps"] / result["fio_read_gbps"] if has_fio else None
     result["write_ratio"] = result["store_write_gbps"] / result["fio_write_gbps"] if has_fio else None
     if cfg.integrity:
@@ -215,6 +272,14 @@ def format_drive_table(res: dict[str, Any]) -> str:
                  + (f"   {f(res['checksum_write_gbps'])} {f(res['checksum_read_gbps'])}" if s["crc_read"] else ""))
     if res["fio"]:
         lines.append(f"ratio store/fio: write {res['write_ratio']:.2f}  read {res['read_ratio']:.2f}")
+    lines.append(f"bare preadv/pwritev pool (same run): write {f(res['bare_write_gbps']).strip()} GB/s, read "
+                 f"{f(res['bare_read_gbps']).strip()} GB/s")
+    def cpu(kind: str) -> str:
+        ratio = res[f"cpu_{kind}_ratio"]
+        return (f"store {kind} {res[f'store_{kind}_cpu_s_per_gb']:.3f}, bare {res[f'bare_{kind}_cpu_s_per_gb']:.3f} "
+                + (f"({ratio:.2f}x)" if ratio is not None else "(too short to time: raise --size-mib)"))
+
+    lines.append(f"CPU s per GB (all threads; lower is better): {cpu('write')}; {cpu('read')}")
     if "checksum_read_cost" in res:
         lines.append(f"checksum cost: write {res['checksum_write_cost'] * 100:+.1f}%  "
                      f"read {res['checksum_read_cost'] * 100:+.1f}% of throughput")
