@@ -6,6 +6,7 @@ offloaded shards end bit-identical to FSDP2's. The first step overflows (scale 2
 
 import copy
 import json
+import os
 import sys
 
 import torch
@@ -56,3 +57,5 @@ def main(nvme_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    sys.stdout.flush()
+    os._exit(0)  # skip C++ teardown at exit, as the torchrun example does (see integrations/fsdp_train.py)

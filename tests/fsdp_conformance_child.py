@@ -4,6 +4,7 @@ offloaded shards and Adam moments end bit-identical to FSDP2's."""
 
 import copy
 import json
+import os
 import sys
 
 import torch
@@ -66,3 +67,5 @@ def main(name: str, nvme_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    sys.stdout.flush()
+    os._exit(0)  # skip C++ teardown at exit, as the torchrun example does (see integrations/fsdp_train.py)
