@@ -71,7 +71,6 @@ held until their gradients are accumulated.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -83,7 +82,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tierstore import StoreFullError, Tier, TierStore
+from tierstore import Tier, TierStore
 from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
 _STATE_KEY = "_tierstore_offload"
@@ -307,11 +306,8 @@ class OffloadedModel:
         self._saved_hooks: Any = None
         meta = _check_meta(model, init_fn)
         offloaded, owned_by = self._plan_units(model, units, resident_threshold_bytes)  # checked before any write
-        total = sum(nbytes for _, nbytes in offloaded.values())
-        if home is Tier.NVME and total > (room := store.nvme_room_bytes()):
-            raise StoreFullError(f"offloading {total / 2**20:.1f} MiB of parameters needs that much room on the "
-                                 f"drive, but only {room / 2**20:.1f} MiB is free under {store.config.nvme_path!r} (within "
-                                 f"nvme_budget_bytes): free space there, or choose another nvme_path")
+        if home is Tier.NVME:
+            store.require_nvme_room(sum(nbytes for _, nbytes in offloaded.values()), "offloading {size} of parameters")
         handles: list = []
         done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
         undo: list[tuple[nn.Module, str, Any]] = []
@@ -329,11 +325,7 @@ class OffloadedModel:
             for h in handles:
                 h.wait()
         except BaseException:  # the store holds nothing of the model, and the model is as it was given
-            for h in handles:
-                with contextlib.suppress(BaseException):
-                    h.wait()
-                if store.contains(h.key):
-                    store.drop(h.key)
+            store.undo_puts(handles)
             _unmaterialize(undo)
             self.params.clear()
             raise

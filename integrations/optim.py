@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from tierstore import StoreFullError, Tier, TierStore, parse_bytes
+from tierstore import Tier, TierStore, parse_bytes
 from tierstore._memory import TierPool
 
 from .offload import OffloadedModel
@@ -119,12 +119,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         # name -> its group, the very dict a scheduler changes: each update reads its hyper-parameters from it.
         self._group_of = {self._name_of[id(p)]: g for g in self.param_groups for p in g["params"]}
         if home is Tier.NVME:  # room for every moment (and master) is checked before the first is written
-            need = sum((p.numel() if key is None else self._param_shape(key).numel())
-                       * (12 if key is not None and p.dtype != torch.float32 else 8) for _, key, p in self._items)
-            if need > (room := self.store.nvme_room_bytes()):
-                raise StoreFullError(f"AdamW state of {need / 2**20:.1f} MiB needs that much room on the drive, but "
-                                     f"only {room / 2**20:.1f} MiB is free under {self.store.config.nvme_path!r} "
-                                     f"(within nvme_budget_bytes): free space there, or choose another nvme_path")
+            self.store.require_nvme_room(
+                sum((p.numel() if key is None else self._param_shape(key).numel())
+                    * (12 if key is not None and p.dtype != torch.float32 else 8) for _, key, p in self._items),
+                "AdamW state of {size}")
         try:
             for name, key, p in self._items:
                 shape = p.shape if key is None else self._param_shape(key)
@@ -137,11 +135,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for h in handles:
                 h.wait()
         except BaseException:  # a failed constructor leaves nothing in the store (a retry must not see it)
-            for h in handles:
-                with contextlib.suppress(BaseException):
-                    h.wait()
-                if self.store.contains(h.key):
-                    self.store.drop(h.key)
+            self.store.undo_puts(handles)
             raise
         self._state_bytes = {name: sum(self.store.info(k)["nbytes"] for k in self._keys(name, key, p))
                              for name, key, p in self._items}

@@ -17,6 +17,7 @@ running is loading, so no cycle of waits can form.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import itertools
 import threading
@@ -34,7 +35,7 @@ from ._memory import Buffer, TierPool
 from ._nvme import Extent, NvmeEngine, Syscalls
 from ._stats import StoreStats
 from ._timeline import Timeline
-from ._types import StoreClosedError, Tier, TierBudgetError, TierStoreError
+from ._types import StoreClosedError, StoreFullError, Tier, TierBudgetError, TierStoreError
 
 _UNSUPPORTED_DTYPES = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
 
@@ -46,10 +47,14 @@ class _Copy:
     buffer: Buffer | None = None  # DEVICE / HOST
     extent: Extent | None = None  # NVME
     loading: Future | None = None  # set while bytes are being read into it
-    pins: int = 0
-    holders: dict[int, int] = field(default_factory=dict)  # thread ident -> its pins (get() without release())
+    holders: dict[int, int] = field(default_factory=dict)  # thread ident -> its get()s not yet released
     io_refs: int = 0  # transfers reading from or writing into it
     last_use: int = 0
+
+    @property
+    def pins(self) -> int:
+        """get()s not yet released, by any thread."""
+        return sum(self.holders.values())
 
 
 @dataclass(eq=False)
@@ -270,7 +275,6 @@ class TierStore:
                 finally:
                     self.stats.add_wait(start, time.perf_counter(), key=key, tier=tier.label)
             assert copy is not None
-            copy.pins += 1
             me = threading.get_ident()
             copy.holders[me] = copy.holders.get(me, 0) + 1
             copy.last_use = next(self._tick)
@@ -294,7 +298,6 @@ class TierStore:
                 return
             if copy is None or copy.pins == 0:
                 raise ValueError(f"release({key!r}, {tier.label!r}) without a matching get()")
-            copy.pins -= 1
             # Released by the thread that got it, or (a hand-over) by another: one of the holders lets go.
             holder = threading.get_ident()
             if holder not in copy.holders:
@@ -481,6 +484,25 @@ class TierStore:
     def nvme_room_bytes(self) -> int:
         """Bytes the NVMe tier could still take (0 without one): what a caller checks before writing a model."""
         return self._engine.room_bytes() if self._engine is not None else 0
+
+    def require_nvme_room(self, nbytes: int, what: str) -> None:
+        """Raise StoreFullError, before anything is written, when the NVMe tier cannot take ``nbytes``; ``what``
+        says what they are, with ``{size}`` where their size goes ("AdamW state of {size}")."""
+        room = self.nvme_room_bytes()
+        if nbytes > room:
+            size = f"{nbytes / 2**20:.1f} MiB"
+            raise StoreFullError(f"{what.format(size=size)} needs that much room on the drive, but only "
+                                 f"{room / 2**20:.1f} MiB is free under {self.config.nvme_path!r} (within "
+                                 f"nvme_budget_bytes): free space there, or choose another nvme_path")
+
+    def undo_puts(self, handles: list[Handle]) -> None:
+        """Take back what the puts of ``handles`` registered (their writes finished or failed): what a
+        constructor that fails part-way calls, so that nothing of it is left in the store."""
+        for h in handles:
+            with contextlib.suppress(BaseException):
+                h.wait()
+            if self.contains(h.key):
+                self.drop(h.key)
 
     @property
     def swap_directory(self) -> str | None:
