@@ -510,9 +510,7 @@ class OffloadedModel:
                 self._key_groups[sp.key] = (*self._key_groups.get(sp.key, ()), group.name)
                 self.policy.group_bytes[group.name] = group.nbytes
                 self.stats.reads_learned += 1
-                self._hold(sp, group)
-            else:  # read again after its hold ended inside this unit's forward (not expected)
-                self._backward_hold(sp, group)
+            self._hold(sp, group)  # the unit's post-hook releases it, as it does its own
             if self._in_backward() and torch.is_grad_enabled() and not sp.backward_hold:
                 self._backward_hold(sp, group)
             return True
