@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -290,8 +290,7 @@ def _check_load(path: str, model: nn.Module, off: Offloaded | None, optimizer: O
     reads = []
     for name, v in tensors.items():
         if name in entries:
-            info = store.info(v) if isinstance(v, str) and store is not None else {"shape": v.shape, "dtype": v.dtype}
-            reads.append((name, entries[name], tuple(info["shape"]), info["dtype"], MODEL_FILE))
+            reads.append((name, entries[name], *_shape_dtype(store, v), MODEL_FILE))
     if optimizer is not None:
         reads += _check_optimizer(optimizer, directory, manifest)
     for name, entry, shape, dtype, file in reads:
@@ -333,13 +332,26 @@ def _check_optimizer(opt: OffloadedAdamW, directory: str, manifest: dict[str, An
 
 
 def _load_into_store(store: TierStore, key: str, directory: str, name: str, entry: dict[str, Any]) -> None:
+    _write_into_store(store, key, lambda t: read_into(directory, name, entry, t))
+
+
+def _write_into_store(store: TierStore, key: str, fill: Callable[[torch.Tensor], Any]) -> None:
+    """``fill`` the host copy of ``key`` in place, then write it back to its home."""
     t = store.get(key, Tier.HOST)
     try:
-        read_into(directory, name, entry, t)
+        fill(t)
         store.mark_dirty(key, Tier.HOST)
     finally:
         store.release(key, Tier.HOST)
     store.write_back(key)
+
+
+def _shape_dtype(store: TierStore | None, v: Any) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of a model tensor: a store key's, or the tensor's own."""
+    if isinstance(v, str) and store is not None:
+        info = store.info(v)
+        return tuple(info["shape"]), info["dtype"]
+    return tuple(v.shape), v.dtype
 
 
 def _load_optimizer(opt: OffloadedAdamW, directory: str, entries: dict[str, Any], meta: dict[str, Any]) -> None:
@@ -377,11 +389,9 @@ def load_safetensors(path: str, model: nn.Module | Offloaded, *, strict: bool = 
     unexpected = sorted(n for n in entries if n not in by_saved and aliases.get(n, n) not in tensors)
     store = off.store if off is not None else None
 
-    def shape_of(v: Any) -> list[int]:
-        return list(store.info(v)["shape"]) if isinstance(v, str) and store is not None else list(v.shape)
-
-    mis_shaped = [f"{n}: {entries[n]['shape']} in the file, {shape_of(tensors[t])} in the model"
-                  for n, t in by_saved.items() if entries[n]["shape"] != shape_of(tensors[t])]
+    shapes = {n: list(_shape_dtype(store, tensors[t])[0]) for n, t in by_saved.items()}
+    mis_shaped = [f"{n}: {entries[n]['shape']} in the file, {shapes[n]} in the model"
+                  for n in by_saved if entries[n]["shape"] != shapes[n]]
     problems = [f"size mismatch for {m}" for m in mis_shaped]
     if strict:
         problems += ([f"missing key(s): {', '.join(missing)}"] if missing else []) + (
@@ -392,13 +402,7 @@ def load_safetensors(path: str, model: nn.Module | Offloaded, *, strict: bool = 
         value = read_raw(saved, entries[saved])
         v = tensors[name]
         if isinstance(v, str) and store is not None:
-            t = store.get(v, Tier.HOST)
-            try:
-                t.copy_(value)  # converts the dtype
-                store.mark_dirty(v, Tier.HOST)
-            finally:
-                store.release(v, Tier.HOST)
-            store.write_back(v)
+            _write_into_store(store, v, lambda t, value=value: t.copy_(value))  # copy_ converts the dtype
         else:
             with torch.no_grad():
                 v.copy_(value)

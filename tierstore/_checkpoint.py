@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ._ownership import describe, lock, reclaim, unlock
-from ._types import CheckpointError, CheckpointIntegrityError, IntegrityError, TierIOError, TierStoreError
+from ._types import CheckpointError, CheckpointIntegrityError, TierIOError, TierStoreError
 
 FORMAT = "tierstore-checkpoint"
 FORMAT_VERSION = 2
@@ -369,13 +369,7 @@ def read_into(directory: str, name: str, entry: dict[str, Any], out: torch.Tenso
         raise CheckpointError(f"checkpoint tensor {name!r} is {entry['shape']} {entry['dtype']}, but the "
                              f"model expects {list(out.shape)} {dtype_name(out.dtype)}: wrong model or config")
     file = os.path.join(directory, entry["file"])
-    mv = _bytes_of(out)
-    with open(file, "rb") as f:
-        f.seek(entry["offset"])
-        got = f.readinto(mv)
-    if got != entry["nbytes"]:
-        raise CheckpointIntegrityError(f"checkpoint tensor {name!r}: {file} is truncated ({got} of "
-                                       f"{entry['nbytes']} bytes)")
+    mv = _read_exact(file, entry["offset"], out, f"checkpoint tensor {name!r}")
     if zlib.crc32(mv) != entry["crc32"]:
         raise CheckpointIntegrityError(f"checkpoint tensor {name!r}: checksum mismatch in {file} at byte "
                              f"{entry['offset']}; the file is corrupt")
@@ -383,28 +377,7 @@ def read_into(directory: str, name: str, entry: dict[str, Any], out: torch.Tenso
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file (any writer's), as CPU tensors."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise IntegrityError(f"{path} is not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", head)
-        size = os.fstat(f.fileno()).st_size
-        if n > size - 8:
-            raise IntegrityError(f"{path}: header length {n} runs past the end of the file")
-        header = json.loads(f.read(n))
-        out = {}
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            lo, hi = info["data_offsets"]
-            t = torch.empty(info["shape"], dtype=dtype_from_name(info["dtype"]))
-            if hi - lo != t.numel() * t.element_size() or 8 + n + hi > size:
-                raise IntegrityError(f"{path}: tensor {name!r} has bad offsets {lo}..{hi}")
-            f.seek(8 + n + lo)
-            if t.numel():
-                f.readinto(_bytes_of(t))
-            out[name] = t
-    return out
+    return {name: read_raw(name, entry) for name, entry in _header_entries(os.fspath(path)).items()}
 
 
 def safetensors_entries(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
@@ -443,19 +416,19 @@ def _header_entries(file: str) -> dict[str, dict[str, Any]]:
             (n,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
             size = os.fstat(f.fileno()).st_size
             if n is None or n > size - 8:
-                raise CheckpointError(f"{file} is not a safetensors file (bad header length)")
+                raise CheckpointIntegrityError(f"{file} is not a safetensors file (bad header length)")
             header = json.loads(f.read(n))
     except OSError as e:
         raise CheckpointError(f"cannot read {file}: {e.strerror}") from None
     except ValueError as e:
-        raise CheckpointError(f"{file}: unreadable safetensors header ({e})") from None
+        raise CheckpointIntegrityError(f"{file}: unreadable safetensors header ({e})") from None
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         lo, hi = info["data_offsets"]
         if info.get("dtype") not in _BY_NAME or 8 + n + hi > size or hi < lo:
-            raise CheckpointError(f"{file}: tensor {name!r} has a bad dtype or offsets")
+            raise CheckpointIntegrityError(f"{file}: tensor {name!r} has a bad dtype or offsets")
         out[name] = {"file": file, "offset": 8 + n + lo, "nbytes": hi - lo, "shape": list(info["shape"]),
                      "dtype": info["dtype"]}
     return out
@@ -465,13 +438,21 @@ def read_raw(name: str, entry: dict[str, Any]) -> torch.Tensor:
     """The tensor ``entry`` describes, as stored (no checksum: safetensors files of other writers carry none)."""
     out = torch.empty(entry["shape"], dtype=_BY_NAME[entry["dtype"]])
     if out.numel() * out.element_size() != entry["nbytes"]:
-        raise CheckpointError(f"{entry['file']}: tensor {name!r} has {entry['nbytes']} bytes for shape "
-                              f"{entry['shape']} {entry['dtype']}")
-    with open(entry["file"], "rb") as f:
-        f.seek(entry["offset"])
-        if out.numel() and f.readinto(_bytes_of(out)) != entry["nbytes"]:
-            raise CheckpointIntegrityError(f"{entry['file']}: tensor {name!r} is truncated")
+        raise CheckpointIntegrityError(f"{entry['file']}: tensor {name!r} has {entry['nbytes']} bytes for shape "
+                                       f"{entry['shape']} {entry['dtype']}")
+    _read_exact(entry["file"], entry["offset"], out, f"{entry['file']}: tensor {name!r}")
     return out
+
+
+def _read_exact(file: str, offset: int, out: torch.Tensor, what: str) -> memoryview:
+    """Fill ``out`` (contiguous CPU) with its bytes from ``file`` at ``offset``; the bytes, as a view of ``out``."""
+    mv = _bytes_of(out)
+    with open(file, "rb") as f:
+        f.seek(offset)
+        got = f.readinto(mv) if len(mv) else 0
+    if got != len(mv):
+        raise CheckpointIntegrityError(f"{what}: {file} is truncated ({got} of {len(mv)} bytes)")
+    return mv
 
 
 def read_tensor(directory: str, name: str, entry: dict[str, Any]) -> torch.Tensor:
@@ -480,5 +461,7 @@ def read_tensor(directory: str, name: str, entry: dict[str, Any]) -> torch.Tenso
     return out
 
 
-__all__ = ["TensorSource", "commit", "decode_manifest", "discard", "encode_manifest", "dtype_from_name", "dtype_name", "new_directory", "read_into", "read_manifest",
-           "read_safetensors", "read_raw", "read_tensor", "resolve", "safetensors_entries", "verify_tensor", "write_checkpoint", "write_files", "write_safetensors_file"]
+__all__ = ["TensorSource", "commit", "decode_manifest", "discard", "dtype_from_name", "dtype_name",
+           "encode_manifest", "new_directory", "read_into", "read_manifest", "read_raw", "read_safetensors",
+           "read_tensor", "resolve", "safetensors_entries", "verify_tensor", "write_checkpoint", "write_files",
+           "write_safetensors_file"]
