@@ -15,8 +15,9 @@ and a placeholder with no storage otherwise: shape, dtype and device are true
 and it holds no memory. No value can be read from it: a torch function that
 reads it is intercepted (below); ``.data`` and ``detach()``, which would alias
 it, give a meta tensor instead, whose computations yield meta tensors or a
-device error, never values. So no stand-in value can ever reach compute. Every torch function called on such a parameter passes through
-its ``__torch_function__``: one that reads values while the parameter is not
+device error, never values. So no stand-in value can ever reach compute.
+Every torch function called on such a parameter passes through its
+``__torch_function__``: one that reads values while the parameter is not
 held fetches it on demand when a forward of the model is running (the
 innermost running unit holds it, and learns it: from then on that unit's
 pre-hook fetches it, and the prefetch scheduler counts it in the unit's
@@ -137,8 +138,9 @@ class _OffloadedParameter(nn.Parameter):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func not in _NO_READ:
-            attribute = _attribute_of(func)
-            if (attribute or getattr(func, "__name__", None)) in _ALIASES and getattr(func, "__name__", "") != "__set__":
+            how = getattr(func, "__name__", None)  # "__get__"/"__set__" for an attribute's getter/setter
+            attribute = _attribute_of(func, how)
+            if (attribute or how) in _ALIASES and how != "__set__":
                 p = args[0]
                 if isinstance(p, _OffloadedParameter) and not p._tierstore.holds:
                     return torch.empty(p.shape, dtype=p.dtype, device="meta")
@@ -149,7 +151,7 @@ class _OffloadedParameter(nn.Parameter):
                     if fetched is not None:
                         return fetched[0]
             elif attribute == "grad" and isinstance(args[0], _OffloadedParameter):
-                return _kept_grad(args[0]._tierstore, func.__name__, args[1:])
+                return _kept_grad(args[0]._tierstore, how, args[1:])
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -158,8 +160,8 @@ class _OffloadedParameter(nn.Parameter):
         if sp.holds:
             with torch._C.DisableTorchFunctionSubclass():
                 return nn.Parameter.__repr__(self)
-        return (f"Parameter(offloaded {sp.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}; "
-                f"read its value with read_param({sp.name!r}))")
+        return (f"Parameter(offloaded {sp.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"device={self.device}; read its value with read_param({sp.name!r}))")
 
 
 def _kept_grad(sp: _Param, how: str, value: Any) -> torch.Tensor | None:
@@ -171,16 +173,17 @@ def _kept_grad(sp: _Param, how: str, value: Any) -> torch.Tensor | None:
     if how == "__set__" and value[0] is not None:
         grad = value[0]
         if grad.shape != sp.param.shape:
-            raise ValueError(f"a gradient of shape {tuple(grad.shape)} for {sp.name!r} of shape {tuple(sp.param.shape)}")
+            raise ValueError(f"a gradient of shape {tuple(grad.shape)} for {sp.name!r} of shape "
+                             f"{tuple(sp.param.shape)}")
         grads[sp.key] = grad.detach().to("cpu")
     else:
         grads.pop(sp.key, None)
     return None
 
 
-def _attribute_of(func: Any) -> str | None:
-    """The attribute name when ``func`` is a tensor attribute's getter or setter, else None."""
-    if getattr(func, "__name__", None) in ("__get__", "__set__", "__delete__"):
+def _attribute_of(func: Any, how: str | None) -> str | None:
+    """The attribute name when ``func`` (named ``how``) is a tensor attribute's getter or setter, else None."""
+    if how in ("__get__", "__set__", "__delete__"):
         return getattr(getattr(func, "__self__", None), "__name__", "?")
     return None
 
@@ -382,7 +385,8 @@ class OffloadedModel:
             if unit_modules.get(mname) is False:
                 continue  # inside a unit: its unit holds its parameters
             tensors = module.parameters() if unit_modules.get(mname) else module._parameters.values()
-            owned_by[mname] = (module, list(dict.fromkeys(id(p) for p in tensors if p is not None and id(p) in offloaded)))
+            ids = dict.fromkeys(id(p) for p in tensors if p is not None and id(p) in offloaded)
+            owned_by[mname] = (module, list(ids))
         budget = (self.store.config.device_budget_bytes if self.compute_tier is Tier.DEVICE
                   else self.store.config.host_budget_bytes)
         for mname, (_, ids) in owned_by.items():

@@ -141,8 +141,9 @@ class TierStore:
                  **overrides: Any) -> None:
         unknown = sorted(set(overrides) - set(StoreConfig.__dataclass_fields__))
         if unknown:
-            hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, StoreConfig.__dataclass_fields__, 1))
-                     else repr(k) for k in unknown]
+            fields = StoreConfig.__dataclass_fields__
+            hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, fields, 1)) else repr(k)
+                     for k in unknown]
             raise TypeError(f"TierStore got unknown settings {', '.join(hints)}; the settings are: "
                             f"{', '.join(StoreConfig.__dataclass_fields__)}")
         if config is None:
