@@ -131,8 +131,12 @@ def owner_gone(directory: str, *, beside: bool = False, now: float | None = None
 
 
 def _quiet_since(directory: str) -> float:
-    """The latest modification time of ``directory`` and the files in it."""
-    latest = os.stat(directory).st_mtime
+    """The latest modification time of ``directory`` and the files in it (never quiet if it has just gone: a
+    store that is making its directory renames it from the hidden name before locking is visible)."""
+    try:
+        latest = os.stat(directory).st_mtime
+    except FileNotFoundError:
+        return float("inf")
     for entry in _walk(directory):
         with contextlib.suppress(OSError):
             latest = max(latest, entry.stat(follow_symlinks=False).st_mtime)
