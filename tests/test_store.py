@@ -306,6 +306,37 @@ def test_get_while_the_stores_own_write_back_of_an_older_copy_is_in_flight(make_
         store.release("k", "host")
 
 
+def test_a_changed_host_copy_is_written_home_before_it_is_dropped_even_with_a_device_copy_beside_it(make_store):
+    """A changed key copied to the device has two current copies and a stale NVMe home. Dropping the host copy
+    unsaved would leave the device copy to be staged home through the host tier later, when the host tier may be
+    full of held copies (the device tier then had nothing it could free: a budget error with no holder)."""
+    n = 16 * 1024
+    store = make_store(host_budget_bytes=3 * n, device_budget_bytes=n)
+    for k in ("x", "a", "b"):
+        store.put(k, torch.zeros(n // 4), home="nvme").wait()
+    store.put("y", torch.zeros(n // 4), home="host").wait()  # to the device without staging
+    store.get("x", "host").fill_(7.0)
+    store.mark_dirty("x", "host")
+    store.release("x", "host")
+    store.get("x", "device")
+    store.release("x", "device")  # x: host and device current, NVMe stale
+    store.get("a", "host")
+    store.get("b", "host")  # the host tier is full of held copies: x's host copy had to go
+    assert float(store.get("y", "device")[0]) == 0.0  # x's device copy makes room without the host tier
+    store.release("y", "device")
+    assert float(store.read("y")[0]) == 0.0
+    store.release("b", "host")
+    store.get("x", "device").fill_(8.0)  # changed on the device itself: only a staged write can save it
+    store.mark_dirty("x", "device")
+    store.release("x", "device")
+    store.get("b", "host")
+    with pytest.raises(ts.TierBudgetError, match="16384 by changed copies that could not be written home"):
+        store.get("y", "device")
+    for k in ("a", "b"):
+        store.release(k, "host")
+    assert float(store.read("x")[0]) == 8.0
+
+
 def test_threads_at_a_tight_budget_wait_for_each_other_and_lose_nothing(make_store):
     """Four threads each hold one copy while getting a second, under a host budget of five copies: there is
     always a way forward, so no get() may fail, and every increment must survive the evictions."""

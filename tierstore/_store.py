@@ -373,7 +373,7 @@ class TierStore:
                     if copy.io_refs and entry.writeback is None:
                         self._cv.wait(0.01)
                     continue
-                if self._sole_holder(entry, copy):
+                if self._unsaved(entry, copy):
                     fut = self._start_writeback(entry)
                     self._wait_unlocked(fut)
                     if fut.exception() is not None:
@@ -559,10 +559,18 @@ class TierStore:
                 torch.cuda.current_stream().wait_event(ev)
         return t
 
-    def _sole_holder(self, entry: _Entry, copy: _Copy) -> bool:
+    def _unsaved(self, entry: _Entry, copy: _Copy) -> bool:
+        """True if dropping ``copy`` now would lose bytes or cost a staged write: it is current, the home copy is
+        not, and no other current copy can be written home directly. A device copy is written to an NVMe home
+        through a host copy, so while a current host copy is there, the host copy is the one written back: drop it
+        unsaved and the device copy would have to be staged back through a host tier that may then be full."""
         if copy.version != entry.version:
             return False
+        home = entry.copies.get(entry.home)
+        if home is not None and home.version == entry.version:
+            return False
         return not any(c is not copy and c.version == entry.version and c.loading is None
+                       and not (entry.home is Tier.NVME and c.tier is Tier.DEVICE)
                        for c in entry.copies.values())
 
     def _new_copy(self, entry: _Entry, tier: Tier, version: int, *, may_skip: bool = False) -> _Copy | None:
@@ -666,6 +674,7 @@ class TierStore:
         copies = [(e, c) for e in self._entries.values() for c in e.copies.values()
                   if c.tier is tier and c.buffer is not None]
         homes = sum(c.buffer.capacity for e, c in copies if e.home is tier and not c.pins)
+        unsaved = sum(c.buffer.capacity for e, c in copies if e.home is not tier and not c.pins and self._unsaved(e, c))
         names = {t.ident: t.name for t in threading.enumerate()}
         by_thread: dict[str, list[str]] = {}
         for e, c in copies:
@@ -676,7 +685,8 @@ class TierStore:
         waited = (f" after waiting {time.perf_counter() - waited_since:.1f} s for other threads to release theirs"
                   if waited_since is not None else "")
         return (f"{tier.label} tier cannot fit {need} bytes for {for_key!r}{waited}: {pool.live_bytes} of "
-                f"{pool.budget_bytes} budget bytes are in use, {homes} by tensors whose home is this tier and the "
+                f"{pool.budget_bytes} budget bytes are in use, {homes} by tensors whose home is this tier, "
+                f"{unsaved} by changed copies that could not be written home (through the host tier) and the "
                 f"rest by get() without release(): {held}. Release tensors you are done with or raise "
                 f"{tier.label}_budget_bytes")
 
@@ -713,7 +723,7 @@ class TierStore:
         freed = 0
         pool = self._pools[tier]
         for entry, copy in self._candidates(tier):
-            if self._sole_holder(entry, copy):
+            if self._unsaved(entry, copy):
                 continue
             freed += copy.buffer.capacity if copy.buffer else 0
             self._free_copy(entry, copy)
@@ -725,7 +735,7 @@ class TierStore:
     def _start_eviction_writebacks(self, tier: Tier) -> bool:
         started = False
         for entry, copy in self._candidates(tier):
-            if self._sole_holder(entry, copy) and entry.writeback is None and entry.error is None:
+            if self._unsaved(entry, copy) and entry.writeback is None and entry.error is None:
                 try:
                     if self._start_writeback(entry) is not None:
                         started = True
