@@ -73,6 +73,7 @@ held until their gradients are accumulated.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -299,7 +300,8 @@ class OffloadedModel:
         self._handles: list[Any] = []
         self._callback_queued = False
         self._backward_used: set[str] = set()
-        self._running: list[_Group] = []  # units whose forward is running, innermost last
+        # Units whose forward is running, innermost last, each with whether it started inside backward.
+        self._running: list[tuple[_Group, bool]] = []
         # Called with a store key once that parameter's gradient for this backward is complete.
         self.grad_ready_callbacks: list[Callable[[str], None]] = []
         # An optimizer's uses of store keys, which eviction weighs with the trace's.
@@ -441,14 +443,13 @@ class OffloadedModel:
         if not self._running and not in_backward and torch.is_grad_enabled() and self._saved_hooks is None:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
-        self._running.append(group)
+        self._running.append((group, in_backward))
         return in_backward
 
     def _exit_forward(self, group: _Group) -> None:
-        if self._running and self._running[-1] is group:
-            self._running.pop()
-        elif group in self._running:  # a forward that raised inside an inner module left it there
-            del self._running[self._running.index(group):]
+        at = next((i for i in range(len(self._running) - 1, -1, -1) if self._running[i][0] is group), None)
+        if at is not None:  # not at the top when a forward that raised inside an inner module left it there
+            del self._running[at:]
         if not self._running and self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
@@ -509,7 +510,7 @@ class OffloadedModel:
         """Hold ``sp`` for a read that its units' hooks did not foresee (see [Note: Reads of an offloaded
         parameter]); False when no forward or backward of the model is running to hold it for."""
         if self._running:
-            group = self._running[-1]
+            group = self._running[-1][0]
             if group.learn(sp):  # held from now on by this unit's pre-hook, released by its post-hook
                 self._key_groups[sp.key] = (*self._key_groups.get(sp.key, ()), group.name)
                 self.policy.group_bytes[group.name] = group.nbytes
@@ -585,16 +586,25 @@ class OffloadedModel:
                 callback(sp.key)
 
     def _end_backward(self) -> None:
-        """Release every hold left at the end of backward.
+        """Release every hold backward left.
 
         Besides parameters that got no gradient, non-reentrant checkpointing
         stops its forward rerun as soon as the tensors backward needs exist, so
-        the forward post-hooks of the last modules of a rerun never fire.
+        the forward post-hooks of the last modules of a rerun never fire. A
+        backward may also run inside a forward (``torch.autograd.grad`` of a
+        gradient penalty): the units whose forward runs on around it keep
+        holding their parameters, one hold each, as their pre-hooks took them.
         """
         self._callback_queued = False
         self._backward_used.clear()
-        self._running.clear()
-        self._release_all()
+        self._running = [(group, rerun) for group, rerun in self._running if not rerun]
+        outer = Counter(id(sp) for group, _ in self._running for sp in group.params)
+        for sp in self.params.values():
+            sp.backward_hold = False
+            keep = outer[id(sp)]
+            if sp.holds > keep:
+                sp.holds = keep + 1
+                self._unhold(sp)
 
     def _release_all(self) -> None:
         for sp in self.params.values():

@@ -566,6 +566,37 @@ def test_parent_reading_a_childs_weight_trains_bit_identically(make_store, in_ba
         model.head.weight.pow(2).mean()  # outside the forward: no value to compute with
 
 
+class _GradientPenalty(torch.nn.Module):
+    """A forward that runs a backward of its own (``torch.autograd.grad`` of a gradient penalty), then goes on
+    to read parameters, its own and a child's."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 16)
+        self.critic = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.head = torch.nn.Linear(16, 16)
+        self.scale = torch.nn.Parameter(torch.ones(16, 16))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        (g,) = torch.autograd.grad(self.critic(h).sum(), h, create_graph=True)
+        penalty = (g.norm(dim=-1) - 1).pow(2).mean()
+        logits = self.head(h) @ self.scale + self.head.weight.sum()
+        return F.cross_entropy(logits.flatten(0, 1), ids.flatten()) + penalty
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_a_backward_inside_the_forward_trains_bit_identically(make_store, in_backward):
+    torch.manual_seed(0)
+    ref = _GradientPenalty()
+    model = copy.deepcopy(ref)
+    store = make_store(host_budget_bytes="96KiB", device_budget_bytes="64KiB")
+    off = offload_model(model, store, resident_threshold_bytes=0)
+    _train_on_ids(ref, model, off, vocab=16, steps=4, step_in_backward=in_backward)
+    _assert_same_parameters(model, ref)
+    assert not any(sp.holds for sp in off.params.values())
+
+
 def test_mha_keeps_its_packed_path_and_gradients(make_store, monkeypatch):
     """Backward fetches leave autograd's graph alone: query, key and value stay one tensor, so
     MultiheadAttention takes the packed in-projection, as it does without tierstore."""
