@@ -64,6 +64,23 @@ def local_shard(param: nn.Parameter) -> torch.Tensor:
     return param._local_tensor  # type: ignore[attr-defined]
 
 
+def fsdp_params_by_id(model: nn.Module) -> dict[int, Any]:
+    """id of each sharded parameter (DTensor) -> its ``FSDPParam``, over every fully_shard-ed module."""
+    return {id(fp.sharded_param): fp for _, _, group in fsdp_groups(model) for fp in group.fsdp_params}
+
+
+def adopt_local_tensor(fsdp_param: Any) -> Callable[[], None]:
+    """After the sharded parameter's local tensor was replaced (a meta shard given memory, as ``to_empty``
+    does), have FSDP2 pad it and read from it; returns a function that puts back what FSDP2 held before."""
+    before = fsdp_param._sharded_param_data, fsdp_param._sharding_spec
+
+    def undo() -> None:
+        fsdp_param._sharded_param_data, fsdp_param._sharding_spec = before
+
+    fsdp_param.reset_sharded_param()
+    return undo
+
+
 def wrap_group(group: Any, before_unshard: Callable[[], None], after_wait: Callable[[], None],
                after_post_backward: Callable[[], None]) -> Callable[[], None]:
     """Run ``before_unshard`` before the group's all-gather reads its shards, ``after_wait`` once it
@@ -100,5 +117,5 @@ def wait_for_gradients(group: Any) -> None:
         event.synchronize()
 
 
-__all__ = ["TESTED_TORCH", "check_group_supported", "check_torch_version", "fsdp_groups", "group_params",
-           "local_shard", "wait_for_gradients", "wrap_group"]
+__all__ = ["TESTED_TORCH", "adopt_local_tensor", "check_group_supported", "check_torch_version", "fsdp_groups",
+           "fsdp_params_by_id", "group_params", "local_shard", "wait_for_gradients", "wrap_group"]

@@ -34,6 +34,7 @@ from tierstore import Tier, TierStore
 from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
 from . import _fsdp_internals as internals
+from ._meta import check_meta, materialize, unmaterialize
 
 _STATE_KEY = "_tierstore_fsdp"
 
@@ -88,7 +89,7 @@ class FSDPOffload:
     """The NVMe tier under one rank's FSDP2 shards; returned by :func:`offload_fsdp`."""
 
     def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int, prefetch_bytes: int | None,
-                 home: Tier) -> None:
+                 home: Tier, init_fn: Callable[[nn.Module], None] | None = None) -> None:
         self.model = model
         self.store = store
         self.home = home
@@ -101,25 +102,64 @@ class FSDPOffload:
         self.on_remove: list[Callable[[], None]] = []  # called by remove(): optimizers drop their state
         self.groups: dict[str, _ShardGroup] = {}
         self.params: dict[int, _Shard] = {}  # id(param) -> shard
-        names = {id(p): n for n, p in model.named_parameters()}
-        handles = []
-        for gname, _module, group in internals.fsdp_groups(model):
+        groups = list(internals.fsdp_groups(model))
+        for gname, _module, group in groups:
             internals.check_group_supported(gname, group)
+        if not any(internals.group_params(group) for _, _, group in groups):
+            raise ValueError("no fully_shard-ed module with parameters found; apply fully_shard before offload_fsdp")
+        meta = check_meta(model, init_fn)
+        sharded = {id(p) for _, _, group in groups for p in internals.group_params(group)}
+        if home is Tier.NVME:
+            need = sum(internals.local_shard(p).numel() * p.element_size() for _, _, g in groups
+                       for p in internals.group_params(g))
+            store.require_nvme_room(need, "offloading {size} of this rank's parameter shards")
+        names = {id(p): n for n, p in model.named_parameters()}
+        put: dict[int, int] = {}  # id(param) -> the padded shard's bytes, for each shard given to the store
+        handles: list = []
+        undo: list[Callable[[], None]] = []
+
+        def give(p: nn.Parameter, *, free: bool) -> None:
+            """Put ``p``'s local shard in the store; with ``free``, its memory goes once it is there."""
+            local = internals.local_shard(p)
+            put[id(p)] = local.untyped_storage().nbytes()
+            handles.append(store.put(f"fsdp/{names[id(p)]}", local.detach().contiguous(), home=home))
+            if free:
+                handles[-1].wait()
+                local.untyped_storage().resize_(0)
+
+        try:
+            if meta:  # one module's tensors in memory at a time (see [Note: Building on the meta device])
+                done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+                by_id = internals.fsdp_params_by_id(model)
+
+                def adopt(p: nn.Parameter) -> Callable[[], None]:
+                    return internals.adopt_local_tensor(by_id[id(p)]) if id(p) in by_id else lambda: None
+
+                for _mname, module in model.named_modules():
+                    fresh = materialize(module, init_fn, done, undo, in_place=True, adopt=adopt)
+                    for p in fresh:
+                        if id(p) in sharded:
+                            give(p, free=True)
+            for _, _, group in groups:
+                for p in internals.group_params(group):
+                    if id(p) not in put:
+                        give(p, free=meta)
+            for h in handles:
+                h.wait()
+        except BaseException:  # the store holds nothing of the model, and a meta model is on meta again
+            store.undo_puts(handles)
+            unmaterialize(undo)
+            raise
+        for gname, _module, group in groups:
             shards = []
             for p in internals.group_params(group):
-                local = internals.local_shard(p)
                 name = names[id(p)]
-                sh = _Shard(name, f"fsdp/{name}", p, local, local.untyped_storage().nbytes())
-                handles.append(store.put(sh.key, local.detach().contiguous(), home=home))
+                sh = _Shard(name, f"fsdp/{name}", p, internals.local_shard(p), put[id(p)])
                 shards.append(sh)
                 self.params[id(p)] = sh
             self.groups[gname] = _ShardGroup(gname, shards, sum(s.local.numel() * s.local.element_size()
-                                                                 for s in shards))
-        if not self.groups:
-            raise ValueError("no fully_shard-ed module with parameters found; apply fully_shard before offload_fsdp")
-        for h in handles:
-            h.wait()
-        for gname, _module, group in internals.fsdp_groups(model):
+                                                                 for s in shards), materialized=not meta)
+        for gname, _module, group in groups:
             sg = self.groups[gname]
             sg.remove = internals.wrap_group(group, lambda sg=sg: self._materialize(sg), lambda sg=sg: self._free(sg),
                                              lambda sg=sg, group=group: self._gradients_ready(sg, group))
@@ -226,11 +266,16 @@ class FSDPOffload:
 
 def offload_fsdp(model: nn.Module, store: TierStore, *, prefetch_depth: int | None = None,
                  prefetch_bytes: int | None = None, home: Tier | str | None = None,
+                 init_fn: Callable[[nn.Module], None] | None = None,
                  allow_untested_torch: bool = False) -> FSDPOffload:
     """Give this rank's FSDP2 shards of ``model`` a home in ``store`` (NVMe by default).
 
     Call after ``fully_shard`` (on the blocks, then the root) and before the
-    first forward. Defaults come from ``store.config``.
+    first forward. Defaults come from ``store.config``. A model built on the
+    meta device (then ``fully_shard``-ed, as FSDP2's recipe has it) is given
+    memory and initialized one module at a time, each module's shards written
+    to the store before the next (``reset_parameters()``, or ``init_fn(module)``;
+    see [Note: Building on the meta device]); call no ``to_empty`` first.
     """
     internals.check_torch_version(allow_untested_torch)
     if not isinstance(model, nn.Module):
@@ -244,7 +289,7 @@ def offload_fsdp(model: nn.Module, store: TierStore, *, prefetch_depth: int | No
     state = FSDPOffload(model, store,
                         prefetch_depth=cfg.prefetch_depth if prefetch_depth is None else prefetch_depth,
                         prefetch_bytes=cfg.prefetch_bytes if prefetch_bytes is None else prefetch_bytes,
-                        home=Tier.parse(home if home is not None else cfg.param_tier))
+                        home=Tier.parse(home if home is not None else cfg.param_tier), init_fn=init_fn)
     setattr(model, _STATE_KEY, state)
     return state
 

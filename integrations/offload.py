@@ -43,20 +43,6 @@ in-projection path and its gradients round differently. As FSDP2 does, the
 backward fetch is a hook on the forward's output tensors (``register_hook``),
 which adds nothing to the graph torch builds.
 
-[Note: Building on the meta device] A model built under ``torch.device("meta")``
-has shapes and no memory. ``offload_model`` walks its modules in
-``named_modules()`` order; each module's own meta parameters and buffers get
-CPU memory and are initialized by the module's ``reset_parameters()`` (or
-``init_fn(module)``), its parameters go to the store and their memory goes,
-before the next module: peak memory is one module's tensors. A parameter
-tied across modules is one object, initialized where it is met first. With
-a fixed seed this gives the parameters eager construction gives when each
-module's constructor draws its random numbers in ``reset_parameters()`` and
-modules are constructed in the order they are registered (nn.Linear,
-nn.Embedding, nn.LayerNorm, convolutions...); parameters a parent initializes
-in its own ``__init__`` (a class token drawn with ``normal_``) need
-``init_fn``, and the random draws then differ from eager construction.
-
 [Note: Saved views of parameters] Autograd saves some tensors that alias a
 parameter's storage -- ``F.linear`` saves ``weight.t()``, a view -- and a
 view keeps the storage the parameter had in forward, not the one it gets back
@@ -86,6 +72,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tierstore import Tier, TierStore
 from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
+
+from ._meta import check_meta, materialize, unmaterialize
 
 _STATE_KEY = "_tierstore_offload"
 _NOT_COPYABLE = ("an offloaded model cannot be copied or pickled: its parameters live in the store and its module "
@@ -309,17 +297,17 @@ class OffloadedModel:
         self.on_remove: list[Callable[[], None]] = []  # called by remove(): optimizers drop their state
         self._storage_owner: dict[int, _Param] = {}  # data_ptr of a held copy's storage -> its parameter
         self._saved_hooks: Any = None
-        meta = _check_meta(model, init_fn)
+        meta = check_meta(model, init_fn)
         offloaded, owned_by = self._plan_units(model, units, resident_threshold_bytes)  # checked before any write
         if home is Tier.NVME:
             store.require_nvme_room(sum(nbytes for _, nbytes in offloaded.values()), "offloading {size} of parameters")
         handles: list = []
         done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
-        undo: list[tuple[nn.Module, str, Any]] = []
+        undo: list[Callable[[], None]] = []
         try:
             if meta:  # materialized module by module: one module's tensors in memory at a time
                 for mname, module in model.named_modules():
-                    _materialize(module, init_fn, done, undo)
+                    materialize(module, init_fn, done, undo)
                     for pname, p in module._parameters.items():
                         name = f"{mname}.{pname}" if mname else pname
                         if p is not None and id(p) not in self.params and id(p) not in self.resident_ids:
@@ -331,7 +319,7 @@ class OffloadedModel:
                 h.wait()
         except BaseException:  # the store holds nothing of the model, and the model is as it was given
             store.undo_puts(handles)
-            _unmaterialize(undo)
+            unmaterialize(undo)
             self.params.clear()
             raise
         if meta:  # the parameters are new objects: what the units hold is known by them now
@@ -731,68 +719,6 @@ def _unit_modules(model: nn.Module, units: Sequence[type[nn.Module] | nn.Module 
             out[mname] = True
             inside.append(mname)
     return out
-
-
-def _check_meta(model: nn.Module, init_fn: Callable[[nn.Module], None] | None) -> bool:
-    """Whether ``model`` is (partly) on the meta device; if so, that every module with meta tensors of its own can
-    be initialized (its ``reset_parameters()``, or ``init_fn``), else an error naming them."""
-    on_meta = [(mname, m) for mname, m in model.named_modules()
-               if any(t is not None and t.is_meta for t in (*m._parameters.values(), *m._buffers.values()))]
-    if not on_meta:
-        return False
-    if init_fn is None:
-        cannot = [mname or "<root>" for mname, m in on_meta if not callable(getattr(m, "reset_parameters", None))]
-        if cannot:
-            raise ValueError(f"the model is on the meta device and {len(cannot)} module(s) with tensors of their own "
-                             f"have no reset_parameters() to initialize them: {', '.join(cannot[:5])}"
-                             f"{'...' if len(cannot) > 5 else ''}. Pass offload_model(..., init_fn=f), f(module) "
-                             f"initializing a module's own parameters and buffers (transformers: "
-                             f"init_fn=model._init_weights)")
-    return True
-
-
-def _materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None,
-                 done: dict[int, tuple[nn.Parameter, nn.Parameter]], undo: list[tuple[nn.Module, str, Any]]) -> None:
-    """Give ``module``'s own meta parameters and buffers CPU memory and initialize them, as its constructor would
-    have (see [Note: Building on the meta device]). ``done``: id of a meta parameter -> (it, its new parameter),
-    so that a tied one stays one object; ``undo``: (module, name, what was there) to put the model back."""
-    fresh, tied = [], {}
-    for name, p in list(module._parameters.items()):
-        if p is None or not p.is_meta:
-            continue
-        if id(p) in done:  # tied: given memory and values where it was met first
-            tied[name] = done[id(p)][1]
-        else:
-            done[id(p)] = (p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad))
-            fresh.append(name)
-        undo.append((module, name, p))
-        module._parameters[name] = done[id(p)][1]
-    meta_buffers = [name for name, b in module._buffers.items() if b is not None and b.is_meta]
-    for name in meta_buffers:
-        undo.append((module, name, module._buffers[name]))
-        module._buffers[name] = torch.empty(module._buffers[name].shape, dtype=module._buffers[name].dtype)
-    if not fresh and not meta_buffers:
-        return
-    # A tied parameter keeps the values it has (it may be offloaded already): this module's init writes a scratch.
-    for name, p in tied.items():
-        module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
-    try:
-        with torch.no_grad():
-            if init_fn is not None:
-                init_fn(module)
-            else:
-                module.reset_parameters()
-    finally:
-        module._parameters.update(tied)
-
-
-def _unmaterialize(undo: list[tuple[nn.Module, str, Any]]) -> None:
-    """Put back what :func:`_materialize` replaced: the model is on the meta device again, as it was given."""
-    for module, name, old in reversed(undo):
-        if name in module._parameters:
-            module._parameters[name] = old
-        else:
-            module._buffers[name] = old
 
 
 class _NoStorage(torch.Tensor):

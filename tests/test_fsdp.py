@@ -75,6 +75,19 @@ def test_models_we_did_not_write_are_bit_identical_under_fsdp(tmp_path, name):
         assert r["read_bytes"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", ["tied", "untied"])
+def test_a_model_built_on_meta_is_sharded_into_the_store_as_fsdps_recipe_initializes_it(tmp_path, tied):
+    child = os.path.join(os.path.dirname(__file__), "fsdp_meta_child.py")
+    lines = [json.loads(line) for line in _launch(2, child, str(tmp_path), tied).splitlines()
+             if line.startswith("{")]
+    assert sorted(r["rank"] for r in lines) == [0, 1]
+    for r in lines:
+        assert r["same_init"] and r["ours"] == r["ref"] and r["same_parameters"] and r["still_tied"], r
+        assert r["undone"], r  # a failed init left nothing in the store and the model on meta
+        assert r["shard_bytes_in_memory"] == 0 and r["on_meta"] == [], r
+
+
 def test_offload_fsdp_needs_torch_distributed(make_store):
     from tierstore.integrations.fsdp import offload_fsdp
 

@@ -79,7 +79,7 @@ class ViT(nn.Module):
         """Initialize the parameters this module owns itself (its children have their own), so that a ViT built
         on the meta device can be materialized module by module."""
         self.cls_token.zero_()
-        self.pos.copy_(torch.randn(self.pos.shape, device=self.pos.device) * 0.02)
+        nn.init.normal_(self.pos, std=0.02)  # in place: also for a DTensor shard (FSDP2 on the meta device)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         c, p = self.cfg.channels, self.cfg.patch_size
