@@ -31,7 +31,7 @@ def _child(args: argparse.Namespace) -> dict:
     import torch.nn.functional as F
 
     import tierstore as ts
-    from tierstore._rss import peak_rss_bytes, reset_peak_rss, rss_bytes
+    from tierstore.tools.rss import peak_rss_bytes, reset_peak_rss, rss_bytes
     from tierstore.integrations import OffloadedAdamW, load_safetensors, offload_model
 
     torch.set_num_threads(2)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.pretrained:
             cmd += ["--load", _write_pretrained(args, d)]
         # Freed tensors go back to the kernel (glibc's dynamic threshold would keep them in the heap), so RSS
-        # counts what is live: see [Note: Measuring RSS] in tierstore/_bench_rss.py.
+        # counts what is live: see [Note: Measuring RSS] in tierstore/tools/bench_rss.py.
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
         r = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
         if r.returncode != 0:

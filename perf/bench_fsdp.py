@@ -2,7 +2,7 @@
 
     python perf/bench_fsdp.py --preset large --ranks 2 --depths 0,2,4 --steps 4 --nvme-path /mnt/nvme
 
-Each depth is one torchrun of ``tierstore.integrations.fsdp_train`` (a fresh
+Each depth is one torchrun of ``tierstore.tools.fsdp_train`` (a fresh
 model and fresh stores); its first step records the trace and is left out,
 the median of the others is reported. Depths run in alternating order over
 ``--rounds``. Prints per depth the step time (slowest rank), stall time and
@@ -27,7 +27,7 @@ def run_depth(args: argparse.Namespace, depth: int, *, check: bool = False) -> d
     with tempfile.TemporaryDirectory(prefix="bench-fsdp-", dir=args.nvme_path) as d:
         out = os.path.join(d, "result.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
-               "-m", "tierstore.integrations.fsdp_train", "--preset", args.preset, "--steps", str(args.steps),
+               "-m", "tierstore.tools.fsdp_train", "--preset", args.preset, "--steps", str(args.steps),
                "--batch-size", str(args.batch_size), "--nvme-path", d, "--prefetch-depth", str(depth),
                "--json", out]
         if args.host_budget:

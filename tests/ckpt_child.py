@@ -16,7 +16,7 @@ from tierstore.integrations.optim import OffloadedAdamW
 
 import tierstore as ts
 from tierstore import _checkpoint
-from tierstore.vit import PRESETS, SyntheticImages, ViT
+from tierstore.tools.vit import PRESETS, SyntheticImages, ViT
 
 
 def step(model, opt, data, i):

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from tierstore import StoreConfig, TierStore
 from tierstore.integrations.fsdp import offload_fsdp
-from tierstore.integrations.fsdp_train import _batch, _shard
+from tierstore.tools.fsdp_train import _batch, _shard
 from tierstore.integrations.optim import OffloadedAdamW, OffloadedGradScaler
-from tierstore.vit import PRESETS, SyntheticImages, ViT
+from tierstore.tools.vit import PRESETS, SyntheticImages, ViT
 
 SCALER = {"init_scale": 2.0**30, "backoff_factor": 2.0**-20, "growth_interval": 2}
 
@@ -58,4 +58,4 @@ def main(nvme_path: str) -> None:
 if __name__ == "__main__":
     main(sys.argv[1])
     sys.stdout.flush()
-    os._exit(0)  # skip C++ teardown at exit, as the torchrun example does (see integrations/fsdp_train.py)
+    os._exit(0)  # skip C++ teardown at exit, as the torchrun example does (see tierstore/tools/fsdp_train.py)

@@ -68,4 +68,4 @@ def main(name: str, nvme_path: str) -> None:
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
     sys.stdout.flush()
-    os._exit(0)  # skip C++ teardown at exit, as the torchrun example does (see integrations/fsdp_train.py)
+    os._exit(0)  # skip C++ teardown at exit, as the torchrun example does (see tierstore/tools/fsdp_train.py)

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 
 from tierstore import StoreConfig, TierStore
 from tierstore.integrations import OffloadedAdamW, offload_fsdp
-from tierstore.vit import PRESETS, SyntheticImages, ViT
+from tierstore.tools.vit import PRESETS, SyntheticImages, ViT
 
 
 def build(tied):
@@ -93,4 +93,4 @@ def main(nvme_path: str, tied: bool) -> None:
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2] == "tied")
     sys.stdout.flush()
-    os._exit(0)  # skip C++ teardown at exit, as the torchrun example does (see integrations/fsdp_train.py)
+    os._exit(0)  # skip C++ teardown at exit, as the torchrun example does (see tierstore/tools/fsdp_train.py)

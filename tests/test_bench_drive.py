@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from tierstore import _cli
-from tierstore._bench_drive import fio_available
+from tierstore.tools import cli as _cli
+from tierstore.tools.bench_drive import fio_available
 
 
 @pytest.mark.parametrize("integrity", [False, True])

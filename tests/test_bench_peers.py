@@ -2,7 +2,7 @@
 
 import json
 
-from tierstore import _cli
+from tierstore.tools import cli as _cli
 
 
 def test_bench_peers_tiny(tmp_path, capsys):

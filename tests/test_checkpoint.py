@@ -22,8 +22,8 @@ from tierstore.integrations.optim import OffloadedAdamW
 
 import tierstore as ts
 from tierstore import _checkpoint
-from tierstore._rss import peak_rss_bytes, reset_peak_rss, rss_bytes
-from tierstore.vit import PRESETS, SyntheticImages, ViT
+from tierstore.tools.rss import peak_rss_bytes, reset_peak_rss, rss_bytes
+from tierstore.tools.vit import PRESETS, SyntheticImages, ViT
 
 MIB = 1024**2
 

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from tierstore import _cli
-from tierstore._demo import PRESET_LR
+from tierstore.tools import cli as _cli
+from tierstore.tools.demo import PRESET_LR
 
 try:
     import matplotlib  # noqa: F401
@@ -127,7 +127,7 @@ def test_bench_step_tiny(tmp_path, capsys):
 def test_peak_rss_stays_within_budgets(tmp_path):
     """ViT-base's 1 GiB of fp32 state trains under a 64 MiB host budget without the state entering RAM:
     the peak RSS stays below budgets + activations + the stated overhead, far below the state itself."""
-    from tierstore._bench_rss import measure_rss
+    from tierstore.tools.bench_rss import measure_rss
 
     rss = measure_rss(preset="base", batch_size=2, nvme_path=str(tmp_path), host_budget_bytes=64 * 1024**2,
                       device_budget_bytes=32 * 1024**2, prefetch_depth=2, step_in_backward=True, steps=2)
@@ -137,13 +137,13 @@ def test_peak_rss_stays_within_budgets(tmp_path):
 
 
 def test_rss_probe_failure_is_reported(tmp_path, capsys, monkeypatch):
-    from tierstore._bench_rss import measure_rss
+    from tierstore.tools.bench_rss import measure_rss
 
     with pytest.raises(RuntimeError, match="the RSS probe failed"):
         measure_rss(preset="no-such-preset", batch_size=1, nvme_path=str(tmp_path), host_budget_bytes=1 << 20,
                     device_budget_bytes=1 << 20, prefetch_depth=0, step_in_backward=False)
     # bench step still prints and returns its table, and says why the check is missing
-    from tierstore import _bench_step
+    from tierstore.tools import bench_step as _bench_step
 
     def fail(**kw):
         raise RuntimeError("probe exploded")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tierstore.integrations import _fsdp_internals
 
-from tierstore._plan import PlanConfig, make_plan
+from tierstore.tools.plan import PlanConfig, make_plan
 
 MIB = 1024**2
 
@@ -25,7 +25,7 @@ def _launch(ranks: int, *target: str) -> str:
 
 
 def _torchrun(ranks: int, *args: str):
-    out = _launch(ranks, "-m", "tierstore.integrations.fsdp_train", "--check", *args)
+    out = _launch(ranks, "-m", "tierstore.tools.fsdp_train", "--check", *args)
     assert "bit-identical to FSDP2 without offload: yes" in out
     return out
 

@@ -9,7 +9,7 @@ from tierstore.integrations.offload import OffloadedParameterError, offload_mode
 from tierstore.integrations.optim import OffloadedAdamW
 
 import tierstore as ts
-from tierstore.vit import PRESETS, Block, SyntheticImages, ViT
+from tierstore.tools.vit import PRESETS, Block, SyntheticImages, ViT
 
 
 def _train(model, data, steps, opt):

@@ -12,7 +12,7 @@ import pytest
 
 import tierstore as ts
 from tierstore import _ownership
-from tierstore._cli import main as cli_main
+from tierstore.tools.cli import main as cli_main
 
 CHILD = os.path.join(os.path.dirname(__file__), "owner_child.py")
 

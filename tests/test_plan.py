@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from tierstore import _cli
-from tierstore._plan import PlanConfig, make_plan
+from tierstore.tools import cli as _cli
+from tierstore.tools.plan import PlanConfig, make_plan
 
 
 def test_seed_example_7b_on_8_ranks(capsys, tmp_path):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tierstore.integrations.optim import OffloadedAdamW
 
 import tierstore as ts
-from tierstore.vit import PRESETS, SyntheticImages, ViT
+from tierstore.tools.vit import PRESETS, SyntheticImages, ViT
 
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 

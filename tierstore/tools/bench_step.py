@@ -24,12 +24,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tierstore.integrations import OffloadedAdamW, offload_model
 
-from ._bench_drive import measure_drive
-from ._bench_rss import measure_rss
-from ._config import StoreConfig
-from ._demo import default_budgets, measure_step
-from ._store import TierStore
+from tierstore import StoreConfig, TierStore
+
+from .bench_drive import measure_drive
+from .bench_rss import measure_rss
+from .demo import default_budgets, measure_step
 from .vit import PRESETS, SyntheticImages, ViT, num_params
 
 MIB = 1024**2
@@ -47,8 +48,6 @@ def _resident_step(model, data, batch_size: int, step: int, opt) -> float:
 def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path: str, rounds: int,
                    host_budget_bytes: int | None, device_budget_bytes: int | None, trace_path: str | None = None,
                    step_in_backward: bool = True, rss: bool = True, log=print) -> dict[str, Any]:
-    from .integrations.offload import offload_model
-    from .integrations.optim import OffloadedAdamW
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")

@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tierstore.integrations import OffloadedAdamW, offload_model
 
-from ._config import StoreConfig
-from ._rss import peak_rss_bytes, reset_peak_rss, rss_bytes
-from ._store import TierStore
+from tierstore import StoreConfig, TierStore
+
+from .rss import peak_rss_bytes, reset_peak_rss, rss_bytes
 from .vit import PRESETS, SyntheticImages, ViT, num_params
 
 MIB = 1024**2
@@ -60,8 +61,6 @@ def measure_step(model, store: TierStore, opt, data: SyntheticImages, batch_size
 def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefetch_depth: int,
              host_budget_bytes: int | None, device_budget_bytes: int | None, lr: float | None = None,
              step_in_backward: bool = True, dtype: str = "fp32", log=print) -> dict[str, Any]:
-    from .integrations.offload import offload_model
-    from .integrations.optim import OffloadedAdamW
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")

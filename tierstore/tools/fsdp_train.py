@@ -1,6 +1,6 @@
 """Train the ViT with FSDP2 + NVMe offload on N ranks.
 
-    torchrun --nproc_per_node 2 -m tierstore.integrations.fsdp_train --preset small --steps 5 --nvme-path .
+    torchrun --nproc_per_node 2 -m tierstore.tools.fsdp_train --preset small --steps 5 --nvme-path .
 
 gloo on CPU, NCCL on CUDA, chosen automatically. Each rank has its own store
 (its own private swap directory under ``--nvme-path``). Rank 0 prints per step
@@ -25,12 +25,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tierstore.integrations import (
+    OffloadedAdamW,
+    consolidate_checkpoint,
+    load_checkpoint,
+    offload_fsdp,
+    save_checkpoint,
+)
 
 from tierstore import StoreConfig, TierStore, parse_bytes
+from tierstore._checkpoint import read_safetensors
 from tierstore._config import default_nvme_path
-from tierstore._demo import default_budgets
-from tierstore._rss import peak_rss_bytes
-from tierstore.vit import PRESETS, SyntheticImages, ViT, num_params
+
+from .demo import default_budgets
+from .rss import peak_rss_bytes
+from .vit import PRESETS, SyntheticImages, ViT, num_params
 
 MIB = 1024**2
 
@@ -59,10 +68,6 @@ def _train_step(model, opt, data, step, batch_size, rank, world) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from .checkpoint import save_checkpoint
-    from .fsdp import offload_fsdp
-    from .optim import OffloadedAdamW
-
     cuda = torch.cuda.is_available()
     dist.init_process_group(backend="nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -186,10 +191,6 @@ def _all(ok: bool) -> bool:
 
 def _resume(args, config, data, rank: int, world: int, losses: list[float]) -> bool:
     """A fresh model (other initial values) loads the checkpoint and trains the remaining steps."""
-    from .checkpoint import load_checkpoint
-    from .fsdp import offload_fsdp
-    from .optim import OffloadedAdamW
-
     torch.manual_seed(1)
     model = _shard(ViT(PRESETS[args.preset]))
     with TierStore(config) as store:
@@ -207,10 +208,6 @@ def _resume(args, config, data, rank: int, world: int, losses: list[float]) -> b
 
 def _check_consolidated(path: str, full_at_save: dict[str, torch.Tensor], rank: int) -> bool:
     """Rank 0 joins the checkpoint's shards into one file: it must hold FSDP2's full parameters at the save."""
-    from tierstore._checkpoint import read_safetensors
-
-    from .checkpoint import consolidate_checkpoint
-
     if rank != 0:
         return True
     out = path + ".consolidated.safetensors"
@@ -292,7 +289,7 @@ def _bytes(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tierstore.integrations.fsdp_train", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tierstore.tools.fsdp_train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small", choices=list(PRESETS))
     p.add_argument("--steps", type=int, default=5)

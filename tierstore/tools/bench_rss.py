@@ -37,7 +37,7 @@ def measure_rss(*, preset: str, batch_size: int, nvme_path: str, host_budget_byt
             "device_budget_bytes": device_budget_bytes, "prefetch_depth": prefetch_depth,
             "step_in_backward": step_in_backward, "steps": steps}
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-    proc = subprocess.run([sys.executable, "-m", "tierstore._bench_rss", json.dumps(args)], env=env,
+    proc = subprocess.run([sys.executable, "-m", "tierstore.tools.bench_rss", json.dumps(args)], env=env,
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the RSS probe failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -48,13 +48,12 @@ def _probe(*, preset: str, batch_size: int, nvme_path: str, host_budget_bytes: i
            prefetch_depth: int, step_in_backward: bool, steps: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
+    from tierstore.integrations import OffloadedAdamW, offload_model
 
-    from ._config import StoreConfig
-    from ._demo import measure_step
-    from ._rss import peak_rss_bytes, reset_peak_rss, rss_bytes
-    from ._store import TierStore
-    from .integrations.offload import offload_model
-    from .integrations.optim import OffloadedAdamW
+    from tierstore import StoreConfig, TierStore
+
+    from .demo import measure_step
+    from .rss import peak_rss_bytes, reset_peak_rss, rss_bytes
     from .vit import PRESETS, SyntheticImages, ViT
 
     cfg = PRESETS[preset]

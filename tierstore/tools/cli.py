@@ -7,9 +7,8 @@ import json
 import os
 import sys
 
-from . import __version__
-from ._config import StoreConfig, default_nvme_path, parse_bytes
-from ._types import TierStoreError
+from tierstore import TierStoreError, __version__
+from tierstore._config import StoreConfig, default_nvme_path, parse_bytes
 
 _NVME_PATH_HELP = ("directory on the drive for the swap files (default: $TIERSTORE_NVME_PATH, else "
                    "$XDG_CACHE_HOME/tierstore or ~/.cache/tierstore)")
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.cmd == "gc":
-            from ._ownership import describe, reclaim_swap
+            from tierstore._ownership import describe, reclaim_swap
 
             if not os.path.isdir(args.path):
                 raise ValueError(f"{args.path!r} is not a directory")
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.path}: {describe(reclaimed)}" if reclaimed else f"{args.path}: nothing to reclaim")
             return 0
         if args.cmd == "plan":
-            from ._plan import PlanConfig, format_plan, make_plan
+            from .plan import PlanConfig, format_plan, make_plan
 
             result = make_plan(PlanConfig(
                 params=_count(args.params) if args.params is not None else _preset_params(args.preset),
@@ -117,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             _write_json(args.json, result)
             return 0
         if args.cmd == "demo":
-            from ._demo import run_demo
+            from .demo import run_demo
 
             result = run_demo(
                 preset=args.preset, steps=args.steps, batch_size=args.batch_size, nvme_path=_nvme_path(args),
@@ -126,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             _write_json(args.json, result)
             return 0
         if args.cmd == "bench" and args.bench == "step":
-            from ._bench_step import check_plotting, run_step_bench
+            from .bench_step import check_plotting, run_step_bench
 
             if args.plot:
                 check_plotting()
@@ -137,13 +136,13 @@ def main(argv: list[str] | None = None) -> int:
                 step_in_backward=not args.step_after_backward, rss=not args.no_rss, **_budgets(args))
             _write_json(args.json, result)
             if args.plot:
-                from ._bench_step import plot_step_bench
+                from .bench_step import plot_step_bench
 
                 plot_step_bench(result, args.plot)
                 print(f"plot written to {args.plot}")
             return 0
         if args.cmd == "bench" and args.bench == "peers":
-            from ._bench_peers import run_peers_bench
+            from .bench_peers import run_peers_bench
 
             result = run_peers_bench(path=_nvme_path(args), layers=args.layers, width=args.width,
                                      batch_size=args.batch_size, rounds=args.rounds,
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             _write_json(args.json, result)
             return 0
         if args.cmd == "bench" and args.bench == "drive":
-            from ._bench_drive import DriveBenchConfig, run_drive_bench
+            from .bench_drive import DriveBenchConfig, run_drive_bench
 
             cfg = DriveBenchConfig(
                 path=_nvme_path(args), size_mib=args.size_mib, tensor_mib=args.tensor_mib,

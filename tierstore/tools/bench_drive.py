@@ -22,10 +22,8 @@ from typing import Any
 import psutil
 import torch
 
-from ._config import StoreConfig
-from ._memory import aligned_empty
-from ._store import TierStore
-from ._types import Tier
+from tierstore import StoreConfig, Tier, TierStore
+from tierstore._memory import aligned_empty
 
 MIB = 1024**2
 

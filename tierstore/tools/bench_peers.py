@@ -26,12 +26,13 @@ import time
 from typing import Any
 
 import torch
+from tierstore.integrations import offload_model
 from torch import nn
 
-from ._bench_drive import measure_drive
-from ._config import StoreConfig
-from ._rss import write_kernel_control
-from ._store import TierStore
+from tierstore import StoreConfig, TierStore
+
+from .bench_drive import measure_drive
+from .rss import write_kernel_control
 
 MIB = 1024**2
 
@@ -56,8 +57,6 @@ def _time(fn) -> tuple[float, torch.Tensor]:
 
 def _run_tierstore(base: nn.Module, x: torch.Tensor, path: str, depth: int, host_budget_bytes: int,
                    device_budget_bytes: int) -> tuple[float, torch.Tensor, dict[str, Any]]:
-    from .integrations.offload import offload_model
-
     model = copy.deepcopy(base)
     config = StoreConfig(nvme_path=path, host_budget_bytes=host_budget_bytes,
                          device_budget_bytes=device_budget_bytes, prefetch_depth=depth)

@@ -1,0 +1,75 @@
+"""Imports run one way: the tools (``tierstore.tools``) may use the integrations (``tierstore.integrations``) and
+the core (the rest of ``tierstore``); the integrations only the core; the core neither. Every import statement
+counts, also those inside functions."""
+
+import ast
+import importlib
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LAYERS = {"core": 0, "integrations": 1, "tools": 2}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """Module name -> file, for every module of the three layers."""
+    out = {}
+    for package, folder in (("tierstore", ROOT / "tierstore"), ("tierstore.integrations", ROOT / "integrations"),
+                            ("tierstore.tools", ROOT / "tierstore" / "tools")):
+        for path in sorted(folder.glob("*.py")):
+            out[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return out
+
+
+def _layer(module: str) -> str | None:
+    if module == "tierstore.integrations" or module.startswith("tierstore.integrations."):
+        return "integrations"
+    if module == "tierstore.tools" or module.startswith("tierstore.tools."):
+        return "tools"
+    if module == "tierstore" or module.startswith("tierstore."):
+        return "core"
+    return None  # outside the project
+
+
+def _imports(name: str, path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the file, relative ones resolved."""
+    package = name if path.stem == "__init__" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # ``from tierstore import tools`` names a module too
+            found += [(node.lineno, target)] + [(node.lineno, f"{target}.{a.name}") for a in node.names
+                                                if f"{target}.{a.name}" in _MODULES]
+    return found
+
+
+_MODULES = _modules()
+
+
+def test_the_three_layers_exist():
+    assert {_layer(m) for m in _MODULES} == set(LAYERS)
+    assert "tierstore.tools.cli" in _MODULES and "tierstore.integrations.offload" in _MODULES
+
+
+@pytest.mark.parametrize("name", sorted(_MODULES))
+def test_imports_run_one_way(name):
+    mine = _layer(name)
+    upward = [f"line {line}: {target}" for line, target in _imports(name, _MODULES[name])
+              if (theirs := _layer(target)) is not None and LAYERS[theirs] > LAYERS[mine]]
+    assert not upward, f"{name} ({mine}) imports from a layer above it: {upward}"
+    importlib.import_module(name)
+
+
+def test_the_check_sees_an_upward_import_inside_a_function(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text("def f():\n    from .tools.demo import run_demo\n    from tierstore.integrations import x\n")
+    assert [t for _, t in _imports("tierstore.probe", path)] == ["tierstore.tools.demo", "tierstore.integrations"]
