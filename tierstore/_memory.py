@@ -116,8 +116,9 @@ class Buffer:
     data: torch.Tensor
     capacity: int
     tier: Tier
-    # Work that still reads or writes this buffer (a CUDA event); it must finish before reuse.
-    pending: list = field(default_factory=list)
+    # Work that still reads or writes this buffer: the last event of each stream that touched it (see
+    # [Note: Ordering device work]); it must finish before reuse.
+    events: dict = field(default_factory=dict)
     arena: _Arena | None = None
     offset: int = 0
 
@@ -126,10 +127,21 @@ class Buffer:
             return torch.empty(shape, dtype=dtype, device=self.data.device)
         return self.data[:nbytes].view(dtype).view(shape)
 
+    def add_event(self, stream: object, event: object) -> None:
+        """``event`` marks ``stream``'s latest work on this buffer (it covers the stream's earlier events)."""
+        self.events[stream] = event
+
+    def pending_events(self) -> tuple:
+        return tuple(self.events.values())
+
+    def work_done(self) -> bool:
+        return all(event.query() for event in self.pending_events())
+
     def wait_pending(self) -> None:
-        for event in self.pending:
+        for stream, event in tuple(self.events.items()):
             event.synchronize()
-        self.pending.clear()
+            if self.events.get(stream) is event:  # not replaced meanwhile by later work
+                del self.events[stream]
 
 
 class TierPool:
@@ -267,7 +279,7 @@ class TierPool:
     def _unfence_locked(self, *, wait: bool) -> None:
         keep = []
         for buf in self._fenced:
-            if wait or all(event.query() for event in buf.pending):
+            if wait or buf.work_done():
                 buf.wait_pending()
                 self._give_locked(buf)
             else:
@@ -294,7 +306,7 @@ class TierPool:
     def free(self, buf: Buffer) -> None:
         with self._lock:
             self.live_bytes -= buf.capacity
-            if buf.pending:
+            if buf.events:
                 self._fenced.append(buf)
             else:
                 self._give_locked(buf)

@@ -31,6 +31,7 @@ import psutil
 import torch
 
 from ._config import StoreConfig
+from ._device import Device, default_device
 from ._memory import Buffer, TierPool
 from ._nvme import Extent, NvmeEngine, Syscalls
 from ._stats import StoreStats
@@ -108,12 +109,12 @@ class Handle:
 BUDGET_WAIT_SECONDS = 30.0
 
 
-def _check_budgets_fit_memory(config: StoreConfig, cuda: bool) -> None:
+def _check_budgets_fit_memory(config: StoreConfig, separate_device_memory: bool) -> None:
     """Budgets are promises of memory: one this machine cannot keep fails now, not as an out-of-memory kill
     later. Without CUDA the device tier is CPU memory too."""
     total = psutil.virtual_memory().total
     budgets = [("host_budget_bytes", config.host_budget_bytes)]
-    if not cuda:
+    if not separate_device_memory:
         budgets.append(("device_budget_bytes", config.device_budget_bytes))
     if sum(v for _, v in budgets) > total:
         given = " + ".join(f"{name}={value / 2**30:.2f} GiB" for name, value in budgets)
@@ -138,7 +139,7 @@ class TierStore:
     """
 
     def __init__(self, config: StoreConfig | None = None, *, syscalls: Syscalls | None = None,
-                 **overrides: Any) -> None:
+                 device: Device | None = None, **overrides: Any) -> None:
         unknown = sorted(set(overrides) - set(StoreConfig.__dataclass_fields__))
         if unknown:
             fields = StoreConfig.__dataclass_fields__
@@ -154,13 +155,14 @@ class TierStore:
             raise TypeError(f"config must be a StoreConfig, not {type(config).__name__}")
         self.config = config
         self.stats = StoreStats()
-        cuda = torch.cuda.is_available()
-        _check_budgets_fit_memory(config, cuda)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        # The device: CUDA when there is one; a test passes a simulated one (tierstore.testing.SimulatedDevice).
+        self._device = device if device is not None else default_device(pin_host=config.pin_host_memory)
+        _check_budgets_fit_memory(config, self._device.separate_memory)
+        self.device = self._device.device
         self._pools = {
             Tier.DEVICE: TierPool(Tier.DEVICE, config.device_budget_bytes, self.device),
             Tier.HOST: TierPool(Tier.HOST, config.host_budget_bytes, torch.device("cpu"),
-                                pin=cuda and config.pin_host_memory),
+                                pin=self._device.pins_host),
         }
         self._syscalls = syscalls
         self._engine: NvmeEngine | None = None
@@ -176,9 +178,6 @@ class TierStore:
         # (thread ident, tier) -> its _alloc calls waiting for other threads to release room in that tier
         self._waiting_for_room: dict[tuple[int, Tier], int] = {}
         self._closed = False
-        self._cuda_streams = None
-        if cuda:
-            self._cuda_streams = (torch.cuda.Stream(), torch.cuda.Stream())  # h2d, d2h
 
     # ---- public API --------------------------------------------------------------------
     def put(self, key: str, tensor: torch.Tensor, home: Tier | str = Tier.NVME) -> Handle:
@@ -306,10 +305,8 @@ class TierStore:
             copy.holders[holder] -= 1
             if not copy.holders[holder]:
                 del copy.holders[holder]
-            if self._cuda_streams is not None and copy.buffer is not None and tier is Tier.DEVICE:
-                ev = torch.cuda.Event()
-                ev.record()
-                copy.buffer.pending.append(ev)
+            if copy.buffer is not None and tier is Tier.DEVICE:
+                self._device.record_use(copy.buffer)
             self._drop_if_stale(entry, copy)
             self._cv.notify_all()
 
@@ -472,6 +469,7 @@ class TierStore:
             self._entries.clear()
             for pool in self._pools.values():
                 pool.clear()
+        self._device.close()
 
     @property
     def closed(self) -> bool:
@@ -552,12 +550,13 @@ class TierStore:
         return entry.copies.get(entry.home)
 
     def _view(self, entry: _Entry, copy: _Copy) -> torch.Tensor:
+        """The copy as a tensor, ready for whoever reads it next (see [Note: Ordering device work])."""
         assert copy.buffer is not None
-        t = copy.buffer.view(entry.shape, entry.dtype, entry.nbytes)
-        if copy.tier is Tier.DEVICE and copy.buffer.pending and self._cuda_streams is not None:
-            for ev in copy.buffer.pending:
-                torch.cuda.current_stream().wait_event(ev)
-        return t
+        if copy.tier is Tier.DEVICE:
+            self._device.ready_for_compute(copy.buffer)
+        else:
+            self._device.ready_for_cpu(copy.buffer)
+        return copy.buffer.view(entry.shape, entry.dtype, entry.nbytes)
 
     def _unsaved(self, entry: _Entry, copy: _Copy) -> bool:
         """True if dropping ``copy`` now would lose bytes or cost a staged write: it is current, the home copy is
@@ -758,20 +757,7 @@ class TierStore:
         t0 = time.perf_counter()
         assert src.buffer is not None and dst.buffer is not None
         n = entry.nbytes
-        if self._cuda_streams is not None and src.tier is not dst.tier:
-            stream = self._cuda_streams[0 if dst.tier is Tier.DEVICE else 1]
-            with torch.cuda.stream(stream):
-                for ev in dst.buffer.pending + src.buffer.pending:
-                    stream.wait_event(ev)
-                dst.buffer.data[:n].copy_(src.buffer.data[:n], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(stream)
-            src.buffer.pending.append(ev)
-            dst.buffer.pending = [ev]
-            if dst.tier is Tier.HOST:
-                ev.synchronize()  # host bytes are read by the CPU (or the drive) next
-        else:
-            dst.buffer.data[:n].copy_(src.buffer.data[:n])
+        self._device.copy(dst.buffer, src.buffer, n)  # returns once queued (see [Note: Ordering device work])
         self.stats.add_transfer(src.tier, dst.tier, n, time.perf_counter() - t0, entry.key)
 
     def _prefetch_task(self, entry: _Entry, tier: Tier, fut: Future) -> None:
@@ -885,6 +871,7 @@ class TierStore:
         src.io_refs += 1
         home.io_refs += 1
         self.stats.add("write_backs")
+        self._device.ready_for_cpu(src.buffer)  # a device-to-host copy into it may still be running
         fut = self._engine.write(home.extent, src.buffer.data, label=entry.key)
         outer: Future = Future()
         entry.writeback = outer

@@ -1,4 +1,4 @@
-"""Fakes for tests: an I/O layer that fails on purpose.
+"""Fakes for tests: an I/O layer that fails on purpose, and a device whose copies finish late.
 
 [Note: Every I/O call fails once] The way SQLite tests its I/O errors: run a
 workload once to count its I/O calls, then once per call index k with a
@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
+import random
 import threading
+import time
+from collections.abc import Callable
 
+from ._device import Device
+from ._memory import Buffer
 from ._nvme import Syscalls
+from ._types import Tier
 
-__all__ = ["FaultySyscalls", "NoDirectSyscalls"]
+__all__ = ["FaultySyscalls", "NoDirectSyscalls", "SimulatedDevice"]
 
 
 class FaultySyscalls(Syscalls):
@@ -67,3 +74,83 @@ class NoDirectSyscalls(Syscalls):
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return super().open(path, flags, mode)
+
+
+class _LateEvent:
+    """A simulated stream event: set when the copy it follows has finished."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        if not self._done.wait(60):
+            raise RuntimeError("a simulated device copy never finished")
+
+
+class _Stream:
+    """One worker thread running its copies in order, each after the events it waits for."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None] | None) -> None:
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def close(self) -> None:
+        self.submit(None)
+        self._thread.join()
+
+
+class SimulatedDevice(Device):
+    """A device whose copies between host and device memory (both CPU memory here) run on two worker
+    threads, like CUDA copy streams, and finish up to ``max_delay_s`` after they were queued; while one is in
+    flight its destination holds ``poison`` (its bytes are undefined on a real device). Compute is the calling
+    thread, so it must wait for a copy before reading what it filled. A store that reads a buffer before its copy
+    finished, reuses one a copy still reads or writes, or writes host bytes home before the copy that filled them
+    finished, reads poison or stale bytes: a test sees wrong values (see [Note: Ordering device work])."""
+
+    def __init__(self, *, max_delay_s: float = 0.002, seed: int = 0, poison: int = 0xFF) -> None:
+        super().__init__()
+        self._rng = random.Random(seed)
+        self._rng_lock = threading.Lock()
+        self.max_delay_s = max_delay_s
+        self.poison = poison
+        self._h2d = _Stream("simulated-h2d")
+        self._d2h = _Stream("simulated-d2h")
+        self.copies = 0
+
+    def copy(self, dst: Buffer, src: Buffer, nbytes: int) -> None:
+        stream = self._h2d if dst.tier is Tier.DEVICE else self._d2h
+        before = (*dst.pending_events(), *src.pending_events())
+        with self._rng_lock:
+            delay = self._rng.uniform(0, self.max_delay_s)
+        event = _LateEvent()
+
+        def job() -> None:
+            for ev in before:
+                ev.synchronize()
+            dst.data[:nbytes].fill_(self.poison)
+            time.sleep(delay)
+            dst.data[:nbytes].copy_(src.data[:nbytes])
+            event._done.set()
+
+        self.copies += 1
+        dst.add_event(stream, event)
+        src.add_event(stream, event)
+        stream.submit(job)
+
+    def ready_for_compute(self, buf: Buffer) -> None:
+        buf.wait_pending()  # the compute "stream" is this thread: it waits here
+
+    def close(self) -> None:
+        self._h2d.close()
+        self._d2h.close()
