@@ -85,7 +85,8 @@ def main(nvme_path: str, tied: bool) -> None:
         on_meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
         opt.close()
     print(json.dumps({"rank": rank, "ref": ref_losses, "ours": losses, "same_init": same_init,
-                      "same_parameters": same, "still_tied": still_tied, "undone": undone, "shard_bytes_in_memory": in_memory, "on_meta": on_meta}),
+                      "same_parameters": same, "still_tied": still_tied, "undone": undone,
+                      "shard_bytes_in_memory": in_memory, "on_meta": on_meta}),
           flush=True)
     dist.destroy_process_group()
 

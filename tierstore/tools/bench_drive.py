@@ -125,7 +125,7 @@ class _StoreDrive:
         for k in self.keys:
             self.store.put(k, torch.randint(0, 255, (per,), dtype=torch.uint8, generator=gen))
         self.store.flush()
-        self.direct = self.store._engine.direct  # type: ignore[union-attr]
+        self.direct = self.store.direct_io
 
     def write(self) -> float:
         for k in self.keys:  # make every host copy dirty without copying bytes

@@ -26,10 +26,10 @@ import time
 from typing import Any
 
 import torch
-from tierstore.integrations import offload_model
 from torch import nn
 
 from tierstore import StoreConfig, TierStore
+from tierstore.integrations import offload_model
 
 from .bench_drive import measure_drive
 from .rss import write_kernel_control

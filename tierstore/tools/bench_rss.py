@@ -48,9 +48,9 @@ def _probe(*, preset: str, batch_size: int, nvme_path: str, host_budget_bytes: i
            prefetch_depth: int, step_in_backward: bool, steps: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
-    from tierstore.integrations import OffloadedAdamW, offload_model
 
     from tierstore import StoreConfig, TierStore
+    from tierstore.integrations import OffloadedAdamW, offload_model
 
     from .demo import measure_step
     from .rss import peak_rss_bytes, reset_peak_rss, rss_bytes

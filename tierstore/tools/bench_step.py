@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tierstore.integrations import OffloadedAdamW, offload_model
 
 from tierstore import StoreConfig, TierStore
+from tierstore.integrations import OffloadedAdamW, offload_model
 
 from .bench_drive import measure_drive
 from .bench_rss import measure_rss

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tierstore.integrations import OffloadedAdamW, offload_model
 
 from tierstore import StoreConfig, TierStore
+from tierstore.integrations import OffloadedAdamW, offload_model
 
 from .rss import peak_rss_bytes, reset_peak_rss, rss_bytes
 from .vit import PRESETS, SyntheticImages, ViT, num_params

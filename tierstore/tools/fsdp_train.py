@@ -25,6 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from tierstore import StoreConfig, TierStore, parse_bytes
+from tierstore._checkpoint import read_safetensors
+from tierstore._config import default_nvme_path
 from tierstore.integrations import (
     OffloadedAdamW,
     consolidate_checkpoint,
@@ -32,10 +36,6 @@ from tierstore.integrations import (
     offload_fsdp,
     save_checkpoint,
 )
-
-from tierstore import StoreConfig, TierStore, parse_bytes
-from tierstore._checkpoint import read_safetensors
-from tierstore._config import default_nvme_path
 
 from .demo import default_budgets
 from .rss import peak_rss_bytes

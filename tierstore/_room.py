@@ -1,0 +1,199 @@
+"""Room in the memory tiers: allocation under the budgets, eviction, and waiting for other threads.
+
+[Note: Waiting for room] When a tier is full and nothing in it can be evicted
+or written home, what remains is held by get()s. Held by other threads (the
+optimizer's worker, the training thread), it will be released as they go on:
+an allocation waits, as long as one of them is not itself waiting for room
+in that tier (then no one could go on), and for at most BUDGET_WAIT_SECONDS
+(a holder may be waiting for this thread some other way). Otherwise it fails
+at once with a TierBudgetError naming what each thread holds.
+
+[Note: Several owners' victim orders] Each owner (an offloaded model) ranks
+its own keys (Belady over its own trace); no owner can say when another's
+copy is next used. So keys no owner claims go first (least recently used
+first), then the owners give up their farthest copy in turn, round robin.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from ._copies import Copy, Entry, StoreState
+from ._memory import Buffer, TierPool
+from ._types import StoreClosedError, Tier, TierBudgetError
+
+# How long an allocation waits for other threads to release what they hold (see [Note: Waiting for room]).
+BUDGET_WAIT_SECONDS = 30.0
+
+VictimOrder = Callable[[Tier, list[str]], list[str]]
+
+
+class Room:
+    """Finds memory for new copies in the device and host tiers: frees clean copies nobody holds, starts
+    write-backs of changed ones, and waits for other threads' holds, in eviction order."""
+
+    def __init__(self, state: StoreState, start_writeback: Callable[[Entry], Future | None]) -> None:
+        self.state = state
+        self.start_writeback = start_writeback
+        self.victim_order: VictimOrder | None = None
+        # token -> (victim order, which keys it ranks) of each owner (see [Note: Several owners' victim orders])
+        self.owner_orders: dict[object, tuple[VictimOrder, Callable[[str], bool]]] = {}
+        # (thread ident, tier) -> its alloc calls waiting for other threads to release room in that tier
+        self.waiting: dict[tuple[int, Tier], int] = {}
+
+    def check_fits(self, key: str, nbytes: int, home: Tier) -> None:
+        """A tensor must fit the budget of its home tier, and of the host tier it is staged through."""
+        config = self.state.config
+        cap = TierPool.capacity_for(nbytes)
+        if home is Tier.DEVICE and cap > config.device_budget_bytes:
+            raise TierBudgetError(
+                f"put({key!r}): {nbytes} bytes exceed device_budget_bytes={config.device_budget_bytes}; "
+                "raise the budget or give it a slower home")
+        if home is not Tier.DEVICE and cap > config.host_budget_bytes:
+            raise TierBudgetError(
+                f"put({key!r}): {nbytes} bytes exceed host_budget_bytes={config.host_budget_bytes}, "
+                "through which every transfer is staged; raise host_budget_bytes or split the tensor")
+
+    def alloc(self, tier: Tier, nbytes: int, *, may_skip: bool, for_key: str) -> Buffer | None:
+        """A buffer in ``tier`` (lock held; let go while waiting). None only with ``may_skip`` (a prefetch) when
+        what fills the tier is held."""
+        state, pool = self.state, self.state.pools[tier]
+        waited_since: float | None = None
+        while True:
+            if state.closed:
+                raise StoreClosedError("the store was closed while waiting for space")
+            buf = pool.try_alloc(nbytes)
+            if buf is not None:
+                return buf
+            if self._evict_clean(tier, pool.capacity_for(nbytes)):
+                continue
+            writing = self._start_eviction_writebacks(tier)
+            if writing is None:  # the copy it would have written went home meanwhile: evict again
+                continue
+            if writing or self._busy(tier):
+                state.lock.wait(0.05)
+                continue
+            buf = pool.try_alloc(nbytes, dissolve=True)  # nothing left to evict: the free bytes are in pieces
+            if buf is not None:
+                return buf
+            if may_skip:
+                return None
+            if not self._others_will_release(tier):
+                raise TierBudgetError(self._budget_message(tier, nbytes, for_key, waited_since))
+            if waited_since is None:
+                waited_since = time.perf_counter()
+                state.stats.add("budget_waits")
+            if time.perf_counter() - waited_since >= BUDGET_WAIT_SECONDS:
+                raise TierBudgetError(self._budget_message(tier, nbytes, for_key, waited_since))
+            self._wait_for_release(tier)
+
+    def _busy(self, tier: Tier) -> bool:
+        """An unheld copy in ``tier`` is being filled or read: it becomes evictable when that is done."""
+        return any(c.tier is tier and not c.pins and c.busy
+                   for e in self.state.entries.values() for c in e.copies.values())
+
+    def _others_will_release(self, tier: Tier) -> bool:
+        """Other threads hold copies in ``tier`` and one of them is not itself waiting for room there (see
+        [Note: Waiting for room])."""
+        me = threading.get_ident()
+        others = {t for e in self.state.entries.values() for c in e.copies.values() if c.tier is tier
+                  for t in c.holders if t != me}
+        return bool(others) and not others <= {t for t, waits_in in self.waiting if waits_in is tier}
+
+    def _wait_for_release(self, tier: Tier) -> None:
+        waiter = (threading.get_ident(), tier)
+        self.waiting[waiter] = self.waiting.get(waiter, 0) + 1
+        try:
+            self.state.lock.wait(0.05)
+        finally:
+            self.waiting[waiter] -= 1
+            if not self.waiting[waiter]:
+                del self.waiting[waiter]
+
+    def is_waiting(self, thread_ident: int) -> bool:
+        return any(t == thread_ident for t, _ in self.waiting)
+
+    def _budget_message(self, tier: Tier, nbytes: int, for_key: str, waited_since: float | None) -> str:
+        pool = self.state.pools[tier]
+        need = pool.capacity_for(nbytes)
+        copies = [(e, c) for e in self.state.entries.values() for c in e.copies.values()
+                  if c.tier is tier and c.buffer is not None]
+        homes = sum(c.buffer.capacity for e, c in copies if e.home is tier and not c.pins)
+        unsaved = sum(c.buffer.capacity for e, c in copies if e.home is not tier and not c.pins and e.unsaved(c))
+        names = {t.ident: t.name for t in threading.enumerate()}
+        by_thread: dict[str, list[str]] = {}
+        for e, c in copies:
+            for t in c.holders:
+                by_thread.setdefault(names.get(t, f"thread {t}"), []).append(e.key)
+        held = "; ".join(f"{who} holds {len(keys)} ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})"
+                         for who, keys in by_thread.items()) or "none held"
+        waited = (f" after waiting {time.perf_counter() - waited_since:.1f} s for other threads to release theirs"
+                  if waited_since is not None else "")
+        return (f"{tier.label} tier cannot fit {need} bytes for {for_key!r}{waited}: {pool.live_bytes} of "
+                f"{pool.budget_bytes} budget bytes are in use, {homes} by tensors whose home is this tier, "
+                f"{unsaved} by changed copies that could not be written home (through the host tier) and the "
+                f"rest by get() without release(): {held}. Release tensors you are done with or raise "
+                f"{tier.label}_budget_bytes")
+
+    # ---- eviction order ----------------------------------------------------------------
+    def add_owner_order(self, fn: VictimOrder, owns: Callable[[str], bool]) -> object:
+        token = object()
+        self.owner_orders[token] = (fn, owns)
+        return token
+
+    def candidates(self, tier: Tier) -> list[tuple[Entry, Copy]]:
+        """Copies in ``tier`` that could go (not home, unheld, not in a transfer), the first to go first."""
+        out = [(e, c) for e in self.state.entries.values() for c in e.copies.values()
+               if c.tier is tier and tier is not e.home and not c.pins and not c.busy]
+        out.sort(key=lambda ec: ec[1].last_use)
+        if self.victim_order is not None and out:
+            by_key = {e.key: (e, c) for e, c in out}
+            order = self.victim_order(tier, list(by_key))
+            out = [by_key[k] for k in order if k in by_key] + [ec for k, ec in by_key.items() if k not in order]
+        elif self.owner_orders and out:
+            out = self._by_owner_orders(tier, out)
+        return out
+
+    def _by_owner_orders(self, tier: Tier, out: list[tuple[Entry, Copy]]) -> list[tuple[Entry, Copy]]:
+        """See [Note: Several owners' victim orders]."""
+        by_key = {e.key: (e, c) for e, c in out}
+        claimed: set[str] = set()
+        ranked: list[list[str]] = []
+        for fn, owns in list(self.owner_orders.values()):
+            mine = [k for k in by_key if k not in claimed and owns(k)]
+            claimed.update(mine)
+            ranked.append([k for k in fn(tier, mine) if k in by_key] if mine else [])
+        order = [k for k in by_key if k not in claimed]
+        for turn in itertools.zip_longest(*ranked):
+            order.extend(k for k in turn if k is not None)
+        return [by_key[k] for k in order]
+
+    def _evict_clean(self, tier: Tier, need: int) -> bool:
+        """Free clean, unheld copies in ``tier`` until ``need`` bytes could fit. True if any freed."""
+        freed = 0
+        pool = self.state.pools[tier]
+        for entry, copy in self.candidates(tier):
+            if entry.unsaved(copy):
+                continue
+            freed += copy.buffer.capacity if copy.buffer else 0
+            self.state.free_copy(entry, copy)
+            self.state.stats.add("evictions")
+            if pool.can_fit(need):
+                break
+        return freed > 0
+
+    def _start_eviction_writebacks(self, tier: Tier) -> bool | None:
+        """Start writing home the first changed copy that eviction would take. True if a write-back is running
+        anywhere (it frees a copy when done); None if the copy turned out to be home already (staging it
+        through the host tier lets the lock go, and its write-back may have finished meanwhile)."""
+        for entry, copy in self.candidates(tier):
+            if entry.unsaved(copy) and entry.writeback is None and entry.error is None:
+                try:
+                    return True if self.start_writeback(entry) is not None else None
+                except TierBudgetError:  # its staging tier is full: another candidate may not need it
+                    continue
+        return any(e.writeback is not None for e in self.state.entries.values())
