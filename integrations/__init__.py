@@ -3,6 +3,7 @@
     from tierstore.integrations import offload_model, OffloadedAdamW, save_checkpoint, load_checkpoint
 """
 
+from ._contract import OffloadedParameters
 from .checkpoint import (
     consolidate_checkpoint,
     load_checkpoint,
@@ -20,6 +21,7 @@ __all__ = [
     "OffloadedAdamW",
     "OffloadedGradScaler",
     "OffloadedModel",
+    "OffloadedParameters",
     "OffloadedParameterError",
     "consolidate_checkpoint",
     "load_checkpoint",

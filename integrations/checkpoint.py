@@ -124,7 +124,7 @@ def save_checkpoint(path: str, model: nn.Module | Offloaded, optimizer: Offloade
     whole directory once all have written. Returns the (rank's) manifest.
     """
     model, off = _offloaded(model)
-    if off is not None and any(getattr(sp, "holds", 0) for sp in off.params.values()):
+    if off is not None and off.in_forward_or_backward():
         raise RuntimeError("cannot save a checkpoint inside forward or backward; save between steps")
     tensors, aliases = _model_tensors(model, off)
     store = off.store if off is not None else None

@@ -34,6 +34,7 @@ from tierstore import Tier, TierStore
 from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
 from . import _fsdp_internals as internals
+from ._contract import OPTIMIZER_PREFIX, OffloadedParameters
 from ._meta import check_meta, materialize, unmaterialize
 
 _STATE_KEY = "_tierstore_fsdp"
@@ -85,7 +86,7 @@ class _ShardGrads:
         return grad
 
 
-class FSDPOffload:
+class FSDPOffload(OffloadedParameters):
     """The NVMe tier under one rank's FSDP2 shards; returned by :func:`offload_fsdp`."""
 
     def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int, prefetch_bytes: int | None,
@@ -232,6 +233,14 @@ class FSDPOffload:
             raise KeyError(f"no offloaded parameter named {name!r}")
         return self.store.read(sh.key)
 
+    def in_forward_or_backward(self) -> bool:
+        """False: FSDP2 gathers from its own copies of the shards, so nothing of the store is held in a step."""
+        return False
+
+    def held_beside_update(self, name: str) -> int:
+        """0: a shard restored for an all-gather is FSDP2's memory, not the host tier's."""
+        return 0
+
     def zero_grad(self) -> None:
         for sh in self.params.values():
             sh.param.grad = None
@@ -240,7 +249,7 @@ class FSDPOffload:
         """Bytes of this rank's parameter shards and optimizer state in the store, by home tier."""
         out: dict[str, int] = {}
         for key in self.store.keys():
-            if key.startswith(("fsdp/", "adam/")):
+            if key.startswith(("fsdp/", OPTIMIZER_PREFIX)):
                 info = self.store.info(key)
                 out[info["home"]] = out.get(info["home"], 0) + info["nbytes"]
         return out

@@ -71,8 +71,10 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tierstore import Tier, TierStore
+from tierstore._memory import TierPool
 from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
+from ._contract import OffloadedParameters
 from ._meta import check_meta, materialize, unmaterialize
 
 _STATE_KEY = "_tierstore_offload"
@@ -267,7 +269,7 @@ class OffloadStats:
     reads_learned: int = 0
 
 
-class OffloadedModel:
+class OffloadedModel(OffloadedParameters):
     """The offload state of one module; returned by :func:`offload_model` and kept on the module."""
 
     def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int, prefetch_bytes: int | None,
@@ -662,6 +664,21 @@ class OffloadedModel:
         holders = [SimpleNamespace(grad=g) for g in grads]  # what clip_grads_with_norm_ reads of a parameter
         torch.nn.utils.clip_grads_with_norm_(holders, max_norm, total, foreach)  # type: ignore[arg-type]
         return total
+
+    def in_forward_or_backward(self) -> bool:
+        """Whether a forward or backward of the model holds parameters now (a checkpoint waits for the step)."""
+        return any(sp.holds for sp in self.params.values())
+
+    def held_beside_update(self, name: str) -> int:
+        """Host-tier bytes backward may hold while ``name``'s update runs in backward: computing in the host
+        tier, the largest other unit and the root's own parameters (held throughout)."""
+        if self.compute_tier is not Tier.HOST:
+            return 0
+        units = sorted(((sum(TierPool.capacity_for(sp.nbytes) for sp in g.params), {sp.name for sp in g.params})
+                        for gname, g in self.groups.items() if gname and g.params), key=lambda u: -u[0])
+        root = self.groups.get("")
+        other = next((nbytes for nbytes, names in units if name not in names), 0)
+        return other + sum(TierPool.capacity_for(sp.nbytes) for sp in (root.params if root else ()) if sp.name != name)
 
     def zero_grad(self) -> None:
         self.grads.clear()

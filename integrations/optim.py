@@ -37,7 +37,7 @@ import torch
 from tierstore import Tier, TierStore, parse_bytes
 from tierstore._memory import TierPool
 
-from .offload import OffloadedModel
+from ._contract import OPTIMIZER_STATE, OffloadedParameters, optimizer_key
 
 _SLICE = 1 << 20  # elements per slice of the update of a tensor larger than _WHOLE_MAX: [Note: Sliced updates]
 _WHOLE_MAX = 1 << 22
@@ -59,7 +59,8 @@ def _check_hyper(group: dict[str, Any], where: str) -> None:
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
-    """AdamW over an :class:`OffloadedModel`'s parameters, with optimizer state in the store.
+    """AdamW over offloaded parameters (an ``OffloadedModel`` or ``FSDPOffload``: see
+    :class:`~tierstore.integrations._contract.OffloadedParameters`), with optimizer state in the store.
 
     For fp32 parameters the master weight is the parameter's own store copy;
     for bf16/fp16 parameters an fp32 master is kept and the parameter is
@@ -76,16 +77,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     steps_offloaded_parameters = True  # other torch optimizers are refused over offloaded parameters
 
-    def __init__(self, offloaded: OffloadedModel, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, offloaded: OffloadedParameters, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, param_groups: list[dict[str, Any]] | None = None,
                  readahead: int | None = None, readahead_bytes: int | str | None = None,
                  home: Tier | str | None = None, step_in_backward: bool = False,
                  max_grad_backlog_bytes: int | str | None = None) -> None:
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         _check_hyper(defaults, "")
+        if not isinstance(offloaded, OffloadedParameters):
+            raise TypeError(f"OffloadedAdamW steps offloaded parameters: pass what offload_model or offload_fsdp "
+                            f"returned, not {type(offloaded).__name__}")
         if readahead is None:  # prefetch depth 0 turns off reading ahead, the optimizer's as well
-            policy = getattr(offloaded, "policy", None)
-            readahead = 0 if policy is not None and policy.depth == 0 else sys.maxsize  # bytes bound it
+            readahead = 0 if offloaded.policy.depth == 0 else sys.maxsize  # bytes bound it
         if readahead < 0:
             raise ValueError(f"readahead={readahead} must be >= 0")
         self.offloaded = offloaded
@@ -110,7 +113,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._items.append((name, None, p))
         self._name_of = {id(p): name for name, _, p in self._items}
         self._check_host_budget(host, step_in_backward)
-        if any(f"adam/{name}/exp_avg" in self.store for name, _, _ in self._items):
+        if any(optimizer_key(name, "exp_avg") in self.store for name, _, _ in self._items):
             raise ValueError("this model already has an OffloadedAdamW (its state is in the store); keep using that "
                              "one (opt.load_state_dict() replaces its state), or offload a fresh model")
         self._building = True
@@ -127,10 +130,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for name, key, p in self._items:
                 shape = p.shape if key is None else self._param_shape(key)
                 zeros = torch.zeros(shape, dtype=torch.float32)
-                handles.append(self.store.put(f"adam/{name}/exp_avg", zeros, home=home))
-                handles.append(self.store.put(f"adam/{name}/exp_avg_sq", zeros, home=home))
+                handles.append(self.store.put(optimizer_key(name, "exp_avg"), zeros, home=home))
+                handles.append(self.store.put(optimizer_key(name, "exp_avg_sq"), zeros, home=home))
                 if key is not None and p.dtype != torch.float32:
-                    handles.append(self.store.put(f"adam/{name}/master", self.offloaded.read_param(name).float(),
+                    handles.append(self.store.put(optimizer_key(name, "master"), self.offloaded.read_param(name).float(),
                                                   home=home))
             for h in handles:
                 h.wait()
@@ -149,9 +152,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._worker: ThreadPoolExecutor | None = None
         self._worker_ident: int | None = None
         if step_in_backward:
-            if not hasattr(offloaded, "grad_ready_callbacks"):
-                raise ValueError(f"step_in_backward needs gradients signalled as they complete, which "
-                                 f"{type(offloaded).__name__} does not do; use step_in_backward=False")
             self._by_key = {key: (name, key, p) for name, key, p in self._items if key is not None}
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="tierstore-adamw")
             offloaded.grad_ready_callbacks.append(self._on_grad_ready)
@@ -159,17 +159,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         # queue's keys on each allocation.
         self._use_keys = {name: tuple(dict.fromkeys((key, *self._keys(name, key, p))))
                           for name, key, p in self._items if key is not None}
-        later = getattr(offloaded, "later_uses", None)
-        if later is not None:  # eviction then knows when this state is used (see [Note: Who uses a copy next])
-            for name, key, p in self._items:
-                if key is not None:
-                    for k in self._keys(name, key, p):
-                        if k != key:
-                            later.after[k] = key
-            later.queues.append(self._queued)
-        on_remove = getattr(offloaded, "on_remove", None)
-        if on_remove is not None:  # the state goes with the model's offload: a later one may reuse the names
-            on_remove.append(self._drop_state)
+        # Eviction then knows when this state is used (see [Note: Who uses a copy next]).
+        for name, key, p in self._items:
+            if key is not None:
+                for k in self._keys(name, key, p):
+                    if k != key:
+                        offloaded.later_uses.after[k] = key
+        offloaded.later_uses.queues.append(self._queued)
+        offloaded.on_remove.append(self._drop_state)  # the state goes with the offload: a later one may reuse names
 
     def _check_host_budget(self, host_budget: int, step_in_backward: bool) -> None:
         """One update holds its parameter's fp32 master and both moments in the host tier at once (stepping in
@@ -179,16 +176,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             n = (p.numel() if key is None else self._param_shape(key).numel()) * 4
             return TierPool.capacity_for(n) * (2 if key is None else 3)
 
-        beside: dict[str, int] = {}  # name -> what backward may hold in the host tier while it is updated
-        groups = getattr(self.offloaded, "groups", {})
-        if step_in_backward and groups and getattr(self.offloaded, "compute_tier", None) is Tier.HOST:
-            # The update runs while backward holds another unit (and the root's own parameters, held throughout).
-            units = sorted(((sum(TierPool.capacity_for(sp.nbytes) for sp in g.params), {sp.name for sp in g.params})
-                            for name, g in groups.items() if name and g.params), key=lambda u: -u[0])
-            root = {sp.name: TierPool.capacity_for(sp.nbytes) for sp in groups[""].params} if "" in groups else {}
-            for name, _, _ in self._items:
-                other = next((nbytes for nbytes, names in units if name not in names), 0)
-                beside[name] = other + sum(v for k, v in root.items() if k != name)
+        # name -> what backward may hold in the host tier while it is updated
+        beside = {n: self.offloaded.held_beside_update(n) for n, k, _ in self._items if k is not None} \
+            if step_in_backward else {}
         need, name = max(((one_update(n, k, p) + beside.get(n, 0), n) for n, k, p in self._items),
                          default=(0, ""))
         what = "its fp32 master and two moments"
@@ -314,9 +304,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             callbacks = self.offloaded.grad_ready_callbacks
             if self._on_grad_ready in callbacks:
                 callbacks.remove(self._on_grad_ready)
-        later = getattr(self.offloaded, "later_uses", None)
-        if later is not None and self._queued in later.queues:
-            later.queues.remove(self._queued)
+        if self._queued in self.offloaded.later_uses.queues:
+            self.offloaded.later_uses.queues.remove(self._queued)
 
     def _drop_state(self) -> None:
         """Drop this optimizer's state from the store (its model's offload is being removed)."""
@@ -334,9 +323,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return torch.Size(self.store.info(key)["shape"])
 
     def _keys(self, name: str, key: str | None, p: torch.nn.Parameter) -> list[str]:
-        keys = [f"adam/{name}/exp_avg", f"adam/{name}/exp_avg_sq"]
+        keys = [optimizer_key(name, "exp_avg"), optimizer_key(name, "exp_avg_sq")]
         if key is not None:
-            keys.append(key if p.dtype == torch.float32 else f"adam/{name}/master")
+            keys.append(key if p.dtype == torch.float32 else optimizer_key(name, "master"))
         return keys
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -510,8 +499,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for name, key, p in self._items:
             if name not in stepped:
                 continue
-            for what in ("exp_avg", "exp_avg_sq") + (("master",) if key and p.dtype != torch.float32 else ()):
-                out.append((name, what, f"adam/{name}/{what}"))
+            for what in OPTIMIZER_STATE[:2] + (("master",) if key and p.dtype != torch.float32 else ()):
+                out.append((name, what, optimizer_key(name, what)))
         return out
 
     def group_states(self) -> list[dict[str, Any]]:
@@ -568,7 +557,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for what, value in entry.items():
                 if what == "step":
                     continue
-                k = f"adam/{name}/{what}"
+                k = optimizer_key(name, what)
                 t = self.store.get(k, Tier.HOST)
                 t.copy_(value)
                 self.store.mark_dirty(k, Tier.HOST)

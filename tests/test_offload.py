@@ -808,3 +808,15 @@ def test_meta_modules_without_an_init_need_init_fn_and_nothing_is_left_behind(ma
     with pytest.raises(ts.StoreFullError, match=r"1.0 MiB of parameters needs that much room .* 0.5 MiB is free"):
         offload_model(big, small)
     assert small.keys() == [] and all(p.is_meta for p in big.parameters())  # checked before any write
+
+
+def test_the_optimizer_takes_what_implements_the_offloaded_parameters_contract(make_store):
+    from tierstore.integrations import FSDPOffload, OffloadedModel, OffloadedParameters
+
+    assert OffloadedParameters in OffloadedModel.__mro__ and OffloadedParameters in FSDPOffload.__mro__
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(TypeError, match="pass what offload_model or offload_fsdp returned, not Linear"):
+        OffloadedAdamW(model)
+    off = offload_model(model, make_store(), resident_threshold_bytes=0)
+    assert isinstance(off, OffloadedParameters) and not off.in_forward_or_backward()
+    OffloadedAdamW(off).close()

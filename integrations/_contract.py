@@ -1,0 +1,72 @@
+"""The contract between offloaded parameters and what steps or saves them.
+
+:class:`OffloadedParameters` is what :class:`~tierstore.integrations.optim.OffloadedAdamW` and the checkpoint
+functions use of a model's offloaded parameters; ``OffloadedModel`` (one process) and ``FSDPOffload`` (one
+rank's FSDP2 shards) implement it. The optimizer's store keys are spelt here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from tierstore import Tier, TierStore
+from tierstore._schedule import LaterUses, PrefetchPolicy
+
+OPTIMIZER_PREFIX = "adam/"
+OPTIMIZER_STATE = ("exp_avg", "exp_avg_sq", "master")
+
+
+def optimizer_key(name: str, what: str) -> str:
+    """The store key of one piece of a parameter's optimizer state (``what``: exp_avg, exp_avg_sq or master,
+    the fp32 master of a bf16/fp16 parameter)."""
+    assert what in OPTIMIZER_STATE, what
+    return f"{OPTIMIZER_PREFIX}{name}/{what}"
+
+
+class GradientSource(Protocol):
+    def get(self, key: str, default: torch.Tensor | None = None) -> torch.Tensor | None: ...
+
+    def pop(self, key: str, default: torch.Tensor | None = None) -> torch.Tensor | None: ...
+
+
+@runtime_checkable
+class OffloadedParameters(Protocol):
+    """A model's parameters with their values in a store.
+
+    - ``named_offloaded()``: (name, store key, parameter) of each offloaded parameter; ``resident``: name ->
+      parameter of those kept in memory (stepped in memory too);
+    - ``grads``: the gradient of a store key (``get``; ``pop`` also lets it go), as backward left it;
+    - ``grad_ready_callbacks``: called with a store key once that gradient is complete for this backward
+      (an optimizer stepping in backward registers here);
+    - ``later_uses`` and ``policy``: what eviction weighs (an optimizer adds its queue), the prefetch trace;
+    - ``on_remove``: called when the offload is removed (an optimizer drops its state);
+    - ``in_forward_or_backward()``: whether a forward or backward of the model is running now;
+    - ``held_beside_update(name)``: bytes of the host tier that backward may hold while the parameter's update
+      runs in backward (what the optimizer's host budget must leave room for).
+    """
+
+    store: TierStore
+    home: Tier
+    policy: PrefetchPolicy
+    resident: dict[str, nn.Parameter]
+    grads: GradientSource
+    grad_ready_callbacks: list[Callable[[str], None]]
+    later_uses: LaterUses
+    on_remove: list[Callable[[], None]]
+
+    def named_offloaded(self) -> Iterator[tuple[str, str, nn.Parameter]]: ...
+
+    def read_param(self, name: str) -> torch.Tensor: ...
+
+    def zero_grad(self) -> None: ...
+
+    def in_forward_or_backward(self) -> bool: ...
+
+    def held_beside_update(self, name: str) -> int: ...
+
+
+__all__ = ["OPTIMIZER_PREFIX", "OPTIMIZER_STATE", "GradientSource", "OffloadedParameters", "optimizer_key"]
