@@ -10,6 +10,18 @@ it, the all-gather has consumed them and they are freed again) and
 optimizer may step them while backward goes on). Tested with
 the torch versions in ``TESTED_TORCH``; others fail with a clear message
 unless ``allow_untested_torch=True``.
+
+What is used, all present and exercised by the suite on torch 2.13.0 and
+2.14.1 (``bash .ci/run newest`` runs it on the newest release):
+- ``FSDPModule._get_fsdp_state()._fsdp_param_group``: a module's param group;
+- ``FSDPParamGroup``: ``fsdp_params``, ``unshard``, ``wait_for_unshard``,
+  ``post_backward`` (wrapped per object), ``_all_gather_result``,
+  ``is_unsharded``, ``_use_post_forward_mesh``, ``_post_reduce_event``;
+- ``FSDPParam``: ``sharded_param``, ``offload_to_cpu``, and for a model built
+  on the meta device ``reset_sharded_param()``, ``_sharded_param_data``,
+  ``_sharding_spec``;
+- ``DTensor._local_tensor``: the view of the padded shard that is freed and
+  restored by resizing its storage (see [Note: Freeing a shard]).
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-TESTED_TORCH = ("2.13",)
+TESTED_TORCH = ("2.13", "2.14")
 
 
 def check_torch_version(allow_untested: bool) -> None:
