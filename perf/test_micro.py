@@ -32,6 +32,9 @@ def test_put_host(benchmark, store, size):
         store.drop(k)
 
     benchmark(put)
+    assert store.keys() == []  # every put was dropped again
+    store.put("last", x, home="host").wait()
+    assert torch.equal(store.read("last"), x)
 
 
 @pytest.mark.parametrize("size", SIZES, ids=list(SIZES))
@@ -68,6 +71,7 @@ def test_reference_torch_copy(benchmark, size):
     src = torch.randn(SIZES[size])
     dst = torch.empty_like(src)
     benchmark(dst.copy_, src)
+    assert torch.equal(dst, src)
 
 
 @pytest.mark.parametrize("size", SIZES, ids=list(SIZES))
@@ -81,3 +85,5 @@ def test_get_miss_nvme_to_host(benchmark, store, size):
         store.release("x", "host")
 
     benchmark(read)
+    assert store.stats_dict()["bytes_read_nvme"] >= x.numel() * 4
+    assert torch.equal(store.read("x"), x)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -24,20 +25,19 @@ def _launch(ranks: int, *target: str) -> str:
     return r.stdout
 
 
-def _torchrun(ranks: int, *args: str):
-    out = _launch(ranks, "-m", "tierstore.tools.fsdp_train", "--check", *args)
-    assert "bit-identical to FSDP2 without offload: yes" in out
-    return out
+def _torchrun(ranks: int, result: pathlib.Path, *args: str) -> dict:
+    """The torchrun example with --check on ``ranks`` ranks; its result (rank 0's --json), bit-identity asserted."""
+    _launch(ranks, "-m", "tierstore.tools.fsdp_train", "--check", "--json", str(result), *args)
+    res = json.loads(result.read_text())
+    assert res["ranks"] == ranks and res["bit_identical"] is True, res
+    return res
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_fsdp_offload_is_bit_identical_and_sharded_as_planned(tmp_path, ranks):
-    out = tmp_path / "result.json"
-    _torchrun(ranks, "--preset", "small", "--steps", "2", "--batch-size", "2", "--nvme-path", str(tmp_path),
-              "--host-budget", "2MiB", "--device-budget", "1MiB", "--json", str(out))
-    res = json.loads(out.read_text())
-    assert res["ranks"] == ranks and res["bit_identical"] is True
+    res = _torchrun(ranks, tmp_path / "result.json", "--preset", "small", "--steps", "2", "--batch-size", "2",
+                    "--nvme-path", str(tmp_path), "--host-budget", "2MiB", "--device-budget", "1MiB")
     assert all(s["read_bytes"] > 0 and s["written_bytes"] > 0 for s in res["steps"])
     plan = make_plan(PlanConfig(params=res["params"], ranks=ranks, dtype="fp32", optimizer="adamw",
                                 host_budget_bytes=2 * MIB, device_budget_bytes=1 * MIB))
@@ -106,10 +106,10 @@ def test_untested_torch_version_is_refused(monkeypatch):
 def test_fsdp_checkpoint_resumes_bit_identically_and_consolidates(tmp_path):
     st = pytest.importorskip("safetensors.torch")
     ckpt = tmp_path / "ckpt"
-    out = _torchrun(2, "--preset", "tiny", "--steps", "6", "--save-at", "1", "--checkpoint", str(ckpt),
-                    "--nvme-path", str(tmp_path), "--host-budget", "128KiB", "--device-budget", "64KiB",
-                    "--step-in-backward")  # the optimizer overlapping backward, also bit-identical
-    assert "resumed from the step-1 checkpoint, same losses: yes" in out  # 5 more steps
+    res = _torchrun(2, tmp_path / "result.json", "--preset", "tiny", "--steps", "6", "--save-at", "1",
+                    "--checkpoint", str(ckpt), "--nvme-path", str(tmp_path), "--host-budget", "128KiB",
+                    "--device-budget", "64KiB", "--step-in-backward")  # the optimizer overlapping backward too
+    assert res["resumed_identical"] is True  # the 5 steps after the step-1 checkpoint, resumed: same losses
     assert sorted(os.listdir(ckpt)) == ["manifest.json", "rank00000", "rank00001"]
     full = st.load_file(str(tmp_path / "ckpt.consolidated.safetensors"))  # compared with FSDP2's full tensors
     assert full["blocks.0.fc1.weight"].shape == (256, 64)

@@ -1,0 +1,66 @@
+"""Training loops and models shared by the offload and optimizer tests."""
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from tierstore.integrations import OffloadedAdamW, offload_model
+
+from tierstore.tools.vit import PRESETS, SyntheticImages, ViT
+
+
+def _train(model, data, steps, opt):
+    losses = []
+    for step in range(steps):
+        x, y = data.batch(step, 8)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def train_resident(model, data, steps):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    return _train(model, data, steps, opt), opt
+
+
+def train_offloaded(model, data, steps, store, step_in_backward=False, **kw):
+    off = offload_model(model, store, **kw)
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=step_in_backward)
+    try:
+        return _train(model, data, steps, opt), off, opt
+    finally:
+        opt.close()
+
+
+def _tiny_pair(**vit_kw):
+    """A tiny ViT, a copy of it to offload, and its data."""
+    torch.manual_seed(0)
+    cfg = PRESETS["tiny"]
+    ref = ViT(cfg, **vit_kw)
+    return ref, copy.deepcopy(ref), SyntheticImages(cfg)
+
+
+def _assert_same_parameters(model, ref):
+    for name, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def _train_on_ids(ref, model, off, *, vocab: int, steps: int, step_in_backward: bool = False) -> None:
+    """Train a model whose forward returns its loss on token ids, resident and offloaded; same losses each step."""
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = OffloadedAdamW(off, lr=1e-2, step_in_backward=step_in_backward)
+    for step in range(steps):
+        ids = torch.randint(0, vocab, (4, 6), generator=torch.Generator().manual_seed(step))
+        ref_loss = ref(ids)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = model(ids)
+        assert torch.isfinite(loss) and loss.item() == ref_loss.item(), step
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()

@@ -1,0 +1,107 @@
+"""The I/O engine on its own: extents of private swap files, reads and writes by block, checksums, space."""
+
+import os
+import stat
+
+import pytest
+import torch
+
+from tierstore import IntegrityError, StoreConfig, TierBudgetError, TierIOError
+from tierstore._memory import aligned_empty
+from tierstore._nvme import NvmeEngine
+from tierstore.testing import FaultySyscalls
+
+
+def _engine(path, **kw):
+    kw.setdefault("file_size_bytes", "1MiB")
+    kw.setdefault("block_size_bytes", "64KiB")
+    return NvmeEngine(StoreConfig(nvme_path=str(path), **kw))
+
+
+def _bytes(n: int, seed: int) -> torch.Tensor:
+    buf = aligned_empty(n)
+    buf.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
+    return buf
+
+
+def test_extents_round_trip_through_private_files(tmp_path):
+    engine = _engine(tmp_path)
+    try:
+        sizes = [1, 4096, 100_000, 950_000]  # within a block, a page, several blocks, most of a file
+        extents = [engine.allocate(n) for n in sizes]
+        for i, (ext, n) in enumerate(zip(extents, sizes)):
+            engine.write(ext, _bytes(ext.length, i), label=f"t{i}").result()
+        for i, ext in enumerate(extents):
+            out = aligned_empty(ext.length)
+            engine.read(ext, out, label=f"t{i}").result()
+            assert torch.equal(out, _bytes(ext.length, i)), i
+        assert len(engine.file_paths()) >= 2  # 950 KB did not fit beside the others in the first file
+        for path in engine.file_paths():
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(engine.directory).st_mode) == 0o700
+        assert engine.used_bytes == sum(e.length for e in extents)
+    finally:
+        engine.close()
+    assert not os.path.exists(engine.directory)
+
+
+def test_freed_space_is_reused_and_the_budget_holds(tmp_path):
+    engine = _engine(tmp_path, nvme_budget_bytes="512KiB")
+    try:
+        a = engine.allocate(256 * 1024)
+        b = engine.allocate(256 * 1024)
+        with pytest.raises(TierBudgetError, match="nvme_budget_bytes"):
+            engine.allocate(4096)
+        assert engine.room_bytes() == 0
+        engine.free(a)
+        c = engine.allocate(256 * 1024)
+        assert (c.file, c.offset) == (a.file, a.offset) and engine.peak_used_bytes == 512 * 1024
+        engine.free(b)
+        engine.free(c)
+        assert engine.used_bytes == 0
+    finally:
+        engine.close()
+
+
+def test_checksums_catch_a_changed_byte_on_the_drive(tmp_path):
+    engine = _engine(tmp_path, verify_checksums=True)
+    try:
+        ext = engine.allocate(200_000)
+        engine.write(ext, _bytes(ext.length, 7), label="w").result()
+        with open(ext.path, "r+b") as f:  # one byte changed behind the engine's back
+            f.seek(ext.offset + 150_000)
+            byte = f.read(1)
+            f.seek(ext.offset + 150_000)
+            f.write(bytes([byte[0] ^ 0x40]))
+        with pytest.raises(IntegrityError, match="w"):
+            engine.read(ext, aligned_empty(ext.length), label="w").result()
+    finally:
+        engine.close()
+
+
+def test_a_failed_block_fails_the_transfer_and_marks_a_write_torn(tmp_path):
+    faulty = FaultySyscalls(fail_at=None)
+    engine = NvmeEngine(StoreConfig(nvme_path=str(tmp_path), file_size_bytes="1MiB", block_size_bytes="64KiB"),
+                        syscalls=faulty)
+    try:
+        ext = engine.allocate(256 * 1024)  # four blocks
+        faulty.fail_at = faulty.calls + 2
+        with pytest.raises(TierIOError, match="torn-key"):
+            engine.write(ext, _bytes(ext.length, 1), label="torn-key").result()
+        with pytest.raises(TierIOError, match="failed part way"):
+            engine.read(ext, aligned_empty(ext.length), label="torn-key").result()
+        engine.write(ext, _bytes(ext.length, 2), label="again").result()  # a whole write makes it valid again
+        out = aligned_empty(ext.length)
+        engine.read(ext, out, label="again").result()
+        assert torch.equal(out, _bytes(ext.length, 2))
+    finally:
+        engine.close()
+
+
+def test_a_closed_engine_refuses_transfers(tmp_path):
+    engine = _engine(tmp_path)
+    ext = engine.allocate(4096)
+    engine.close()
+    assert engine.closed
+    with pytest.raises(TierIOError, match="closed"):
+        engine.write(ext, aligned_empty(4096), label="late")
