@@ -37,25 +37,9 @@ import torch
 from tierstore import Tier, TierStore, parse_bytes
 from tierstore._memory import TierPool
 
+from ._adamw import HYPER, check_hyper
 from ._contract import OPTIMIZER_STATE, OffloadedParameters, optimizer_key
-
-_SLICE = 1 << 20  # elements per slice of the update of a tensor larger than _WHOLE_MAX: [Note: Sliced updates]
-_WHOLE_MAX = 1 << 22
-
-
-_HYPER = ("lr", "betas", "eps", "weight_decay")
-
-
-def _check_hyper(group: dict[str, Any], where: str) -> None:
-    lr, betas, eps, wd = (group[k] for k in _HYPER)
-    if not lr >= 0.0:
-        raise ValueError(f"{where}lr={lr} must be >= 0")
-    if not (len(betas) == 2 and 0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-        raise ValueError(f"{where}betas={betas} must be two numbers, each in [0, 1)")
-    if not eps >= 0.0:
-        raise ValueError(f"{where}eps={eps} must be >= 0")
-    if not wd >= 0.0:
-        raise ValueError(f"{where}weight_decay={wd} must be >= 0")
+from ._pipeline import StatePipeline, state_keys
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -83,7 +67,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                  home: Tier | str | None = None, step_in_backward: bool = False,
                  max_grad_backlog_bytes: int | str | None = None) -> None:
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        _check_hyper(defaults, "")
+        check_hyper(defaults, "")
         if not isinstance(offloaded, OffloadedParameters):
             raise TypeError(f"OffloadedAdamW steps offloaded parameters: pass what offload_model or offload_fsdp "
                             f"returned, not {type(offloaded).__name__}")
@@ -93,18 +77,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
             raise ValueError(f"readahead={readahead} must be >= 0")
         self.offloaded = offloaded
         self.store: TierStore = offloaded.store
-        self.readahead = readahead
         host = self.store.config.host_budget_bytes
         # Gradients waiting for their update are memory no tier budgets (see [Note: Stepping in backward]).
         self.max_grad_backlog_bytes = self._positive_bytes(max_grad_backlog_bytes, max(1, host // 4),
                                                            "max_grad_backlog_bytes")
         # Reads in flight keep the drive busy (measured: half the host tier beat a quarter and 16 parameters
         # by 5-9% a step on ViT-large); the other half is left to the parameters.
-        self.readahead_bytes = self._positive_bytes(readahead_bytes, max(1, host // 2), "readahead_bytes")
+        self._pipeline = StatePipeline(self.store, readahead=readahead, readahead_bytes=self._positive_bytes(
+            readahead_bytes, max(1, host // 2), "readahead_bytes"))
         home = Tier.parse(home if home is not None else self.store.config.optimizer_tier)
         self.steps: dict[str, float] = {}
-        self._pending: list = []  # write-behind handles of the last step
-        self._current: list = []  # ... and of this one
         self._items: list[tuple[str, str | None, torch.nn.Parameter]] = []  # (name, param key, param)
         handles = []
         for name, key, p in offloaded.named_offloaded():
@@ -140,8 +122,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         except BaseException:  # a failed constructor leaves nothing in the store (a retry must not see it)
             self.store.undo_puts(handles)
             raise
-        self._state_bytes = {name: sum(self.store.info(k)["nbytes"] for k in self._keys(name, key, p))
-                             for name, key, p in self._items}
+        self._pipeline.state_bytes = {name: sum(self.store.info(k)["nbytes"] for k in state_keys(name, key, p))
+                                      for name, key, p in self._items}
         self.step_in_backward = step_in_backward
         self._early: dict[str, Future] = {}  # key -> update started in backward
         self._queue: list[tuple] = []  # (name, key, param, grad) in the order they are stepped
@@ -157,12 +139,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
             offloaded.grad_ready_callbacks.append(self._on_grad_ready)
         # Every store key an update of an offloaded parameter uses, built once: eviction asks for the
         # queue's keys on each allocation.
-        self._use_keys = {name: tuple(dict.fromkeys((key, *self._keys(name, key, p))))
+        self._use_keys = {name: tuple(dict.fromkeys((key, *state_keys(name, key, p))))
                           for name, key, p in self._items if key is not None}
         # Eviction then knows when this state is used (see [Note: Who uses a copy next]).
         for name, key, p in self._items:
             if key is not None:
-                for k in self._keys(name, key, p):
+                for k in state_keys(name, key, p):
                     if k != key:
                         offloaded.later_uses.after[k] = key
         offloaded.later_uses.queues.append(self._queued)
@@ -199,9 +181,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for i, group in enumerate(param_groups or []):
             if not isinstance(group, dict) or "params" not in group:
                 raise TypeError(f"param_groups[{i}] must be a dict with a 'params' list")
-            unknown = sorted(set(group) - {"params", *_HYPER})
+            unknown = sorted(set(group) - {"params", *HYPER})
             if unknown:
-                raise ValueError(f"param_groups[{i}] has unknown keys {unknown}; valid: 'params', {', '.join(_HYPER)}")
+                raise ValueError(f"param_groups[{i}] has unknown keys {unknown}; valid: 'params', {', '.join(HYPER)}")
             params = [group["params"]] if isinstance(group["params"], (str, torch.Tensor)) else list(group["params"])
             names = []
             for p in params:
@@ -219,7 +201,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             hyper = {k: v for k, v in group.items() if k != "params"}
             if "betas" in hyper:
                 hyper["betas"] = tuple(hyper["betas"])
-            _check_hyper({**defaults, **hyper}, f"param_groups[{i}]: ")
+            check_hyper({**defaults, **hyper}, f"param_groups[{i}]: ")
             groups.append({"params": [by_name[n] for n in names], **hyper})
         rest = [p for name, _, p in self._items if name not in seen]
         if rest or not groups:
@@ -286,7 +268,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         ready = self._queue
         try:
             with self.store.stats.background():
-                self._read_ahead(ready, i)
+                self._pipeline.read_ahead(ready, i)
                 name, key, p, grad = ready[i]
                 self._timed_step(name, key, p, grad)
             ready[i] = (name, key, p, None)
@@ -313,7 +295,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         with contextlib.suppress(BaseException):
             self.wait()
         for name, key, p in self._items:
-            for k in self._keys(name, key, p):
+            for k in state_keys(name, key, p):
                 if k != key and self.store.contains(k):
                     self.store.drop(k)
         self._items = []
@@ -321,12 +303,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def _param_shape(self, key: str) -> torch.Size:
         return torch.Size(self.store.info(key)["shape"])
-
-    def _keys(self, name: str, key: str | None, p: torch.nn.Parameter) -> list[str]:
-        keys = [optimizer_key(name, "exp_avg"), optimizer_key(name, "exp_avg_sq")]
-        if key is not None:
-            keys.append(key if p.dtype == torch.float32 else optimizer_key(name, "master"))
-        return keys
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient (offloaded gradients are always dropped, never zeroed in place)."""
@@ -349,7 +325,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         t0 = time.perf_counter()  # the training loop waits here for I/O-bound work: stall time
         errors = [f.exception() for f in early.values()]  # waits for the updates started in backward
         self._queue, self._done, self._futures = [], 0, []
-        previous, self._pending = self._pending, []
+        previous = self._pipeline.take_previous()
         for h in previous:
             h.wait()
         if early or previous:
@@ -361,135 +337,29 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 if k not in early and (g := self._grad(n, k, p)) is not None]
         self._queue = work
         for i, (name, key, p, grad) in enumerate(work):
-            self._read_ahead(work, i)
+            self._pipeline.read_ahead(work, i)
             self._timed_step(name, key, p, grad)
             self._done = i + 1
         self._queue, self._done = [], 0
-        self._pending, self._current = self._current, []
+        self._pipeline.end_step()
 
     def _timed_step(self, name: str, key: str | None, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
-        if self.store.timeline is None:
-            self._step_one(name, key, p, grad)
-        else:
-            with self.store.timeline.span(f"adamw {name}", "optimizer"):
-                self._step_one(name, key, p, grad)
+        """One parameter's update through the pipeline (a timeline span when one is recorded)."""
+        step = self.steps.get(name, 0.0) + 1.0
+        timeline = self.store.timeline
+        with timeline.span(f"adamw {name}", "optimizer") if timeline is not None else contextlib.nullcontext():
+            self._pipeline.update(name, key, p, grad, step, lambda: self._hyper(name))
+        self.steps[name] = step
 
     def wait(self) -> None:
         """Wait for the write-behind of the last step; raises the first failure (the data stays in memory)."""
-        pending, self._pending = self._pending + self._current, []
-        self._current = []
-        for h in pending:
-            h.wait()
-
-    def _read_ahead(self, items: list[tuple], i: int) -> None:
-        """Prefetch the state of items[i] and of those after it, within readahead and readahead_bytes
-        (prefetching what is already in flight or in memory costs nothing)."""
-        total = 0
-        for item in items[i:i + 1 + self.readahead]:
-            total += self._state_bytes.get(item[0], 0)
-            if total > self.readahead_bytes and item is not items[i]:
-                break
-            self._prefetch(item)
-
-    def _prefetch(self, item: tuple) -> None:
-        name, key, p, _ = item
-        for k in self._keys(name, key, p):
-            self.store.prefetch(k, Tier.HOST)
-
-    def _step_one(self, name: str, key: str | None, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
-        st = self.store
-        keys = self._keys(name, key, p)
-        master_key = keys[2] if key is not None else None
-        held: dict[str, torch.Tensor] = {}
-        try:
-            for k in keys:
-                held[k] = st.get(k, Tier.HOST)
-            for k in keys:  # the last step's write of these bytes must not see a half-done update
-                st.write_back(k).wait()
-        except BaseException:
-            for k in held:
-                st.release(k, Tier.HOST)
-            raise
-        exp_avg, exp_avg_sq = held[keys[0]], held[keys[1]]
-        param = p.data if master_key is None else held[master_key]
-        step = self.steps.get(name, 0.0) + 1.0
-        try:
-            self._adamw(param, exp_avg, exp_avg_sq, grad, step, self._hyper(name))
-        except BaseException:
-            # A partial update must not persist: the copies are still clean, so dropping them
-            # brings back the state of before this step.
-            for k in keys:
-                st.release(k, Tier.HOST)
-                if st.info(k)["home"] != Tier.HOST.label:
-                    st.evict(k, Tier.HOST)
-            raise
-        self.steps[name] = step
-        for k in keys:
-            st.mark_dirty(k, Tier.HOST)
-            st.release(k, Tier.HOST)
-            self._current.append(st.write_back(k))  # write-behind
-        if master_key is not None and master_key != key:
-            assert key is not None
-            low = st.get(key, Tier.HOST)
-            master = st.get(master_key, Tier.HOST)
-            low.copy_(master)
-            st.release(master_key, Tier.HOST)
-            st.mark_dirty(key, Tier.HOST)
-            st.release(key, Tier.HOST)
-            self._current.append(st.write_back(key))
+        self._pipeline.wait()
 
     def _hyper(self, name: str) -> tuple:
         """(lr, betas, eps, weight_decay) of the parameter's group now: read once per update, so a scheduler
         changing the group during backward never mixes two learning rates in one update."""
         group = self._group_of[name]
-        return tuple(group[k] for k in _HYPER)
-
-    @staticmethod
-    def _adamw(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
-               step: float, hyper: tuple) -> None:
-        """torch.optim.AdamW's single-tensor update (foreach=False), operation for operation, slice by slice.
-
-        [Note: Sliced updates] Every operation of the update is elementwise, so an
-        element's result depends only on that element's inputs, and running the whole
-        sequence over one slice of ``_SLICE`` elements at a time gives the same bits as
-        running each operation over the whole tensor (tested, vectorised and scalar
-        paths alike). A tensor of more than ``_WHOLE_MAX`` elements is updated so:
-        its temporaries (``sqrt`` and the division make two, and a bf16/fp16
-        gradient's fp32 copy a third) are then slices of 4 MiB in fp32 instead of
-        copies of the whole tensor, memory outside every tier budget (1.6 GB at once
-        for a 200M-element fp32 embedding) that the allocator faults in afresh on
-        every step once it is larger than what it keeps for reuse. Measured here:
-        a 16M-element tensor alone steps in 37 ms instead of 72; a training step of
-        three offloaded Linear(8192, 8192) layers (67M elements each) took 3.57 s
-        instead of 3.82, with 2.56 s of CPU instead of 3.19. Smaller tensors are
-        updated whole: slicing them made a ViT-large step 10% slower (4.97 against
-        4.52 s, the optimizer stepping in backward beside the backward's compute).
-        """
-        grad = grad.to(param.device)
-        tensors = (param, exp_avg, exp_avg_sq, grad)
-        n = param.numel()
-        if n <= _WHOLE_MAX or not all(t.is_contiguous() for t in tensors):
-            OffloadedAdamW._adamw_slice(*tensors, step, hyper)
-            return
-        flat = [t.view(-1) for t in tensors]
-        for start in range(0, n, _SLICE):
-            OffloadedAdamW._adamw_slice(*(t[start:start + _SLICE] for t in flat), step, hyper)
-
-    @staticmethod
-    def _adamw_slice(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
-                     step: float, hyper: tuple) -> None:
-        lr, (beta1, beta2), eps, weight_decay = hyper
-        grad = grad.to(param.dtype)  # a bf16/fp16 gradient against its fp32 master; no copy when the same
-        if weight_decay != 0:
-            param.mul_(1 - lr * weight_decay)
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-        step_size = lr / bias_correction1
-        bias_correction2_sqrt = bias_correction2**0.5
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-step_size)
+        return tuple(group[k] for k in HYPER)
 
     def state_tensors(self, steps: dict[str, float] | None = None) -> list[tuple[str, str, str]]:
         """(parameter name, state name, store key) of every state tensor of parameters stepped so far (or,
@@ -526,7 +396,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             group = {**current, **{k: (tuple(v) if k == "betas" and isinstance(v, list) else v)
                                    for k, v in saved.items()}}
             try:
-                _check_hyper(group, f"group {i}: ")
+                check_hyper(group, f"group {i}: ")
             except TypeError:
                 raise ValueError(f"group {i}: hyper-parameters of the wrong type: {saved}") from None
             out.append(group)
@@ -565,7 +435,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.store.flush()
 
     def __repr__(self) -> str:
-        groups = ", ".join(f"({len(g['params'])} params: " + ", ".join(f"{k}={g[k]}" for k in _HYPER) + ")"
+        groups = ", ".join(f"({len(g['params'])} params: " + ", ".join(f"{k}={g[k]}" for k in HYPER) + ")"
                            for g in self.param_groups)
         return f"OffloadedAdamW({groups})"
 

@@ -13,6 +13,7 @@ from _training import (
     train_offloaded,
     train_resident,
 )
+from tierstore.integrations import _adamw
 from tierstore.integrations.offload import offload_model
 from tierstore.integrations.optim import OffloadedAdamW
 
@@ -32,16 +33,16 @@ def test_failed_update_leaves_state_as_before_the_step(make_store, monkeypatch):
     moments = opt.state_dict()["state"]
     x, y = data.batch(1, 8)
     F.cross_entropy(model(x), y).backward()
-    real = OffloadedAdamW._adamw
+    real = _adamw.adamw_update
 
-    def failing(self, param, exp_avg, exp_avg_sq, grad, step, hyper):
+    def failing(param, exp_avg, exp_avg_sq, grad, step, hyper):
         if param.shape == (256, 64):  # blocks.0.fc1.weight: fail half-way through its update
             param.add_(1.0)
             exp_avg.add_(1.0)
             raise RuntimeError("update failed")
         real(param, exp_avg, exp_avg_sq, grad, step, hyper)
 
-    monkeypatch.setattr(OffloadedAdamW, "_adamw", failing)
+    monkeypatch.setattr(_adamw, "adamw_update", failing)
     with pytest.raises(RuntimeError, match="update failed"):
         opt.step()
     opt.wait()
@@ -90,11 +91,9 @@ def test_gradient_backlog_bound_keeps_numbers(make_store):
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
 def test_tensors_larger_than_an_update_slice_are_bit_identical(make_store, monkeypatch, in_backward):
-    import tierstore.integrations.optim as optim
-
     _SLICE = 1 << 18  # slices small enough for a quick test: [Note: Sliced updates]
-    monkeypatch.setattr(optim, "_SLICE", _SLICE)
-    monkeypatch.setattr(optim, "_WHOLE_MAX", _SLICE)
+    monkeypatch.setattr(_adamw, "SLICE", _SLICE)
+    monkeypatch.setattr(_adamw, "WHOLE_MAX", _SLICE)
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(640, 1300), torch.nn.Tanh(), torch.nn.Linear(1300, 3))
     assert 3 * _SLICE < ref[0].weight.numel() < 4 * _SLICE  # three whole slices and a partial one
@@ -121,8 +120,7 @@ def test_tensors_larger_than_an_update_slice_are_bit_identical(make_store, monke
 
 def test_sliced_update_matches_whole_tensor_operations():
     """The update over slices gives the bits of each operation run over the whole tensor, bf16 gradients too."""
-    from tierstore.integrations.optim import _SLICE, _WHOLE_MAX
-
+    _SLICE, _WHOLE_MAX = _adamw.SLICE, _adamw.WHOLE_MAX
     hyper = (3e-4, (0.9, 0.95), 1e-8, 0.1)  # lr, betas, eps, weight_decay
     g = torch.Generator().manual_seed(3)
     for n, grad_dtype in ((_WHOLE_MAX + 2 * _SLICE + 12345, torch.float32), (_WHOLE_MAX + 1, torch.bfloat16),
@@ -132,8 +130,8 @@ def test_sliced_update_matches_whole_tensor_operations():
         grad = torch.randn(n, generator=g).to(grad_dtype)
         sliced, whole = [t.clone() for t in base], [t.clone() for t in base]
         for step in (1.0, 2.0, 7.0):
-            OffloadedAdamW._adamw(*sliced, grad, step, hyper)
-            OffloadedAdamW._adamw_slice(*whole, grad.float(), step, hyper)
+            _adamw.adamw_update(*sliced, grad, step, hyper)
+            _adamw.adamw_slice(*whole, grad.float(), step, hyper)
         for a, b in zip(sliced, whole):
             assert torch.equal(a, b)
 

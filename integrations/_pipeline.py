@@ -1,0 +1,107 @@
+"""The optimizer's state pipeline: each parameter's update reads its state ahead into the host tier, applies the
+AdamW arithmetic there, and writes the state behind (see [Note: Pipelined step] in optim.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tierstore import Handle, Tier, TierStore
+
+from . import _adamw
+from ._contract import optimizer_key
+
+# (parameter name, its store key or None for a resident parameter, the parameter, its gradient)
+Item = tuple[str, "str | None", torch.nn.Parameter, "torch.Tensor | None"]
+
+
+def state_keys(name: str, key: str | None, p: torch.nn.Parameter) -> list[str]:
+    """The store keys one update reads and writes: both moments, and the fp32 master of an offloaded parameter
+    (its own store copy when the parameter is fp32)."""
+    keys = [optimizer_key(name, "exp_avg"), optimizer_key(name, "exp_avg_sq")]
+    if key is not None:
+        keys.append(key if p.dtype == torch.float32 else optimizer_key(name, "master"))
+    return keys
+
+
+class StatePipeline:
+    """Read-ahead, update, write-behind over one store."""
+
+    def __init__(self, store: TierStore, *, readahead: int, readahead_bytes: int) -> None:
+        self.store = store
+        self.readahead = readahead
+        self.readahead_bytes = readahead_bytes
+        self.state_bytes: dict[str, int] = {}  # name -> bytes of its state (what read-ahead counts)
+        self.pending: list[Handle] = []  # write-behind handles of the last step
+        self.current: list[Handle] = []  # ... and of this one
+
+    def read_ahead(self, items: list[Item], i: int) -> None:
+        """Prefetch the state of items[i] and of those after it, within readahead and readahead_bytes
+        (prefetching what is already in flight or in memory costs nothing)."""
+        total = 0
+        for item in items[i:i + 1 + self.readahead]:
+            total += self.state_bytes.get(item[0], 0)
+            if total > self.readahead_bytes and item is not items[i]:
+                break
+            name, key, p, _ = item
+            for k in state_keys(name, key, p):
+                self.store.prefetch(k, Tier.HOST)
+
+    def update(self, name: str, key: str | None, p: torch.nn.Parameter, grad: torch.Tensor, step: float,
+               hyper: Callable[[], tuple]) -> None:
+        """Apply one AdamW update to the parameter's state in the host tier and start writing it behind.
+        ``hyper()`` gives the group's (lr, betas, eps, weight_decay), read once the state is in memory. On a
+        failure nothing of the update persists."""
+        st = self.store
+        keys = state_keys(name, key, p)
+        master_key = keys[2] if key is not None else None
+        held: dict[str, torch.Tensor] = {}
+        try:
+            for k in keys:
+                held[k] = st.get(k, Tier.HOST)
+            for k in keys:  # the last step's write of these bytes must not see a half-done update
+                st.write_back(k).wait()
+        except BaseException:
+            for k in held:
+                st.release(k, Tier.HOST)
+            raise
+        exp_avg, exp_avg_sq = held[keys[0]], held[keys[1]]
+        param = p.data if master_key is None else held[master_key]
+        try:
+            _adamw.adamw_update(param, exp_avg, exp_avg_sq, grad, step, hyper())
+        except BaseException:
+            # A partial update must not persist: the copies are still clean, so dropping them
+            # brings back the state of before this step.
+            for k in keys:
+                st.release(k, Tier.HOST)
+                if st.info(k)["home"] != Tier.HOST.label:
+                    st.evict(k, Tier.HOST)
+            raise
+        for k in keys:
+            st.mark_dirty(k, Tier.HOST)
+            st.release(k, Tier.HOST)
+            self.current.append(st.write_back(k))  # write-behind
+        if master_key is not None and master_key != key:
+            assert key is not None
+            low = st.get(key, Tier.HOST)
+            master = st.get(master_key, Tier.HOST)
+            low.copy_(master)
+            st.release(master_key, Tier.HOST)
+            st.mark_dirty(key, Tier.HOST)
+            st.release(key, Tier.HOST)
+            self.current.append(st.write_back(key))
+
+    def take_previous(self) -> list[Handle]:
+        """The last step's write-behind, for the next step to wait on; this step's becomes the last."""
+        previous, self.pending = self.pending, []
+        return previous
+
+    def end_step(self) -> None:
+        self.pending, self.current = self.current, []
+
+    def wait(self) -> None:
+        """Wait for every write-behind; raises the first failure (the data stays in memory)."""
+        pending, self.pending, self.current = self.pending + self.current, [], []
+        for h in pending:
+            h.wait()
