@@ -36,10 +36,6 @@ class Monitor:
                 self._owner = None
                 self._free.notify()
 
-    def held(self) -> bool:
-        """Whether the calling thread holds it."""
-        return self._owner == threading.get_ident()
-
     def wait(self, timeout: float) -> None:
         """Let go, wait for :meth:`notify_all` (or ``timeout`` seconds), take it back."""
         with self._mutex:

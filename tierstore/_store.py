@@ -12,7 +12,7 @@ import contextlib
 import difflib
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -445,7 +445,3 @@ def _memory_tier(tier: Tier | str) -> Tier:
 def open_store(config: StoreConfig | None = None, **overrides: Any) -> TierStore:
     """Create a :class:`TierStore` from a config and/or keyword overrides."""
     return TierStore(config, **overrides)
-
-
-def iter_tiers() -> Iterable[Tier]:
-    return iter(Tier)
