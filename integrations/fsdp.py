@@ -110,6 +110,11 @@ class FSDPOffload(OffloadedParameters):
             raise ValueError("no fully_shard-ed module with parameters found; apply fully_shard before offload_fsdp")
         meta = check_meta(model, init_fn)
         sharded = {id(p) for _, _, group in groups for p in internals.group_params(group)}
+        outside = [n for n, p in model.named_parameters() if id(p) not in sharded]
+        if outside:  # an optimizer of the shards would never step them
+            raise ValueError(f"{len(outside)} parameter(s) belong to no fully_shard-ed module: "
+                             f"{', '.join(outside[:4])}{', ...' if len(outside) > 4 else ''}; apply fully_shard to "
+                             f"the root module too (after its blocks), as FSDP2 recommends")
         if home is Tier.NVME:
             need = sum(internals.local_shard(p).numel() * p.element_size() for _, _, g in groups
                        for p in internals.group_params(g))

@@ -57,6 +57,15 @@ def main(nvme_path: str, tied: bool) -> None:
     ref_init = {n: p.to_local().clone() for n, p in ref.named_parameters()}
     ref_losses = train(ref, ref_opt, data, rank, world)
     model = build(tied)
+    blocks_only = ViT(PRESETS["tiny"])  # the root left unsharded: its parameters would never be stepped
+    for block in blocks_only.blocks:
+        fully_shard(block)
+    with TierStore(StoreConfig(nvme_path=nvme_path, host_budget_bytes="256KiB")) as store:
+        try:
+            offload_fsdp(blocks_only, store)
+            root_refused = False
+        except ValueError as e:
+            root_refused = "apply fully_shard to the root module too" in str(e) and not store.keys()
     with TierStore(StoreConfig(nvme_path=nvme_path, host_budget_bytes="256KiB", device_budget_bytes="1MiB",
                                file_size_bytes="4MiB", block_size_bytes="64KiB")) as store:
         seen = []
@@ -85,7 +94,7 @@ def main(nvme_path: str, tied: bool) -> None:
         on_meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
         opt.close()
     print(json.dumps({"rank": rank, "ref": ref_losses, "ours": losses, "same_init": same_init,
-                      "same_parameters": same, "still_tied": still_tied, "undone": undone,
+                      "same_parameters": same, "still_tied": still_tied, "undone": undone, "root_refused": root_refused,
                       "shard_bytes_in_memory": in_memory, "on_meta": on_meta}),
           flush=True)
     dist.destroy_process_group()

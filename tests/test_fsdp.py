@@ -85,6 +85,7 @@ def test_a_model_built_on_meta_is_sharded_into_the_store_as_fsdps_recipe_initial
     for r in lines:
         assert r["same_init"] and r["ours"] == r["ref"] and r["same_parameters"] and r["still_tied"], r
         assert r["undone"], r  # a failed init left nothing in the store and the model on meta
+        assert r["root_refused"], r  # parameters outside every fully_shard-ed module are refused
         assert r["shard_bytes_in_memory"] == 0 and r["on_meta"] == [], r
 
 
