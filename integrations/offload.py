@@ -745,6 +745,10 @@ class _NoStorage(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._has_compatible_shallow_copy_type.default:
+            # Asked by ``param.data = placeholder`` under torch.inference_mode() (elsewhere it never reaches
+            # here): a dense tensor of the parameter's device, as the placeholder is.
+            return True
         raise OffloadedParameterError(f"{func} on the placeholder of an offloaded parameter, which holds no values")
 
 

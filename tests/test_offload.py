@@ -88,6 +88,23 @@ def test_no_grad_inference_and_module_called_twice(make_store):
     out.backward()
 
 
+def test_inference_mode_then_training(make_store):
+    """Under torch.inference_mode() too (it reaches the placeholders' dispatch when a parameter lets go of its
+    copy): the same outputs, and training afterwards is unaffected."""
+    torch.manual_seed(0)
+    ref, model, data = _tiny_pair()
+    off = offload_model(model, make_store(host_budget_bytes="2MiB"), resident_threshold_bytes=0)
+    x, _ = data.batch(0, 4)
+    with torch.inference_mode():
+        assert torch.equal(model(x), ref(x))
+        assert torch.equal(model(x), ref(x))
+    opt = OffloadedAdamW(off, lr=1e-3)
+    train_resident(ref, data, 2)
+    _train(model, data, 2, opt)
+    opt.close()
+    _assert_same_parameters(model, ref)
+
+
 def test_remove_restores_module(make_store):
     torch.manual_seed(0)
     model = ViT(PRESETS["tiny"])
