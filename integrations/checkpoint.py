@@ -374,13 +374,21 @@ def load_safetensors(path: str, model: nn.Module | Offloaded, *, strict: bool = 
     them, with nothing changed. Load before creating the model's ``OffloadedAdamW`` (its fp32 masters are
     taken from the parameters). Returns the names loaded.
     """
+    entries = safetensors_entries(path)
+    return _load_tensors(model, {name: (e["shape"], lambda name=name, e=e: read_raw(name, e))
+                                 for name, e in entries.items()}, strict=strict, source=path, where="the file")
+
+
+def _load_tensors(model: nn.Module | Offloaded, entries: dict[str, tuple[list[int], Callable[[], torch.Tensor]]],
+                  *, strict: bool, source: str, where: str) -> list[str]:
+    """Write ``entries`` (name -> (shape, a function reading the tensor)) into the model's tensors, wherever
+    they live, after checking names and shapes; one tensor read at a time."""
     model, off = _offloaded(model)
     if off is not None and off.on_remove:
-        raise CheckpointError("load pretrained weights before creating the model's OffloadedAdamW: its fp32 "
-                              "masters and moments were made from the parameters as they are now")
-    entries = safetensors_entries(path)
+        raise CheckpointError("load weights before creating the model's OffloadedAdamW: its fp32 masters and "
+                              "moments were made from the parameters as they are now")
     tensors, aliases = _model_tensors(model, off)
-    by_saved = {}  # the name in the file -> the model's name (a tied parameter may be saved under either)
+    by_saved = {}  # the name in the source -> the model's name (a tied parameter may be saved under either)
     for name in entries:
         target = aliases.get(name, name)
         if target in tensors and target not in by_saved.values():
@@ -390,16 +398,16 @@ def load_safetensors(path: str, model: nn.Module | Offloaded, *, strict: bool = 
     store = off.store if off is not None else None
 
     shapes = {n: list(_shape_dtype(store, tensors[t])[0]) for n, t in by_saved.items()}
-    mis_shaped = [f"{n}: {entries[n]['shape']} in the file, {shapes[n]} in the model"
-                  for n in by_saved if entries[n]["shape"] != shapes[n]]
+    mis_shaped = [f"{n}: {list(entries[n][0])} in {where}, {shapes[n]} in the model"
+                  for n in by_saved if list(entries[n][0]) != shapes[n]]
     problems = [f"size mismatch for {m}" for m in mis_shaped]
     if strict:
         problems += ([f"missing key(s): {', '.join(missing)}"] if missing else []) + (
             [f"unexpected key(s): {', '.join(unexpected)}"] if unexpected else [])
     if problems:
-        raise CheckpointError(f"loading {path}: " + "; ".join(problems) + " (nothing was loaded)")
+        raise CheckpointError(f"loading {source}: " + "; ".join(problems) + " (nothing was loaded)")
     for saved, name in by_saved.items():
-        value = read_raw(saved, entries[saved])
+        value = entries[saved][1]()
         v = tensors[name]
         if isinstance(v, str) and store is not None:
             _write_into_store(store, v, lambda t, value=value: t.copy_(value))  # copy_ converts the dtype

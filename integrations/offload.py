@@ -193,6 +193,13 @@ def _on_read(unheld: list[_OffloadedParameter], func: Any, args: Any, kwargs: An
                     return (p,)
         what = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
         module = sp.name.rpartition(".")[0] or "the model"
+        if what.endswith("_") and not what.endswith("__") and args and args[0] is p:  # an in-place write
+            raise OffloadedParameterError(
+                f"{what} would write the offloaded parameter {sp.name!r} (of {module}) outside the forward and "
+                f"backward of its model; its values live in the store. Write new values with "
+                f"model.load_state_dict(state_dict) or tierstore.integrations.load_safetensors, before creating "
+                f"the model's OffloadedAdamW; initialize parameters before offload_model (or build the model on "
+                f"the meta device and pass init_fn)")
         raise OffloadedParameterError(
             f"{what} read the offloaded parameter {sp.name!r} (of {module}) outside the forward and backward of "
             f"the model it was offloaded with; its values live in the store, so no value is there to read. "
@@ -345,6 +352,12 @@ class OffloadedModel(OffloadedParameters):
             self._fill_state_dict(state_dict, prefix)
 
         self._handles.append(model.register_state_dict_post_hook(state_dict_hook))
+        # model.load_state_dict() writes each offloaded parameter's held copy (see [Note: Loading a state dict]).
+        self._loading: list[_Param] = []
+        for module in model.modules():
+            if any(id(p) in self.params for p in module._parameters.values() if p is not None):
+                self._handles.append(module.register_load_state_dict_pre_hook(self._before_load))
+                self._handles.append(module.register_load_state_dict_post_hook(self._after_load))
         # Until a step has been recorded, guess that forward uses the units in definition order.
         self.policy = PrefetchPolicy(depth=prefetch_depth, max_bytes=prefetch_bytes,
                                      group_bytes={g.name: g.nbytes for g in self.groups.values()},
@@ -417,7 +430,8 @@ class OffloadedModel(OffloadedParameters):
 
     def _start_step(self, module: nn.Module, args: Any) -> None:
         if not self._in_backward():  # not a forward rerun inside backward (checkpointing)
-            self._release_all()  # holds left by a forward that raised
+            self._release_all()  # holds left by a forward (or a load_state_dict) that raised
+            self._loading.clear()
             self.policy.start_step()
 
     def _enter_forward(self, group: _Group) -> bool:
@@ -602,6 +616,36 @@ class OffloadedModel(OffloadedParameters):
             if sp.holds:
                 sp.holds = 1
                 self._unhold(sp)
+
+    def _before_load(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict,
+                     *_: Any) -> None:
+        """[Note: Loading a state dict] ``model.load_state_dict()`` copies each value into its parameter with
+        ``param.copy_(value)``. Before a module's own parameters are loaded, those that are offloaded and named in
+        the state dict are held, so the copy writes the held copy; after the module's subtree is loaded they are
+        marked changed and let go (``_after_load``, also when a submodule alone is loaded), to be written home.
+        Not after an ``OffloadedAdamW`` exists (its fp32
+        masters and moments come from the parameters as they were), and not with ``assign=True``."""
+        mine = [(name, self.params[id(p)]) for name, p in module._parameters.items()
+                if p is not None and id(p) in self.params and prefix + name in state_dict]
+        if not mine:
+            return
+        if self.on_remove:
+            raise OffloadedParameterError("load the state dict before creating the model's OffloadedAdamW: its "
+                                          "fp32 masters and moments were made from the parameters as they are now")
+        if local_metadata.get("assign_to_params_buffers"):
+            raise OffloadedParameterError("load_state_dict(assign=True) would replace offloaded parameters by "
+                                          "new tensors; load with assign=False, or before offload_model")
+        for _, sp in mine:
+            self._hold(sp, self._unit_of(sp))
+            self._loading.append(sp)
+
+    def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
+        """Every parameter held for loading has been copied by now (a module loads its own before its
+        children's): mark them changed and let them go."""
+        loading, self._loading = self._loading, []
+        for sp in loading:
+            self.store.mark_dirty(sp.key, self.compute_tier)
+            self._unhold(sp)
 
     def _fill_state_dict(self, state_dict: dict, prefix: str) -> None:
         for name, p in self.model.named_parameters(remove_duplicate=False):  # tied names too

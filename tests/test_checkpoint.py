@@ -1,5 +1,6 @@
 """Checkpoints: resume is bit-identical, files are plain safetensors, corruption and crashes lose nothing."""
 
+import copy
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ from tierstore.integrations.checkpoint import (
     load_safetensors,
     save_checkpoint,
 )
-from tierstore.integrations.offload import offload_model
+from tierstore.integrations.offload import OffloadedParameterError, offload_model
 from tierstore.integrations.optim import OffloadedAdamW
 
 import tierstore as ts
@@ -414,3 +415,36 @@ def test_pretrained_safetensors_that_do_not_match_list_every_problem_and_change_
                                                  r"extra.bias \(nothing was loaded\)"):
         load_safetensors(str(tmp_path / "bad.safetensors"), off)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_model_load_state_dict_writes_an_offloaded_model_as_it_does_a_resident_one(make_store):
+    torch.manual_seed(0)
+    source = ViT(PRESETS["tiny"], tie_head=True)
+    torch.manual_seed(1)
+    ref = ViT(PRESETS["tiny"], tie_head=True)
+    model = copy.deepcopy(ref)
+    off = offload_model(model, make_store(host_budget_bytes="1MiB"), resident_threshold_bytes=1024)
+    with pytest.raises(OffloadedParameterError, match=r"model.load_state_dict\(state_dict\)"):
+        torch.nn.init.zeros_(model.blocks[0].fc1.weight)  # a write outside forward: says what writes
+    sd = {k: v.to(torch.bfloat16) if k == "blocks.0.fc1.weight" else v for k, v in source.state_dict().items()}
+    for m in (ref, model):  # converted to the parameter's dtype, as torch does
+        assert m.load_state_dict(sd) is not None
+    for name, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    assert not any(sp.holds for sp in off.params.values())
+    data = SyntheticImages(PRESETS["tiny"])
+    x, _ = data.batch(0, 2)
+    assert torch.equal(model(x), ref(x))
+    sub = {k: v + 1 for k, v in source.blocks[1].state_dict().items()}  # a submodule alone
+    model.blocks[1].load_state_dict(sub)
+    ref.blocks[1].load_state_dict(sub)
+    assert not any(sp.holds for sp in off.params.values())
+    for _, key, _ in off.named_offloaded():  # what is read next comes from the drive: the loads were written
+        off.store.evict(key, "host")
+    for name, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    with pytest.raises(OffloadedParameterError, match="assign=True"):
+        model.load_state_dict(sd, assign=True)
+    OffloadedAdamW(off).close()
+    with pytest.raises(OffloadedParameterError, match="before creating the model's OffloadedAdamW"):
+        model.load_state_dict(sd)
