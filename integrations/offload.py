@@ -344,9 +344,8 @@ class OffloadedModel(OffloadedParameters):
             self._handles.append(module.register_forward_pre_hook(partial(self._pre_forward, group)))
             self._handles.append(module.register_forward_hook(partial(self._post_forward, group), always_call=True))
         self._handles.append(model.register_forward_pre_hook(self._start_step, prepend=True))
-        for sp in self.params.values():
-            if sp.param.requires_grad:
-                self._handles.append(sp.param.register_post_accumulate_grad_hook(partial(self._grad_accumulated, sp)))
+        self._grad_hooked: set[int] = set()  # ids of the parameters whose gradients are taken as they complete
+        self._hook_gradients()
 
         def state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
             self._fill_state_dict(state_dict, prefix)
@@ -428,10 +427,19 @@ class OffloadedModel(OffloadedParameters):
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
+    def _hook_gradients(self) -> None:
+        """Take each trainable parameter's gradient as it completes; also of one unfrozen since the last step
+        (a frozen parameter cannot have the hook, and its gradient would otherwise stay unseen in ``.grad``)."""
+        for sp in self.params.values():
+            if id(sp) not in self._grad_hooked and sp.param.requires_grad:
+                self._handles.append(sp.param.register_post_accumulate_grad_hook(partial(self._grad_accumulated, sp)))
+                self._grad_hooked.add(id(sp))
+
     def _start_step(self, module: nn.Module, args: Any) -> None:
         if not self._in_backward():  # not a forward rerun inside backward (checkpointing)
             self._release_all()  # holds left by a forward (or a load_state_dict) that raised
             self._loading.clear()
+            self._hook_gradients()
             self.policy.start_step()
 
     def _enter_forward(self, group: _Group) -> bool:

@@ -87,13 +87,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
             readahead_bytes, max(1, host // 2), "readahead_bytes"))
         home = Tier.parse(home if home is not None else self.store.config.optimizer_tier)
         self.steps: dict[str, float] = {}
-        self._items: list[tuple[str, str | None, torch.nn.Parameter]] = []  # (name, param key, param)
+        # (name, param key or None for a resident one, param): frozen parameters (requires_grad=False) get no
+        # state, as torch's optimizers create none for a parameter that never has a gradient.
+        everything = [*offloaded.named_offloaded(), *((name, None, p) for name, p in offloaded.resident.items())]
+        self._items: list[tuple[str, str | None, torch.nn.Parameter]] = [
+            it for it in everything if it[2].requires_grad]
+        self._frozen = [it for it in everything if not it[2].requires_grad]
         handles = []
-        for name, key, p in offloaded.named_offloaded():
-            self._items.append((name, key, p))
-        for name, p in offloaded.resident.items():
-            self._items.append((name, None, p))
-        self._name_of = {id(p): name for name, _, p in self._items}
+        self._name_of = {id(p): name for name, _, p in everything}
         self._check_host_budget(host, step_in_backward)
         if any(optimizer_key(name, "exp_avg") in self.store for name, _, _ in self._items):
             raise ValueError("this model already has an OffloadedAdamW (its state is in the store); keep using that "
@@ -115,8 +116,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 handles.append(self.store.put(optimizer_key(name, "exp_avg"), zeros, home=home))
                 handles.append(self.store.put(optimizer_key(name, "exp_avg_sq"), zeros, home=home))
                 if key is not None and p.dtype != torch.float32:
-                    handles.append(self.store.put(optimizer_key(name, "master"), self.offloaded.read_param(name).float(),
-                                                  home=home))
+                    master = self.offloaded.read_param(name).float()
+                    handles.append(self.store.put(optimizer_key(name, "master"), master, home=home))
             for h in handles:
                 h.wait()
         except BaseException:  # a failed constructor leaves nothing in the store (a retry must not see it)
@@ -186,8 +187,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 raise ValueError(f"param_groups[{i}] has unknown keys {unknown}; valid: 'params', {', '.join(HYPER)}")
             params = [group["params"]] if isinstance(group["params"], (str, torch.Tensor)) else list(group["params"])
             names = []
+            frozen = {name for name, _, _ in self._frozen}
             for p in params:
                 name = p if isinstance(p, str) else self._name_of.get(id(p))
+                if name in frozen:
+                    continue  # never has a gradient: nothing to step
                 if name not in by_name:
                     what = repr(p) if isinstance(p, str) else f"a tensor of shape {tuple(p.shape)}"
                     raise ValueError(f"param_groups[{i}]: {what} is not a parameter of the offloaded model "
@@ -196,7 +200,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     raise ValueError(f"param_groups[{i}]: parameter {name!r} is already in param_groups[{seen[name]}]")
                 seen[name] = i
                 names.append(name)
-            if not names:
+            if not names and not any((p if isinstance(p, str) else self._name_of.get(id(p))) in frozen
+                                     for p in params):
                 raise ValueError(f"param_groups[{i}] has no parameters")
             hyper = {k: v for k, v in group.items() if k != "params"}
             if "betas" in hyper:
@@ -234,7 +239,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
             out.update(dict.fromkeys(self._use_keys.get(item[0], ()), pos))
         return out
 
+    def _thawed_message(self, names: list[str]) -> str:
+        return (f"{len(names)} parameter(s) have a gradient but were frozen (requires_grad=False) when this "
+                f"OffloadedAdamW was created, so it keeps no state for them: {', '.join(names[:4])}"
+                f"{', ...' if len(names) > 4 else ''}. Create the optimizer after unfreezing them")
+
     def _on_grad_ready(self, key: str) -> None:
+        if key not in self._by_key:
+            raise RuntimeError(self._thawed_message([n for n, k, _ in self._frozen if k == key]))
         name, key_, p = self._by_key[key]
         if key in self._early:
             raise RuntimeError(f"{name}: a second backward before step(); step_in_backward=True steps each "
@@ -333,6 +345,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for err in errors:
             if err is not None:
                 raise err
+        thawed = [n for n, k, p in self._frozen if self._grad(n, k, p) is not None]
+        if thawed:
+            raise RuntimeError(self._thawed_message(thawed))
         work = [(n, k, p, g) for n, k, p in self._items
                 if k not in early and (g := self._grad(n, k, p)) is not None]
         self._queue = work

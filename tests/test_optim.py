@@ -332,3 +332,41 @@ def test_the_optimizer_takes_what_implements_the_offloaded_parameters_contract(m
     off = offload_model(model, make_store(), resident_threshold_bytes=0)
     assert isinstance(off, OffloadedParameters) and not off.in_forward_or_backward()
     OffloadedAdamW(off).close()
+
+
+class _LoRALinear(torch.nn.Module):
+    """A frozen base layer and a trainable low-rank update beside it."""
+
+    def __init__(self, base: torch.nn.Linear, r: int = 4):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.a = torch.nn.Parameter(torch.randn(r, base.in_features) * 0.01)
+        self.b = torch.nn.Parameter(torch.zeros(base.out_features, r))
+
+    def forward(self, x):
+        return self.base(x) + x @ self.a.t() @ self.b.t()
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
+def test_frozen_parameters_get_no_state_and_unfreezing_later_is_an_error(make_store, in_backward):
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(_LoRALinear(torch.nn.Linear(32, 64)), torch.nn.GELU(), _LoRALinear(torch.nn.Linear(64, 8)))
+    model = copy.deepcopy(ref)
+    store = make_store(host_budget_bytes="1MiB")
+    off = offload_model(model, store, resident_threshold_bytes=0)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, foreach=False)
+    opt = OffloadedAdamW(off, lr=1e-2, step_in_backward=in_backward)
+    for step in range(3):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step))
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    _assert_same_parameters(model, ref)
+    assert sorted({k.split("/")[1] for k in store.keys() if k.startswith("adam/")}) == ["0.a", "0.b", "2.a", "2.b"]
+    model[0].base.weight.requires_grad_(True)  # unfrozen after the optimizer was made: it has no state for it
+    with pytest.raises(RuntimeError, match=r"frozen \(requires_grad=False\) when this OffloadedAdamW was created.*"
+                                           r"0.base.weight"):
+        model(torch.randn(4, 32)).pow(2).mean().backward()
+        opt.step()
+    opt.close()
