@@ -1,13 +1,17 @@
 """The main job at a tiny size: it trains, the loss falls, budgets hold, the figures are real."""
 
+import copy
 import json
 import os
 
 import pytest
 import torch
+from tierstore.integrations import OffloadedAdamW, offload_model
 
+from tierstore.tools import bench_step as _bench_step
 from tierstore.tools import cli as _cli
 from tierstore.tools.demo import PRESET_LR
+from tierstore.tools.vit import PRESETS, SyntheticImages, ViT
 
 try:
     import matplotlib  # noqa: F401
@@ -122,6 +126,29 @@ def test_bench_step_tiny(tmp_path, capsys):
     assert any(e["ph"] == "M" and e["name"] == "thread_name" for e in trace)
     if HAVE_MATPLOTLIB:
         assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_step_bf16_and_its_resident_reference_computes_what_the_offloaded_step_does(tmp_path, make_store):
+    """--dtype bf16: bf16 weights with fp32 masters; the resident reference steps torch's AdamW over fp32
+    masters and rounds the weights from them, which is OffloadedAdamW's arithmetic: the same numbers."""
+    res = _bench_step.run_step_bench(preset="tiny", batch_size=4, depths=[2], nvme_path=str(tmp_path), rounds=1,
+                                     host_budget_bytes=None, device_budget_bytes=None, rss=False, dtype="bf16",
+                                     log=lambda *a: None)
+    assert res["dtype"] == "bf16" and res["depths"]["2"]["bytes_per_step"] > 0
+    assert res["state_bytes"] == 14 * res["params"]
+    cfg = PRESETS["tiny"]
+    torch.manual_seed(0)
+    ref = ViT(cfg).to(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    data = SyntheticImages(cfg)
+    off = offload_model(model, make_store(host_budget_bytes="2MiB"))
+    opts = (_bench_step._MasterAdamW(ref), OffloadedAdamW(off, lr=1e-3))
+    for step in range(3):
+        for m, o in zip((ref, model), opts):
+            _bench_step._resident_step(m, data, 4, step, o, torch.bfloat16)
+    opts[1].close()
+    for name, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
 
 
 def test_peak_rss_stays_within_budgets(tmp_path):

@@ -30,16 +30,39 @@ from tierstore.integrations import OffloadedAdamW, offload_model
 
 from .bench_drive import measure_drive
 from .bench_rss import measure_rss
-from .demo import default_budgets, measure_step
+from .demo import DTYPES, default_budgets, measure_step
 from .vit import PRESETS, SyntheticImages, ViT, num_params
 
 MIB = 1024**2
 
 
-def _resident_step(model, data, batch_size: int, step: int, opt) -> float:
+class _MasterAdamW:
+    """The resident reference of mixed precision, as OffloadedAdamW computes it: torch's AdamW (foreach=False)
+    over fp32 masters of the bf16 parameters, each parameter rounded from its master after the step."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.masters = [p.detach().float().requires_grad_() for p in self.params]
+        self.opt = torch.optim.AdamW(self.masters, lr=1e-3, foreach=False)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.opt.step()
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.opt.zero_grad()
+
+
+def _resident_step(model, data, batch_size: int, step: int, opt, dtype: torch.dtype = torch.float32) -> float:
     t0 = time.perf_counter()
     x, y = data.batch(step, batch_size)
-    F.cross_entropy(model(x), y).backward()
+    F.cross_entropy(model(x.to(dtype)).float(), y).backward()
     opt.step()
     opt.zero_grad()
     return time.perf_counter() - t0
@@ -47,21 +70,29 @@ def _resident_step(model, data, batch_size: int, step: int, opt) -> float:
 
 def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path: str, rounds: int,
                    host_budget_bytes: int | None, device_budget_bytes: int | None, trace_path: str | None = None,
-                   step_in_backward: bool = True, rss: bool = True, log=print) -> dict[str, Any]:
+                   step_in_backward: bool = True, rss: bool = True, dtype: str = "fp32",
+                   log=print) -> dict[str, Any]:
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
     cfg = PRESETS[preset]
     torch.manual_seed(0)
-    base = ViT(cfg)
+    base = ViT(cfg).to(torch_dtype)
     n = num_params(base)
-    state_bytes, host, device = default_budgets(n, host_budget_bytes, device_budget_bytes)
+    # bf16 weights with fp32 masters: 2 + 4 + 8 bytes of state a parameter, against fp32's 4 + 8.
+    state_bytes = n * (12 if torch_dtype == torch.float32 else 14)
+    _, host, device = default_budgets(n, host_budget_bytes or max(384 * 1024, state_bytes // 3),
+                                      device_budget_bytes)
     data = SyntheticImages(cfg)
 
     resident = copy.deepcopy(base)
-    ropt = torch.optim.AdamW(resident.parameters(), lr=1e-3, foreach=False)
+    ropt = (torch.optim.AdamW(resident.parameters(), lr=1e-3, foreach=False) if torch_dtype == torch.float32
+            else _MasterAdamW(resident))
     for i in range(2):  # warm-up: the first two steps fault in Adam's state and temporaries (4.2 and 3.1 s
-        _resident_step(resident, data, batch_size, i, ropt)  # on ViT-large here, against 2.2-2.6 s after)
+        _resident_step(resident, data, batch_size, i, ropt, torch_dtype)  # on ViT-large, against 2.2-2.6 after)
     setups: dict[Any, tuple] = {}
 
     def setup(key: Any, depth: int, make_opt) -> dict[str, Any]:
@@ -74,7 +105,7 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
             store.close()
             raise
         setups[key] = (model, store, opt)
-        return measure_step(model, store, opt, data, batch_size, 0)
+        return measure_step(model, store, opt, data, batch_size, 0, dtype=torch_dtype)
 
     samples: dict[Any, list] = {"resident": [], "serial": [], **{d: [] for d in depths}}
     try:
@@ -94,16 +125,16 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
         drive_once()
         for r in range(rounds):
             order = ["serial", *depths] if r % 2 == 0 else [*reversed(depths), "serial"]
-            samples["resident"].append(_resident_step(resident, data, batch_size, r + 2, ropt))
+            samples["resident"].append(_resident_step(resident, data, batch_size, r + 2, ropt, torch_dtype))
             for d in order:
-                samples[d].append(_offloaded_step(*setups[d], data, batch_size, r + 1))
+                samples[d].append(_offloaded_step(*setups[d], data, batch_size, r + 1, torch_dtype))
             drive_once()
         if trace_path:
             traced = max(depths)
             model, store, opt = setups[traced]
             timeline = store.record_timeline()
             assert timeline is not None
-            _offloaded_step(model, store, opt, data, batch_size, rounds + 1)
+            _offloaded_step(model, store, opt, data, batch_size, rounds + 1, torch_dtype)
             store.record_timeline(False)
             n_events = timeline.write_chrome_trace(trace_path)
     finally:
@@ -120,8 +151,11 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
                               "drive_gbps": drive_gbps, "drive": drive, "drive_mixed_gbps_samples":
                               [m["mixed_gbps"] for m in drives], "drive_gbps_from_a_step": raised,
                               "host_budget_bytes": host, "device_budget_bytes": device,
-                              "state_bytes": state_bytes, "step_in_backward": step_in_backward, "depths": {}}
-    log(f"bench step: ViT-{preset} ({n / 1e6:.1f}M params, {state_bytes / MIB:.0f} MiB state), batch {batch_size}, "
+                              "state_bytes": state_bytes, "step_in_backward": step_in_backward, "dtype": dtype,
+                              "depths": {}}
+    precision = "fp32" if torch_dtype == torch.float32 else f"{dtype} weights with fp32 masters, resident too"
+    log(f"bench step: ViT-{preset} ({n / 1e6:.1f}M params, {precision}, {state_bytes / MIB:.0f} MiB state), "
+        f"batch {batch_size}, "
         f"host budget {host / MIB:.0f} MiB, device {device / MIB:.0f} MiB")
     seen = ", ".join(f"{m['mixed_gbps']:.2f}" for m in drives)
     log(f"drive (store, same run, fastest of {len(drives)}: {seen}): {drive['read_fraction']:.0%} reads mixed with "
@@ -153,6 +187,9 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
         log(f"{key:>6} {row['step_s']:>8.3f} {row['stall_s']:>8.3f} {row['bytes_per_step'] / MIB:>9.1f} "
             f"{row['bound_s']:>8.3f} {row['overlap_efficiency']:>8.2f} {vs_depth0:>9} "
             f"{serial['step_s'] / row['step_s']:>8.2f}x")
+    if rss and torch_dtype != torch.float32:
+        log("peak RSS check: measured for fp32 only; run without --dtype for it")
+        rss = False
     if rss:  # in a fresh process: this one held a store per depth (see [Note: Measuring RSS])
         try:
             probe = measure_rss(preset=preset, batch_size=batch_size, nvme_path=nvme_path, host_budget_bytes=host,
@@ -168,7 +205,7 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
             f"activations {probe['activations_bytes'] / MIB:.0f} + gradient backlog "
             f"{probe['grad_backlog_bytes'] / MIB:.0f} + overhead {probe['overhead_bytes'] / MIB:.0f} = "
             f"{probe['allowed_bytes'] / MIB:.0f} MiB allowed: {'within' if probe['within'] else 'OVER'} "
-            f"(the fp32 state is {state_bytes / MIB:.0f} MiB)")
+            f"(the state is {state_bytes / MIB:.0f} MiB)")
     if trace_path:
         log(f"timeline of one step at prefetch depth {traced}: {n_events} spans in {trace_path} "
             "(open it at https://ui.perfetto.dev)")
@@ -193,8 +230,9 @@ class _NoOverlap:
         self.opt.close()
 
 
-def _offloaded_step(model, store, opt, data, batch_size: int, step: int) -> tuple[float, float, int]:
-    row = measure_step(model, store, opt, data, batch_size, step)
+def _offloaded_step(model, store, opt, data, batch_size: int, step: int,
+                    dtype: torch.dtype = torch.float32) -> tuple[float, float, int]:
+    row = measure_step(model, store, opt, data, batch_size, step, dtype=dtype)
     return row["step_s"], row["stall_s"], row["read_bytes"] + row["written_bytes"]
 
 

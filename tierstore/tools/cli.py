@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     step.add_argument("--nvme-path", "--path", dest="nvme_path", default=None, help=_NVME_PATH_HELP)
     step.add_argument("--host-budget", help="host tier budget (default: a third of the state)")
     step.add_argument("--device-budget", help=_DEVICE_BUDGET_HELP)
+    step.add_argument("--dtype", default="fp32",
+                      help="weights: fp32, or bf16 with fp32 masters (the resident reference too; default fp32)")
     step.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     step.add_argument("--plot", metavar="FILE.png", help="plot step time and drive GB/s against depth (matplotlib)")
     step.add_argument("--step-after-backward", action="store_true",
@@ -133,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_step_bench(
                 preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=_nvme_path(args),
                 depths=[int(d) for d in args.depths.split(",")], trace_path=args.trace,
-                step_in_backward=not args.step_after_backward, rss=not args.no_rss, **_budgets(args))
+                step_in_backward=not args.step_after_backward, rss=not args.no_rss, dtype=args.dtype,
+                **_budgets(args))
             _write_json(args.json, result)
             if args.plot:
                 from .bench_step import plot_step_bench
