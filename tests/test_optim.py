@@ -350,7 +350,8 @@ class _LoRALinear(torch.nn.Module):
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
 def test_frozen_parameters_get_no_state_and_unfreezing_later_is_an_error(make_store, in_backward):
     torch.manual_seed(0)
-    ref = torch.nn.Sequential(_LoRALinear(torch.nn.Linear(32, 64)), torch.nn.GELU(), _LoRALinear(torch.nn.Linear(64, 8)))
+    ref = torch.nn.Sequential(_LoRALinear(torch.nn.Linear(32, 64)), torch.nn.GELU(),
+                              _LoRALinear(torch.nn.Linear(64, 8)))
     model = copy.deepcopy(ref)
     store = make_store(host_budget_bytes="1MiB")
     off = offload_model(model, store, resident_threshold_bytes=0)

@@ -12,7 +12,7 @@ from tierstore._config import StoreConfig, default_nvme_path, parse_bytes
 
 _NVME_PATH_HELP = ("directory on the drive for the swap files (default: $TIERSTORE_NVME_PATH, else "
                    "$XDG_CACHE_HOME/tierstore or ~/.cache/tierstore)")
-# The default of demo and bench step, both from _demo.default_budgets.
+# The default of demo and bench step, both from demo.default_budgets.
 _DEVICE_BUDGET_HELP = "device tier budget (default: a quarter of the weights with CUDA, 1 MiB without)"
 
 
