@@ -151,6 +151,24 @@ def test_bench_step_bf16_and_its_resident_reference_computes_what_the_offloaded_
         assert torch.equal(model.state_dict()[name], value), name
 
 
+def test_bench_step_budget_sweep_tiny(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    rc = _cli.main(["bench", "step", "--preset", "tiny", "--batch-size", "4", "--depths", "2", "--rounds", "1",
+                    "--nvme-path", str(tmp_path), "--budget-sweep", "2,10", "--json", str(out),
+                    *(["--plot", str(tmp_path / "s.png")] if HAVE_MATPLOTLIB else [])])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    rows = res["sweep"]
+    assert [r["divisor"] for r in rows] == [2, 10]
+    assert rows[0]["host_budget_bytes"] > rows[1]["host_budget_bytes"]
+    for r in rows:
+        assert r["step_s"] > 0 and r["bytes_per_step"] > 0 and r["bound_s"] >= r["resident_step_s"] > 0
+    printed = capsys.readouterr().out
+    assert "budget sweep" in printed and "1/10" in printed
+    if HAVE_MATPLOTLIB:
+        assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_peak_rss_stays_within_budgets(tmp_path):
     """ViT-base's 1 GiB of fp32 state trains under a 64 MiB host budget without the state entering RAM:
     the peak RSS stays below budgets + activations + the stated overhead, far below the state itself."""

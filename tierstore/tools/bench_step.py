@@ -213,6 +213,71 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
     return result
 
 
+def run_budget_sweep(*, preset: str, batch_size: int, depths: list[int], nvme_path: str, rounds: int,
+                     divisors: list[int], device_budget_bytes: int | None, step_in_backward: bool = True,
+                     dtype: str = "fp32", log=print) -> dict[str, Any]:
+    """``bench step`` at host budgets of state/k for each k in ``divisors``: per budget, the best depth's step
+    time and bytes per step against the resident step and the bound, to show what a smaller budget costs."""
+    if not divisors or any(k < 1 for k in divisors):
+        raise ValueError(f"--budget-sweep {divisors}: give divisors of the state, each >= 1 (e.g. 2,3,6,10)")
+    torch.manual_seed(0)
+    if preset not in PRESETS or dtype not in DTYPES:
+        raise ValueError(f"unknown preset {preset!r} or dtype {dtype!r}; presets: {', '.join(PRESETS)}; "
+                         f"dtypes: {', '.join(DTYPES)}")
+    with torch.device("meta"):
+        n = num_params(ViT(PRESETS[preset]))
+    state = n * (12 if dtype == "fp32" else 14)
+    rows = []
+    for k in sorted(set(divisors)):
+        res = run_step_bench(preset=preset, batch_size=batch_size, depths=depths, nvme_path=nvme_path, rounds=rounds,
+                             host_budget_bytes=max(384 * 1024, state // k), device_budget_bytes=device_budget_bytes,
+                             step_in_backward=step_in_backward, rss=False, dtype=dtype, log=lambda *a: None)
+        depth, best = min(res["depths"].items(), key=lambda kv: kv[1]["step_s"])
+        rows.append({"divisor": k, "host_budget_bytes": res["host_budget_bytes"], "depth": int(depth),
+                     "resident_step_s": res["resident_step_s"], "drive_gbps": res["drive_gbps"], **best})
+    log(f"bench step, budget sweep: ViT-{preset}, {dtype}, {state / MIB:.0f} MiB of state, batch {batch_size}; per "
+        f"host budget the best of depths {','.join(map(str, depths))}; bound = max(resident step, bytes / drive)")
+    log(f"{'budget':>8} {'host MiB':>9} {'depth':>6} {'step s':>8} {'MiB/step':>9} {'resident s':>10} "
+        f"{'bound s':>8} {'overlap':>8}")
+    for r in rows:
+        log(f"{'1/' + str(r['divisor']):>8} {r['host_budget_bytes'] / MIB:>9.1f} {r['depth']:>6} {r['step_s']:>8.3f} "
+            f"{r['bytes_per_step'] / MIB:>9.1f} {r['resident_step_s']:>10.3f} {r['bound_s']:>8.3f} "
+            f"{r['overlap_efficiency']:>8.2f}")
+    return {"preset": preset, "params": n, "state_bytes": state, "dtype": dtype, "batch_size": batch_size,
+            "sweep": rows}
+
+
+def plot_budget_sweep(result: dict[str, Any], path: str) -> None:
+    """Two panels over the host budget (as a fraction of the state): seconds per step (offloaded, resident, the
+    bound) and MiB moved per step."""
+    check_plotting()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["sweep"]
+    xs = [1 / r["divisor"] for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8.5, 5.6), height_ratios=[3, 2])
+    top.plot(xs, [r["step_s"] for r in rows], "o-", label="offloaded step (best depth)")
+    top.plot(xs, [r["resident_step_s"] for r in rows], ":", color="green", label="resident step")
+    top.plot(xs, [r["bound_s"] for r in rows], "x--", color="red", label="bound")
+    top.set_ylabel("seconds per step (lower is better)")
+    bottom.plot(xs, [r["bytes_per_step"] / MIB for r in rows], "s-", color="purple", label="moved per step")
+    bottom.set_ylabel("MiB per step")
+    bottom.set_xlabel("host budget / state")
+    bottom.set_xscale("log")
+    bottom.minorticks_off()
+    bottom.set_xticks(xs, [f"1/{r['divisor']}" for r in rows])
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    top.set_title(f"ViT-{result['preset']}, {result['dtype']}: step time as the host budget shrinks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 class _NoOverlap:
     """An OffloadedAdamW whose step also waits for its writes."""
 

@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     step.add_argument("--device-budget", help=_DEVICE_BUDGET_HELP)
     step.add_argument("--dtype", default="fp32",
                       help="weights: fp32, or bf16 with fp32 masters (the resident reference too; default fp32)")
+    step.add_argument("--budget-sweep", metavar="K,K,...",
+                      help="instead: run at host budgets of state/K for each K (e.g. 2,3,6,10) and print step time "
+                           "and bytes per step against the bound for each")
     step.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     step.add_argument("--plot", metavar="FILE.png", help="plot step time and drive GB/s against depth (matplotlib)")
     step.add_argument("--step-after-backward", action="store_true",
@@ -132,6 +135,19 @@ def main(argv: list[str] | None = None) -> int:
             if args.plot:
                 check_plotting()
 
+            if args.budget_sweep:
+                from .bench_step import plot_budget_sweep, run_budget_sweep
+
+                result = run_budget_sweep(
+                    preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=_nvme_path(args),
+                    depths=[int(d) for d in args.depths.split(",")], step_in_backward=not args.step_after_backward,
+                    divisors=[int(k) for k in args.budget_sweep.split(",")], dtype=args.dtype,
+                    device_budget_bytes=_budgets(args)["device_budget_bytes"])
+                _write_json(args.json, result)
+                if args.plot:
+                    plot_budget_sweep(result, args.plot)
+                    print(f"plot written to {args.plot}")
+                return 0
             result = run_step_bench(
                 preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=_nvme_path(args),
                 depths=[int(d) for d in args.depths.split(",")], trace_path=args.trace,
