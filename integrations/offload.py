@@ -337,6 +337,7 @@ class OffloadedModel(OffloadedParameters):
             sp.param.data = sp.placeholder
             sp.param.__class__ = _OffloadedParameter
             sp.param._tierstore = sp  # type: ignore[attr-defined]
+        self._to_compute_device(model)
         for mname, (module, ids) in owned_by.items():
             owned = [self.params[i] for i in ids]
             group = _Group(mname, owned, sum(sp.nbytes for sp in owned))
@@ -374,6 +375,20 @@ class OffloadedModel(OffloadedParameters):
             _optimizer_hook = register_optimizer_step_pre_hook(_refuse_other_optimizers)
 
     # ---- construction ------------------------------------------------------------------
+    def _to_compute_device(self, model: nn.Module) -> None:
+        """What stays in memory (parameters under the threshold, buffers) computes beside the fetched parameters,
+        so it goes to their device: a model built on the CPU (or on meta) then runs on the GPU."""
+        if self.compute_device.type == "cpu":
+            return
+        with torch.no_grad():
+            for p in self.resident.values():
+                if p.device != self.compute_device:
+                    p.data = p.data.to(self.compute_device)
+            for module in model.modules():
+                for name, b in module._buffers.items():
+                    if b is not None and b.device != self.compute_device:
+                        module._buffers[name] = b.to(self.compute_device)
+
     def _plan_units(self, model: nn.Module, units: Sequence[type[nn.Module] | nn.Module | str],
                     resident_threshold_bytes: int) -> tuple[dict[int, tuple[str, int]], dict[str, tuple]]:
         """(id -> (name, bytes) of each parameter to offload, unit name -> (module, ids it holds)); a unit that
