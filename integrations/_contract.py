@@ -45,8 +45,8 @@ class OffloadedParameters(Protocol):
     - ``later_uses`` and ``policy``: what eviction weighs (an optimizer adds its queue), the prefetch trace;
     - ``on_remove``: called when the offload is removed (an optimizer drops its state);
     - ``in_forward_or_backward()``: whether a forward or backward of the model is running now;
-    - ``held_beside_update(name)``: bytes of the host tier that backward may hold while the parameter's update
-      runs in backward (what the optimizer's host budget must leave room for).
+    - ``held_beside_updates()``: offloaded parameter name -> bytes of the host tier that backward may hold while
+      that parameter's update runs in backward (what the optimizer's host budget must leave room for).
     """
 
     store: TierStore
@@ -66,7 +66,7 @@ class OffloadedParameters(Protocol):
 
     def in_forward_or_backward(self) -> bool: ...
 
-    def held_beside_update(self, name: str) -> int: ...
+    def held_beside_updates(self) -> dict[str, int]: ...
 
 
 __all__ = ["OPTIMIZER_PREFIX", "OPTIMIZER_STATE", "GradientSource", "OffloadedParameters", "optimizer_key"]

@@ -242,9 +242,9 @@ class FSDPOffload(OffloadedParameters):
         """False: FSDP2 gathers from its own copies of the shards, so nothing of the store is held in a step."""
         return False
 
-    def held_beside_update(self, name: str) -> int:
-        """0: a shard restored for an all-gather is FSDP2's memory, not the host tier's."""
-        return 0
+    def held_beside_updates(self) -> dict[str, int]:
+        """None: a shard restored for an all-gather is FSDP2's memory, not the host tier's."""
+        return {}
 
     def zero_grad(self) -> None:
         for sh in self.params.values():

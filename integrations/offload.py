@@ -345,7 +345,7 @@ class OffloadedModel(OffloadedParameters):
             self._handles.append(module.register_forward_pre_hook(partial(self._pre_forward, group)))
             self._handles.append(module.register_forward_hook(partial(self._post_forward, group), always_call=True))
         self._handles.append(model.register_forward_pre_hook(self._start_step, prepend=True))
-        self._grad_hooked: set[int] = set()  # ids of the parameters whose gradients are taken as they complete
+        self._unhooked = list(self.params.values())  # gradients not yet taken as they complete (frozen ones)
         self._hook_gradients()
 
         def state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -445,10 +445,13 @@ class OffloadedModel(OffloadedParameters):
     def _hook_gradients(self) -> None:
         """Take each trainable parameter's gradient as it completes; also of one unfrozen since the last step
         (a frozen parameter cannot have the hook, and its gradient would otherwise stay unseen in ``.grad``)."""
-        for sp in self.params.values():
-            if id(sp) not in self._grad_hooked and sp.param.requires_grad:
+        still = []
+        for sp in self._unhooked:
+            if sp.param.requires_grad:
                 self._handles.append(sp.param.register_post_accumulate_grad_hook(partial(self._grad_accumulated, sp)))
-                self._grad_hooked.add(id(sp))
+            else:
+                still.append(sp)
+        self._unhooked = still
 
     def _start_step(self, module: nn.Module, args: Any) -> None:
         if not self._in_backward():  # not a forward rerun inside backward (checkpointing)
@@ -646,9 +649,9 @@ class OffloadedModel(OffloadedParameters):
         ``param.copy_(value)``. Before a module's own parameters are loaded, those that are offloaded and named in
         the state dict are held, so the copy writes the held copy; after the module's subtree is loaded they are
         marked changed and let go (``_after_load``, also when a submodule alone is loaded), to be written home.
-        Not after an ``OffloadedAdamW`` exists (its fp32
-        masters and moments come from the parameters as they were), and not with ``assign=True``."""
-        mine = [(name, self.params[id(p)]) for name, p in module._parameters.items()
+        Not after an ``OffloadedAdamW`` exists (its fp32 masters and moments come from the parameters as they
+        were), and not with ``assign=True``."""
+        mine = [self.params[id(p)] for name, p in module._parameters.items()
                 if p is not None and id(p) in self.params and prefix + name in state_dict]
         if not mine:
             return
@@ -658,7 +661,7 @@ class OffloadedModel(OffloadedParameters):
         if local_metadata.get("assign_to_params_buffers"):
             raise OffloadedParameterError("load_state_dict(assign=True) would replace offloaded parameters by "
                                           "new tensors; load with assign=False, or before offload_model")
-        for _, sp in mine:
+        for sp in mine:
             self._hold(sp, self._unit_of(sp))
             self._loading.append(sp)
 
@@ -736,16 +739,18 @@ class OffloadedModel(OffloadedParameters):
         """Whether a forward or backward of the model holds parameters now (a checkpoint waits for the step)."""
         return any(sp.holds for sp in self.params.values())
 
-    def held_beside_update(self, name: str) -> int:
-        """Host-tier bytes backward may hold while ``name``'s update runs in backward: computing in the host
-        tier, the largest other unit and the root's own parameters (held throughout)."""
+    def held_beside_updates(self) -> dict[str, int]:
+        """Offloaded parameter name -> host-tier bytes backward may hold while its update runs in backward:
+        computing in the host tier, the largest other unit and the root's own parameters (held throughout)."""
         if self.compute_tier is not Tier.HOST:
-            return 0
+            return {}
         units = sorted(((sum(TierPool.capacity_for(sp.nbytes) for sp in g.params), {sp.name for sp in g.params})
                         for gname, g in self.groups.items() if gname and g.params), key=lambda u: -u[0])
-        root = self.groups.get("")
-        other = next((nbytes for nbytes, names in units if name not in names), 0)
-        return other + sum(TierPool.capacity_for(sp.nbytes) for sp in (root.params if root else ()) if sp.name != name)
+        root = {sp.name: TierPool.capacity_for(sp.nbytes) for sp in self.groups[""].params} if "" in self.groups \
+            else {}
+        root_bytes = sum(root.values())
+        return {sp.name: next((nbytes for nbytes, names in units if sp.name not in names), 0)
+                + root_bytes - root.get(sp.name, 0) for sp in self.params.values()}
 
     def zero_grad(self) -> None:
         self.grads.clear()

@@ -160,8 +160,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             return TierPool.capacity_for(n) * (2 if key is None else 3)
 
         # name -> what backward may hold in the host tier while it is updated
-        beside = {n: self.offloaded.held_beside_update(n) for n, k, _ in self._items if k is not None} \
-            if step_in_backward else {}
+        beside = self.offloaded.held_beside_updates() if step_in_backward else {}
         need, name = max(((one_update(n, k, p) + beside.get(n, 0), n) for n, k, p in self._items),
                          default=(0, ""))
         what = "its fp32 master and two moments"
@@ -177,6 +176,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                       defaults: dict[str, Any]) -> list[dict[str, Any]]:
         """``param_groups`` with parameters for names, and the parameters in no group as a last group."""
         by_name = {name: p for name, _, p in self._items}
+        frozen = {name for name, _, _ in self._frozen}
         seen: dict[str, int] = {}
         groups = []
         for i, group in enumerate(param_groups or []):
@@ -186,11 +186,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if unknown:
                 raise ValueError(f"param_groups[{i}] has unknown keys {unknown}; valid: 'params', {', '.join(HYPER)}")
             params = [group["params"]] if isinstance(group["params"], (str, torch.Tensor)) else list(group["params"])
-            names = []
-            frozen = {name for name, _, _ in self._frozen}
+            names, named_frozen = [], False
             for p in params:
                 name = p if isinstance(p, str) else self._name_of.get(id(p))
                 if name in frozen:
+                    named_frozen = True
                     continue  # never has a gradient: nothing to step
                 if name not in by_name:
                     what = repr(p) if isinstance(p, str) else f"a tensor of shape {tuple(p.shape)}"
@@ -200,8 +200,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     raise ValueError(f"param_groups[{i}]: parameter {name!r} is already in param_groups[{seen[name]}]")
                 seen[name] = i
                 names.append(name)
-            if not names and not any((p if isinstance(p, str) else self._name_of.get(id(p))) in frozen
-                                     for p in params):
+            if not names and not named_frozen:
                 raise ValueError(f"param_groups[{i}] has no parameters")
             hyper = {k: v for k, v in group.items() if k != "params"}
             if "betas" in hyper:
