@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import random
 import tempfile
 import time
 import traceback
@@ -31,10 +30,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tierstore.integrations import OffloadedAdamW, offload_model
 
 import tierstore as ts
-from tierstore.integrations import OffloadedAdamW, offload_model
-from tierstore.testing import SimulatedDevice
+from tierstore.testing import SimulatedDevice, checked_workload
 from tierstore.tools.bench_step import run_step_bench
 from tierstore.tools.demo import run_demo
 from tierstore.tools.vit import PRESETS, SyntheticImages, ViT
@@ -86,29 +85,8 @@ def check_host_to_device(args: argparse.Namespace) -> dict[str, Any]:
 
 def check_ordering(args: argparse.Namespace) -> dict[str, Any]:
     n = 256 * 1024  # floats: 1 MiB a tensor
-    rng = random.Random(0)
     with _store(args.nvme_path, args.simulate, host_budget_bytes=5 * 4 * n, device_budget_bytes=3 * 4 * n) as store:
-        value = {}
-        for i in range(10):
-            store.put(f"k{i}", torch.full((n,), float(i)), home="host" if i < 2 else "nvme").wait()
-            value[f"k{i}"] = float(i)
-        for step in range(args.ordering_ops):
-            key, tier = f"k{rng.randrange(10)}", rng.choice(["device", "device", "host"])
-            if rng.random() < 0.3:
-                store.prefetch(f"k{rng.randrange(10)}", rng.choice(["device", "host"]))
-            t = store.get(key, tier)
-            got = (t[0].item(), t[-1].item())
-            if got != (value[key], value[key]):
-                raise AssertionError(f"op {step}: {key} in {tier} read {got}, expected {value[key]}")
-            if rng.random() < 0.5:
-                t.fill_(float(1000 + step))
-                store.mark_dirty(key, tier)
-                value[key] = float(1000 + step)
-            store.release(key, tier)
-        store.flush()
-        wrong = [k for k, v in value.items() if not torch.equal(store.read(k), torch.full((n,), v))]
-        if wrong:
-            raise AssertionError(f"after flush, wrong values for {wrong}")
+        checked_workload(store, numel=n, ops=args.ordering_ops)
         stats = store.stats_dict()
     paths = stats["paths"]
     moved = {path: paths[path]["count"] for path in ("host->device", "device->host") if path in paths}

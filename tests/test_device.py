@@ -3,7 +3,6 @@
 up as wrong values; the last tests check that the simulation does catch each of those."""
 
 import copy
-import random
 
 import pytest
 import torch
@@ -11,45 +10,17 @@ import torch.nn.functional as F
 from tierstore.integrations import OffloadedAdamW, offload_model
 
 from tierstore._memory import Buffer, TierPool
-from tierstore.testing import SimulatedDevice
+from tierstore.testing import SimulatedDevice, checked_workload
 from tierstore.tools.vit import PRESETS, SyntheticImages, ViT
 
 N = 4096  # floats per tensor: 16 KiB
-
-
-def _workload(store, *, keys: int = 10, ops: int = 400, seed: int = 0) -> None:
-    """Random puts' values read back through both memory tiers and changed in either, under budgets that
-    keep a few copies per tier, so buffers are reused all the time; every read is checked."""
-    rng = random.Random(seed)
-    value = {}
-    for i in range(keys):  # two homed in the host tier: the rest of it, and the device tier, are a cache
-        store.put(f"k{i}", torch.full((N,), float(i)), home="host" if i < 2 else "nvme").wait()
-        value[f"k{i}"] = float(i)
-    for step in range(ops):
-        key = f"k{rng.randrange(keys)}"
-        tier = rng.choice(["device", "device", "host"])
-        if rng.random() < 0.3:
-            store.prefetch(f"k{rng.randrange(keys)}", rng.choice(["device", "host"]))
-        t = store.get(key, tier)
-        got = t[rng.randrange(N)].item(), t[0].item(), t[-1].item()
-        assert got == (value[key],) * 3, (step, key, tier, got, value[key])
-        if rng.random() < 0.5:
-            t.fill_(float(1000 + step))
-            store.mark_dirty(key, tier)
-            value[key] = float(1000 + step)
-        store.release(key, tier)
-        if rng.random() < 0.1:
-            store.evict(key, rng.choice(["device", "host"]) if store.info(key)["home"] == "nvme" else "device")
-    store.flush()
-    for key, v in value.items():
-        assert torch.equal(store.read(key), torch.full((N,), v)), key
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_late_copies_never_show_wrong_bytes(make_store, seed):
     device = SimulatedDevice(seed=seed)
     store = make_store(host_budget_bytes=5 * 4 * N, device_budget_bytes=3 * 4 * N, device=device)
-    _workload(store, seed=seed)
+    checked_workload(store, numel=N, seed=seed)
     assert device.copies > 100  # the device tier was really used
 
 
@@ -97,7 +68,7 @@ def test_the_simulation_catches_a_missed_wait(make_store, device_class):
     store = make_store(host_budget_bytes=5 * 4 * N, device_budget_bytes=3 * 4 * N,
                        device=device_class(max_delay_s=0.005))
     with pytest.raises(AssertionError):
-        _workload(store, ops=200)
+        checked_workload(store, numel=N, ops=200)
 
 
 def test_the_simulation_catches_a_buffer_reused_under_a_copy(make_store, monkeypatch):
@@ -110,4 +81,4 @@ def test_the_simulation_catches_a_buffer_reused_under_a_copy(make_store, monkeyp
     store = make_store(host_budget_bytes=5 * 4 * N, device_budget_bytes=3 * 4 * N,
                        device=SimulatedDevice(max_delay_s=0.005))
     with pytest.raises(AssertionError):
-        _workload(store, ops=200)
+        checked_workload(store, numel=N, ops=200)

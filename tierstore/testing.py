@@ -17,12 +17,14 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
+
 from ._device import Device
 from ._memory import Buffer
 from ._nvme import Syscalls
 from ._types import Tier
 
-__all__ = ["FaultySyscalls", "NoDirectSyscalls", "SimulatedDevice"]
+__all__ = ["FaultySyscalls", "NoDirectSyscalls", "SimulatedDevice", "checked_workload"]
 
 
 class FaultySyscalls(Syscalls):
@@ -154,3 +156,33 @@ class SimulatedDevice(Device):
     def close(self) -> None:
         self._h2d.close()
         self._d2h.close()
+
+
+def checked_workload(store: object, *, numel: int, keys: int = 10, ops: int = 400, seed: int = 0) -> None:
+    """Random puts' values read back through both memory tiers and changed in either, under budgets that keep a
+    few copies per tier, so buffers are reused all the time; every read is checked (an AssertionError names the
+    operation, key, tier, what was read and what was expected). Two keys are homed in the host tier; the rest of
+    it, and the device tier, are a cache of NVMe-homed keys."""
+    rng = random.Random(seed)
+    value = {}
+    for i in range(keys):
+        store.put(f"k{i}", torch.full((numel,), float(i)), home="host" if i < 2 else "nvme").wait()
+        value[f"k{i}"] = float(i)
+    for step in range(ops):
+        key = f"k{rng.randrange(keys)}"
+        tier = rng.choice(["device", "device", "host"])
+        if rng.random() < 0.3:
+            store.prefetch(f"k{rng.randrange(keys)}", rng.choice(["device", "host"]))
+        t = store.get(key, tier)
+        got = t[rng.randrange(numel)].item(), t[0].item(), t[-1].item()
+        assert got == (value[key],) * 3, (step, key, tier, got, value[key])
+        if rng.random() < 0.5:
+            t.fill_(float(1000 + step))
+            store.mark_dirty(key, tier)
+            value[key] = float(1000 + step)
+        store.release(key, tier)
+        if rng.random() < 0.1:
+            store.evict(key, rng.choice(["device", "host"]) if store.info(key)["home"] == "nvme" else "device")
+    store.flush()
+    for key, v in value.items():
+        assert torch.equal(store.read(key), torch.full((numel,), v)), key
