@@ -46,7 +46,9 @@ class OffloadedParameters(Protocol):
     - ``on_remove``: called when the offload is removed (an optimizer drops its state);
     - ``in_forward_or_backward()``: whether a forward or backward of the model is running now;
     - ``held_beside_updates()``: offloaded parameter name -> bytes of the host tier that backward may hold while
-      that parameter's update runs in backward (what the optimizer's host budget must leave room for).
+      that parameter's update runs in backward (what the optimizer's host budget must leave room for);
+    - ``readahead_room()``: host bytes an optimizer's read-ahead may fill under the placement (None: no
+      placement yet).
     """
 
     store: TierStore
@@ -67,6 +69,8 @@ class OffloadedParameters(Protocol):
     def in_forward_or_backward(self) -> bool: ...
 
     def held_beside_updates(self) -> dict[str, int]: ...
+
+    def readahead_room(self) -> int | None: ...
 
 
 __all__ = ["OPTIMIZER_PREFIX", "OPTIMIZER_STATE", "GradientSource", "OffloadedParameters", "optimizer_key"]

@@ -28,10 +28,10 @@ def state_keys(name: str, key: str | None, p: torch.nn.Parameter) -> list[str]:
 class StatePipeline:
     """Read-ahead, update, write-behind over one store."""
 
-    def __init__(self, store: TierStore, *, readahead: int, readahead_bytes: int) -> None:
+    def __init__(self, store: TierStore, *, readahead: int, readahead_bytes: Callable[[], int]) -> None:
         self.store = store
         self.readahead = readahead
-        self.readahead_bytes = readahead_bytes
+        self.readahead_bytes = readahead_bytes  # asked at each read-ahead: the room may change with the placement
         self.state_bytes: dict[str, int] = {}  # name -> bytes of its state (what read-ahead counts)
         self.pending: list[Handle] = []  # write-behind handles of the last step
         self.current: list[Handle] = []  # ... and of this one
@@ -39,10 +39,10 @@ class StatePipeline:
     def read_ahead(self, items: list[Item], i: int) -> None:
         """Prefetch the state of items[i] and of those after it, within readahead and readahead_bytes
         (prefetching what is already in flight or in memory costs nothing)."""
-        total = 0
+        total, limit = 0, self.readahead_bytes()
         for item in items[i:i + 1 + self.readahead]:
             total += self.state_bytes.get(item[0], 0)
-            if total > self.readahead_bytes and item is not items[i]:
+            if total > limit and item is not items[i]:
                 break
             name, key, p, _ = item
             for k in state_keys(name, key, p):
@@ -56,12 +56,13 @@ class StatePipeline:
         st = self.store
         keys = state_keys(name, key, p)
         master_key = keys[2] if key is not None else None
+        kept = st.kept(Tier.HOST)  # written home when they go, not behind each update (see [Note: Kept copies])
         held: dict[str, torch.Tensor] = {}
         try:
             for k in keys:
                 held[k] = st.get(k, Tier.HOST)
             for k in keys:  # the last step's write of these bytes must not see a half-done update
-                st.write_back(k).wait()
+                (st.writing(k) if k in kept else st.write_back(k)).wait()
         except BaseException:
             for k in held:
                 st.release(k, Tier.HOST)
@@ -81,16 +82,19 @@ class StatePipeline:
         for k in keys:
             st.mark_dirty(k, Tier.HOST)
             st.release(k, Tier.HOST)
-            self.current.append(st.write_back(k))  # write-behind
+            if k not in kept:
+                self.current.append(st.write_back(k))  # write-behind
         if master_key is not None and master_key != key:
             assert key is not None
             low = st.get(key, Tier.HOST)
             master = st.get(master_key, Tier.HOST)
+            (st.writing(key) if key in kept else st.write_back(key)).wait()  # its last write reads it
             low.copy_(master)
             st.release(master_key, Tier.HOST)
             st.mark_dirty(key, Tier.HOST)
             st.release(key, Tier.HOST)
-            self.current.append(st.write_back(key))
+            if key not in kept:
+                self.current.append(st.write_back(key))
 
     def take_previous(self) -> list[Handle]:
         """The last step's write-behind, for the next step to wait on; this step's becomes the last."""

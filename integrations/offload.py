@@ -71,17 +71,21 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tierstore import Tier, TierStore
+from tierstore._config import check_prefetch_depth
 from tierstore._memory import TierPool
+from tierstore._placement import Placement
 from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
 from ._contract import OffloadedParameters
 from ._meta import check_meta, materialize, unmaterialize
+from ._placing import Placer
 
 _STATE_KEY = "_tierstore_offload"
 _NOT_COPYABLE = ("an offloaded model cannot be copied or pickled: its parameters live in the store and its module "
                  "holds placeholders. Copy it before offload_model, call .remove() first, or save it with "
                  "state_dict() (which reads the real values) or save_checkpoint()")
 DEFAULT_UNITS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+AUTO_START_DEPTH = 2  # prefetch_depth="auto" before a step has been measured
 
 
 class OffloadedParameterError(RuntimeError):
@@ -274,15 +278,17 @@ class OffloadStats:
     stall_seconds_by_group: dict[str, float] = field(default_factory=dict)
     prefetches_issued: int = 0
     reads_learned: int = 0
+    prefetch_depth: int = 0
+    """The prefetch depth of this step (chosen each step with ``prefetch_depth="auto"``)."""
 
 
 class OffloadedModel(OffloadedParameters):
     """The offload state of one module; returned by :func:`offload_model` and kept on the module."""
 
-    def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int, prefetch_bytes: int | None,
+    def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int | str, prefetch_bytes: int | None,
                  resident_threshold_bytes: int, home: Tier, compute_tier: Tier,
                  units: Sequence[type[nn.Module] | nn.Module | str],
-                 init_fn: Callable[[nn.Module], None] | None = None) -> None:
+                 init_fn: Callable[[nn.Module], None] | None = None, placement: bool = True) -> None:
         self.model = model
         self.store = store
         self.home = home
@@ -359,9 +365,11 @@ class OffloadedModel(OffloadedParameters):
                 self._handles.append(module.register_load_state_dict_pre_hook(self._before_load))
                 self._handles.append(module.register_load_state_dict_post_hook(self._after_load))
         # Until a step has been recorded, guess that forward uses the units in definition order.
-        self.policy = PrefetchPolicy(depth=prefetch_depth, max_bytes=prefetch_bytes,
+        auto = prefetch_depth == "auto"
+        self.policy = PrefetchPolicy(depth=AUTO_START_DEPTH if auto else int(prefetch_depth), max_bytes=prefetch_bytes,
                                      group_bytes={g.name: g.nbytes for g in self.groups.values()},
                                      trace=[g.name for g in self.groups.values() if g.params])
+        self.stats.prefetch_depth = self.policy.depth
         self._key_groups: dict[str, tuple[str, ...]] = {}
         for g in self.groups.values():
             for sp in g.params:
@@ -370,6 +378,9 @@ class OffloadedModel(OffloadedParameters):
         self.victim_order = group_victim_order(self.policy, self._key_groups, self.later_uses)
         self._victim_token = store.add_victim_order(
             self.victim_order, owns=lambda k: k in self._key_groups or k in self.later_uses.after)
+        # What stays in the host tier for the whole run, and the depth with "auto" (see integrations/_placing.py).
+        self.placer = Placer(store, self.policy, self.later_uses, group_keys=self._group_keys,
+                             compute_tier=compute_tier, place=placement, auto_depth=auto)
         global _optimizer_hook
         if _optimizer_hook is None:
             _optimizer_hook = register_optimizer_step_pre_hook(_refuse_other_optimizers)
@@ -459,6 +470,8 @@ class OffloadedModel(OffloadedParameters):
             self._loading.clear()
             self._hook_gradients()
             self.policy.start_step()
+            self.placer.start_step()
+            self.stats.prefetch_depth = self.policy.depth
 
     def _enter_forward(self, group: _Group) -> bool:
         """Push ``group`` on the running units; True when the forward runs inside backward."""
@@ -503,13 +516,17 @@ class OffloadedModel(OffloadedParameters):
         data = sp.param.data
         return data.as_strided(saved.size, saved.stride, data.storage_offset() + saved.offset)
 
+    def _group_keys(self) -> dict[str, list[tuple[str, int]]]:
+        return {g.name: [(sp.key, TierPool.capacity_for(sp.nbytes)) for sp in g.params]
+                for g in self.groups.values() if g.params}
+
     def _unit_of(self, sp: _Param) -> _Group:
         return self.groups[self._key_groups[sp.key][0]]
 
     def _use(self, group: _Group) -> None:
         if not group.params:
             return
-        for name in self.policy.on_use(group.name):
+        for name in self.policy.on_use(group.name, self.placer.clock()):
             for sp in self.groups[name].params:
                 self.store.prefetch(sp.key, self.compute_tier)
                 self.stats.prefetches_issued += 1
@@ -735,6 +752,15 @@ class OffloadedModel(OffloadedParameters):
         torch.nn.utils.clip_grads_with_norm_(holders, max_norm, total, foreach)  # type: ignore[arg-type]
         return total
 
+    @property
+    def placement(self) -> Placement | None:
+        """What stays in the host tier for the whole run and the bytes a step is predicted to move (planned from
+        the first recorded step; None before, or with ``placement=False``). ``print(off.placement.summary())``."""
+        return self.placer.placement
+
+    def readahead_room(self) -> int | None:
+        return self.placer.readahead_room()
+
     def in_forward_or_backward(self) -> bool:
         """Whether a forward or backward of the model holds parameters now (a checkpoint waits for the step)."""
         return any(sp.holds for sp in self.params.values())
@@ -771,6 +797,7 @@ class OffloadedModel(OffloadedParameters):
             h.remove()
         self._handles.clear()
         self.store.remove_victim_order(self._victim_token)
+        self.placer.close()
         for sp in self.params.values():
             value = self.store.read(sp.key).to(self.compute_device)
             sp.param.__class__ = sp.original_class
@@ -830,11 +857,11 @@ def _placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.Tensor._make_wrapper_subclass(_NoStorage, p.shape, dtype=p.dtype, device=device)
 
 
-def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | None = None,
+def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | str | None = None,
                   prefetch_bytes: int | None = None, resident_threshold_bytes: int | None = None,
                   home: Tier | str | None = None, compute_tier: Tier | str | None = None,
                   units: Sequence[type[nn.Module] | nn.Module | str] = DEFAULT_UNITS,
-                  init_fn: Callable[[nn.Module], None] | None = None) -> OffloadedModel:
+                  init_fn: Callable[[nn.Module], None] | None = None, placement: bool = True) -> OffloadedModel:
     """Move ``model``'s parameters into ``store`` and fetch them just in time.
 
     Defaults come from ``store.config`` (prefetch_depth, prefetch_bytes,
@@ -851,6 +878,11 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | N
     ``reset_parameters()`` or by ``init_fn(module)`` (see [Note: Building on the
     meta device]), so the whole model never exists in memory; the drive's room
     for the parameters is checked before anything is written.
+    ``prefetch_depth="auto"`` (the store config's default) chooses the depth
+    each step from the measured drive rate and compute time per unit. With
+    ``placement`` (the default), once a step has been recorded the parameters
+    and optimizer state that save the most drive traffic stay in the host
+    tier for the whole run and the rest stream (see ``off.placement``).
     Parameter names and state_dict keys are unchanged;
     :meth:`OffloadedModel.remove` undoes it.
     """
@@ -861,6 +893,10 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | N
     cfg = store.config
     if compute_tier is not None and Tier.parse(compute_tier) is Tier.NVME:
         raise ValueError("compute_tier='nvme': modules run on memory; choose 'device' or 'host'")
+    if prefetch_depth is not None:
+        check_prefetch_depth(prefetch_depth)
+    if not isinstance(placement, bool):
+        raise TypeError(f"placement must be True or False, not {placement!r}")
     state = OffloadedModel(
         model, store,
         prefetch_depth=cfg.prefetch_depth if prefetch_depth is None else prefetch_depth,
@@ -872,6 +908,7 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | N
                       else Tier.DEVICE if store.device.type != "cpu" else Tier.HOST),
         units=units,
         init_fn=init_fn,
+        placement=placement,
     )
     setattr(model, _STATE_KEY, state)
     return state

@@ -13,7 +13,8 @@ as stall time) while more than ``max_grad_backlog_bytes`` of them are queued.
 
 [Note: Pipelined step] Parameters are stepped one at a time in a fixed order.
 Before parameter i is computed, the state of the next parameters (up to
-``readahead_bytes`` of it, half the host budget by default, and ``readahead``
+``readahead_bytes`` of it, by default half the host budget, or half the room a
+placement leaves for copies in flight, and ``readahead``
 parameters if given; none where the model's prefetch depth is 0) is already
 being read into the host tier; after it is computed its state is
 marked dirty and a write-back is started at once, so the drive writes
@@ -82,9 +83,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.max_grad_backlog_bytes = self._positive_bytes(max_grad_backlog_bytes, max(1, host // 4),
                                                            "max_grad_backlog_bytes")
         # Reads in flight keep the drive busy (measured: half the host tier beat a quarter and 16 parameters
-        # by 5-9% a step on ViT-large); the other half is left to the parameters.
-        self._pipeline = StatePipeline(self.store, readahead=readahead, readahead_bytes=self._positive_bytes(
-            readahead_bytes, max(1, host // 2), "readahead_bytes"))
+        # by 5-9% a step on ViT-large); the other half is left to the parameters. Under a placement, what it
+        # leaves for copies in flight bounds them instead (see integrations/_placing.py).
+        fixed = None if readahead_bytes is None else self._positive_bytes(readahead_bytes, 1, "readahead_bytes")
+        self._pipeline = StatePipeline(self.store, readahead=readahead, readahead_bytes=(
+            (lambda: fixed) if fixed is not None else (lambda: offloaded.readahead_room() or max(1, host // 2))))
         home = Tier.parse(home if home is not None else self.store.config.optimizer_tier)
         self.steps: dict[str, float] = {}
         # (name, param key or None for a resident one, param): frozen parameters (requires_grad=False) get no
@@ -149,6 +152,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     if k != key:
                         offloaded.later_uses.after[k] = key
         offloaded.later_uses.queues.append(self._queued)
+        offloaded.later_uses.in_backward = step_in_backward
         offloaded.on_remove.append(self._drop_state)  # the state goes with the offload: a later one may reuse names
 
     def _check_host_budget(self, host_budget: int, step_in_backward: bool) -> None:

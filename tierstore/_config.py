@@ -68,8 +68,9 @@ class StoreConfig:
     """Checksum every block written to the NVMe tier and verify it on read."""
     pin_host_memory: bool = True
     """Pin host-tier buffers when CUDA is available (ignored without CUDA)."""
-    prefetch_depth: int = 2
-    """How many parameter groups ahead of use the scheduler keeps in flight."""
+    prefetch_depth: int | str = "auto"
+    """How many parameter groups ahead of use the scheduler keeps in flight; "auto" chooses it each step from the
+    measured drive rate and compute time per group (0 turns prefetch off)."""
     prefetch_bytes: int | None = None
     """If set, also stop prefetching once this many bytes are in flight ahead of use."""
     param_tier: Tier = Tier.NVME
@@ -105,9 +106,7 @@ class StoreConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
-        if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) \
-                or self.prefetch_depth < 0:
-            raise ValueError(f"prefetch_depth={self.prefetch_depth!r} must be an integer >= 0 (0 turns prefetch off)")
+        check_prefetch_depth(self.prefetch_depth)
         for name in ("direct_io", "verify_checksums", "pin_host_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be true or false, not {getattr(self, name)!r}")
@@ -197,6 +196,12 @@ def _ds_tier(value: Any) -> Tier:
     if v == "none":
         return Tier.DEVICE
     raise ValueError(f"DeepSpeed offload device {value!r} must be 'nvme', 'cpu' or 'none'")
+
+
+def check_prefetch_depth(depth: object) -> None:
+    """``depth`` is "auto" or an integer >= 0, else a ValueError that says so."""
+    if depth != "auto" and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
+        raise ValueError(f"prefetch_depth={depth!r} must be \"auto\" or an integer >= 0 (0 turns prefetch off)")
 
 
 def from_deepspeed(ds: Mapping[str, Any]) -> tuple[StoreConfig, list[str]]:

@@ -12,6 +12,12 @@ at once with a TierBudgetError naming what each thread holds.
 its own keys (Belady over its own trace); no owner can say when another's
 copy is next used. So keys no owner claims go first (least recently used
 first), then the owners give up their farthest copy in turn, round robin.
+
+[Note: Kept copies] An owner may ask that some copies stay in a tier for the
+whole run (a placement: see tierstore/_placement.py). A prefetch never
+evicts them, and never starts their write-back: it skips instead. A get()
+takes them only when nothing else can go, last of all, so that a plan that
+was too hopeful costs bytes, never a failure (counted as kept_evictions).
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ class Room:
         self.owner_orders: dict[object, tuple[VictimOrder, Callable[[str], bool]]] = {}
         # (thread ident, tier) -> its alloc calls waiting for other threads to release room in that tier
         self.waiting: dict[tuple[int, Tier], int] = {}
+        # owner token -> (tier, keys whose copies there stay), and their union by tier (see [Note: Kept copies])
+        self.kept: dict[object, tuple[Tier, frozenset[str]]] = {}
+        self._kept_in: dict[Tier, frozenset[str]] = {}
 
     def check_fits(self, key: str, nbytes: int, home: Tier) -> None:
         """A tensor must fit the budget of its home tier, and of the host tier it is staged through."""
@@ -69,14 +78,23 @@ class Room:
             buf = pool.try_alloc(nbytes)
             if buf is not None:
                 return buf
-            if self._evict_clean(tier, pool.capacity_for(nbytes)):
+            if self._evict_clean(tier, pool.capacity_for(nbytes), kept=False):
                 continue
-            writing = self._start_eviction_writebacks(tier)
+            writing = self._start_eviction_writebacks(tier, kept=False)
             if writing is None:  # the copy it would have written went home meanwhile: evict again
                 continue
             if writing or self._busy(tier):
                 state.lock.wait(0.05)
                 continue
+            if not may_skip and self.kept_keys(tier):  # last of all, kept copies (see [Note: Kept copies])
+                if self._evict_clean(tier, pool.capacity_for(nbytes), kept=True):
+                    continue
+                writing = self._start_eviction_writebacks(tier, kept=True)
+                if writing is None:
+                    continue
+                if writing:
+                    state.lock.wait(0.05)
+                    continue
             buf = pool.try_alloc(nbytes, dissolve=True)  # nothing left to evict: the free bytes are in pieces
             if buf is not None:
                 return buf
@@ -145,8 +163,20 @@ class Room:
         self.owner_orders[token] = (fn, owns)
         return token
 
-    def candidates(self, tier: Tier) -> list[tuple[Entry, Copy]]:
-        """Copies in ``tier`` that could go (not home, unheld, not in a transfer), the first to go first."""
+    def set_kept(self, owner: object, tier: Tier, keys: frozenset[str]) -> None:
+        if keys:
+            self.kept[owner] = (tier, keys)
+        else:
+            self.kept.pop(owner, None)
+        self._kept_in = {t: frozenset().union(*(k for t2, k in self.kept.values() if t2 is t))
+                         for t in {t for t, _ in self.kept.values()}}
+
+    def kept_keys(self, tier: Tier) -> frozenset[str]:
+        return self._kept_in.get(tier, frozenset())
+
+    def candidates(self, tier: Tier, kept: bool = True) -> list[tuple[Entry, Copy]]:
+        """Copies in ``tier`` that could go (not home, unheld, not in a transfer), the first to go first; kept
+        copies last, or (``kept=False``) none (see [Note: Kept copies])."""
         out = [(e, c) for e in self.state.entries.values() for c in e.copies.values()
                if c.tier is tier and tier is not e.home and not c.pins and not c.busy]
         out.sort(key=lambda ec: ec[1].last_use)
@@ -156,6 +186,9 @@ class Room:
             out = [by_key[k] for k in order if k in by_key] + [ec for k, ec in by_key.items() if k not in order]
         elif self.owner_orders and out:
             out = self._by_owner_orders(tier, out)
+        keep = self.kept_keys(tier)
+        if keep:
+            out = [ec for ec in out if ec[0].key not in keep] + ([ec for ec in out if ec[0].key in keep] if kept else [])
         return out
 
     def _by_owner_orders(self, tier: Tier, out: list[tuple[Entry, Copy]]) -> list[tuple[Entry, Copy]]:
@@ -172,25 +205,29 @@ class Room:
             order.extend(k for k in turn if k is not None)
         return [by_key[k] for k in order]
 
-    def _evict_clean(self, tier: Tier, need: int) -> bool:
-        """Free clean, unheld copies in ``tier`` until ``need`` bytes could fit. True if any freed."""
+    def _evict_clean(self, tier: Tier, need: int, *, kept: bool) -> bool:
+        """Free clean, unheld copies in ``tier`` (kept ones too, if ``kept``) until ``need`` bytes could fit. True
+        if any freed."""
         freed = 0
         pool = self.state.pools[tier]
-        for entry, copy in self.candidates(tier):
+        keep = self.kept_keys(tier)
+        for entry, copy in self.candidates(tier, kept):
             if entry.unsaved(copy):
                 continue
             freed += copy.buffer.capacity if copy.buffer else 0
             self.state.free_copy(entry, copy)
             self.state.stats.add("evictions")
+            if entry.key in keep:
+                self.state.stats.add("kept_evictions")
             if pool.can_fit(need):
                 break
         return freed > 0
 
-    def _start_eviction_writebacks(self, tier: Tier) -> bool | None:
+    def _start_eviction_writebacks(self, tier: Tier, *, kept: bool) -> bool | None:
         """Start writing home the first changed copy that eviction would take. True if a write-back is running
         anywhere (it frees a copy when done); None if the copy turned out to be home already (staging it
         through the host tier lets the lock go, and its write-back may have finished meanwhile)."""
-        for entry, copy in self.candidates(tier):
+        for entry, copy in self.candidates(tier, kept):
             if entry.unsaved(copy) and entry.writeback is None and entry.error is None:
                 try:
                     return True if self.start_writeback(entry) is not None else None

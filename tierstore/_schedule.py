@@ -35,7 +35,10 @@ class PrefetchPolicy:
     max_bytes: int | None = None
     group_bytes: dict[Hashable, int] = field(default_factory=dict)
     trace: list[Hashable] | None = None
+    last_step: tuple[list[Hashable], list[float]] = ([], [])
+    """The uses of the last step that started and the clock at each (what ``on_use`` was given)."""
     _recording: list[Hashable] = field(default_factory=list)
+    _clock: list[float] = field(default_factory=list)
     _pos: int = 0
     _on_trace: bool = False
     _last_index: tuple = (None, {})
@@ -46,14 +49,17 @@ class PrefetchPolicy:
         """A new step begins: keep the last recorded trace if the step that made it completed."""
         if self._recording and (not self._on_trace or self._pos != len(self.trace or [])):
             self.trace = self._recording
-        self._recording = []
+        self.last_step = (self._recording, self._clock)
+        self._recording, self._clock = [], []
         self._pos = 0
         self._on_trace = self.trace is not None
         self.steps += 1
 
-    def on_use(self, group: Hashable) -> list[Hashable]:
-        """``group`` is about to be used; returns the groups to prefetch now (in use order)."""
+    def on_use(self, group: Hashable, clock: float = 0.0) -> list[Hashable]:
+        """``group`` is about to be used (at ``clock``: seconds of compute so far); returns the groups to prefetch
+        now (in use order)."""
         self._recording.append(group)
+        self._clock.append(clock)
         if not self._on_trace:
             return []
         assert self.trace is not None
@@ -126,6 +132,8 @@ class LaterUses:
     """Key -> the parameter key after whose last use in a step it is used (optimizer state)."""
     queues: list[Callable[[], Mapping[str, int]]] = field(default_factory=list)
     """Each returns the keys waiting for a consumer, with their position in its queue."""
+    in_backward: bool = True
+    """Whether the optimizer steps each parameter in backward, right after its last use (else after it)."""
 
     def queued(self) -> dict[str, int]:
         out: dict[str, int] = {}

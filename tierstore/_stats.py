@@ -46,7 +46,7 @@ class StoreStats:
             self._counters: dict[str, float] = {
                 "hits": 0, "misses": 0, "get_calls": 0, "stall_seconds": 0.0, "background_wait_seconds": 0.0,
                 "queue_wait_seconds": 0.0, "io_calls": 0, "evictions": 0, "write_backs": 0, "budget_waits": 0,
-                "prefetches": 0, "prefetch_skipped": 0, "late_prefetches": 0,
+                "prefetches": 0, "prefetch_skipped": 0, "late_prefetches": 0, "kept_evictions": 0,
             }
 
     def add_transfer(self, src: Tier, dst: Tier, nbytes: int, seconds: float, label: str | None = None) -> None:
@@ -64,6 +64,16 @@ class StoreStats:
     def add(self, counter: str, amount: float = 1) -> None:
         with self._lock:
             self._counters[counter] += amount
+
+    def counter(self, name: str) -> float:
+        with self._lock:
+            return self._counters[name]
+
+    def path(self, key: str) -> tuple[float, float]:
+        """(bytes, seconds) moved so far over one tier-to-tier path, such as "nvme->host"."""
+        with self._lock:
+            p = self._paths.get(key)
+            return (p["bytes"], p["seconds"]) if p else (0, 0.0)
 
     def snapshot(self) -> dict[str, Any]:
         """Every counter, plus per tier-to-tier path its count, bytes, seconds and GB/s."""

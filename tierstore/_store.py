@@ -12,7 +12,7 @@ import contextlib
 import difflib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -264,6 +264,15 @@ class TierStore:
             fut = self._transfers.start_writeback(entry)
         return Handle(fut or done_future(), key, entry.home)
 
+    def writing(self, key: str) -> Handle:
+        """The write-back of ``key`` in flight (a done handle when none): wait on it before changing the copy it
+        reads, without starting one."""
+        self._state.check_open()
+        with self._state.lock:
+            entry = self._state.lookup(key)
+            fut = entry.writeback
+        return Handle(fut or done_future(), key, entry.home)
+
     def flush(self) -> None:
         """Write every dirty copy back to its home tier and wait; raises the first failure."""
         state = self._state
@@ -388,6 +397,22 @@ class TierStore:
     def remove_victim_order(self, token: object) -> None:
         with self._state.lock:
             self._room.owner_orders.pop(token, None)
+
+    def keep(self, owner: object, keys: Iterable[str], tier: Tier | str = Tier.HOST) -> None:
+        """Keep the copies of ``keys`` in ``tier`` once they are there, for the whole run: a prefetch never
+        evicts them, a get() only when nothing else can go (counted as ``kept_evictions``). The set replaces
+        ``owner``'s last one; an empty one ends it. A changed kept copy is written home when it goes, or by
+        :meth:`flush`, not after each change (see [Note: Kept copies] in _room.py)."""
+        tier = Tier.parse(tier)
+        if tier is Tier.NVME:
+            raise ValueError("keep() is for the memory tiers ('device' or 'host'); the nvme tier holds everything")
+        with self._state.lock:
+            self._room.set_kept(owner, tier, frozenset(keys))
+
+    def kept(self, tier: Tier | str = Tier.HOST) -> frozenset[str]:
+        """The keys every owner keeps in ``tier`` (see :meth:`keep`)."""
+        with self._state.lock:
+            return self._room.kept_keys(Tier.parse(tier))
 
     # ---- lifetime ----------------------------------------------------------------------
     def close(self) -> None:

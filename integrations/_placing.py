@@ -1,0 +1,149 @@
+"""What an offloaded model keeps resident and how far it reads ahead, decided at the start of each step from the
+steps before: the placement (``tierstore._placement``) from the recorded trace and the budget, and with
+``prefetch_depth="auto"`` the depth from the measured drive rate and compute time per use.
+
+[Note: Re-planning] The placement is planned once a step has been recorded,
+and again whenever the trace is recorded anew (a step departed from it) or an
+optimizer adds or drops its state. A departure changes nothing of what is
+kept until then: kept copies are only a preference of eviction, so a stale
+plan costs bytes, never values or a budget error.
+
+[Note: Auto prefetch depth] The depth is the smallest that gets each use's
+reads done before it starts, given the drive's rate over the last step's
+reads and the compute time between uses (the clock given to ``on_use`` stops
+while the training thread stalls, so a stall does not pass for compute); where
+none does (the drive is the bottleneck), as deep as the room left for copies
+in flight allows. It is chosen again each step, so it follows the drive and
+the compute as they change.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from tierstore import Tier, TierStore
+from tierstore._memory import TierPool
+from tierstore._placement import Placement, StepTrace, choose_depth, plan_placement, room_bytes
+from tierstore._schedule import LaterUses, PrefetchPolicy
+
+from ._contract import OPTIMIZER_PREFIX
+
+MAX_AUTO_DEPTH = 16
+
+
+class Placer:
+    """The placement and the prefetch depth of one offloaded model (see the notes above)."""
+
+    def __init__(self, store: TierStore, policy: PrefetchPolicy, later: LaterUses, *,
+                 group_keys: Callable[[], Mapping[str, Sequence[tuple[str, int]]]], compute_tier: Tier,
+                 place: bool, auto_depth: bool) -> None:
+        self.store = store
+        self.policy = policy
+        self.later = later
+        self.group_keys = group_keys  # unit name -> (store key, bytes) of the parameters its uses hold
+        self.compute_tier = compute_tier
+        self.place = place
+        self.auto_depth = auto_depth
+        self.placement: Placement | None = None
+        self._planned_for: tuple | None = None
+        self._reads_before = store.stats.path("nvme->host")
+        self._sizes: dict[str, int] = {}
+        self._fixed_max_bytes = policy.max_bytes  # prefetch_bytes given by the user
+
+    def clock(self) -> float:
+        """Seconds of compute so far: wall time less the training thread's stalls."""
+        return time.perf_counter() - self.store.stats.counter("stall_seconds")
+
+    def start_step(self) -> None:
+        """After ``policy.start_step()``: plan again if the trace or the optimizer changed, tune the depth."""
+        reads = self.store.stats.path("nvme->host")
+        read_bytes, read_seconds = reads[0] - self._reads_before[0], reads[1] - self._reads_before[1]
+        self._reads_before = reads
+        if self.policy.steps < 2:  # nothing recorded yet
+            return
+        if self.place:
+            signature = (id(self.policy.trace), len(self.later.after), self.later.in_backward)
+            if signature != self._planned_for:
+                self._planned_for = signature
+                self.placement = plan_placement(self.step_trace(), budget_bytes=self.store.config.host_budget_bytes,
+                                                room_bytes=self.room())
+                self.store.keep(self, self.placement.resident, Tier.HOST)
+                # Reads ahead count only what streams, within their share of the room.
+                resident = self.placement.resident
+                self.policy.group_bytes.update({g: sum(n for k, n in keys if k not in resident)
+                                                for g, keys in self.group_keys().items()})
+                if self._fixed_max_bytes is None:
+                    self.policy.max_bytes = self.readahead_room()
+        if self.auto_depth and read_bytes and read_seconds > 0:
+            self.policy.depth = self._tuned_depth(read_bytes / read_seconds)
+
+    def _size(self, key: str) -> int:
+        if key not in self._sizes:
+            self._sizes[key] = TierPool.capacity_for(self.store.info(key)["nbytes"])
+        return self._sizes[key]
+
+    def step_trace(self) -> StepTrace:
+        """The last recorded step as uses of store keys: each unit's parameters where the trace uses it, each
+        optimizer update (a parameter with its state) after its parameter's last use when the optimizer steps
+        in backward, else after the whole trace."""
+        groups = self.group_keys()
+        events: list[tuple[str, ...]] = []
+        nbytes: dict[str, int] = {}
+        for g in self.policy.trace or []:
+            keys = groups.get(g, ())
+            events.append(tuple(k for k, _ in keys))
+            nbytes.update(keys)
+        states: dict[str, list[str]] = {}
+        for k, param_key in self.later.after.items():
+            states.setdefault(param_key, []).append(k)
+            nbytes[k] = self._size(k)
+        last = {k: i for i, event in enumerate(events) for k in event}
+        updates: dict[int, list[tuple[str, ...]]] = {}
+        for param_key, keys in states.items():
+            at = last.get(param_key, len(events)) if self.later.in_backward else len(events)
+            updates.setdefault(at, []).append((param_key, *keys))
+        ordered: list[tuple[str, ...]] = []
+        for i, event in enumerate(events):
+            ordered.append(event)
+            ordered.extend(updates.get(i, ()))
+        ordered.extend(updates.get(len(events), ()))
+        for k in states:
+            nbytes.setdefault(k, self._size(k))
+        changed = frozenset(states) | frozenset(self.later.after)
+        kinds = {k: k.rsplit("/", 1)[-1] if k.startswith(OPTIMIZER_PREFIX) else "weights" for k in nbytes}
+        return StepTrace(events=tuple(ordered), nbytes=nbytes, changed=changed, kinds=kinds)
+
+    def room(self) -> int:
+        """Host bytes left for copies in flight (see ``tierstore._placement.room_bytes``)."""
+        host = self.store.config.host_budget_bytes
+        unit = max((sum(n for _, n in keys) for keys in self.group_keys().values()), default=0)
+        by_param: dict[str, int] = {}
+        for k, param_key in self.later.after.items():
+            by_param[param_key] = by_param.get(param_key, self._size(param_key)) + self._size(k)
+        return room_bytes(host, largest_unit_bytes=unit, largest_update_bytes=max(by_param.values(), default=0))
+
+    def readahead_room(self) -> int | None:
+        """Bytes that reads ahead of use may fill (the parameters' and the optimizer's each): half the room."""
+        return self.placement.room_bytes // 2 if self.placement is not None else None
+
+    def _tuned_depth(self, drive_bytes_per_second: float) -> int:
+        uses, clock = self.policy.last_step
+        if not uses or uses != self.policy.trace:
+            return self.policy.depth
+        kept = self.store.kept(Tier.HOST)
+        groups = self.group_keys()
+        reads = [sum(n for k, n in groups.get(g, ()) if k not in kept) / drive_bytes_per_second for g in uses]
+        compute = [max(0.0, b - a) for a, b in zip(clock, clock[1:])] + [0.0]
+        room = self.placement.room_bytes if self.placement else self.store.config.host_budget_bytes // 2
+        streamed = [b for b in (sum(n for k, n in groups.get(g, ()) if k not in kept) for g in uses) if b]
+        fits = room // max(max(streamed, default=1), 1)
+        return choose_depth(reads, compute, max_depth=max(1, min(MAX_AUTO_DEPTH, fits)))
+
+    def close(self) -> None:
+        self.store.keep(self, (), Tier.HOST)
+        self.placement = None
+        self.policy.max_bytes = self._fixed_max_bytes
+
+
+__all__ = ["Placer"]
