@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from tierstore import Tier, TierStore
+from tierstore._config import check_prefetch_depth
 from tierstore._memory import TierPool
 from tierstore._placement import Placement, StepTrace, choose_depth, plan_placement, room_bytes
 from tierstore._schedule import LaterUses, PrefetchPolicy
@@ -30,6 +31,15 @@ from tierstore._schedule import LaterUses, PrefetchPolicy
 from ._contract import OPTIMIZER_PREFIX
 
 MAX_AUTO_DEPTH = 16
+AUTO_START_DEPTH = 2  # prefetch_depth="auto" before a step has been measured
+
+
+def check_options(prefetch_depth: object, placement: object) -> None:
+    """What offload_model and offload_fsdp check of these two arguments."""
+    if prefetch_depth is not None:
+        check_prefetch_depth(prefetch_depth)
+    if not isinstance(placement, bool):
+        raise TypeError(f"placement must be True or False, not {placement!r}")
 
 
 class Placer:
@@ -135,9 +145,10 @@ class Placer:
         groups = self.group_keys()
         reads = [sum(n for k, n in groups.get(g, ()) if k not in kept) / drive_bytes_per_second for g in uses]
         compute = [max(0.0, b - a) for a, b in zip(clock, clock[1:])] + [0.0]
-        room = self.placement.room_bytes if self.placement else self.store.config.host_budget_bytes // 2
-        streamed = [b for b in (sum(n for k, n in groups.get(g, ()) if k not in kept) for g in uses) if b]
-        fits = room // max(max(streamed, default=1), 1)
+        # As many of the largest streamed unit as the room holds beside the one computing.
+        room = self.placement.room_bytes if self.placement else self.store.config.host_budget_bytes
+        largest = max((sum(n for k, n in groups.get(g, ()) if k not in kept) for g in uses), default=0)
+        fits = room // largest - 1 if largest else MAX_AUTO_DEPTH
         return choose_depth(reads, compute, max_depth=max(1, min(MAX_AUTO_DEPTH, fits)))
 
     def close(self) -> None:
@@ -146,4 +157,4 @@ class Placer:
         self.policy.max_bytes = self._fixed_max_bytes
 
 
-__all__ = ["Placer"]
+__all__ = ["AUTO_START_DEPTH", "Placer", "check_options"]

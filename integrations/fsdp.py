@@ -31,11 +31,14 @@ import torch.distributed as dist
 from torch import nn
 
 from tierstore import Tier, TierStore
+from tierstore._memory import TierPool
+from tierstore._placement import Placement
 from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
 from . import _fsdp_internals as internals
 from ._contract import OPTIMIZER_PREFIX, OffloadedParameters
 from ._meta import check_meta, materialize, unmaterialize
+from ._placing import AUTO_START_DEPTH, Placer, check_options
 
 _STATE_KEY = "_tierstore_fsdp"
 
@@ -89,8 +92,8 @@ class _ShardGrads:
 class FSDPOffload(OffloadedParameters):
     """The NVMe tier under one rank's FSDP2 shards; returned by :func:`offload_fsdp`."""
 
-    def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int, prefetch_bytes: int | None,
-                 home: Tier, init_fn: Callable[[nn.Module], None] | None = None) -> None:
+    def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int | str, prefetch_bytes: int | None,
+                 home: Tier, init_fn: Callable[[nn.Module], None] | None = None, placement: bool = True) -> None:
         self.model = model
         self.store = store
         self.home = home
@@ -171,7 +174,8 @@ class FSDPOffload(OffloadedParameters):
                                              lambda sg=sg, group=group: self._gradients_ready(sg, group))
         self._by_key = {sh.key: sh for sh in self.params.values()}
         self.grads = _ShardGrads(self._by_key)
-        self.policy = PrefetchPolicy(depth=prefetch_depth, max_bytes=prefetch_bytes,
+        auto = prefetch_depth == "auto"
+        self.policy = PrefetchPolicy(depth=AUTO_START_DEPTH if auto else int(prefetch_depth), max_bytes=prefetch_bytes,
                                      group_bytes={g.name: g.nbytes for g in self.groups.values()})
         self._key_group = {sh.key: (g.name,) for g in self.groups.values() for sh in g.shards}
         # Which of its copies eviction should drop first (Belady over its trace and its optimizer's queue).
@@ -179,15 +183,23 @@ class FSDPOffload(OffloadedParameters):
         self._victim_token = store.add_victim_order(
             self.victim_order, owns=lambda k: k in self._key_group or k in self.later_uses.after)
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
+        # What stays in the host tier for the whole run, and the depth with "auto" (see integrations/_placing.py).
+        self.placer = Placer(store, self.policy, self.later_uses, group_keys=self._group_keys,
+                             compute_tier=Tier.HOST, place=placement, auto_depth=auto)
 
     # ---- the all-gather loop -----------------------------------------------------------
     def _start_step(self, module: nn.Module, args: Any) -> None:
         self.policy.start_step()
+        self.placer.start_step()
+
+    def _group_keys(self) -> dict[str, list[tuple[str, int]]]:
+        return {g.name: [(sh.key, TierPool.capacity_for(sh.local.numel() * sh.local.element_size()))
+                         for sh in g.shards] for g in self.groups.values()}
 
     def _materialize(self, sg: _ShardGroup) -> None:
         """Before FSDP2 all-gathers ``sg``: its shards' storage back, filled from the store."""
         self.stats.unshards += 1
-        for name in self.policy.on_use(sg.name):
+        for name in self.policy.on_use(sg.name, self.placer.clock()):
             for sh in self.groups[name].shards:
                 self.store.prefetch(sh.key, Tier.HOST)
                 self.stats.prefetches_issued += 1
@@ -246,6 +258,14 @@ class FSDPOffload(OffloadedParameters):
         """None: a shard restored for an all-gather is FSDP2's memory, not the host tier's."""
         return {}
 
+    def readahead_room(self) -> int | None:
+        return self.placer.readahead_room()
+
+    @property
+    def placement(self) -> Placement | None:
+        """This rank's placement (see ``OffloadedModel.placement``)."""
+        return self.placer.placement
+
     def zero_grad(self) -> None:
         for sh in self.params.values():
             sh.param.grad = None
@@ -268,6 +288,7 @@ class FSDPOffload(OffloadedParameters):
         self._hook.remove()
         self.grad_ready_callbacks.clear()
         self.store.remove_victim_order(self._victim_token)
+        self.placer.close()
         for sg in self.groups.values():
             sg.remove()
             sg.materialized = False
@@ -278,10 +299,10 @@ class FSDPOffload(OffloadedParameters):
         delattr(self.model, _STATE_KEY)
 
 
-def offload_fsdp(model: nn.Module, store: TierStore, *, prefetch_depth: int | None = None,
+def offload_fsdp(model: nn.Module, store: TierStore, *, prefetch_depth: int | str | None = None,
                  prefetch_bytes: int | None = None, home: Tier | str | None = None,
                  init_fn: Callable[[nn.Module], None] | None = None,
-                 allow_untested_torch: bool = False) -> FSDPOffload:
+                 allow_untested_torch: bool = False, placement: bool = True) -> FSDPOffload:
     """Give this rank's FSDP2 shards of ``model`` a home in ``store`` (NVMe by default).
 
     Call after ``fully_shard`` (on the blocks, then the root) and before the
@@ -290,6 +311,7 @@ def offload_fsdp(model: nn.Module, store: TierStore, *, prefetch_depth: int | No
     memory and initialized one module at a time, each module's shards written
     to the store before the next (``reset_parameters()``, or ``init_fn(module)``;
     see [Note: Building on the meta device]); call no ``to_empty`` first.
+    ``prefetch_depth`` and ``placement`` are as for ``offload_model``.
     """
     internals.check_torch_version(allow_untested_torch)
     if not isinstance(model, nn.Module):
@@ -300,10 +322,12 @@ def offload_fsdp(model: nn.Module, store: TierStore, *, prefetch_depth: int | No
         raise RuntimeError("offload_fsdp needs torch.distributed initialised (run under torchrun, "
                            "init_process_group) and fully_shard applied")
     cfg = store.config
+    check_options(prefetch_depth, placement)
     state = FSDPOffload(model, store,
                         prefetch_depth=cfg.prefetch_depth if prefetch_depth is None else prefetch_depth,
                         prefetch_bytes=cfg.prefetch_bytes if prefetch_bytes is None else prefetch_bytes,
-                        home=Tier.parse(home if home is not None else cfg.param_tier), init_fn=init_fn)
+                        home=Tier.parse(home if home is not None else cfg.param_tier), init_fn=init_fn,
+                        placement=placement)
     setattr(model, _STATE_KEY, state)
     return state
 

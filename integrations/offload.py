@@ -71,21 +71,19 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tierstore import Tier, TierStore
-from tierstore._config import check_prefetch_depth
 from tierstore._memory import TierPool
 from tierstore._placement import Placement
 from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
 from ._contract import OffloadedParameters
 from ._meta import check_meta, materialize, unmaterialize
-from ._placing import Placer
+from ._placing import AUTO_START_DEPTH, Placer, check_options
 
 _STATE_KEY = "_tierstore_offload"
 _NOT_COPYABLE = ("an offloaded model cannot be copied or pickled: its parameters live in the store and its module "
                  "holds placeholders. Copy it before offload_model, call .remove() first, or save it with "
                  "state_dict() (which reads the real values) or save_checkpoint()")
 DEFAULT_UNITS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
-AUTO_START_DEPTH = 2  # prefetch_depth="auto" before a step has been measured
 
 
 class OffloadedParameterError(RuntimeError):
@@ -893,10 +891,7 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | s
     cfg = store.config
     if compute_tier is not None and Tier.parse(compute_tier) is Tier.NVME:
         raise ValueError("compute_tier='nvme': modules run on memory; choose 'device' or 'host'")
-    if prefetch_depth is not None:
-        check_prefetch_depth(prefetch_depth)
-    if not isinstance(placement, bool):
-        raise TypeError(f"placement must be True or False, not {placement!r}")
+    check_options(prefetch_depth, placement)
     state = OffloadedModel(
         model, store,
         prefetch_depth=cfg.prefetch_depth if prefetch_depth is None else prefetch_depth,

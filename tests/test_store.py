@@ -404,3 +404,49 @@ def test_each_owners_victim_order_ranks_its_own_keys(make_store):
     store.release("x", "device")
     assert "device" not in store.info("a1")["copies"] and "device" in store.info("b1")["copies"]
     store.remove_victim_order(tb)
+
+
+def test_kept_copies_survive_prefetches_and_go_last_of_all_for_a_get(make_store):
+    mib = 1024**2
+    store = make_store(host_budget_bytes=3 * mib)
+    values = {k: torch.full((mib // 4,), float(i)) for i, k in enumerate("abcd")}
+    for k, v in values.items():
+        store.put(k, v).wait()
+    owner = object()
+    with pytest.raises(ValueError, match="memory tiers"):
+        store.keep(owner, ["a"], "nvme")
+    a = store.get("a", "host")
+    a.add_(1)  # a kept copy is changed: it is written home when it goes, not before
+    store.mark_dirty("a", "host")
+    store.release("a", "host")
+    store.keep(owner, ["a"], "host")
+    assert store.kept("host") == {"a"}
+    written = store.stats_dict()["bytes_written_nvme"]
+    held = [store.get(k, "host") for k in "bc"]  # the tier is full: a kept, b and c held
+    assert store.prefetch("d", "host").skipped  # a prefetch never takes a kept copy
+    assert "host" in store.info("a")["copies"] and store.stats_dict()["bytes_written_nvme"] == written
+    assert torch.equal(store.get("d", "host"), values["d"])  # a get() does, last of all, writing it home first
+    store.release("d", "host")
+    stats = store.stats_dict()
+    assert stats["kept_evictions"] == 1 and stats["bytes_written_nvme"] > written
+    assert "host" not in store.info("a")["copies"]
+    for k in "bc":
+        store.release(k, "host")
+    assert torch.equal(store.read("a"), values["a"] + 1)
+    store.keep(owner, [])
+    assert store.kept("host") == frozenset()
+
+
+def test_writing_waits_for_a_write_back_in_flight_without_starting_one(make_store):
+    store = make_store()
+    store.put("x", torch.zeros(1000)).wait()
+    written = store.stats_dict()["bytes_written_nvme"]
+    t = store.get("x", "host")
+    t.fill_(2)
+    store.mark_dirty("x", "host")
+    store.release("x", "host")
+    store.writing("x").wait()  # none in flight: done at once, nothing written
+    assert store.stats_dict()["bytes_written_nvme"] == written
+    store.write_back("x")
+    store.writing("x").wait()
+    assert store.info("x")["copies"]["host"]["state"] == "clean"

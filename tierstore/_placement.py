@@ -162,6 +162,7 @@ def plan_placement(trace: StepTrace, *, budget_bytes: int, room_bytes: int) -> P
     """Keep the keys that save the most bytes per byte, within ``budget_bytes - room_bytes``."""
     if budget_bytes < 0 or room_bytes < 0:
         raise ValueError(f"budget_bytes={budget_bytes} and room_bytes={room_bytes} must be >= 0")
+    room_bytes = min(room_bytes, budget_bytes)  # the room is part of the budget
     keys = list(trace.uses())
     alone = moved_bytes(trace, frozenset(keys), room_bytes)  # each key's cost with everything streaming
     capacity = max(0, budget_bytes - room_bytes)

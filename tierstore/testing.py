@@ -24,7 +24,7 @@ from ._memory import Buffer
 from ._nvme import Syscalls
 from ._types import Tier
 
-__all__ = ["FaultySyscalls", "NoDirectSyscalls", "SimulatedDevice", "checked_workload"]
+__all__ = ["FaultySyscalls", "NoDirectSyscalls", "SimulatedDevice", "SlowSyscalls", "checked_workload"]
 
 
 class FaultySyscalls(Syscalls):
@@ -67,6 +67,18 @@ class FaultySyscalls(Syscalls):
             code = errno.ENOSPC if self.mode == "enospc" else errno.EIO
             raise OSError(code, os.strerror(code))
         return super().pwritev(fd, buffers, offset)
+
+
+class SlowSyscalls(Syscalls):
+    """A drive that reads at most ``read_bytes_per_second`` per call (each preadv sleeps for its bytes)."""
+
+    def __init__(self, read_bytes_per_second: float) -> None:
+        self.read_bytes_per_second = read_bytes_per_second
+
+    def preadv(self, fd: int, buffers: list, offset: int) -> int:
+        n = super().preadv(fd, buffers, offset)
+        time.sleep(n / self.read_bytes_per_second)
+        return n
 
 
 class NoDirectSyscalls(Syscalls):

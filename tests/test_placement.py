@@ -1,0 +1,108 @@
+"""The placement policy (tierstore/_placement.py): pure functions over traces, no torch module or file."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierstore._placement import (
+    ROOM_SHARE,
+    StepTrace,
+    choose_depth,
+    lower_bound_bytes,
+    moved_bytes,
+    plan_placement,
+    room_bytes,
+)
+
+
+def layered_trace(layers: int, weight: int, state: int) -> StepTrace:
+    """A model of ``layers`` units used in forward, then backward in reverse, each unit's update (its weight
+    and two moments) right after its backward: an optimizer stepping in backward."""
+    w = [f"w{i}" for i in range(layers)]
+    events = [(k,) for k in w]
+    for k in reversed(w):
+        events += [(k,), (k, f"m{k}", f"v{k}")]
+    nbytes = {k: weight for k in w} | {f"{m}{k}": state for k in w for m in "mv"}
+    kinds = {k: "weights" for k in w} | {f"{m}{k}": m for k in w for m in "mv"}
+    return StepTrace(events=tuple(events), nbytes=nbytes, changed=frozenset(nbytes), kinds=kinds)
+
+
+def test_a_streamed_key_costs_a_read_per_use_its_copy_does_not_survive_and_a_write_when_changed():
+    t = layered_trace(4, weight=100, state=100)
+    everything = frozenset(t.nbytes)
+    one = moved_bytes(t, everything, 100)  # room for one key
+    assert one["w1"] == 300  # read for forward, again for backward (far apart), written after its update
+    assert one["mw1"] == 200  # read once, written once
+    # The last layer's forward and backward are adjacent, and so are the first layer's update (the end of
+    # backward) and its next forward: each is read once.
+    assert one["w3"] == one["w0"] == 200
+    assert moved_bytes(t, everything, 99)["w3"] == 400  # no room even for itself: read at every use
+    assert set(moved_bytes(t, everything, 10**6).values()) == {0}  # everything fits: nothing leaves, nothing moves
+
+
+def test_weights_used_far_apart_are_kept_before_state_and_the_prediction_meets_the_bound():
+    t = layered_trace(4, weight=100, state=100)
+    # 1200 bytes of state; a budget of the 400 bytes of weights and no room keeps every weight: only state moves.
+    p = plan_placement(t, budget_bytes=400, room_bytes=0)
+    assert p.resident == {"w0", "w1", "w2", "w3"}
+    assert p.bytes_per_step == 8 * 200 == p.lower_bound_bytes == 2 * (1200 - 400)
+    assert p.resident_by_kind == {"weights": 400} and p.moved_by_kind == {"m": 800, "v": 800}
+    # Room for one key: the two weights read twice a step are kept first (3 bytes a byte), then one of the
+    # keys that cost 2; the step moves the bound plus twice the room.
+    p = plan_placement(t, budget_bytes=400, room_bytes=100)
+    assert {"w1", "w2"} < p.resident and len(p.resident) == 3
+    assert p.bytes_per_step == p.lower_bound_bytes + 2 * 100 == 1800
+    assert "lower bound" in p.summary() and "predicted step" in p.summary(1.0, 1e9)
+
+
+def test_frozen_keys_are_kept_last_and_never_written():
+    t = StepTrace(events=(("a",), ("b",), ("a",), ("b",)), nbytes={"a": 10, "b": 10}, changed=frozenset({"a"}))
+    assert moved_bytes(t, frozenset({"a", "b"}), 0) == {"a": 30, "b": 20}
+    assert plan_placement(t, budget_bytes=10, room_bytes=0).resident == {"a"}
+    assert lower_bound_bytes(t, 10) == 10  # b read once; a kept
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="no size"):
+        StepTrace(events=(("a",),), nbytes={})
+    with pytest.raises(ValueError, match=">= 0"):
+        plan_placement(layered_trace(1, 1, 1), budget_bytes=-1, room_bytes=0)
+    with pytest.raises(ValueError, match="one entry per use"):
+        choose_depth([1.0], [], max_depth=4)
+
+
+@st.composite
+def traces(draw):
+    keys = [f"k{i}" for i in range(draw(st.integers(1, 12)))]
+    events = draw(st.lists(st.lists(st.sampled_from(keys), min_size=0, max_size=4).map(tuple), max_size=30))
+    sizes = {k: draw(st.integers(0, 5000)) for k in keys}
+    changed = frozenset(k for k in keys if draw(st.booleans()))
+    return StepTrace(events=tuple(events), nbytes=sizes, changed=changed)
+
+
+@settings(max_examples=300, deadline=None)
+@given(traces(), st.integers(0, 40000), st.integers(0, 40000))
+def test_the_plan_never_exceeds_the_budget_and_never_beats_the_bound(trace, budget, room):
+    p = plan_placement(trace, budget_bytes=budget, room_bytes=room)
+    used = set(trace.uses())
+    assert p.resident <= used
+    assert p.resident_bytes == sum(trace.nbytes[k] for k in p.resident) <= max(0, budget - room)
+    assert 0 <= p.lower_bound_bytes <= p.bytes_per_step
+    # Keeping keys never costs bytes: the plan moves no more than streaming everything would.
+    assert p.bytes_per_step <= sum(moved_bytes(trace, frozenset(used), min(room, budget)).values())
+    # A bigger budget never raises the bound.
+    assert lower_bound_bytes(trace, budget + 1000) <= p.lower_bound_bytes
+
+
+def test_the_room_is_two_units_and_two_updates_or_a_share_of_the_budget():
+    assert room_bytes(1000, largest_unit_bytes=10, largest_update_bytes=10) == int(1000 * ROOM_SHARE)
+    assert room_bytes(1000, largest_unit_bytes=200, largest_update_bytes=100) == 600
+    assert room_bytes(1000, largest_unit_bytes=400, largest_update_bytes=400) == 1000
+
+
+def test_depth_is_the_least_that_hides_each_read_else_the_most_allowed():
+    compute = [1.0] * 8
+    assert choose_depth([0.0] * 8, compute, max_depth=8) == 1  # nothing to read
+    assert choose_depth([0.5] * 8, compute, max_depth=8) == 1  # a read takes half a use's compute
+    assert choose_depth([0.0, 0.0, 0.0, 2.5, 0.0, 0.0, 0.0, 0.0], compute, max_depth=8) == 3  # one big read
+    assert choose_depth([2.0] * 8, compute, max_depth=6) == 6  # the drive is the bottleneck: as deep as allowed
