@@ -30,7 +30,7 @@ def layered_trace(layers: int, weight: int, state: int) -> StepTrace:
 def test_a_streamed_key_costs_a_read_per_use_its_copy_does_not_survive_and_a_write_when_changed():
     t = layered_trace(4, weight=100, state=100)
     everything = frozenset(t.nbytes)
-    one = moved_bytes(t, everything, 100)  # room for one key
+    one = moved_bytes(t, everything, 300)  # room for one update: a weight and its two moments
     assert one["w1"] == 300  # read for forward, again for backward (far apart), written after its update
     assert one["mw1"] == 200  # read once, written once
     # The last layer's forward and backward are adjacent, and so are the first layer's update (the end of
@@ -47,11 +47,11 @@ def test_weights_used_far_apart_are_kept_before_state_and_the_prediction_meets_t
     assert p.resident == {"w0", "w1", "w2", "w3"}
     assert p.bytes_per_step == 8 * 200 == p.lower_bound_bytes == 2 * (1200 - 400)
     assert p.resident_by_kind == {"weights": 400} and p.moved_by_kind == {"m": 800, "v": 800}
-    # Room for one key: the two weights read twice a step are kept first (3 bytes a byte), then one of the
-    # keys that cost 2; the step moves the bound plus twice the room.
-    p = plan_placement(t, budget_bytes=400, room_bytes=100)
-    assert {"w1", "w2"} < p.resident and len(p.resident) == 3
-    assert p.bytes_per_step == p.lower_bound_bytes + 2 * 100 == 1800
+    # Room for one update: the two weights read twice a step are kept first (3 bytes a byte), then keys that
+    # cost 2; the step moves the bound plus twice the room.
+    p = plan_placement(t, budget_bytes=700, room_bytes=300)
+    assert {"w1", "w2"} < p.resident and len(p.resident) == 4
+    assert p.bytes_per_step == p.lower_bound_bytes + 2 * 300 == 1600
     assert "lower bound" in p.summary() and "predicted step" in p.summary(1.0, 1e9)
 
 

@@ -8,8 +8,8 @@ order and prefetches then leave those copies alone.
 [Note: Placement from the trace] Once prefetch hides the drive, a step costs
 its bytes moved over the drive's rate, so the lever left is the bytes. A key
 that streams costs, each step, one read per use its copy does not survive to
-(a copy survives a gap when the other streamed bytes used in between fit the
-working room beside it) and one write when the step changes it. A key kept
+(a copy survives a gap when the other streamed bytes used from its last use
+to this one, those used with it included, fit the working room beside it) and one write when the step changes it. A key kept
 resident costs nothing after its first read, and a changed one is written
 home only when it has to go (a checkpoint flushes it). So the keys that save
 the most bytes per byte of budget are kept: parameters used far apart in
@@ -136,8 +136,16 @@ def moved_bytes(trace: StepTrace, streamed: set[str] | frozenset[str], room_byte
         n = trace.nbytes[k]
         reads = 0
         for j, i in enumerate(at):
-            prev = at[j - 1]  # the first use's previous one is the last of the step before (cyclic)
-            between = before[i] - before[prev + 1] if j else total - before[prev + 1] + before[i]
+            # What else the room holds from the previous use to this one: the streamed bytes of both uses' events
+            # (what is used with it) and of those between, less its own; the first use's previous one is the
+            # last of the step before (cyclic).
+            prev = at[j - 1]
+            if len(at) == 1:
+                between = total - n
+            elif j:
+                between = before[i + 1] - before[prev] - 2 * n
+            else:
+                between = total - before[prev] + before[i + 1] - 2 * n
             if between + n > room_bytes:
                 reads += 1
         out[k] = n * (reads + (k in trace.changed)) if reads else 0  # never evicted: never written either
