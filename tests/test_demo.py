@@ -89,14 +89,20 @@ def test_demo_bad_preset(tmp_path, capsys):
 
 def test_bench_step_tiny(tmp_path, capsys):
     out = tmp_path / "step.json"
-    rc = _cli.main(["bench", "step", "--preset", "tiny", "--batch-size", "8", "--depths", "0,2", "--rounds", "2",
-                    "--nvme-path", str(tmp_path), "--host-budget", "640KiB", "--device-budget", "320KiB",
+    rc = _cli.main(["bench", "step", "--preset", "tiny", "--batch-size", "8", "--depths", "0,2,auto", "--rounds", "2",
+                    "--placement-ab", "--nvme-path", str(tmp_path), "--host-budget", "1MiB", "--device-budget", "320KiB",
                     "--json", str(out), "--trace", str(tmp_path / "trace.json"),
                     *(["--plot", str(tmp_path / "p.png")] if HAVE_MATPLOTLIB else [])])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["resident_step_s"] > 0 and res["drive_gbps"] > 0
-    for d in ("0", "2"):
+    assert set(res["depths"]) == {"0", "2", "auto", "2 w/o plan"}
+    assert 1 <= res["depths"]["auto"]["chosen_depth"] and res["depths"]["2"]["chosen_depth"] == 2
+    # Each setup planned its placement from its first step (the one without prints none); the bound is a bound.
+    assert res["depths"]["2 w/o plan"]["predicted_bytes_per_step"] is None
+    plan = res["placement"]
+    assert 0 < plan["lower_bound_bytes"] <= plan["bytes_per_step"] == res["depths"]["2"]["predicted_bytes_per_step"]
+    for d in res["depths"]:
         row = res["depths"][d]
         assert row["bytes_per_step"] > 0
         assert row["bound_s"] >= res["resident_step_s"]
@@ -112,7 +118,7 @@ def test_bench_step_tiny(tmp_path, capsys):
                                     + rss["overhead_bytes"])
     printed = capsys.readouterr().out
     assert "overlap" in printed and "peak RSS (fresh process, depth 2)" in printed
-    assert "higher is better" in printed
+    assert "higher is better" in printed and "lower bound" in printed and "   auto=" in printed
     if HAVE_MATPLOTLIB:
         assert f"plot written to {tmp_path / 'p.png'}" in printed and (tmp_path / "p.png").stat().st_size > 0
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]

@@ -8,6 +8,7 @@ from tierstore._placement import (
     ROOM_SHARE,
     StepTrace,
     choose_depth,
+    layered_trace,
     lower_bound_bytes,
     moved_bytes,
     plan_placement,
@@ -15,20 +16,13 @@ from tierstore._placement import (
 )
 
 
-def layered_trace(layers: int, weight: int, state: int) -> StepTrace:
-    """A model of ``layers`` units used in forward, then backward in reverse, each unit's update (its weight
-    and two moments) right after its backward: an optimizer stepping in backward."""
-    w = [f"w{i}" for i in range(layers)]
-    events = [(k,) for k in w]
-    for k in reversed(w):
-        events += [(k,), (k, f"m{k}", f"v{k}")]
-    nbytes = {k: weight for k in w} | {f"{m}{k}": state for k in w for m in "mv"}
-    kinds = {k: "weights" for k in w} | {f"{m}{k}": m for k in w for m in "mv"}
-    return StepTrace(events=tuple(events), nbytes=nbytes, changed=frozenset(nbytes), kinds=kinds)
+def layered(layers: int, weight: int, state: int) -> StepTrace:
+    """Layers used in forward, then backward in reverse, each update (its weight, m and v) after its backward."""
+    return layered_trace(layers, weight_bytes=weight, state_bytes={"m": state, "v": state})
 
 
 def test_a_streamed_key_costs_a_read_per_use_its_copy_does_not_survive_and_a_write_when_changed():
-    t = layered_trace(4, weight=100, state=100)
+    t = layered(4, weight=100, state=100)
     everything = frozenset(t.nbytes)
     one = moved_bytes(t, everything, 300)  # room for one update: a weight and its two moments
     assert one["w1"] == 300  # read for forward, again for backward (far apart), written after its update
@@ -41,12 +35,14 @@ def test_a_streamed_key_costs_a_read_per_use_its_copy_does_not_survive_and_a_wri
 
 
 def test_weights_used_far_apart_are_kept_before_state_and_the_prediction_meets_the_bound():
-    t = layered_trace(4, weight=100, state=100)
+    t = layered(4, weight=100, state=100)
     # 1200 bytes of state; a budget of the 400 bytes of weights and no room keeps every weight: only state moves.
     p = plan_placement(t, budget_bytes=400, room_bytes=0)
     assert p.resident == {"w0", "w1", "w2", "w3"}
     assert p.bytes_per_step == 8 * 200 == p.lower_bound_bytes == 2 * (1200 - 400)
     assert p.resident_by_kind == {"weights": 400} and p.moved_by_kind == {"m": 800, "v": 800}
+    after = layered_trace(4, weight_bytes=100, state_bytes={"m": 100}, optimizer_in_backward=False)
+    assert after.events[-4:] == (("w0", "mw0"), ("w1", "mw1"), ("w2", "mw2"), ("w3", "mw3"))
     # Room for one update: the two weights read twice a step are kept first (3 bytes a byte), then keys that
     # cost 2; the step moves the bound plus twice the room.
     p = plan_placement(t, budget_bytes=700, room_bytes=300)
@@ -66,7 +62,7 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="no size"):
         StepTrace(events=(("a",),), nbytes={})
     with pytest.raises(ValueError, match=">= 0"):
-        plan_placement(layered_trace(1, 1, 1), budget_bytes=-1, room_bytes=0)
+        plan_placement(layered(1, 1, 1), budget_bytes=-1, room_bytes=0)
     with pytest.raises(ValueError, match="one entry per use"):
         choose_depth([1.0], [], max_depth=4)
 

@@ -41,6 +41,23 @@ def test_placement_follows_budgets():
     assert not plan["fits"]
 
 
+def test_the_plan_prints_the_placement_a_rank_would_make(capsys):
+    # ViT-large in fp32 with a third of its state as host budget, as `bench step --preset large` runs it.
+    assert _cli.main(["plan", "--preset", "large", "--dtype", "fp32", "--host-budget", "1154MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "over 24 equal layers" in out and "predicted" in out and "lower bound" in out
+    plan = make_plan(PlanConfig(params=302_500_000, dtype="fp32", host_budget_bytes=1154 * 2**20))
+    pl = plan["placement"]
+    state = 302_500_000 * 12
+    # The bound: what is not in the host tier is read and written once a step.
+    assert pl["lower_bound_bytes"] == pytest.approx(2 * (state - 1154 * 2**20), rel=1e-3)
+    assert pl["lower_bound_bytes"] < pl["bytes_per_step"] < 1.5 * pl["lower_bound_bytes"]
+    assert set(pl["resident_by_kind"]) == {"weights"}  # weights first: read twice and written once a step
+    assert make_plan(PlanConfig(params=10**6, host_budget_bytes=10**9))["placement"] is None  # all in memory
+    with pytest.raises(ValueError, match="layers=0"):
+        PlanConfig(params=1, layers=0)
+
+
 @pytest.mark.parametrize("text,count", [("7e9", 7 * 10**9), ("7B", 7 * 10**9), ("350M", 350 * 10**6),
                                         ("1.5b", 1_500_000_000), ("125k", 125_000)])
 def test_parameter_counts_as_people_write_them(tmp_path, text, count):

@@ -113,6 +113,27 @@ class Placement:
         return "\n".join(lines)
 
 
+def layered_trace(layers: int, *, weight_bytes: int, state_bytes: Mapping[str, int],
+                  optimizer_in_backward: bool = True) -> StepTrace:
+    """A model of ``layers`` equal units (a transformer's blocks): forward in order, backward in reverse, each
+    unit's update (its weights and each kind of state in ``state_bytes``) right after its backward, or all after
+    backward. Every key changes each step."""
+    if layers < 1:
+        raise ValueError(f"layers={layers} must be >= 1")
+    weights = [f"w{i}" for i in range(layers)]
+    updates = {w: (w, *(f"{kind}{w}" for kind in state_bytes)) for w in weights}
+    events: list[tuple[str, ...]] = [(w,) for w in weights]
+    for w in reversed(weights):
+        events.append((w,))
+        if optimizer_in_backward:
+            events.append(updates[w])
+    if not optimizer_in_backward:
+        events.extend(updates[w] for w in weights)
+    nbytes = {w: weight_bytes for w in weights} | {f"{k}{w}": n for w in weights for k, n in state_bytes.items()}
+    kinds = {w: "weights" for w in weights} | {f"{k}{w}": k for w in weights for k in state_bytes}
+    return StepTrace(events=tuple(events), nbytes=nbytes, changed=frozenset(nbytes), kinds=kinds)
+
+
 def size_text(n: float) -> str:
     """A byte count for people: '1.25 GiB', '340.0 MiB', '12.0 KiB', '512 B'."""
     for unit, scale in (("GiB", 1024**3), ("MiB", MIB), ("KiB", 1024)):
@@ -231,5 +252,5 @@ def _in_time(read_seconds: Sequence[float], compute_seconds: Sequence[float], i:
     return sum(read_seconds[start + 1:i + 1]) <= sum(compute_seconds[start:i])
 
 
-__all__ = ["ROOM_SHARE", "Placement", "StepTrace", "choose_depth", "lower_bound_bytes", "moved_bytes", "plan_placement",
-           "room_bytes", "size_text"]
+__all__ = ["ROOM_SHARE", "Placement", "StepTrace", "choose_depth", "layered_trace", "lower_bound_bytes", "moved_bytes",
+           "plan_placement", "room_bytes", "size_text"]

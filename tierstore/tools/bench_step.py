@@ -68,9 +68,25 @@ def _resident_step(model, data, batch_size: int, step: int, opt, dtype: torch.dt
     return time.perf_counter() - t0
 
 
-def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path: str, rounds: int,
+def parse_depths(text: str) -> list[int | str]:
+    """'0,2,auto' -> [0, 2, 'auto']; a clear error for anything else."""
+    out: list[int | str] = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "auto":
+            out.append(part)
+        elif part.isdigit():
+            out.append(int(part))
+        else:
+            raise ValueError(f"--depths {text!r}: give depths >= 0 or 'auto', separated by commas (e.g. 0,4,auto)")
+    if not out:
+        raise ValueError("--depths: give at least one depth")
+    return out
+
+
+def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvme_path: str, rounds: int,
                    host_budget_bytes: int | None, device_budget_bytes: int | None, trace_path: str | None = None,
-                   step_in_backward: bool = True, rss: bool = True, dtype: str = "fp32",
+                   step_in_backward: bool = True, rss: bool = True, dtype: str = "fp32", placement_ab: bool = False,
                    log=print) -> dict[str, Any]:
 
     if preset not in PRESETS:
@@ -95,22 +111,32 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
         _resident_step(resident, data, batch_size, i, ropt, torch_dtype)  # on ViT-large, against 2.2-2.6 after)
     setups: dict[Any, tuple] = {}
 
-    def setup(key: Any, depth: int, make_opt) -> dict[str, Any]:
+    offloads: dict[Any, Any] = {}
+
+    def setup(key: Any, depth: int | str, make_opt, placement: bool = True) -> dict[str, Any]:
         """A fresh offloaded model, store and optimizer under ``key``; runs the first (trace-recording) step."""
         model = copy.deepcopy(base)
         store = TierStore(StoreConfig(nvme_path=nvme_path, host_budget_bytes=host, device_budget_bytes=device))
         try:
-            opt = make_opt(offload_model(model, store, prefetch_depth=depth))
+            off = offloads[key] = offload_model(model, store, prefetch_depth=depth, placement=placement)
+            opt = make_opt(off)
         except BaseException:
             store.close()
             raise
         setups[key] = (model, store, opt)
         return measure_step(model, store, opt, data, batch_size, 0, dtype=torch_dtype)
 
-    samples: dict[Any, list] = {"resident": [], "serial": [], **{d: [] for d in depths}}
+    # With placement_ab, the deepest numeric depth again without a placement (same run, alternating).
+    numeric = [d for d in depths if isinstance(d, int)]
+    unplanned = f"{max(numeric)} w/o plan" if placement_ab and numeric else None
+    rows_keys: list[Any] = [*depths, *([unplanned] if unplanned else [])]
+    samples: dict[Any, list] = {"resident": [], "serial": [], **{d: [] for d in rows_keys}}
     try:
         for d in depths:
             first = setup(d, d, lambda off: OffloadedAdamW(off, lr=1e-3, step_in_backward=step_in_backward))
+        if unplanned:
+            setup(unplanned, max(numeric), lambda off: OffloadedAdamW(off, lr=1e-3, step_in_backward=step_in_backward),
+                  placement=False)
         # The reference without any overlap: no prefetch, the optimizer after backward with no read-ahead, its
         # writes finished inside the step.
         setup("serial", 0, lambda off: _NoOverlap(OffloadedAdamW(off, lr=1e-3, readahead=0)))
@@ -124,13 +150,15 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
 
         drive_once()
         for r in range(rounds):
-            order = ["serial", *depths] if r % 2 == 0 else [*reversed(depths), "serial"]
+            order = ["serial", *rows_keys] if r % 2 == 0 else [*reversed(rows_keys), "serial"]
             samples["resident"].append(_resident_step(resident, data, batch_size, r + 2, ropt, torch_dtype))
             for d in order:
                 samples[d].append(_offloaded_step(*setups[d], data, batch_size, r + 1, torch_dtype))
             drive_once()
+        plans = {key: off.placement for key, off in offloads.items()}
+        chosen = {key: off.stats.prefetch_depth for key, off in offloads.items()}
         if trace_path:
-            traced = max(depths)
+            traced = max(numeric) if numeric else depths[0]
             model, store, opt = setups[traced]
             timeline = store.record_timeline()
             assert timeline is not None
@@ -144,7 +172,7 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
     resident_s = statistics.median(samples["resident"])
     drive = max(drives, key=lambda m: m["mixed_gbps"])
     drive_gbps = drive["mixed_gbps"]
-    stepped_gbps = max(s[2] / s[0] / 1e9 for key in ["serial", *depths] for s in samples[key])
+    stepped_gbps = max(s[2] / s[0] / 1e9 for key in ["serial", *rows_keys] for s in samples[key])
     raised = stepped_gbps > drive_gbps
     drive_gbps = max(drive_gbps, stepped_gbps)
     result: dict[str, Any] = {"preset": preset, "params": n, "batch_size": batch_size, "resident_step_s": resident_s,
@@ -165,42 +193,55 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int], nvme_path
         f"; optimizer steps {'in' if step_in_backward else 'after'} backward")
     log(f"resident step: {resident_s:.3f} s; depth 0: nothing read ahead (parameters or optimizer state); "
         "'serial': that, with the optimizer after backward and its writes waited for")
-    log("overlap = bound / step (1.00 is the best a step can do); the last two columns: how many times faster "
-        "than depth 0 and than 'serial' (higher is better)")
-    log(f"{'depth':>6} {'step s':>8} {'stall s':>8} {'MiB/step':>9} {'bound s':>8} {'overlap':>8} {'vs depth0':>9} "
-        f"{'vs serial':>9}")
+    plan = next((p for p in plans.values() if p is not None), None)
+    if plan is not None:
+        log(plan.summary(resident_s, drive_gbps * 1e9))
+        result["placement"] = {"resident_bytes": plan.resident_bytes, "room_bytes": plan.room_bytes,
+                               "resident_by_kind": plan.resident_by_kind, "moved_by_kind": plan.moved_by_kind,
+                               "bytes_per_step": plan.bytes_per_step, "lower_bound_bytes": plan.lower_bound_bytes}
+    log("overlap = bound / step (1.00 is the best a step can do); 'plan MiB': what the placement predicts a step "
+        "moves; the last two columns: how many times faster than the first depth and than 'serial' (higher is "
+        "better); 'auto' shows the depth it chose")
+    log(f"{'depth':>10} {'step s':>8} {'stall s':>8} {'MiB/step':>9} {'plan MiB':>9} {'bound s':>8} {'overlap':>8} "
+        f"{'vs first':>9} {'vs serial':>9}")
 
-    def row_of(key: Any) -> dict[str, float]:
+    def row_of(key: Any) -> dict[str, Any]:
         step_s = statistics.median(s[0] for s in samples[key])
         moved = statistics.median(s[2] for s in samples[key])
         bound = max(resident_s, moved / (drive_gbps * 1e9))
+        p = plans.get(key)
         return {"step_s": step_s, "stall_s": statistics.median(s[1] for s in samples[key]), "bytes_per_step": moved,
-                "bound_s": bound, "overlap_efficiency": bound / step_s}
+                "bound_s": bound, "overlap_efficiency": bound / step_s, "chosen_depth": chosen[key],
+                "predicted_bytes_per_step": p.bytes_per_step if p else None,
+                "lower_bound_bytes": p.lower_bound_bytes if p else None}
 
     serial = result["serial"] = row_of("serial")
-    for key in ["serial", *depths]:
+    for key in ["serial", *rows_keys]:
         row = serial if key == "serial" else row_of(key)
         if key != "serial":
             result["depths"][str(key)] = row
         base0 = result["depths"].get(str(depths[0]), row)["step_s"]
-        vs_depth0 = "" if key == "serial" else f"{base0 / row['step_s']:.2f}x"
-        log(f"{key:>6} {row['step_s']:>8.3f} {row['stall_s']:>8.3f} {row['bytes_per_step'] / MIB:>9.1f} "
-            f"{row['bound_s']:>8.3f} {row['overlap_efficiency']:>8.2f} {vs_depth0:>9} "
+        vs_first = "" if key == "serial" else f"{base0 / row['step_s']:.2f}x"
+        label = f"auto={row['chosen_depth']}" if key == "auto" else str(key)
+        planned = f"{row['predicted_bytes_per_step'] / MIB:.1f}" if row["predicted_bytes_per_step"] else "-"
+        log(f"{label:>10} {row['step_s']:>8.3f} {row['stall_s']:>8.3f} {row['bytes_per_step'] / MIB:>9.1f} "
+            f"{planned:>9} {row['bound_s']:>8.3f} {row['overlap_efficiency']:>8.2f} {vs_first:>9} "
             f"{serial['step_s'] / row['step_s']:>8.2f}x")
+    deepest = max(numeric) if numeric else "auto"
     if rss and torch_dtype != torch.float32:
         log("peak RSS check: measured for fp32 only; run without --dtype for it")
         rss = False
     if rss:  # in a fresh process: this one held a store per depth (see [Note: Measuring RSS])
         try:
             probe = measure_rss(preset=preset, batch_size=batch_size, nvme_path=nvme_path, host_budget_bytes=host,
-                                device_budget_bytes=device, prefetch_depth=max(depths),
+                                device_budget_bytes=device, prefetch_depth=deepest,
                                 step_in_backward=step_in_backward)
         except RuntimeError as e:
             probe = {"error": str(e)}
             log(f"peak RSS check could not run: {e}")
         result["rss"] = probe
     if rss and "error" not in probe:
-        log(f"peak RSS (fresh process, depth {max(depths)}): {probe['above_runtime_bytes'] / MIB:.0f} MiB above the "
+        log(f"peak RSS (fresh process, depth {deepest}): {probe['above_runtime_bytes'] / MIB:.0f} MiB above the "
             f"runtime's {probe['runtime_rss_bytes'] / MIB:.0f} MiB; budgets {probe['budgets_bytes'] / MIB:.0f} + "
             f"activations {probe['activations_bytes'] / MIB:.0f} + gradient backlog "
             f"{probe['grad_backlog_bytes'] / MIB:.0f} + overhead {probe['overhead_bytes'] / MIB:.0f} = "
@@ -233,7 +274,7 @@ def run_budget_sweep(*, preset: str, batch_size: int, depths: list[int], nvme_pa
                              host_budget_bytes=max(384 * 1024, state // k), device_budget_bytes=device_budget_bytes,
                              step_in_backward=step_in_backward, rss=False, dtype=dtype, log=lambda *a: None)
         depth, best = min(res["depths"].items(), key=lambda kv: kv[1]["step_s"])
-        rows.append({"divisor": k, "host_budget_bytes": res["host_budget_bytes"], "depth": int(depth),
+        rows.append({"divisor": k, "host_budget_bytes": res["host_budget_bytes"], "depth": depth,
                      "resident_step_s": res["resident_step_s"], "drive_gbps": res["drive_gbps"], **best})
     log(f"bench step, budget sweep: ViT-{preset}, {dtype}, {state / MIB:.0f} MiB of state, batch {batch_size}; per "
         f"host budget the best of depths {','.join(map(str, depths))}; bound = max(resident step, bytes / drive)")
@@ -318,7 +359,7 @@ def plot_step_bench(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    depths = sorted(result["depths"], key=int)
+    depths = sorted((d for d in result["depths"] if d.isdigit()), key=int)  # 'auto' is drawn apart, below
     xs = [int(d) for d in depths]
     rows = [result["depths"][d] for d in depths]
     during = [r["bytes_per_step"] / r["step_s"] / 1e9 for r in rows]
@@ -327,8 +368,12 @@ def plot_step_bench(result: dict[str, Any], path: str) -> None:
     top.plot(xs, [r["bound_s"] for r in rows], "x--", color="C3", markersize=8,
              label="bound: max(resident,\nbytes / drive GB/s)")
     top.axhline(result["resident_step_s"], color="C2", linestyle=":", linewidth=2, label="resident step")
+    auto = result["depths"].get("auto")
+    if auto is not None:  # at the depth it chose
+        top.plot([auto["chosen_depth"]], [auto["step_s"]], "*", color="C4", markersize=12,
+                 label=f"auto (chose {auto['chosen_depth']})")
     top.set_ylabel("seconds per step")
-    top.set_ylim(bottom=0, top=max(r["step_s"] for r in rows) * 1.15)
+    top.set_ylim(bottom=0, top=max([r["step_s"] for r in rows] + ([auto["step_s"]] if auto else [])) * 1.15)
     top.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
     top.set_title(f"ViT-{result['preset']} ({result['params'] / 1e6:.0f}M params), batch {result['batch_size']}")
     bottom.plot(xs, during, "s-", color="C1", label="drive GB/s during\nthe step")

@@ -45,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     step = bsub.add_parser("step", help="offloaded step time at several prefetch depths vs resident and the bound")
     step.add_argument("--preset", default="small", help="ViT size (default small)")
     step.add_argument("--batch-size", type=int, default=32)
-    step.add_argument("--depths", default="0,1,2,4,8", help="prefetch depths (default 0,1,2,4,8)")
+    step.add_argument("--depths", default="0,1,2,4,8,auto",
+                      help="prefetch depths, numbers or 'auto' (default 0,1,2,4,8,auto)")
+    step.add_argument("--placement-ab", action="store_true",
+                      help="also run the deepest numeric depth without a placement (alternating, same run)")
     step.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians reported (default 3)")
     step.add_argument("--nvme-path", "--path", dest="nvme_path", default=None, help=_NVME_PATH_HELP)
     step.add_argument("--host-budget", help="host tier budget (default: a third of the state)")
@@ -79,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
     demo.add_argument("--batch-size", type=int, default=32, help="images per step (default 32)")
     demo.add_argument("--nvme-path", "--path", dest="nvme_path", default=None, help=_NVME_PATH_HELP)
-    demo.add_argument("--prefetch-depth", type=int, default=2, help="groups read ahead of use (default 2)")
+    demo.add_argument("--prefetch-depth", type=_depth, default="auto",
+                      help="groups read ahead of use, or 'auto' to choose each step (default auto)")
     demo.add_argument("--lr", type=float, help="peak AdamW learning rate, reached after a warm-up over the first "
                       "half of the steps (default by preset: tiny/small 1e-3, base 1e-4, large 3e-5, 1b 1e-5, 3b 5e-6)")
     demo.add_argument("--host-budget", help="host tier budget, e.g. 64MiB (default: a third of the state)")
@@ -97,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--device-budget", help="device budget per rank, e.g. 40GB (default none)")
     plan.add_argument("--host-budget", help="host budget per rank (default none)")
     plan.add_argument("--nvme-budget", help="NVMe budget per rank (default unlimited)")
+    plan.add_argument("--layers", type=int, help="equal blocks the placement is planned over (default: the "
+                      "preset's depth, or 24)")
     plan.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     args = parser.parse_args(argv)
     try:
@@ -114,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             result = make_plan(PlanConfig(
                 params=_count(args.params) if args.params is not None else _preset_params(args.preset),
                 ranks=args.ranks, dtype=args.dtype, optimizer=args.optimizer,
+                layers=args.layers or (_preset_depth(args.preset) if args.preset is not None else 24),
                 **{f"{t}_budget_bytes": parse_bytes(v, name=f"--{t}-budget") if v else None
                    for t, v in (("device", args.device_budget), ("host", args.host_budget),
                                 ("nvme", args.nvme_budget))}))
@@ -130,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             _write_json(args.json, result)
             return 0
         if args.cmd == "bench" and args.bench == "step":
-            from .bench_step import check_plotting, run_step_bench
+            from .bench_step import check_plotting, parse_depths, run_step_bench
 
             if args.plot:
                 check_plotting()
@@ -140,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 result = run_budget_sweep(
                     preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=_nvme_path(args),
-                    depths=[int(d) for d in args.depths.split(",")], step_in_backward=not args.step_after_backward,
+                    depths=parse_depths(args.depths), step_in_backward=not args.step_after_backward,
                     divisors=[int(k) for k in args.budget_sweep.split(",")], dtype=args.dtype,
                     device_budget_bytes=_budgets(args)["device_budget_bytes"])
                 _write_json(args.json, result)
@@ -150,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             result = run_step_bench(
                 preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=_nvme_path(args),
-                depths=[int(d) for d in args.depths.split(",")], trace_path=args.trace,
+                depths=parse_depths(args.depths), trace_path=args.trace, placement_ab=args.placement_ab,
                 step_in_backward=not args.step_after_backward, rss=not args.no_rss, dtype=args.dtype,
                 **_budgets(args))
             _write_json(args.json, result)
@@ -190,6 +197,14 @@ def _nvme_path(args: argparse.Namespace) -> str:
     return args.nvme_path or default_nvme_path()
 
 
+def _depth(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give a depth >= 0 or 'auto'")
+    return int(text)
+
+
 def _count(text: str) -> int:
     """A parameter count: a number (7e9, 7000000000) or one with a K/M/B/T suffix (7B, 350M, 1.5b)."""
     scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(text.strip()[-1:].lower())
@@ -211,6 +226,12 @@ def _preset_params(preset: str) -> int:
         raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
     with torch.device("meta"):
         return num_params(ViT(PRESETS[preset]))
+
+
+def _preset_depth(preset: str) -> int:
+    from .vit import PRESETS
+
+    return PRESETS[preset].depth if preset in PRESETS else 24  # an unknown one is refused by _preset_params
 
 
 def _budgets(args: argparse.Namespace) -> dict[str, int | None]:

@@ -58,7 +58,7 @@ def measure_step(model, store: TierStore, opt, data: SyntheticImages, batch_size
             "written_bytes": written, "nvme_gbps": (read + written) / dt / 1e9}
 
 
-def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefetch_depth: int,
+def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefetch_depth: int | str,
              host_budget_bytes: int | None, device_budget_bytes: int | None, lr: float | None = None,
              step_in_backward: bool = True, dtype: str = "fp32", log=print) -> dict[str, Any]:
 
@@ -93,7 +93,9 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
         f"made in-process), batch {batch_size}; AdamW lr {lr:g} after {warmup} warm-up step(s)")
     budgets = f"host {host / MIB:.1f} MiB" + (f", device {device / MIB:.1f} MiB" if cuda else
                                               " (no CUDA: modules compute in the host tier)")
-    log(f"budgets: {budgets}; prefetch depth {prefetch_depth}; optimizer steps "
+    log(f"budgets: {budgets}; prefetch depth {prefetch_depth}" + (" (chosen each step: the 'depth' column)"
+                                                                 if prefetch_depth == "auto" else "")
+        + "; optimizer steps "
         + ("in backward" if step_in_backward else "after backward"))
     data = SyntheticImages(cfg)
     rows = []
@@ -109,15 +111,18 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
         if not reset_peak_rss():
             rss_before = 0  # the peak below is then the process's lifetime peak
         log("drive columns: bytes the step read from and wrote to the drive, and their sum over the step's time")
-        header = f"{'step':>4} {'loss':>8} {'step s':>8} {'stall s':>8} {'read MiB':>9} {'write MiB':>9} {'drive GB/s':>10}"
+        header = (f"{'step':>4} {'loss':>8} {'step s':>8} {'stall s':>8} {'read MiB':>9} {'write MiB':>9} "
+                  f"{'drive GB/s':>10} {'depth':>5}")
         log(header)
         for step in range(steps):
             row = measure_step(model, store, opt, data, batch_size, step, sched, torch_dtype)
+            row["prefetch_depth"] = off.stats.prefetch_depth
             rows.append(row)
             log(f"{step:>4} {row['loss']:>8.4f} {row['step_s']:>8.3f} {row['stall_s']:>8.3f} "
                 f"{row['read_bytes'] / MIB:>9.1f} {row['written_bytes'] / MIB:>9.1f} "
-                f"{row['nvme_gbps']:>10.2f}  {_bar(step + 1, steps)}")
+                f"{row['nvme_gbps']:>10.2f} {row['prefetch_depth']:>5}  {_bar(step + 1, steps)}")
         opt.close()
+        placement = off.placement
         peak_rss = peak_rss_bytes()
         mem = store.memory()
         stats = store.stats_dict()
@@ -132,11 +137,16 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
         whole_peak = max(built_peak, peak_rss - rss_start)
         log(f"peak RSS of the whole process, construction included: {whole_peak / MIB:.0f} MiB above the RSS "
             f"before the model existed (construction alone: {built_peak / MIB:.0f} MiB)")
+    if placement is not None:
+        log(placement.summary())
     log(f"loss: {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}")
     return {"preset": preset, "params": n, "steps": rows, "memory": mem, "peak_rss_bytes": peak_rss, "rss_before_steps_bytes": rss_before,
             "hits": stats["hits"], "misses": stats["misses"], "prefetch_depth": prefetch_depth,
             "host_budget_bytes": host, "device_budget_bytes": device, "lr": lr, "dtype": dtype,
-            "construction_peak_rss_bytes": built_peak, "bytes_on_drive": on_drive}
+            "construction_peak_rss_bytes": built_peak, "bytes_on_drive": on_drive,
+            "placement": None if placement is None else {
+                "resident_bytes": placement.resident_bytes, "bytes_per_step": placement.bytes_per_step,
+                "lower_bound_bytes": placement.lower_bound_bytes}}
 
 
 __all__ = ["default_budgets", "measure_step", "run_demo"]

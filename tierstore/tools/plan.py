@@ -10,6 +10,14 @@ like the store's config: weights first (used twice per step), then the
 optimizer state (once per step; host or NVMe, as the optimizer steps on the
 CPU), each in the fastest tier whose per-rank budget holds all of it, after
 a reserve of the host budget for the prefetch window.
+
+[Note: The plan's placement] Within one rank, the offloaded model does
+better than whole categories: once a step is recorded, its placement keeps
+what saves the most drive traffic per byte in the host tier and streams the
+rest (tierstore/_placement.py). The plan runs the same policy over a model of
+``layers`` equal blocks (forward, backward in reverse, each block's update
+after its backward) and prints what it predicts a step moves and the lower
+bound; ``bench step`` prints the same two figures from the real trace.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierstore import Tier
+from tierstore._placement import layered_trace, plan_placement, room_bytes
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _OPTIMIZERS = ("adamw", "sgd", "none")
@@ -36,6 +45,7 @@ class PlanConfig:
     host_budget_bytes: int | None = None
     nvme_budget_bytes: int | None = None
     prefetch_reserve: float = 0.25  # share of the host budget kept for reads in flight
+    layers: int = 24  # equal blocks, for the placement (see [Note: The plan's placement])
 
     def __post_init__(self) -> None:
         if self.params <= 0:
@@ -46,6 +56,8 @@ class PlanConfig:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(_DTYPE_BYTES)}")
         if self.optimizer not in _OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r}: choose one of {', '.join(_OPTIMIZERS)}")
+        if self.layers < 1:
+            raise ValueError(f"layers={self.layers} must be >= 1")
         if not 0 <= self.prefetch_reserve < 1:
             raise ValueError(f"prefetch_reserve={self.prefetch_reserve} must be in [0, 1)")
 
@@ -95,7 +107,26 @@ def make_plan(cfg: PlanConfig) -> dict[str, Any]:
     fits = all(h is not None for h in homes.values())
     return {"config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "totals": totals,
             "per_rank": per_rank, "homes": homes, "per_rank_by_tier": by_tier, "traffic_per_step": traffic,
-            "fits": fits}
+            "fits": fits, "placement": _placement(cfg, per_rank, homes)}
+
+
+def _placement(cfg: PlanConfig, per_rank: dict[str, float], homes: dict[str, str | None]) -> dict[str, Any] | None:
+    """What the offloaded model's placement predicts for one rank (see [Note: The plan's placement]); None
+    where nothing streams from the drive or there is no host budget or optimizer."""
+    if cfg.optimizer != "adamw" or not cfg.host_budget_bytes or "nvme" not in homes.values():
+        return None
+    per_layer = {k: int(v / cfg.layers) for k, v in per_rank.items()}
+    state = {"exp_avg": per_layer["moments"] // 2, "exp_avg_sq": per_layer["moments"] // 2}
+    if per_layer["master"]:
+        state["master"] = per_layer["master"]
+    trace = layered_trace(cfg.layers, weight_bytes=per_layer["weights"], state_bytes=state)
+    host = cfg.host_budget_bytes
+    room = room_bytes(host, largest_unit_bytes=per_layer["weights"],
+                      largest_update_bytes=per_layer["weights"] + sum(state.values()))
+    p = plan_placement(trace, budget_bytes=host, room_bytes=room)
+    return {"layers": cfg.layers, "host_budget_bytes": host, "room_bytes": p.room_bytes,
+            "resident_by_kind": p.resident_by_kind, "moved_by_kind": p.moved_by_kind,
+            "bytes_per_step": p.bytes_per_step, "lower_bound_bytes": p.lower_bound_bytes}
 
 
 def format_plan(plan: dict[str, Any]) -> str:
@@ -130,6 +161,13 @@ def format_plan(plan: dict[str, Any]) -> str:
     tr = plan["traffic_per_step"]
     lines.append(f"bytes per step per rank ({unit}): " + "  ".join(
         f"{k.replace('_', ' ')} {v / scale:.2f}" for k, v in tr.items()))
+    pl = plan.get("placement")
+    if pl is not None:
+        lines.append(f"placement per rank (the offloaded model's, over {pl['layers']} equal layers; host budget "
+                     f"{pl['host_budget_bytes'] / scale:.2f} {unit}, {pl['room_bytes'] / scale:.2f} of it for copies in "
+                     f"flight): resident " + ", ".join(f"{k} {v / scale:.2f}" for k, v in pl["resident_by_kind"].items()))
+        lines.append(f"  nvme bytes per step ({unit}): {pl['bytes_per_step'] / scale:.2f} predicted, "
+                     f"{pl['lower_bound_bytes'] / scale:.2f} lower bound")
     return "\n".join(lines)
 
 
