@@ -179,6 +179,15 @@ class Room:
         copies last, or (``kept=False``) none (see [Note: Kept copies])."""
         out = [(e, c) for e in self.state.entries.values() for c in e.copies.values()
                if c.tier is tier and tier is not e.home and not c.pins and not c.busy]
+        keep = self.kept_keys(tier)
+        if not keep:
+            return self._ordered(tier, out)
+        # Kept copies are ranked apart, and only when asked for: ranking them with the rest on every
+        # allocation would cost the training thread CPU time for copies that are not to go.
+        last = self._ordered(tier, [ec for ec in out if ec[0].key in keep]) if kept else []
+        return self._ordered(tier, [ec for ec in out if ec[0].key not in keep]) + last
+
+    def _ordered(self, tier: Tier, out: list[tuple[Entry, Copy]]) -> list[tuple[Entry, Copy]]:
         out.sort(key=lambda ec: ec[1].last_use)
         if self.victim_order is not None and out:
             by_key = {e.key: (e, c) for e, c in out}
@@ -186,9 +195,6 @@ class Room:
             out = [by_key[k] for k in order if k in by_key] + [ec for k, ec in by_key.items() if k not in order]
         elif self.owner_orders and out:
             out = self._by_owner_orders(tier, out)
-        keep = self.kept_keys(tier)
-        if keep:
-            out = [ec for ec in out if ec[0].key not in keep] + ([ec for ec in out if ec[0].key in keep] if kept else [])
         return out
 
     def _by_owner_orders(self, tier: Tier, out: list[tuple[Entry, Copy]]) -> list[tuple[Entry, Copy]]:
