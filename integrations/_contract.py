@@ -48,7 +48,9 @@ class OffloadedParameters(Protocol):
     - ``held_beside_updates()``: offloaded parameter name -> bytes of the host tier that backward may hold while
       that parameter's update runs in backward (what the optimizer's host budget must leave room for);
     - ``readahead_room()``: host bytes an optimizer's read-ahead may fill under the placement (None: no
-      placement yet).
+      placement yet);
+    - ``broken``: None, or why the values can no longer be trusted (an update failed half-way and could not be
+      undone): every later step and forward raises it.
     """
 
     store: TierStore
@@ -59,6 +61,7 @@ class OffloadedParameters(Protocol):
     grad_ready_callbacks: list[Callable[[str], None]]
     later_uses: LaterUses
     on_remove: list[Callable[[], None]]
+    broken: str | None
 
     def named_offloaded(self) -> Iterator[tuple[str, str, nn.Parameter]]: ...
 

@@ -25,6 +25,10 @@ def state_keys(name: str, key: str | None, p: torch.nn.Parameter) -> list[str]:
     return keys
 
 
+class UnrestorableUpdateError(RuntimeError):
+    """An update failed half-way and the state of before it is gone (see ``StatePipeline.update``)."""
+
+
 class StatePipeline:
     """Read-ahead, update, write-behind over one store."""
 
@@ -52,7 +56,8 @@ class StatePipeline:
                hyper: Callable[[], tuple]) -> None:
         """Apply one AdamW update to the parameter's state in the host tier and start writing it behind.
         ``hyper()`` gives the group's (lr, betas, eps, weight_decay), read once the state is in memory. On a
-        failure nothing of the update persists."""
+        failure nothing of the update persists, or (state kept in the host tier and changed since it was last
+        written home) UnrestorableUpdateError says so."""
         st = self.store
         keys = state_keys(name, key, p)
         master_key = keys[2] if key is not None else None
@@ -71,13 +76,26 @@ class StatePipeline:
         param = p.data if master_key is None else held[master_key]
         try:
             _adamw.adamw_update(param, exp_avg, exp_avg_sq, grad, step, hyper())
-        except BaseException:
-            # A partial update must not persist: the copies are still clean, so dropping them
-            # brings back the state of before this step.
+        except BaseException as e:
+            # A partial update must not persist: copies written home before it are dropped, which brings back
+            # the state of before this step. A kept copy changed since it was last written home cannot be.
+            lost = []
             for k in keys:
                 st.release(k, Tier.HOST)
-                if st.info(k)["home"] != Tier.HOST.label:
+                info = st.info(k)
+                if info["home"] == Tier.HOST.label:
+                    continue
+                if info["copies"].get(Tier.HOST.label, {}).get("state") == "dirty":
+                    lost.append(k)
+                else:
                     st.evict(k, Tier.HOST)
+            if lost:
+                raise UnrestorableUpdateError(
+                    f"the AdamW update of {name!r} failed half-way ({type(e).__name__}: {e}), and its "
+                    f"{', '.join(lost)} stay in the host tier under the placement and were changed since they "
+                    "were last written home, so the values of before the update are gone: load a checkpoint "
+                    "(offload_model(..., placement=False) makes a failed update roll back, at the cost of "
+                    "writing every update home)") from e
             raise
         for k in keys:
             st.mark_dirty(k, Tier.HOST)

@@ -46,13 +46,12 @@ class Placer:
     """The placement and the prefetch depth of one offloaded model (see the notes above)."""
 
     def __init__(self, store: TierStore, policy: PrefetchPolicy, later: LaterUses, *,
-                 group_keys: Callable[[], Mapping[str, Sequence[tuple[str, int]]]], compute_tier: Tier,
-                 place: bool, auto_depth: bool) -> None:
+                 group_keys: Callable[[], Mapping[str, Sequence[tuple[str, int]]]], place: bool,
+                 auto_depth: bool) -> None:
         self.store = store
         self.policy = policy
         self.later = later
         self.group_keys = group_keys  # unit name -> (store key, bytes) of the parameters its uses hold
-        self.compute_tier = compute_tier
         self.place = place
         self.auto_depth = auto_depth
         self.placement: Placement | None = None
@@ -73,7 +72,7 @@ class Placer:
         if self.policy.steps < 2:  # nothing recorded yet
             return
         if self.place:
-            signature = (id(self.policy.trace), len(self.later.after), self.later.in_backward)
+            signature = (self.policy.traces_recorded, len(self.later.after), self.later.in_backward)
             if signature != self._planned_for:
                 self._planned_for = signature
                 self.placement = plan_placement(self.step_trace(), budget_bytes=self.store.config.host_budget_bytes,

@@ -104,6 +104,7 @@ class FSDPOffload(OffloadedParameters):
         # An optimizer's uses of store keys, which eviction weighs with the trace's.
         self.later_uses = LaterUses()
         self.on_remove: list[Callable[[], None]] = []  # called by remove(): optimizers drop their state
+        self.broken: str | None = None  # why the values can no longer be trusted (see OffloadedParameters)
         self.groups: dict[str, _ShardGroup] = {}
         self.params: dict[int, _Shard] = {}  # id(param) -> shard
         groups = list(internals.fsdp_groups(model))
@@ -185,10 +186,12 @@ class FSDPOffload(OffloadedParameters):
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
         # What stays in the host tier for the whole run, and the depth with "auto" (see integrations/_placing.py).
         self.placer = Placer(store, self.policy, self.later_uses, group_keys=self._group_keys,
-                             compute_tier=Tier.HOST, place=placement, auto_depth=auto)
+                             place=placement, auto_depth=auto)
 
     # ---- the all-gather loop -----------------------------------------------------------
     def _start_step(self, module: nn.Module, args: Any) -> None:
+        if self.broken:
+            raise RuntimeError(self.broken)
         self.policy.start_step()
         self.placer.start_step()
 

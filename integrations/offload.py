@@ -308,6 +308,7 @@ class OffloadedModel(OffloadedParameters):
         # An optimizer's uses of store keys, which eviction weighs with the trace's.
         self.later_uses = LaterUses()
         self.on_remove: list[Callable[[], None]] = []  # called by remove(): optimizers drop their state
+        self.broken: str | None = None  # why the values can no longer be trusted (see OffloadedParameters)
         self._storage_owner: dict[int, _Param] = {}  # data_ptr of a held copy's storage -> its parameter
         self._saved_hooks: Any = None
         meta = check_meta(model, init_fn)
@@ -378,7 +379,7 @@ class OffloadedModel(OffloadedParameters):
             self.victim_order, owns=lambda k: k in self._key_groups or k in self.later_uses.after)
         # What stays in the host tier for the whole run, and the depth with "auto" (see integrations/_placing.py).
         self.placer = Placer(store, self.policy, self.later_uses, group_keys=self._group_keys,
-                             compute_tier=compute_tier, place=placement, auto_depth=auto)
+                             place=placement, auto_depth=auto)
         global _optimizer_hook
         if _optimizer_hook is None:
             _optimizer_hook = register_optimizer_step_pre_hook(_refuse_other_optimizers)
@@ -463,6 +464,8 @@ class OffloadedModel(OffloadedParameters):
         self._unhooked = still
 
     def _start_step(self, module: nn.Module, args: Any) -> None:
+        if self.broken:
+            raise OffloadedParameterError(self.broken)
         if not self._in_backward():  # not a forward rerun inside backward (checkpointing)
             self._release_all()  # holds left by a forward (or a load_state_dict) that raised
             self._loading.clear()

@@ -40,7 +40,7 @@ from tierstore._memory import TierPool
 
 from ._adamw import HYPER, check_hyper
 from ._contract import OPTIMIZER_STATE, OffloadedParameters, optimizer_key
-from ._pipeline import StatePipeline, state_keys
+from ._pipeline import StatePipeline, UnrestorableUpdateError, state_keys
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -336,6 +336,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         while the next forward and backward run; the next ``step()`` (or
         :meth:`wait`) waits for them first and raises any failure.
         """
+        if self.offloaded.broken:
+            raise UnrestorableUpdateError(self.offloaded.broken)
         early, self._early = self._early, {}
         t0 = time.perf_counter()  # the training loop waits here for I/O-bound work: stall time
         errors = [f.exception() for f in early.values()]  # waits for the updates started in backward
@@ -366,7 +368,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         step = self.steps.get(name, 0.0) + 1.0
         timeline = self.store.timeline
         with timeline.span(f"adamw {name}", "optimizer") if timeline is not None else contextlib.nullcontext():
-            self._pipeline.update(name, key, p, grad, step, lambda: self._hyper(name))
+            try:
+                self._pipeline.update(name, key, p, grad, step, lambda: self._hyper(name))
+            except UnrestorableUpdateError as e:  # no later step or forward may use the half-updated values
+                self.offloaded.broken = str(e)
+                raise
         self.steps[name] = step
 
     def wait(self) -> None:

@@ -53,6 +53,37 @@ def test_failed_update_leaves_state_as_before_the_step(make_store, monkeypatch):
     assert not torch.equal(off.read_param("blocks.0.qkv.weight"), before["blocks.0.qkv.weight"])  # stepped
 
 
+def test_a_failed_update_of_kept_state_is_an_error_every_later_step_and_forward_repeats(make_store, monkeypatch):
+    torch.manual_seed(0)
+    cfg = PRESETS["tiny"]
+    model = ViT(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    store = make_store(host_budget_bytes=n * 8)  # the weights stay in the host tier under the placement
+    off = offload_model(model, store)
+    opt = OffloadedAdamW(off)
+    data = SyntheticImages(cfg)
+    _train(model, data, 3, opt)
+    assert "param/blocks.0.fc1.weight" in off.placement.resident
+    x, y = data.batch(3, 8)
+    F.cross_entropy(model(x), y).backward()
+    real = _adamw.adamw_update
+
+    def failing(param, exp_avg, exp_avg_sq, grad, step, hyper):
+        if param.shape == (256, 64):  # blocks.0.fc1.weight: fail half-way through its update
+            param.add_(1.0)
+            raise RuntimeError("update failed")
+        real(param, exp_avg, exp_avg_sq, grad, step, hyper)
+
+    monkeypatch.setattr(_adamw, "adamw_update", failing)
+    with pytest.raises(RuntimeError, match=r"update of 'blocks.0.fc1.weight' failed half-way .*load a checkpoint"):
+        opt.step()
+    monkeypatch.setattr(_adamw, "adamw_update", real)
+    with pytest.raises(RuntimeError, match="failed half-way"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="failed half-way"):
+        model(x)
+
+
 def test_step_in_backward_refuses_gradient_accumulation(make_store):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))

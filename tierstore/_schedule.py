@@ -44,11 +44,14 @@ class PrefetchPolicy:
     _last_index: tuple = (None, {})
     departures: int = 0
     steps: int = 0
+    traces_recorded: int = 0
+    """How many times a recorded step became the trace (a new one after each departure)."""
 
     def start_step(self) -> None:
         """A new step begins: keep the last recorded trace if the step that made it completed."""
         if self._recording and (not self._on_trace or self._pos != len(self.trace or [])):
             self.trace = self._recording
+            self.traces_recorded += 1
         self.last_step = (self._recording, self._clock)
         self._recording, self._clock = [], []
         self._pos = 0
