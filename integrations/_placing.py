@@ -4,13 +4,26 @@ steps before: the placement (``tierstore._placement``) from the recorded trace a
 
 [Note: Re-planning] The placement is planned once a step has been recorded,
 and again whenever the trace is recorded anew (a step departed from it) or an
-optimizer adds or drops its state. A departure changes nothing of what is
-kept until then: kept copies are only a preference of eviction, so a stale
-plan costs bytes, never values or a budget error.
+optimizer adds or drops its state; until then nothing is kept. Kept copies are
+only a preference of eviction, so a stale plan costs bytes, never values or a
+budget error.
+
+[Note: A placement on trial] The cost model behind a placement is a model:
+with little room, an optimizer stepping on a worker behind backward can
+find a streamed weight gone before its update and read it again, and the
+plan then moves more than caching in the whole budget did (ViT-large at a
+tenth of its state as host budget: 9.0 GiB a step against 7.7). So a plan is
+tried against measurement: the step after a trace is recorded runs without a
+placement (the baseline), the plan is made at the start of the next, that
+step loads the kept copies, and the one after is measured; unless it moved
+less than KEEP_BELOW of the baseline's bytes, the placement is dropped until
+the trace changes. ``verdict`` says what was measured and decided.
 
 [Note: Auto prefetch depth] The depth is the smallest that gets each use's
 reads done before it starts, given the drive's rate over the last step's
-reads and the compute time between uses (the clock given to ``on_use`` stops
+reads (bytes over the seconds some read was in flight: the rate of the
+drive, not of one transfer waiting behind others) and the compute time
+between uses (the clock given to ``on_use`` stops
 while the training thread stalls, so a stall does not pass for compute); where
 none does (the drive is the bottleneck), as deep as the room left for copies
 in flight allows. It is chosen again each step, so it follows the drive and
@@ -19,18 +32,29 @@ the compute as they change.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable, Mapping, Sequence
 
 from tierstore import Tier, TierStore
 from tierstore._config import check_prefetch_depth
 from tierstore._memory import TierPool
-from tierstore._placement import Placement, StepTrace, choose_depth, plan_placement, room_bytes
+from tierstore._placement import Placement, StepTrace, choose_depth, plan_placement, room_bytes, size_text
 from tierstore._schedule import LaterUses, PrefetchPolicy
 
 from ._contract import OPTIMIZER_PREFIX
 
 MAX_AUTO_DEPTH = 16
+KEEP_BELOW = 0.97  # a placement is kept when its step moved less than this share of the baseline's bytes
+
+
+class Trial(enum.Enum):
+    """Where a placement is in its trial (see [Note: A placement on trial])."""
+
+    BASELINE = "a step without a placement is measured"
+    SETTLING = "the plan's kept copies are loaded"
+    MEASURED = "a step with the placement is measured"
+    DECIDED = "kept or dropped"
 AUTO_START_DEPTH = 2  # prefetch_depth="auto" before a step has been measured
 
 
@@ -55,8 +79,12 @@ class Placer:
         self.place = place
         self.auto_depth = auto_depth
         self.placement: Placement | None = None
+        self.verdict: str | None = None  # what the trial measured and decided
         self._planned_for: tuple | None = None
-        self._reads_before = store.stats.path("nvme->host")
+        self._trial = Trial.DECIDED
+        self._baseline_bytes = 0
+        self._moved_before = self._moved()
+        self._reads_before = (store.stats.path("nvme->host")[0], store.stats.counter("read_busy_seconds"))
         self._sizes: dict[str, int] = {}
         self._fixed_max_bytes = policy.max_bytes  # prefetch_bytes given by the user
 
@@ -66,26 +94,54 @@ class Placer:
 
     def start_step(self) -> None:
         """After ``policy.start_step()``: plan again if the trace or the optimizer changed, tune the depth."""
-        reads = self.store.stats.path("nvme->host")
+        stats = self.store.stats
+        reads = (stats.path("nvme->host")[0], stats.counter("read_busy_seconds"))
         read_bytes, read_seconds = reads[0] - self._reads_before[0], reads[1] - self._reads_before[1]
         self._reads_before = reads
+        moved, self._moved_before = self._moved() - self._moved_before, self._moved()
         if self.policy.steps < 2:  # nothing recorded yet
             return
         if self.place:
-            signature = (self.policy.traces_recorded, len(self.later.after), self.later.in_backward)
-            if signature != self._planned_for:
-                self._planned_for = signature
-                self.placement = plan_placement(self.step_trace(), budget_bytes=self.store.config.host_budget_bytes,
-                                                room_bytes=self.room())
-                self.store.keep(self, self.placement.resident, Tier.HOST)
-                # Reads ahead count only what streams, within their share of the room.
-                resident = self.placement.resident
-                self.policy.group_bytes.update({g: sum(n for k, n in keys if k not in resident)
-                                                for g, keys in self.group_keys().items()})
-                if self._fixed_max_bytes is None:
-                    self.policy.max_bytes = self.readahead_room()
+            self._try_placement(moved)
         if self.auto_depth and read_bytes and read_seconds > 0:
             self.policy.depth = self._tuned_depth(read_bytes / read_seconds)
+
+    def _moved(self) -> int:
+        stats = self.store.stats
+        return stats.path("nvme->host")[0] + stats.path("host->nvme")[0]
+
+    def _try_placement(self, moved: int) -> None:
+        """One step of [Note: A placement on trial]; ``moved``: the drive bytes of the step that just ended."""
+        signature = (self.policy.traces_recorded, len(self.later.after), self.later.in_backward)
+        if signature != self._planned_for:  # a new trace (or optimizer): measure it without a placement first
+            self._planned_for = signature
+            self._set(None)
+            self._trial = Trial.BASELINE
+        elif self._trial is Trial.BASELINE:
+            self._baseline_bytes = moved
+            self._set(plan_placement(self.step_trace(), budget_bytes=self.store.config.host_budget_bytes,
+                                     room_bytes=self.room()))
+            self._trial = Trial.SETTLING
+        elif self._trial is Trial.SETTLING:
+            self._trial = Trial.MEASURED
+        elif self._trial is Trial.MEASURED:
+            self._trial = Trial.DECIDED
+            kept = moved < KEEP_BELOW * self._baseline_bytes
+            self.verdict = (f"placement {'kept' if kept else 'dropped'}: a step moved {size_text(moved)} with it, "
+                            f"{size_text(self._baseline_bytes)} without")
+            if not kept:
+                self._set(None)
+
+    def _set(self, placement: Placement | None) -> None:
+        """Keep what ``placement`` keeps (nothing for None), reads ahead within its room."""
+        self.placement = placement
+        resident = placement.resident if placement is not None else frozenset()
+        self.store.keep(self, resident, Tier.HOST)
+        # Reads ahead count only what streams, within their share of the room.
+        self.policy.group_bytes.update({g: sum(n for k, n in keys if k not in resident)
+                                        for g, keys in self.group_keys().items()})
+        if self._fixed_max_bytes is None:
+            self.policy.max_bytes = self.readahead_room()
 
     def _size(self, key: str) -> int:
         if key not in self._sizes:
@@ -151,9 +207,7 @@ class Placer:
         return choose_depth(reads, compute, max_depth=max(1, min(MAX_AUTO_DEPTH, fits)))
 
     def close(self) -> None:
-        self.store.keep(self, (), Tier.HOST)
-        self.placement = None
-        self.policy.max_bytes = self._fixed_max_bytes
+        self._set(None)
 
 
 __all__ = ["AUTO_START_DEPTH", "Placer", "check_options"]

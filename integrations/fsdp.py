@@ -269,6 +269,10 @@ class FSDPOffload(OffloadedParameters):
         """This rank's placement (see ``OffloadedModel.placement``)."""
         return self.placer.placement
 
+    @property
+    def placement_verdict(self) -> str | None:
+        return self.placer.verdict
+
     def zero_grad(self) -> None:
         for sh in self.params.values():
             sh.param.grad = None

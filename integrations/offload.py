@@ -755,9 +755,16 @@ class OffloadedModel(OffloadedParameters):
 
     @property
     def placement(self) -> Placement | None:
-        """What stays in the host tier for the whole run and the bytes a step is predicted to move (planned from
-        the first recorded step; None before, or with ``placement=False``). ``print(off.placement.summary())``."""
+        """What stays in the host tier for the whole run and the bytes a step is predicted to move
+        (``print(off.placement.summary())``): planned from a recorded step and kept where a measured step moved
+        fewer bytes with it than without (``placement_verdict``); None before, when dropped, or with
+        ``placement=False``."""
         return self.placer.placement
+
+    @property
+    def placement_verdict(self) -> str | None:
+        """What the placement's trial measured and decided (None until it has)."""
+        return self.placer.verdict
 
     def readahead_room(self) -> int | None:
         return self.placer.readahead_room()

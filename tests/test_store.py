@@ -415,6 +415,8 @@ def test_kept_copies_survive_prefetches_and_go_last_of_all_for_a_get(make_store)
     owner = object()
     with pytest.raises(ValueError, match="memory tiers"):
         store.keep(owner, ["a"], "nvme")
+    with pytest.raises(TypeError, match="pass \\['a'\\]"):
+        store.keep(owner, "a")
     a = store.get("a", "host")
     a.add_(1)  # a kept copy is changed: it is written home when it goes, not before
     store.mark_dirty("a", "host")

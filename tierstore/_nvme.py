@@ -305,9 +305,11 @@ class NvmeEngine:
                     if write:
                         if self.config.verify_checksums:
                             batch.checksums[index] = _checksum(mv)
-                        self._io_all(self._sys.pwritev, ext, mv, off, batch.label, "write")
+                        with self.stats.busy("write"):
+                            self._io_all(self._sys.pwritev, ext, mv, off, batch.label, "write")
                     else:
-                        self._io_all(self._sys.preadv, ext, mv, off, batch.label, "read")
+                        with self.stats.busy("read"):
+                            self._io_all(self._sys.preadv, ext, mv, off, batch.label, "read")
                         if self.config.verify_checksums and ext.checksums is not None \
                                 and _checksum(mv) != ext.checksums[index]:
                             raise IntegrityError(

@@ -35,7 +35,7 @@ class PrefetchPolicy:
     max_bytes: int | None = None
     group_bytes: dict[Hashable, int] = field(default_factory=dict)
     trace: list[Hashable] | None = None
-    last_step: tuple[list[Hashable], list[float]] = ([], [])
+    last_step: tuple[list[Hashable], list[float]] = field(default_factory=lambda: ([], []))
     """The uses of the last step that started and the clock at each (what ``on_use`` was given)."""
     _recording: list[Hashable] = field(default_factory=list)
     _clock: list[float] = field(default_factory=list)

@@ -47,7 +47,25 @@ class StoreStats:
                 "hits": 0, "misses": 0, "get_calls": 0, "stall_seconds": 0.0, "background_wait_seconds": 0.0,
                 "queue_wait_seconds": 0.0, "io_calls": 0, "evictions": 0, "write_backs": 0, "budget_waits": 0,
                 "prefetches": 0, "prefetch_skipped": 0, "late_prefetches": 0, "kept_evictions": 0,
+                "read_busy_seconds": 0.0, "write_busy_seconds": 0.0,
             }
+            self._busy: dict[str, tuple[int, float]] = {}  # "read"/"write" -> (calls in flight, since when)
+
+    @contextlib.contextmanager
+    def busy(self, what: str) -> Iterator[None]:
+        """An I/O call of kind ``what`` ("read" or "write") is in flight: the seconds during which at least one
+        is count as ``{what}_busy_seconds``, so bytes over them is the drive's rate, however many overlap."""
+        with self._lock:
+            n, since = self._busy.get(what, (0, 0.0))
+            self._busy[what] = (n + 1, time.perf_counter() if n == 0 else since)
+        try:
+            yield
+        finally:
+            with self._lock:
+                n, since = self._busy[what]
+                self._busy[what] = (n - 1, since)
+                if n == 1:
+                    self._counters[f"{what}_busy_seconds"] += time.perf_counter() - since
 
     def add_transfer(self, src: Tier, dst: Tier, nbytes: int, seconds: float, label: str | None = None) -> None:
         """A finished transfer of ``nbytes`` that took ``seconds`` (ending now, on this thread)."""

@@ -403,6 +403,8 @@ class TierStore:
         evicts them, a get() only when nothing else can go (counted as ``kept_evictions``). The set replaces
         ``owner``'s last one; an empty one ends it. A changed kept copy is written home when it goes, or by
         :meth:`flush`, not after each change (see [Note: Kept copies] in _room.py)."""
+        if isinstance(keys, str):
+            raise TypeError(f"keep() takes a collection of keys, not the string {keys!r}: pass [{keys!r}]")
         tier = Tier.parse(tier)
         if tier is Tier.NVME:
             raise ValueError("keep() is for the memory tiers ('device' or 'host'); the nvme tier holds everything")

@@ -122,7 +122,7 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
                 f"{row['read_bytes'] / MIB:>9.1f} {row['written_bytes'] / MIB:>9.1f} "
                 f"{row['nvme_gbps']:>10.2f} {row['prefetch_depth']:>5}  {_bar(step + 1, steps)}")
         opt.close()
-        placement = off.placement
+        placement, verdict = off.placement, off.placement_verdict
         peak_rss = peak_rss_bytes()
         mem = store.memory()
         stats = store.stats_dict()
@@ -139,6 +139,8 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
             f"before the model existed (construction alone: {built_peak / MIB:.0f} MiB)")
     if placement is not None:
         log(placement.summary())
+    if verdict is not None:
+        log(verdict)
     log(f"loss: {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}")
     return {"preset": preset, "params": n, "steps": rows, "memory": mem, "peak_rss_bytes": peak_rss, "rss_before_steps_bytes": rss_before,
             "hits": stats["hits"], "misses": stats["misses"], "prefetch_depth": prefetch_depth,
