@@ -20,6 +20,22 @@ from tierstore.integrations.optim import OffloadedAdamW
 from tierstore.tools.vit import PRESETS, SyntheticImages, ViT
 
 
+def _fail_fc1_update_half_way(monkeypatch):
+    """From now on the update of blocks.0.fc1.weight (the tiny ViT's only (256, 64) tensor) changes the weight and
+    its first moment, then fails; returns the real update."""
+    real = _adamw.adamw_update
+
+    def failing(param, exp_avg, exp_avg_sq, grad, step, hyper):
+        if param.shape == (256, 64):
+            param.add_(1.0)
+            exp_avg.add_(1.0)
+            raise RuntimeError("update failed")
+        real(param, exp_avg, exp_avg_sq, grad, step, hyper)
+
+    monkeypatch.setattr(_adamw, "adamw_update", failing)
+    return real
+
+
 def test_failed_update_leaves_state_as_before_the_step(make_store, monkeypatch):
     torch.manual_seed(0)
     cfg = PRESETS["tiny"]
@@ -33,16 +49,7 @@ def test_failed_update_leaves_state_as_before_the_step(make_store, monkeypatch):
     moments = opt.state_dict()["state"]
     x, y = data.batch(1, 8)
     F.cross_entropy(model(x), y).backward()
-    real = _adamw.adamw_update
-
-    def failing(param, exp_avg, exp_avg_sq, grad, step, hyper):
-        if param.shape == (256, 64):  # blocks.0.fc1.weight: fail half-way through its update
-            param.add_(1.0)
-            exp_avg.add_(1.0)
-            raise RuntimeError("update failed")
-        real(param, exp_avg, exp_avg_sq, grad, step, hyper)
-
-    monkeypatch.setattr(_adamw, "adamw_update", failing)
+    _fail_fc1_update_half_way(monkeypatch)
     with pytest.raises(RuntimeError, match="update failed"):
         opt.step()
     opt.wait()
@@ -66,15 +73,7 @@ def test_a_failed_update_of_kept_state_is_an_error_every_later_step_and_forward_
     assert "param/blocks.0.fc1.weight" in off.placement.resident
     x, y = data.batch(3, 8)
     F.cross_entropy(model(x), y).backward()
-    real = _adamw.adamw_update
-
-    def failing(param, exp_avg, exp_avg_sq, grad, step, hyper):
-        if param.shape == (256, 64):  # blocks.0.fc1.weight: fail half-way through its update
-            param.add_(1.0)
-            raise RuntimeError("update failed")
-        real(param, exp_avg, exp_avg_sq, grad, step, hyper)
-
-    monkeypatch.setattr(_adamw, "adamw_update", failing)
+    real = _fail_fc1_update_half_way(monkeypatch)
     with pytest.raises(RuntimeError, match=r"update of 'blocks.0.fc1.weight' failed half-way .*load a checkpoint"):
         opt.step()
     monkeypatch.setattr(_adamw, "adamw_update", real)

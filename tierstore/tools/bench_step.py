@@ -34,7 +34,9 @@ from .demo import DTYPES, default_budgets, measure_step
 from .vit import PRESETS, SyntheticImages, ViT, num_params
 
 MIB = 1024**2
-WARMUP_STEPS = 4  # before the timed rounds: the trace-recording step and a placement's trial
+# Before the timed rounds: the trace-recording step, a placement's trial (three steps), and the step after its
+# verdict (a dropped placement writes its kept copies home then).
+WARMUP_STEPS = 5
 
 
 class _MasterAdamW:
@@ -125,7 +127,7 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
             store.close()
             raise
         setups[key] = (model, store, opt)
-        # The first step records the trace; a placement is then tried over three more (see integrations/_placing.py)
+        # See WARMUP_STEPS (and integrations/_placing.py).
         for step in range(WARMUP_STEPS - 1):
             measure_step(model, store, opt, data, batch_size, step, dtype=torch_dtype)
         return measure_step(model, store, opt, data, batch_size, WARMUP_STEPS - 1, dtype=torch_dtype)
@@ -283,7 +285,8 @@ def run_budget_sweep(*, preset: str, batch_size: int, depths: list[int], nvme_pa
                              step_in_backward=step_in_backward, rss=False, dtype=dtype, log=lambda *a: None)
         depth, best = min(res["depths"].items(), key=lambda kv: kv[1]["step_s"])
         rows.append({"divisor": k, "host_budget_bytes": res["host_budget_bytes"], "depth": depth,
-                     "resident_step_s": res["resident_step_s"], "drive_gbps": res["drive_gbps"], **best})
+                     "resident_step_s": res["resident_step_s"], "drive_gbps": res["drive_gbps"],
+                     "placement_verdict": res["placement_verdicts"].get(depth), **best})
     log(f"bench step, budget sweep: ViT-{preset}, {dtype}, {state / MIB:.0f} MiB of state, batch {batch_size}; per "
         f"host budget the best of depths {','.join(map(str, depths))}; bound = max(resident step, bytes / drive)")
     log(f"{'budget':>8} {'host MiB':>9} {'depth':>6} {'step s':>8} {'MiB/step':>9} {'resident s':>10} "
@@ -291,7 +294,7 @@ def run_budget_sweep(*, preset: str, batch_size: int, depths: list[int], nvme_pa
     for r in rows:
         log(f"{'1/' + str(r['divisor']):>8} {r['host_budget_bytes'] / MIB:>9.1f} {r['depth']:>6} {r['step_s']:>8.3f} "
             f"{r['bytes_per_step'] / MIB:>9.1f} {r['resident_step_s']:>10.3f} {r['bound_s']:>8.3f} "
-            f"{r['overlap_efficiency']:>8.2f}")
+            f"{r['overlap_efficiency']:>8.2f}  {r['placement_verdict'] or ''}")
     return {"preset": preset, "params": n, "state_bytes": state, "dtype": dtype, "batch_size": batch_size,
             "sweep": rows}
 
