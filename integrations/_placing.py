@@ -79,6 +79,7 @@ class Placer:
         self.place = place
         self.auto_depth = auto_depth
         self.placement: Placement | None = None
+        self.tried: Placement | None = None  # the last plan made, kept or not (its lower bound holds either way)
         self.verdict: str | None = None  # what the trial measured and decided
         self._planned_for: tuple | None = None
         self._trial = Trial.DECIDED
@@ -119,8 +120,9 @@ class Placer:
             self._trial = Trial.BASELINE
         elif self._trial is Trial.BASELINE:
             self._baseline_bytes = moved
-            self._set(plan_placement(self.step_trace(), budget_bytes=self.store.config.host_budget_bytes,
-                                     room_bytes=self.room()))
+            self.tried = plan_placement(self.step_trace(), budget_bytes=self.store.config.host_budget_bytes,
+                                        room_bytes=self.room())
+            self._set(self.tried)
             self._trial = Trial.SETTLING
         elif self._trial is Trial.SETTLING:
             self._trial = Trial.MEASURED

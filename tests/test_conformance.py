@@ -53,3 +53,11 @@ def test_generate_gives_the_resident_tokens(make_store):
     ids = _tokens(0, batch=1, length=5)
     kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "mha-encoder"])
+def test_under_a_placement(name, nvme_dir):
+    """Six steps, two thirds of the state as host budget: a placement is planned from the trace, tried, and kept
+    or dropped; every figure equal to resident training throughout."""
+    seen = check_bit_identical(CASES[name], nvme_dir, steps=6, step_in_backward=True, host_budget_fraction=2 / 3)
+    assert seen["off"].placement_verdict is not None

@@ -162,6 +162,7 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
                 samples[d].append(_offloaded_step(*setups[d], data, batch_size, r + WARMUP_STEPS, torch_dtype))
             drive_once()
         plans = {key: off.placement for key, off in offloads.items()}
+        tried = {key: off.placer.tried for key, off in offloads.items()}
         chosen = {key: off.stats.prefetch_depth for key, off in offloads.items()}
         if trace_path:
             traced = max(numeric) if numeric else depths[0]
@@ -223,7 +224,7 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
         return {"step_s": step_s, "stall_s": statistics.median(s[1] for s in samples[key]), "bytes_per_step": moved,
                 "bound_s": bound, "overlap_efficiency": bound / step_s, "chosen_depth": chosen[key],
                 "predicted_bytes_per_step": p.bytes_per_step if p else None,
-                "lower_bound_bytes": p.lower_bound_bytes if p else None}
+                "lower_bound_bytes": tried[key].lower_bound_bytes if tried[key] else None}
 
     serial = result["serial"] = row_of("serial")
     for key in ["serial", *rows_keys]:
@@ -289,11 +290,13 @@ def run_budget_sweep(*, preset: str, batch_size: int, depths: list[int], nvme_pa
                      "placement_verdict": res["placement_verdicts"].get(depth), **best})
     log(f"bench step, budget sweep: ViT-{preset}, {dtype}, {state / MIB:.0f} MiB of state, batch {batch_size}; per "
         f"host budget the best of depths {','.join(map(str, depths))}; bound = max(resident step, bytes / drive)")
-    log(f"{'budget':>8} {'host MiB':>9} {'depth':>6} {'step s':>8} {'MiB/step':>9} {'resident s':>10} "
+    log("'bound MiB': the planner's lower bound on bytes per step at that budget")
+    log(f"{'budget':>8} {'host MiB':>9} {'depth':>6} {'step s':>8} {'MiB/step':>9} {'bound MiB':>9} {'resident s':>10} "
         f"{'bound s':>8} {'overlap':>8}")
     for r in rows:
+        lower = f"{r['lower_bound_bytes'] / MIB:.1f}" if r["lower_bound_bytes"] is not None else "-"
         log(f"{'1/' + str(r['divisor']):>8} {r['host_budget_bytes'] / MIB:>9.1f} {r['depth']:>6} {r['step_s']:>8.3f} "
-            f"{r['bytes_per_step'] / MIB:>9.1f} {r['resident_step_s']:>10.3f} {r['bound_s']:>8.3f} "
+            f"{r['bytes_per_step'] / MIB:>9.1f} {lower:>9} {r['resident_step_s']:>10.3f} {r['bound_s']:>8.3f} "
             f"{r['overlap_efficiency']:>8.2f}  {r['placement_verdict'] or ''}")
     return {"preset": preset, "params": n, "state_bytes": state, "dtype": dtype, "batch_size": batch_size,
             "sweep": rows}
@@ -316,6 +319,9 @@ def plot_budget_sweep(result: dict[str, Any], path: str) -> None:
     top.plot(xs, [r["bound_s"] for r in rows], "x--", color="red", label="bound")
     top.set_ylabel("seconds per step (lower is better)")
     bottom.plot(xs, [r["bytes_per_step"] / MIB for r in rows], "s-", color="purple", label="moved per step")
+    bounded = [(x, r["lower_bound_bytes"] / MIB) for x, r in zip(xs, rows) if r.get("lower_bound_bytes") is not None]
+    if bounded:
+        bottom.plot(*zip(*bounded), "x--", color="red", label="lower bound\n(planner)")
     bottom.set_ylabel("MiB per step")
     bottom.set_xlabel("host budget / state")
     bottom.set_xscale("log")
