@@ -17,7 +17,9 @@ tried against measurement: the step after a trace is recorded runs without a
 placement (the baseline), the plan is made at the start of the next, that
 step loads the kept copies, and the one after is measured; unless it moved
 less than KEEP_BELOW of the baseline's bytes, the placement is dropped until
-the trace changes. ``verdict`` says what was measured and decided.
+the trace changes. ``verdict`` says what was measured and decided. A trace
+that comes back (training again after an evaluation forward) gets the
+placement decided for it at once, with no new trial.
 
 [Note: Auto prefetch depth] The depth is the smallest that gets each use's
 reads done before it starts, given the drive's rate over the last step's
@@ -84,6 +86,10 @@ class Placer:
         self._planned_for: tuple | None = None
         self._trial = Trial.DECIDED
         self._baseline_bytes = 0
+        # (trace, optimizer keys, in backward) -> the placement decided for it and its verdict, kept for when the
+        # same trace comes back; _decided_for: the key of the trace now
+        self._decided: dict[tuple, tuple[Placement | None, str | None]] = {}
+        self._decided_for: tuple | None = None
         self._moved_before = self._moved()
         self._reads_before = (store.stats.path("nvme->host")[0], store.stats.counter("read_busy_seconds"))
         self._sizes: dict[str, int] = {}
@@ -116,6 +122,14 @@ class Placer:
         signature = (self.policy.traces_recorded, len(self.later.after), self.later.in_backward)
         if signature != self._planned_for:  # a new trace (or optimizer): measure it without a placement first
             self._planned_for = signature
+            if self._trial is Trial.DECIDED and self._decided_for is not None:
+                self._decided[self._decided_for] = (self.placement, self.verdict)
+            self._decided_for = (tuple(self.policy.trace or ()), len(self.later.after), self.later.in_backward)
+            if self._decided_for in self._decided:  # a trace seen before (training again after an evaluation)
+                placement, self.verdict = self._decided[self._decided_for]
+                self._set(placement)
+                self._trial = Trial.DECIDED
+                return
             self._set(None)
             self._trial = Trial.BASELINE
         elif self._trial is Trial.BASELINE:
