@@ -128,9 +128,10 @@ def check_training(args: argparse.Namespace) -> dict[str, Any]:
 def check_demo_and_bench(args: argparse.Namespace) -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"skipped": "needs a GPU"}
-    demo = run_demo(preset="small", steps=4, batch_size=16, nvme_path=args.nvme_path, prefetch_depth=2,
+    # Six demo steps: the placement's trial ends at the fifth (see integrations/_placing.py).
+    demo = run_demo(preset="small", steps=6, batch_size=16, nvme_path=args.nvme_path, prefetch_depth="auto",
                     host_budget_bytes=None, device_budget_bytes=None)
-    bench = run_step_bench(preset="base", batch_size=8, depths=[0, 2], nvme_path=args.nvme_path, rounds=1,
+    bench = run_step_bench(preset="base", batch_size=8, depths=[0, 2, "auto"], nvme_path=args.nvme_path, rounds=1,
                            host_budget_bytes=None, device_budget_bytes=None, rss=False)
     return {"demo": demo, "bench_step": bench}
 
