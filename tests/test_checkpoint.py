@@ -43,28 +43,32 @@ def _steps(model, opt, data, start, count, sched=None):
     return losses
 
 
-def _offloaded(make_store, seed, dtype=torch.float32, no_decay_group=False, **kw):
+def _offloaded(make_store, seed, dtype=torch.float32, no_decay_group=False, host="384KiB", **kw):
     torch.manual_seed(seed)
     model = ViT(PRESETS["tiny"], checkpoint_blocks=True, tie_head=True).to(dtype)
-    store = make_store(host_budget_bytes="384KiB", device_budget_bytes="320KiB")
+    store = make_store(host_budget_bytes=host, device_budget_bytes="320KiB")
     off = offload_model(model, store, **kw)
     groups = [{"params": [n for n, p in model.named_parameters() if p.ndim < 2], "weight_decay": 0.0}]
     return model, off, OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, param_groups=groups if no_decay_group else None)
 
 
-@pytest.mark.parametrize("dtype,threshold", [(torch.float32, 0), (torch.float32, 1024), (torch.bfloat16, 0)],
-                         ids=["fp32", "fp32+resident", "bf16"])
-def test_resume_gives_the_same_losses(make_store, tmp_path, dtype, threshold):
+@pytest.mark.parametrize("dtype,threshold,host", [(torch.float32, 0, "384KiB"), (torch.float32, 1024, "384KiB"),
+                                                (torch.bfloat16, 0, "384KiB"), (torch.float32, 0, "1MiB")],
+                         ids=["fp32", "fp32+resident", "bf16", "fp32+placement"])
+def test_resume_gives_the_same_losses(make_store, tmp_path, dtype, threshold, host):
     data = SyntheticImages(PRESETS["tiny"])
-    model, off, opt = _offloaded(make_store, 0, dtype, resident_threshold_bytes=threshold)
+    model, off, opt = _offloaded(make_store, 0, dtype, resident_threshold_bytes=threshold, host=host)
     _steps(model, opt, data, 0, 5)
+    if host == "1MiB":  # the weights are kept in the host tier, changed since they were last written home
+        assert off.placement is not None and off.placement.resident_by_kind.get("weights")
     path = str(tmp_path / "ckpt")
     manifest = save_checkpoint(path, off, opt, extra={"step": 5})
     assert sorted(os.listdir(path)) == sorted(["manifest.json", MODEL_FILE, OPTIMIZER_FILE])
     assert not [n for n in os.listdir(tmp_path) if n.startswith("ckpt.")], "temporary directories left behind"
     expected = _steps(model, opt, data, 5, 5)
 
-    resumed, roff, ropt = _offloaded(make_store, 123, dtype, resident_threshold_bytes=threshold)  # other init
+    resumed, roff, ropt = _offloaded(make_store, 123, dtype, resident_threshold_bytes=threshold,
+                                     host=host)  # other init
     assert load_checkpoint(path, roff, ropt) == {"step": 5}
     assert roff.policy.trace == manifest["metadata"]["trace"]
     assert _steps(resumed, ropt, data, 5, 5) == expected
