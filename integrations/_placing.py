@@ -19,7 +19,9 @@ step loads the kept copies, and the one after is measured; unless it moved
 less than KEEP_BELOW of the baseline's bytes, the placement is dropped until
 the trace changes. ``verdict`` says what was measured and decided. A trace
 that comes back (training again after an evaluation forward) gets the
-placement decided for it at once, with no new trial.
+placement decided for it at once, with no new trial; a new one is tried only
+once it repeats, and what was kept stays until then, so a one-off step (an
+evaluation forward) costs no kept copies.
 
 [Note: Auto prefetch depth] The depth is the smallest that gets each use's
 reads done before it starts, given the drive's rate over the last step's
@@ -53,10 +55,13 @@ KEEP_BELOW = 0.97  # a placement is kept when its step moved less than this shar
 class Trial(enum.Enum):
     """Where a placement is in its trial (see [Note: A placement on trial])."""
 
+    SEEN_ONCE = "a new trace, seen once: what is kept stays until it repeats"
     BASELINE = "a step without a placement is measured"
     SETTLING = "the plan's kept copies are loaded"
     MEASURED = "a step with the placement is measured"
     DECIDED = "kept or dropped"
+
+
 AUTO_START_DEPTH = 2  # prefetch_depth="auto" before a step has been measured
 
 
@@ -129,7 +134,11 @@ class Placer:
                 placement, self.verdict = self._decided[self._decided_for]
                 self._set(placement)
                 self._trial = Trial.DECIDED
-                return
+            elif self.placement is not None:  # maybe a one-off (an evaluation forward): keep it until it repeats
+                self._trial = Trial.SEEN_ONCE
+            else:
+                self._trial = Trial.BASELINE
+        elif self._trial is Trial.SEEN_ONCE:  # it repeated: measure it
             self._set(None)
             self._trial = Trial.BASELINE
         elif self._trial is Trial.BASELINE:

@@ -147,3 +147,26 @@ def test_a_placement_that_moves_no_fewer_bytes_is_dropped(make_store, monkeypatc
     _assert_same_parameters(model, ref)
     assert off.placement is None and store.kept("host") == frozenset()
     assert off.placement_verdict.startswith("placement dropped: a step moved")
+
+
+def test_an_evaluation_forward_between_steps_keeps_the_placement(make_store):
+    ref, model, data = _tiny_pair()
+    store = make_store(host_budget_bytes=num_params(ref) * 8)
+    ref_losses, ref_opt = train_resident(ref, data, 6)
+    losses, off, opt = train_offloaded(model, data, 6, store, step_in_backward=True)
+    assert losses == ref_losses
+    plan = off.placement
+    assert plan is not None and store.kept("host") == plan.resident
+    x, y = data.batch(50, 8)
+    for step in range(6, 9):  # an evaluation forward, then a training step, three times
+        with torch.no_grad():
+            assert torch.equal(model(x), ref(x))
+        assert store.kept("host") == plan.resident  # the new trace is seen once: nothing dropped
+        xs, ys = data.batch(step, 8)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            F.cross_entropy(m(xs), ys).backward()
+            o.step()
+            o.zero_grad()
+        assert off.placement is plan and store.kept("host") == plan.resident
+    opt.close()
+    _assert_same_parameters(model, ref)
