@@ -95,8 +95,7 @@ class Placer:
         # same trace comes back; _decided_for: the key of the trace now
         self._decided: dict[tuple, tuple[Placement | None, str | None]] = {}
         self._decided_for: tuple | None = None
-        self._moved_before = self._moved()
-        self._reads_before = (store.stats.path("nvme->host")[0], store.stats.counter("read_busy_seconds"))
+        self._drive_before = self._drive()
         self._sizes: dict[str, int] = {}
         self._fixed_max_bytes = policy.max_bytes  # prefetch_bytes given by the user
 
@@ -106,11 +105,10 @@ class Placer:
 
     def start_step(self) -> None:
         """After ``policy.start_step()``: plan again if the trace or the optimizer changed, tune the depth."""
-        stats = self.store.stats
-        reads = (stats.path("nvme->host")[0], stats.counter("read_busy_seconds"))
-        read_bytes, read_seconds = reads[0] - self._reads_before[0], reads[1] - self._reads_before[1]
-        self._reads_before = reads
-        moved, self._moved_before = self._moved() - self._moved_before, self._moved()
+        now = self._drive()
+        read_bytes, written_bytes, read_seconds = (a - b for a, b in zip(now, self._drive_before))
+        self._drive_before = now
+        moved = read_bytes + written_bytes
         if self.policy.steps < 2:  # nothing recorded yet
             return
         if self.place:
@@ -118,9 +116,10 @@ class Placer:
         if self.auto_depth and read_bytes and read_seconds > 0:
             self.policy.depth = self._tuned_depth(read_bytes / read_seconds)
 
-    def _moved(self) -> int:
+    def _drive(self) -> tuple[float, float, float]:
+        """(bytes read, bytes written, seconds some read was in flight) of the drive so far."""
         stats = self.store.stats
-        return stats.path("nvme->host")[0] + stats.path("host->nvme")[0]
+        return stats.path("nvme->host")[0], stats.path("host->nvme")[0], stats.counter("read_busy_seconds")
 
     def _try_placement(self, moved: int) -> None:
         """One step of [Note: A placement on trial]; ``moved``: the drive bytes of the step that just ended."""
@@ -223,11 +222,12 @@ class Placer:
             return self.policy.depth
         kept = self.store.kept(Tier.HOST)
         groups = self.group_keys()
-        reads = [sum(n for k, n in groups.get(g, ()) if k not in kept) / drive_bytes_per_second for g in uses]
+        streamed = [sum(n for k, n in groups.get(g, ()) if k not in kept) for g in uses]
+        reads = [n / drive_bytes_per_second for n in streamed]
         compute = [max(0.0, b - a) for a, b in zip(clock, clock[1:])] + [0.0]
         # As many of the largest streamed unit as the room holds beside the one computing.
         room = self.placement.room_bytes if self.placement else self.store.config.host_budget_bytes
-        largest = max((sum(n for k, n in groups.get(g, ()) if k not in kept) for g in uses), default=0)
+        largest = max(streamed, default=0)
         fits = room // largest - 1 if largest else MAX_AUTO_DEPTH
         return choose_depth(reads, compute, max_depth=max(1, min(MAX_AUTO_DEPTH, fits)))
 

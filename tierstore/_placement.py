@@ -9,9 +9,10 @@ order and prefetches then leave those copies alone.
 its bytes moved over the drive's rate, so the lever left is the bytes. A key
 that streams costs, each step, one read per use its copy does not survive to
 (a copy survives a gap when the other streamed bytes used from its last use
-to this one, those used with it included, fit the working room beside it) and one write when the step changes it. A key kept
-resident costs nothing after its first read, and a changed one is written
-home only when it has to go (a checkpoint flushes it). So the keys that save
+to this one, those used with it included, fit the working room beside it)
+and one write when the step changes it. A key kept resident costs nothing
+after its first read, and a changed one is written home only when it has to
+go (a checkpoint flushes it). So the keys that save
 the most bytes per byte of budget are kept: parameters used far apart in
 forward and backward (two reads and a write each step: 3 bytes a byte), then
 optimizer state and parameters used close together (a read and a write: 2),

@@ -78,23 +78,11 @@ class Room:
             buf = pool.try_alloc(nbytes)
             if buf is not None:
                 return buf
-            if self._evict_clean(tier, pool.capacity_for(nbytes), kept=False):
+            if self._make_room(tier, pool.capacity_for(nbytes), kept=False):
                 continue
-            writing = self._start_eviction_writebacks(tier, kept=False)
-            if writing is None:  # the copy it would have written went home meanwhile: evict again
+            # Last of all, kept copies (see [Note: Kept copies]).
+            if not may_skip and self.kept_keys(tier) and self._make_room(tier, pool.capacity_for(nbytes), kept=True):
                 continue
-            if writing or self._busy(tier):
-                state.lock.wait(0.05)
-                continue
-            if not may_skip and self.kept_keys(tier):  # last of all, kept copies (see [Note: Kept copies])
-                if self._evict_clean(tier, pool.capacity_for(nbytes), kept=True):
-                    continue
-                writing = self._start_eviction_writebacks(tier, kept=True)
-                if writing is None:
-                    continue
-                if writing:
-                    state.lock.wait(0.05)
-                    continue
             buf = pool.try_alloc(nbytes, dissolve=True)  # nothing left to evict: the free bytes are in pieces
             if buf is not None:
                 return buf
@@ -108,6 +96,19 @@ class Room:
             if time.perf_counter() - waited_since >= BUDGET_WAIT_SECONDS:
                 raise TierBudgetError(self._budget_message(tier, nbytes, for_key, waited_since))
             self._wait_for_release(tier)
+
+    def _make_room(self, tier: Tier, need: int, *, kept: bool) -> bool:
+        """Free copies that could go (kept ones too, if ``kept``) or start writing one home; True when the caller
+        should try again (room was made, or a write-back or transfer in flight will make some)."""
+        if self._evict_clean(tier, need, kept=kept):
+            return True
+        writing = self._start_eviction_writebacks(tier, kept=kept)
+        if writing is None:  # the copy it would have written went home meanwhile: evict again
+            return True
+        if writing or (not kept and self._busy(tier)):
+            self.state.lock.wait(0.05)
+            return True
+        return False
 
     def _busy(self, tier: Tier) -> bool:
         """An unheld copy in ``tier`` is being filled or read: it becomes evictable when that is done."""

@@ -71,22 +71,6 @@ def _resident_step(model, data, batch_size: int, step: int, opt, dtype: torch.dt
     return time.perf_counter() - t0
 
 
-def parse_depths(text: str) -> list[int | str]:
-    """'0,2,auto' -> [0, 2, 'auto']; a clear error for anything else."""
-    out: list[int | str] = []
-    for part in text.split(","):
-        part = part.strip()
-        if part == "auto":
-            out.append(part)
-        elif part.isdigit():
-            out.append(int(part))
-        else:
-            raise ValueError(f"--depths {text!r}: give depths >= 0 or 'auto', separated by commas (e.g. 0,4,auto)")
-    if not out:
-        raise ValueError("--depths: give at least one depth")
-    return out
-
-
 def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvme_path: str, rounds: int,
                    host_budget_bytes: int | None, device_budget_bytes: int | None, trace_path: str | None = None,
                    step_in_backward: bool = True, rss: bool = True, dtype: str = "fp32", placement_ab: bool = False,

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     step = bsub.add_parser("step", help="offloaded step time at several prefetch depths vs resident and the bound")
     step.add_argument("--preset", default="small", help="ViT size (default small)")
     step.add_argument("--batch-size", type=int, default=32)
-    step.add_argument("--depths", default="0,1,2,4,8,auto",
+    step.add_argument("--depths", type=_depths, default="0,1,2,4,8,auto",
                       help="prefetch depths, numbers or 'auto' (default 0,1,2,4,8,auto)")
     step.add_argument("--placement-ab", action="store_true",
                       help="also run the deepest numeric depth without a placement (alternating, same run)")
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             _write_json(args.json, result)
             return 0
         if args.cmd == "bench" and args.bench == "step":
-            from .bench_step import check_plotting, parse_depths, run_step_bench
+            from .bench_step import check_plotting, run_step_bench
 
             if args.plot:
                 check_plotting()
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 result = run_budget_sweep(
                     preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=_nvme_path(args),
-                    depths=parse_depths(args.depths), step_in_backward=not args.step_after_backward,
+                    depths=args.depths, step_in_backward=not args.step_after_backward,
                     divisors=[int(k) for k in args.budget_sweep.split(",")], dtype=args.dtype,
                     device_budget_bytes=_budgets(args)["device_budget_bytes"])
                 _write_json(args.json, result)
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             result = run_step_bench(
                 preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=_nvme_path(args),
-                depths=parse_depths(args.depths), trace_path=args.trace, placement_ab=args.placement_ab,
+                depths=args.depths, trace_path=args.trace, placement_ab=args.placement_ab,
                 step_in_backward=not args.step_after_backward, rss=not args.no_rss, dtype=args.dtype,
                 **_budgets(args))
             _write_json(args.json, result)
@@ -198,11 +198,17 @@ def _nvme_path(args: argparse.Namespace) -> str:
 
 
 def _depth(text: str) -> int | str:
+    text = text.strip()
     if text == "auto":
         return text
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r}: give a depth >= 0 or 'auto'")
     return int(text)
+
+
+def _depths(text: str) -> list[int | str]:
+    """'0,2,auto' -> [0, 2, 'auto']."""
+    return [_depth(part) for part in text.split(",")]
 
 
 def _count(text: str) -> int:

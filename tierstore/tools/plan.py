@@ -164,8 +164,9 @@ def format_plan(plan: dict[str, Any]) -> str:
     pl = plan.get("placement")
     if pl is not None:
         lines.append(f"placement per rank (the offloaded model's, over {pl['layers']} equal layers; host budget "
-                     f"{pl['host_budget_bytes'] / scale:.2f} {unit}, {pl['room_bytes'] / scale:.2f} of it for copies in "
-                     f"flight): resident " + ", ".join(f"{k} {v / scale:.2f}" for k, v in pl["resident_by_kind"].items()))
+                     f"{pl['host_budget_bytes'] / scale:.2f} {unit}, {pl['room_bytes'] / scale:.2f} of it for "
+                     "copies in flight): resident "
+                     + ", ".join(f"{k} {v / scale:.2f}" for k, v in pl["resident_by_kind"].items()))
         lines.append(f"  nvme bytes per step ({unit}): {pl['bytes_per_step'] / scale:.2f} predicted, "
                      f"{pl['lower_bound_bytes'] / scale:.2f} lower bound")
     return "\n".join(lines)
