@@ -27,6 +27,22 @@ do. So ``nn.MultiheadAttention`` reading ``out_proj.weight`` without calling
 ``out_proj``, a model reading ``self.embed.weight`` for a tied projection, or a
 table shared across layers all compute with the real values.
 
+[Note: A held parameter is an ordinary one] While held, a parameter is of
+its own class again (``nn.Parameter``) and only unheld is it an
+``_OffloadedParameter``: torch's fused inference paths
+(``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer`` in eval under
+``no_grad``) refuse any argument with a ``__torch_function__``, and their
+kernels round differently from the standard path (``nn.TransformerEncoder``'s
+also gives zeros at padding), so a subclass would make the offloaded model's
+eval outputs differ from the resident model's. The layer also refuses any
+forward hook on itself or a module inside it: as a unit (by default) its
+forward is wrapped instead of hooked. ``nn.TransformerEncoder`` asks the same
+of its first layer's parameters before that layer runs: its hooks show them
+as ordinary from its start until the layer holds them (their placeholders
+still hold no values, so a read there raises; only the question sees them).
+Off the hot path too: a held parameter's ops no longer pass through a
+Python ``__torch_function__``.
+
 [Note: Holding a parameter] Holds are counted: one per forward of a unit that
 holds it (released by the forward post-hook) and at most one for backward
 (taken when the gradient of one of the unit's forward outputs is about to be
@@ -58,6 +74,7 @@ held until their gradients are accumulated.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -83,7 +100,11 @@ _STATE_KEY = "_tierstore_offload"
 _NOT_COPYABLE = ("an offloaded model cannot be copied or pickled: its parameters live in the store and its module "
                  "holds placeholders. Copy it before offload_model, call .remove() first, or save it with "
                  "state_dict() (which reads the real values) or save_checkpoint()")
-DEFAULT_UNITS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+DEFAULT_UNITS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention, nn.TransformerEncoderLayer,
+                                               nn.TransformerDecoderLayer)
+# Modules whose forward takes its fused inference path only when no forward hook is attached to it or to any module
+# inside it: as units, their forward is wrapped instead of hooked (see [Note: A held parameter is an ordinary one]).
+_HOOK_SHY: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer,)
 
 
 class OffloadedParameterError(RuntimeError):
@@ -343,12 +364,24 @@ class OffloadedModel(OffloadedParameters):
             sp.param.__class__ = _OffloadedParameter
             sp.param._tierstore = sp  # type: ignore[attr-defined]
         self._to_compute_device(model)
+        wrapped = set()
+        roots = _unit_modules(model, units)
         for mname, (module, ids) in owned_by.items():
             owned = [self.params[i] for i in ids]
             group = _Group(mname, owned, sum(sp.nbytes for sp in owned))
             self.groups[mname] = group
+            if isinstance(module, _HOOK_SHY) and mname and roots.get(mname):
+                self._handles.append(_WrappedForward(module, self, group))
+                wrapped.add(id(module))
+                continue
             self._handles.append(module.register_forward_pre_hook(partial(self._pre_forward, group)))
             self._handles.append(module.register_forward_hook(partial(self._post_forward, group), always_call=True))
+        for module in model.modules():
+            if isinstance(module, nn.TransformerEncoder) and len(module.layers) and id(module.layers[0]) in wrapped:
+                first = [self.params[id(p)] for p in module.layers[0].parameters() if id(p) in self.params]
+                self._handles.append(module.register_forward_pre_hook(partial(_present_ordinary, first, True)))
+                self._handles.append(module.register_forward_hook(partial(_present_ordinary, first, False),
+                                                                  always_call=True))
         self._handles.append(model.register_forward_pre_hook(self._start_step, prepend=True))
         self._unhooked = list(self.params.values())  # gradients not yet taken as they complete (frozen ones)
         self._hook_gradients()
@@ -537,6 +570,7 @@ class OffloadedModel(OffloadedParameters):
         if sp.holds == 1:
             t0 = time.perf_counter()
             sp.param.data = self.store.get(sp.key, self.compute_tier)
+            sp.param.__class__ = sp.original_class  # see [Note: A held parameter is an ordinary one]
             if sp.param.numel():
                 self._storage_owner[sp.param.untyped_storage().data_ptr()] = sp
             by_group = self.stats.stall_seconds_by_group
@@ -547,6 +581,7 @@ class OffloadedModel(OffloadedParameters):
         if sp.holds == 0:
             self._storage_owner.pop(sp.param.untyped_storage().data_ptr(), None)
             sp.param.data = sp.placeholder
+            sp.param.__class__ = _OffloadedParameter
             self.store.release(sp.key, self.compute_tier)
 
     def _backward_hold(self, sp: _Param, group: _Group) -> None:
@@ -814,6 +849,38 @@ class OffloadedModel(OffloadedParameters):
             self.store.drop(sp.key)
         self.params.clear()
         delattr(self.model, _STATE_KEY)
+
+
+class _WrappedForward:
+    """A unit's pre- and post-forward around its module's ``forward`` instead of as hooks (for ``_HOOK_SHY``
+    modules); ``remove()`` undoes it, as a hook's handle does."""
+
+    def __init__(self, module: nn.Module, owner: OffloadedModel, group: _Group) -> None:
+        self.module = module
+        forward = module.forward
+
+        @functools.wraps(forward)
+        def held_forward(*args: Any, **kwargs: Any) -> Any:
+            owner._pre_forward(group, module, args)
+            output = None
+            try:
+                output = forward(*args, **kwargs)
+            finally:
+                owner._post_forward(group, module, args, output)
+            return output
+
+        module.forward = held_forward
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+
+def _present_ordinary(params: list[_Param], start: bool, module: nn.Module, *_: Any) -> None:
+    """A forward pre-hook (``start``) and post-hook of an ``nn.TransformerEncoder`` whose first layer is a wrapped
+    unit (see [Note: A held parameter is an ordinary one])."""
+    for sp in params:
+        if not sp.holds:
+            sp.param.__class__ = sp.original_class if start else _OffloadedParameter
 
 
 def _unit_modules(model: nn.Module, units: Sequence[type[nn.Module] | nn.Module | str]) -> dict[str, bool]:

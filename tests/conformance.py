@@ -220,6 +220,42 @@ def _encoder_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(ids).flatten(0, 1), ids.flip(1).flatten())
 
 
+class TorchEncoder(nn.Module):
+    """``nn.TransformerEncoder`` over padded sequences, as text classifiers use it: in eval under no_grad torch
+    runs its inference fast path (the layers' fused kernel, and nested tensors for the padding)."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        layer = nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids), src_key_padding_mask=_padding(ids)))
+
+
+class TorchTransformer(nn.Module):
+    """``nn.Transformer`` (encoder and decoder layers) with padding and a causal mask."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.body = nn.Transformer(dim, 4, 2, 2, 2 * dim, dropout=0.1, batch_first=True)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x, pad = self.embed(ids), _padding(ids)
+        causal = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        return self.head(self.body(x, x, tgt_mask=causal, src_key_padding_mask=pad, memory_key_padding_mask=pad))
+
+
+def _padding(ids: torch.Tensor) -> torch.Tensor:
+    """True past each row's length: row i of the batch is i + 1 tokens shorter than the longest."""
+    lengths = ids.shape[1] - torch.arange(ids.shape[0])
+    return torch.arange(ids.shape[1])[None] >= lengths[:, None]
+
+
 CASES = {
     "llama-tied": Case(partial(_llama, True), _tokens, _causal_lm),
     "llama-untied": Case(partial(_llama, False), _tokens, _causal_lm),
@@ -228,6 +264,8 @@ CASES = {
     "t5": Case(_t5, _tokens, _seq2seq),
     "mixtral": Case(_mixtral, _tokens, _causal_lm),
     "mha-encoder": Case(Encoder, _tokens, _encoder_loss),
+    "torch-encoder": Case(TorchEncoder, _tokens, _encoder_loss),
+    "torch-transformer": Case(TorchTransformer, _tokens, _encoder_loss),
 }
 
 

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from tierstore.integrations.offload import offload_model
 
 pytest.importorskip("transformers")
+# torch says so whenever nn.TransformerEncoder takes its nested-tensor path (the resident model too)
+pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
 
-from conformance import CASES, _gpt2, _tokens, check_bit_identical  # noqa: E402
+from conformance import CASES, _gpt2, _seeded, _tokens, check_bit_identical  # noqa: E402
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -61,3 +64,30 @@ def test_under_a_placement(name, nvme_dir):
     or dropped; every figure equal to resident training throughout."""
     seen = check_bit_identical(CASES[name], nvme_dir, steps=6, step_in_backward=True, host_budget_fraction=2 / 3)
     assert seen["off"].placement_verdict is not None
+
+
+@pytest.mark.parametrize("name", ["mha-encoder", "torch-encoder"])
+def test_inference_takes_the_resident_fast_path(name, make_store, monkeypatch):
+    """In eval under no_grad, ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` run fused kernels only
+    when no parameter has a ``__torch_function__`` (and the layer has no forward hook), and the fused kernels round
+    differently (and give zeros at padding): the offloaded model takes the path the resident one takes."""
+    calls: list[str] = []
+    for fused in ("_native_multi_head_attention", "_transformer_encoder_layer_fwd"):
+        kernel = getattr(torch, fused)
+        monkeypatch.setattr(torch, fused, lambda *a, _k=kernel, _n=fused, **kw: (calls.append(_n), _k(*a, **kw))[1])
+    ref = _seeded(CASES[name].build, 0).eval()
+    model = _seeded(CASES[name].build, 0).eval()
+    off = offload_model(model, make_store(host_budget_bytes="256KiB"))
+    for step in range(8):
+        ids = _tokens(step, batch=3)
+        with torch.no_grad():
+            calls.clear()
+            want = ref(ids)
+            resident_calls = list(calls)
+            calls.clear()
+            got = model(ids)
+        assert resident_calls, "the resident model took no fused kernel: the test would prove nothing"
+        assert calls == resident_calls
+        assert torch.equal(got, want), f"batch {step}: max difference {(got - want).abs().max()}"
+    assert off.params and all(type(sp.param) is not nn.Parameter for sp in off.params.values()), \
+        "outside a forward an offloaded parameter is an offloaded one again"
