@@ -334,6 +334,13 @@ class OffloadedModel(OffloadedParameters):
         self._saved_hooks: Any = None
         meta = check_meta(model, init_fn)
         offloaded, owned_by = self._plan_units(model, units, resident_threshold_bytes)  # checked before any write
+        taken = [name for name, _ in offloaded.values() if f"param/{name}" in store]
+        if taken:
+            raise ValueError(
+                f"the store already holds an offloaded parameter named {taken[0]!r} ({len(taken)} of this model's "
+                f"names are taken): a store keeps a model's parameters and optimizer state under their names, so "
+                f"another model offloaded into it must not share them. Give each model its own TierStore, or "
+                f"call .remove() on the other model's offload first")
         if home is Tier.NVME:
             store.require_nvme_room(sum(nbytes for _, nbytes in offloaded.values()), "offloading {size} of parameters")
         handles: list = []

@@ -113,6 +113,11 @@ def test_remove_restores_module(make_store):
     off = offload_model(model, store)
     with pytest.raises(ValueError, match="already offloaded"):
         offload_model(model, store)
+    twin = copy.deepcopy(ref)  # another model with the same names, into the same store: refused before any write
+    keys = store.keys()
+    with pytest.raises(ValueError, match=r"already holds an offloaded parameter named .* its own TierStore"):
+        offload_model(twin, store)
+    assert store.keys() == keys and all(not p.is_meta and p.data_ptr() for p in twin.parameters())
     for (name, p), r in zip(model.named_parameters(), ref.parameters()):  # the memory is gone, the shape stays
         assert p.data_ptr() == 0 and p.shape == r.shape and p.dtype == r.dtype and p.device == r.device
         assert isinstance(p, torch.nn.Parameter) and p.is_leaf and p.requires_grad
