@@ -144,6 +144,11 @@ class Placer:
             self._baseline_bytes = moved
             self.tried = plan_placement(self.step_trace(), budget_bytes=self.store.config.host_budget_bytes,
                                         room_bytes=self.room())
+            if not self.tried.resident:  # nothing to try: no key is worth its bytes beside the room
+                self._trial = Trial.DECIDED
+                self.verdict = (f"no placement: nothing fits beside the {size_text(self.tried.room_bytes)} left "
+                                f"for copies in flight")
+                return
             self._set(self.tried)
             self._trial = Trial.SETTLING
         elif self._trial is Trial.SETTLING:

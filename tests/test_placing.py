@@ -149,6 +149,20 @@ def test_a_placement_that_moves_no_fewer_bytes_is_dropped(make_store, monkeypatc
     assert off.placement_verdict.startswith("placement dropped: a step moved")
 
 
+def test_a_plan_that_keeps_nothing_is_not_tried(make_store, monkeypatch):
+    from tierstore import _placement
+
+    monkeypatch.setattr(_placement, "ROOM_SHARE", 1.0)  # the whole budget is room for copies in flight
+    ref, model, data = _tiny_pair()
+    store = make_store(host_budget_bytes=num_params(ref) * 8)
+    ref_losses, _ = train_resident(ref, data, 5)
+    losses, off, opt = train_offloaded(model, data, 5, store, step_in_backward=True)
+    assert losses == ref_losses
+    _assert_same_parameters(model, ref)
+    assert off.placement is None and store.kept("host") == frozenset()
+    assert off.placement_verdict.startswith("no placement: nothing fits beside the")
+
+
 def test_an_evaluation_forward_between_steps_keeps_the_placement(make_store):
     ref, model, data = _tiny_pair()
     store = make_store(host_budget_bytes=num_params(ref) * 8)
