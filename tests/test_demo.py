@@ -169,7 +169,7 @@ def test_bench_step_budget_sweep_tiny(tmp_path, capsys):
     assert rows[0]["host_budget_bytes"] > rows[1]["host_budget_bytes"]
     for r in rows:
         assert r["step_s"] > 0 and r["bytes_per_step"] > 0 and r["bound_s"] >= r["resident_step_s"] > 0
-        assert 0 < r["lower_bound_bytes"] and r["placement_verdict"].startswith("placement ")
+        assert 0 < r["lower_bound_bytes"] and r["placement_verdict"].startswith(("placement kept", "placement dropped", "no placement"))
     assert rows[0]["lower_bound_bytes"] < rows[1]["lower_bound_bytes"]  # less budget, more to move
     printed = capsys.readouterr().out
     assert "budget sweep" in printed and "1/10" in printed and "bound MiB" in printed
