@@ -142,8 +142,8 @@ class Placer:
             self._trial = Trial.BASELINE
         elif self._trial is Trial.BASELINE:
             self._baseline_bytes = moved
-            self.tried = plan_placement(self.step_trace(), budget_bytes=self.store.config.host_budget_bytes,
-                                        room_bytes=self.room())
+            budget = self.budget()
+            self.tried = plan_placement(self.step_trace(), budget_bytes=budget, room_bytes=self.room(budget))
             if not self.tried.resident:  # nothing to try: no key is worth its bytes beside the room
                 self._trial = Trial.DECIDED
                 self.verdict = (f"no placement: nothing fits beside the {size_text(self.tried.room_bytes)} left "
@@ -208,9 +208,17 @@ class Placer:
         kinds = {k: k.rsplit("/", 1)[-1] if k.startswith(OPTIMIZER_PREFIX) else "weights" for k in nbytes}
         return StepTrace(events=tuple(ordered), nbytes=nbytes, changed=changed, kinds=kinds)
 
-    def room(self) -> int:
-        """Host bytes left for copies in flight (see ``tierstore._placement.room_bytes``)."""
-        host = self.store.config.host_budget_bytes
+    def budget(self) -> int:
+        """The host budget less what other models' placements keep in it (models offloaded into one store share
+        its budget: the first to plan keeps what it chooses, the next plans in what is left)."""
+        mine = self.placement.resident if self.placement is not None else frozenset()
+        others = self.store.kept(Tier.HOST) - mine
+        return max(0, self.store.config.host_budget_bytes - sum(self._size(k) for k in others))
+
+    def room(self, host: int | None = None) -> int:
+        """Bytes of ``host`` (the host budget) left for copies in flight (see
+        ``tierstore._placement.room_bytes``)."""
+        host = self.store.config.host_budget_bytes if host is None else host
         unit = max((sum(n for _, n in keys) for keys in self.group_keys().values()), default=0)
         by_param: dict[str, int] = {}
         for k, param_key in self.later.after.items():

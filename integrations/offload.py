@@ -393,14 +393,12 @@ class OffloadedModel(OffloadedParameters):
         self._unhooked = list(self.params.values())  # gradients not yet taken as they complete (frozen ones)
         self._hook_gradients()
 
-        def state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-            self._fill_state_dict(state_dict, prefix)
-
-        self._handles.append(model.register_state_dict_post_hook(state_dict_hook))
-        # model.load_state_dict() writes each offloaded parameter's held copy (see [Note: Loading a state dict]).
+        # model.load_state_dict() writes each offloaded parameter's held copy (see [Note: Loading a state dict]);
+        # state_dict() of the model or of any of its modules reads the real values.
         self._loading: list[_Param] = []
         for module in model.modules():
             if any(id(p) in self.params for p in module._parameters.values() if p is not None):
+                self._handles.append(module.register_state_dict_post_hook(partial(self._fill_state_dict)))
                 self._handles.append(module.register_load_state_dict_pre_hook(self._before_load))
                 self._handles.append(module.register_load_state_dict_post_hook(self._after_load))
         # Until a step has been recorded, guess that forward uses the units in definition order.
@@ -733,11 +731,12 @@ class OffloadedModel(OffloadedParameters):
             self.store.mark_dirty(sp.key, self.compute_tier)
             self._unhold(sp)
 
-    def _fill_state_dict(self, state_dict: dict, prefix: str) -> None:
-        for name, p in self.model.named_parameters(remove_duplicate=False):  # tied names too
-            sp = self.params.get(id(p))
-            if sp is not None and prefix + name in state_dict:
-                state_dict[prefix + name] = self.store.read(sp.key)
+    def _fill_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        """A module's state_dict post-hook: its own offloaded parameters' values (in place of placeholders)."""
+        for pname, p in module._parameters.items():
+            sp = self.params.get(id(p)) if p is not None else None
+            if sp is not None and prefix + pname in state_dict:
+                state_dict[prefix + pname] = self.store.read(sp.key)
 
     def __deepcopy__(self, memo: dict) -> OffloadedModel:
         raise TypeError(_NOT_COPYABLE)

@@ -43,6 +43,9 @@ def test_offloaded_training_is_bit_identical(make_store, checkpointing, tied, in
     assert list(sd) == list(ref.state_dict())
     for name, value in ref.state_dict().items():
         assert torch.equal(sd[name], value), name
+    for mname, module in ref.named_modules():  # a module's own state_dict() too: values, never placeholders
+        for name, value in module.state_dict().items():
+            assert torch.equal(model.get_submodule(mname).state_dict()[name], value), f"{mname}: {name}"
     ours = opt.state_dict()["state"]
     for name, p in ref.named_parameters():
         st = ref_opt.state[p]

@@ -184,3 +184,41 @@ def test_an_evaluation_forward_between_steps_keeps_the_placement(make_store):
         assert off.placement is plan and store.kept("host") == plan.resident
     opt.close()
     _assert_same_parameters(model, ref)
+
+
+def test_two_models_in_one_store_share_its_budget(make_store):
+    """Each model's placement is planned in what the other's leaves (and tried against the store's bytes, both
+    models' traffic): together they never keep more than the host budget, and both train as resident ones do."""
+    from tierstore.integrations import OffloadedAdamW
+
+    ref_a, model_a, data = _tiny_pair()
+    ref_b, model_b, _ = _tiny_pair()
+    model_b = torch.nn.Sequential(model_b)  # other parameter names ("0. ..."): both fit one store
+    store = make_store(host_budget_bytes=num_params(ref_a) * 12)  # half the two models' fp32 AdamW state
+    ref_losses = {"a": train_resident(ref_a, data, 8)[0], "b": train_resident(ref_b, data, 8)[0]}
+    offs = {"a": offload_model(model_a, store), "b": offload_model(model_b, store)}
+    opts = {k: OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=True) for k, off in offs.items()}
+    losses: dict[str, list[float]] = {"a": [], "b": []}
+    budgets = []
+    try:
+        for step in range(8):
+            x, y = data.batch(step, 8)
+            for k, model in (("a", model_a), ("b", model_b)):
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                opts[k].step()
+                opts[k].zero_grad()
+                losses[k].append(loss.item())
+                assert sum(store.info(key)["nbytes"] for key in store.kept("host")) <= store.config.host_budget_bytes
+                budgets.append((k, offs[k].placer.tried.budget_bytes if offs[k].placer.tried else None))
+    finally:
+        for opt in opts.values():
+            opt.close()
+    assert losses == ref_losses
+    _assert_same_parameters(model_a, ref_a)
+    _assert_same_parameters(model_b[0], ref_b)
+    assert all(off.placement_verdict for off in offs.values())
+    plans = [off.placer.tried for off in offs.values()]
+    first, second = sorted(plans, key=lambda p: -p.budget_bytes)  # the first planned in the whole budget
+    assert first.budget_bytes == store.config.host_budget_bytes and first.resident
+    assert second.budget_bytes <= first.budget_bytes - first.resident_bytes, budgets
