@@ -87,7 +87,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tierstore import Tier, TierStore
+from tierstore import Tier, TierBudgetError, TierStore
 from tierstore._memory import TierPool
 from tierstore._placement import Placement
 from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
@@ -504,6 +504,7 @@ class OffloadedModel(OffloadedParameters):
     def _start_step(self, module: nn.Module, args: Any) -> None:
         if self.broken:
             raise OffloadedParameterError(self.broken)
+        self._settle_failed_backward()
         if not self._in_backward():  # not a forward rerun inside backward (checkpointing)
             self._release_all()  # holds left by a forward (or a load_state_dict) that raised
             self._loading.clear()
@@ -574,7 +575,14 @@ class OffloadedModel(OffloadedParameters):
         sp.holds += 1
         if sp.holds == 1:
             t0 = time.perf_counter()
-            sp.param.data = self.store.get(sp.key, self.compute_tier)
+            # Under torch.inference_mode() the copy would be an inference tensor, and torch computes with one
+            # differently (its eval outputs would round otherwise than the resident model's): it is made outside.
+            try:
+                with torch.inference_mode(False):
+                    sp.param.data = self.store.get(sp.key, self.compute_tier)
+            except BaseException:
+                sp.holds -= 1  # not held: it still has no values
+                raise
             sp.param.__class__ = sp.original_class  # see [Note: A held parameter is an ordinary one]
             if sp.param.numel():
                 self._storage_owner[sp.param.untyped_storage().data_ptr()] = sp
@@ -591,8 +599,18 @@ class OffloadedModel(OffloadedParameters):
 
     def _backward_hold(self, sp: _Param, group: _Group) -> None:
         self._queue_end_backward()
+        try:
+            self._hold(sp, group)
+        except TierBudgetError as e:
+            total = sum(q.nbytes for q in self.params.values())
+            raise TierBudgetError(
+                f"{e}. In backward each offloaded parameter is held from its unit's backward until its gradient is "
+                f"complete; when one loss sums several forwards of the model (two views of a batch, a siamese "
+                f"pair), a gradient is complete only when the backward of the earliest forward reaches it, so up to "
+                f"every parameter ({total / 2**20:.1f} MiB) is held at once. Call backward() on each forward's "
+                f"loss instead (gradients accumulate; step once), or raise the "
+                f"{self.compute_tier.label} budget") from e
         sp.backward_hold = True
-        self._hold(sp, group)
 
     def fetch_on_demand(self, sp: _Param) -> bool:
         """Hold ``sp`` for a read that its units' hooks did not foresee (see [Note: Reads of an offloaded
@@ -672,6 +690,12 @@ class OffloadedModel(OffloadedParameters):
         if grad is not None:
             for callback in self.grad_ready_callbacks:
                 callback(sp.key)
+
+    def _settle_failed_backward(self) -> None:
+        """Release what a backward that raised still holds (the callback that ends a backward runs only when
+        it completes)."""
+        if self._callback_queued and torch._C._current_graph_task_id() == -1:
+            self._end_backward()
 
     def _end_backward(self) -> None:
         """Release every hold backward left.
@@ -828,6 +852,7 @@ class OffloadedModel(OffloadedParameters):
                 + root_bytes - root.get(sp.name, 0) for sp in self.params.values()}
 
     def zero_grad(self) -> None:
+        self._settle_failed_backward()
         self.grads.clear()
         for p in self.resident.values():
             p.grad = None

@@ -91,3 +91,26 @@ def test_inference_takes_the_resident_fast_path(name, make_store, monkeypatch):
         assert torch.equal(got, want), f"batch {step}: max difference {(got - want).abs().max()}"
     assert off.params and all(type(sp.param) is not nn.Parameter for sp in off.params.values()), \
         "outside a forward an offloaded parameter is an offloaded one again"
+
+
+def test_inference_mode_gives_the_resident_values(make_store):
+    """Under torch.inference_mode() a held copy made there would be an inference tensor, which torch computes with
+    differently (attention with dropout rounds otherwise): held copies are ordinary tensors there too."""
+    ref = _seeded(CASES["mha-encoder"].build, 0)
+    model = _seeded(CASES["mha-encoder"].build, 0)
+    offload_model(model, make_store(host_budget_bytes="256KiB"))
+    attn = model.layers.encoder_layer_0.self_attention
+    seen = []
+    attn.register_forward_pre_hook(lambda module, args: seen.append(module.in_proj_weight.is_inference()))
+    for training in (True, False):
+        ref.train(training)
+        model.train(training)
+        for step in range(8):
+            ids = _tokens(step, batch=3)
+            with torch.inference_mode():
+                torch.manual_seed(step)  # the same dropout masks
+                want = ref(ids)
+                torch.manual_seed(step)
+                got = model(ids)
+            assert torch.equal(got, want), f"training={training}, batch {step}: {(got - want).abs().max()}"
+    assert seen and not any(seen)

@@ -17,7 +17,7 @@ from tierstore.integrations.offload import OffloadedParameterError, offload_mode
 from tierstore.integrations.optim import OffloadedAdamW
 
 import tierstore as ts
-from tierstore.tools.vit import PRESETS, Block, SyntheticImages, ViT
+from tierstore.tools.vit import PRESETS, Block, SyntheticImages, ViT, num_params
 
 
 @pytest.mark.parametrize("checkpointing,tied,in_backward", [(False, False, False), (True, True, False),
@@ -104,6 +104,28 @@ def test_inference_mode_then_training(make_store):
     opt = OffloadedAdamW(off, lr=1e-3)
     train_resident(ref, data, 2)
     _train(model, data, 2, opt)
+    opt.close()
+    _assert_same_parameters(model, ref)
+
+
+def test_a_loss_over_two_forwards_that_cannot_fit_says_what_to_do(make_store):
+    """Backward of a loss summing two forwards holds every parameter until the earlier forward's backward reaches
+    it: beyond the budget that is an error saying so, and the model trains on afterwards with a backward per
+    forward, as the resident one does."""
+    ref, model, data = _tiny_pair()
+    off = offload_model(model, make_store(host_budget_bytes=num_params(ref) * 2))  # half the parameters
+    (x1, y1), (x2, y2) = data.batch(0, 4), data.batch(1, 4)
+    loss = F.cross_entropy(model(x1), y1) + F.cross_entropy(model(x2), y2)
+    with pytest.raises(ts.TierBudgetError, match=r"sums several forwards .* Call backward\(\) on each forward"):
+        loss.backward()
+    off.zero_grad()
+    opt = OffloadedAdamW(off, lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    for m, o in ((ref, ref_opt), (model, opt)):
+        for x, y in ((x1, y1), (x2, y2)):
+            F.cross_entropy(m(x), y).backward()
+        o.step()
+        o.zero_grad()
     opt.close()
     _assert_same_parameters(model, ref)
 
