@@ -606,10 +606,11 @@ class OffloadedModel(OffloadedParameters):
             raise TierBudgetError(
                 f"{e}. In backward each offloaded parameter is held from its unit's backward until its gradient is "
                 f"complete; when one loss sums several forwards of the model (two views of a batch, a siamese "
-                f"pair), a gradient is complete only when the backward of the earliest forward reaches it, so up to "
-                f"every parameter ({total / 2**20:.1f} MiB) is held at once. Call backward() on each forward's "
-                f"loss instead (gradients accumulate; step once), or raise the "
-                f"{self.compute_tier.label} budget") from e
+                f"pair), a gradient is complete only when the backward of the earliest forward reaches it, and a "
+                f"gradient differentiated again (create_graph=True: a gradient penalty) uses every parameter in "
+                f"the second backward, so up to every parameter ({total / 2**20:.1f} MiB) is held at once. Call "
+                f"backward() on each forward's loss instead (gradients accumulate; step once), or raise the "
+                f"{self.compute_tier.label} budget above that") from e
         sp.backward_hold = True
 
     def fetch_on_demand(self, sp: _Param) -> bool:
