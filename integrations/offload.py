@@ -43,6 +43,16 @@ still hold no values, so a read there raises; only the question sees them).
 Off the hot path too: a held parameter's ops no longer pass through a
 Python ``__torch_function__``.
 
+[Note: Several forwards, one backward] A step (what the prefetch trace
+records, and the placement plans for) starts at a forward of the model,
+except one under grad that follows another under grad with no backward
+between: a loss over two views of a batch, or a siamese pair, calls the
+model twice before its one backward, and the step is both forwards and the
+backward (up to MAX_FORWARDS_PER_STEP forwards, for a model called under grad
+that is never differentiated). Otherwise the trace would alternate between
+"a forward" and "a forward and a backward" each step, prefetch would follow
+the wrong one, and no placement would ever be tried.
+
 [Note: Holding a parameter] Holds are counted: one per forward of a unit that
 holds it (released by the forward post-hook) and at most one for backward
 (taken when the gradient of one of the unit's forward outputs is about to be
@@ -104,6 +114,9 @@ DEFAULT_UNITS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention, nn.Transfor
                                                nn.TransformerDecoderLayer)
 # Modules whose forward takes its fused inference path only when no forward hook is attached to it or to any module
 # inside it: as units, their forward is wrapped instead of hooked (see [Note: A held parameter is an ordinary one]).
+# A step is one root forward, or up to this many under grad before a backward (see [Note: Several forwards, one
+# backward]).
+MAX_FORWARDS_PER_STEP = 16
 _HOOK_SHY: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer,)
 
 
@@ -321,6 +334,7 @@ class OffloadedModel(OffloadedParameters):
         self.stats = OffloadStats()
         self._handles: list[Any] = []
         self._callback_queued = False
+        self._forwards_awaiting_backward = 0  # root forwards under grad since the last backward ended
         self._backward_used: set[str] = set()
         # Units whose forward is running, innermost last, each with whether it started inside backward.
         self._running: list[tuple[_Group, bool]] = []
@@ -509,6 +523,11 @@ class OffloadedModel(OffloadedParameters):
             self._release_all()  # holds left by a forward (or a load_state_dict) that raised
             self._loading.clear()
             self._hook_gradients()
+            grad = torch.is_grad_enabled()
+            if grad and 0 < self._forwards_awaiting_backward < MAX_FORWARDS_PER_STEP:
+                self._forwards_awaiting_backward += 1  # see [Note: Several forwards, one backward]
+                return
+            self._forwards_awaiting_backward = int(grad)
             self.policy.start_step()
             self.placer.start_step()
             self.stats.prefetch_depth = self.policy.depth
@@ -709,6 +728,7 @@ class OffloadedModel(OffloadedParameters):
         holding their parameters, one hold each, as their pre-hooks took them.
         """
         self._callback_queued = False
+        self._forwards_awaiting_backward = 0
         self._backward_used.clear()
         self._running = [(group, rerun) for group, rerun in self._running if not rerun]
         outer = Counter(id(sp) for group, _ in self._running for sp in group.params)

@@ -222,3 +222,33 @@ def test_two_models_in_one_store_share_its_budget(make_store):
     first, second = sorted(plans, key=lambda p: -p.budget_bytes)  # the first planned in the whole budget
     assert first.budget_bytes == store.config.host_budget_bytes and first.resident
     assert second.budget_bytes <= first.budget_bytes - first.resident_bytes, budgets
+
+
+def test_a_loss_over_two_forwards_is_one_step(make_store):
+    """Two views of a batch through the model, one backward: the step is both forwards and the backward (see
+    [Note: Several forwards, one backward]), so its trace repeats, prefetch follows it and a placement is tried;
+    training as resident."""
+    from tierstore.integrations import OffloadedAdamW
+
+    ref, model, data = _tiny_pair()
+    store = make_store(host_budget_bytes=num_params(ref) * 8)
+    off = offload_model(model, store)
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    try:
+        for step in range(8):
+            (x1, y1), (x2, y2) = data.batch(2 * step, 4), data.batch(2 * step + 1, 4)
+            for m, o in ((ref, ref_opt), (model, opt)):
+                loss = F.cross_entropy(m(x1), y1) + F.cross_entropy(m(x2), y2)
+                loss.backward()
+                o.step()
+                o.zero_grad()
+            if step == 1:
+                with torch.no_grad():  # an evaluation forward is a step of its own
+                    model(x1)
+    finally:
+        opt.close()
+    _assert_same_parameters(model, ref)
+    trace = off.policy.trace
+    assert trace is not None and trace.count("blocks.0.qkv") == 3  # both forwards and the backward
+    assert off.placement_verdict is not None and off.placement_verdict.startswith("placement ")
