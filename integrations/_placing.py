@@ -13,15 +13,19 @@ with little room, an optimizer stepping on a worker behind backward can
 find a streamed weight gone before its update and read it again, and the
 plan then moves more than caching in the whole budget did (ViT-large at a
 tenth of its state as host budget: 9.0 GiB a step against 7.7). So a plan is
-tried against measurement: the step after a trace is recorded runs without a
+tried against measurement, on the steps of its own trace: one runs without a
 placement (the baseline), the plan is made at the start of the next, that
 step loads the kept copies, and the one after is measured; unless it moved
-less than KEEP_BELOW of the baseline's bytes, the placement is dropped until
-the trace changes. ``verdict`` says what was measured and decided. A trace
-that comes back (training again after an evaluation forward) gets the
-placement decided for it at once, with no new trial; a new one is tried only
-once it repeats, and what was kept stays until then, so a one-off step (an
-evaluation forward) costs no kept copies.
+less than KEEP_BELOW of the baseline's bytes, the placement is dropped.
+``verdict`` says what was measured and decided, and the decision is kept per
+trace. A trace is tried once it repeats: two steps running, or, before
+anything is decided, at its second step (training and an evaluation forward
+taking turns). Meanwhile a step of another trace changes nothing and its
+bytes count for nothing, unless it runs twice in a row (a new regime: an
+evaluation loop), which starts its own trial; a trace that comes back
+(training again after an evaluation loop) gets the placement decided for it
+at once; one seen once (an evaluation forward) keeps what is kept, so a
+one-off step costs no kept copies.
 
 [Note: Auto prefetch depth] The depth is the smallest that gets each use's
 reads done before it starts, given the drive's rate over the last step's
@@ -55,7 +59,6 @@ KEEP_BELOW = 0.97  # a placement is kept when its step moved less than this shar
 class Trial(enum.Enum):
     """Where a placement is in its trial (see [Note: A placement on trial])."""
 
-    SEEN_ONCE = "a new trace, seen once: what is kept stays until it repeats"
     BASELINE = "a step without a placement is measured"
     SETTLING = "the plan's kept copies are loaded"
     MEASURED = "a step with the placement is measured"
@@ -88,13 +91,13 @@ class Placer:
         self.placement: Placement | None = None
         self.tried: Placement | None = None  # the last plan made, kept or not (its lower bound holds either way)
         self.verdict: str | None = None  # what the trial measured and decided
-        self._planned_for: tuple | None = None
+        # Traces are told apart by key: (the units in order, the optimizer's state keys, stepping in backward).
         self._trial = Trial.DECIDED
+        self._trial_key: tuple | None = None  # the trace whose placement is on trial
         self._baseline_bytes = 0
-        # (trace, optimizer keys, in backward) -> the placement decided for it and its verdict, kept for when the
-        # same trace comes back; _decided_for: the key of the trace now
-        self._decided: dict[tuple, tuple[Placement | None, str | None]] = {}
-        self._decided_for: tuple | None = None
+        self._decided: dict[tuple, tuple[Placement | None, str | None]] = {}  # key -> placement, verdict
+        self._seen: set[tuple] = set()
+        self._last_key: tuple | None = None  # the trace of the step before
         self._drive_before = self._drive()
         self._sizes: dict[str, int] = {}
         self._fixed_max_bytes = policy.max_bytes  # prefetch_bytes given by the user
@@ -122,44 +125,51 @@ class Placer:
         return stats.path("nvme->host")[0], stats.path("host->nvme")[0], stats.counter("read_busy_seconds")
 
     def _try_placement(self, moved: int) -> None:
-        """One step of [Note: A placement on trial]; ``moved``: the drive bytes of the step that just ended."""
-        signature = (self.policy.traces_recorded, len(self.later.after), self.later.in_backward)
-        if signature != self._planned_for:  # a new trace (or optimizer): measure it without a placement first
-            self._planned_for = signature
-            if self._trial is Trial.DECIDED and self._decided_for is not None:
-                self._decided[self._decided_for] = (self.placement, self.verdict)
-            self._decided_for = (tuple(self.policy.trace or ()), len(self.later.after), self.later.in_backward)
-            if self._decided_for in self._decided:  # a trace seen before (training again after an evaluation)
-                placement, self.verdict = self._decided[self._decided_for]
+        """One step of [Note: A placement on trial]; ``moved``: the drive bytes of the step that just ended, whose
+        trace ``policy.trace`` is now."""
+        key = (tuple(self.policy.trace or ()), len(self.later.after), self.later.in_backward)
+        # At the first call the step before is the one that recorded the trace: the one that just ended repeated
+        # it unless it recorded another.
+        again = key == self._last_key if self._last_key is not None else self.policy.traces_recorded == 1
+        seen = key in self._seen
+        self._last_key = key
+        self._seen.add(key)
+        if key != self._trial_key:
+            if self._trial_key is not None and not again:
+                return  # another trace's step during a trial (an evaluation forward): its bytes are not the trial's
+            if key in self._decided:  # a trace seen before (training again after an evaluation)
+                self._trial_key, self._trial = None, Trial.DECIDED
+                placement, self.verdict = self._decided[key]
                 self._set(placement)
-                self._trial = Trial.DECIDED
-            elif self.placement is not None:  # maybe a one-off (an evaluation forward): keep it until it repeats
-                self._trial = Trial.SEEN_ONCE
-            else:
-                self._trial = Trial.BASELINE
-        elif self._trial is Trial.SEEN_ONCE:  # it repeated: measure it
-            self._set(None)
-            self._trial = Trial.BASELINE
-        elif self._trial is Trial.BASELINE:
+            elif again or (seen and not self._decided and self._trial_key is None):
+                # It repeats (two steps running, or, with nothing decided yet, every other step): try it.
+                self._trial_key, self._trial = key, Trial.BASELINE
+                self._set(None)
+            # else seen once (maybe a one-off: an evaluation forward): what is kept stays until it repeats
+            return
+        if self._trial is Trial.BASELINE:
             self._baseline_bytes = moved
             budget = self.budget()
             self.tried = plan_placement(self.step_trace(), budget_bytes=budget, room_bytes=self.room(budget))
             if not self.tried.resident:  # nothing to try: no key is worth its bytes beside the room
-                self._trial = Trial.DECIDED
-                self.verdict = (f"no placement: nothing fits beside the {size_text(self.tried.room_bytes)} left "
-                                f"for copies in flight")
+                self._decide(key, None, f"no placement: nothing fits beside the {size_text(self.tried.room_bytes)} "
+                                        f"left for copies in flight")
                 return
             self._set(self.tried)
             self._trial = Trial.SETTLING
         elif self._trial is Trial.SETTLING:
             self._trial = Trial.MEASURED
         elif self._trial is Trial.MEASURED:
-            self._trial = Trial.DECIDED
             kept = moved < KEEP_BELOW * self._baseline_bytes
-            self.verdict = (f"placement {'kept' if kept else 'dropped'}: a step moved {size_text(moved)} with it, "
-                            f"{size_text(self._baseline_bytes)} without")
-            if not kept:
-                self._set(None)
+            self._decide(key, self.placement if kept else None,
+                         f"placement {'kept' if kept else 'dropped'}: a step moved {size_text(moved)} with it, "
+                         f"{size_text(self._baseline_bytes)} without")
+
+    def _decide(self, key: tuple, placement: Placement | None, verdict: str) -> None:
+        self._trial_key, self._trial = None, Trial.DECIDED
+        self.verdict = verdict
+        self._decided[key] = (placement, verdict)
+        self._set(placement)
 
     def _set(self, placement: Placement | None) -> None:
         """Keep what ``placement`` keeps (nothing for None), reads ahead within its room."""

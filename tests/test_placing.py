@@ -98,8 +98,9 @@ def test_a_step_that_leaves_the_trace_is_measured_again_and_trains_bit_identical
         assert off.policy.departures == 3 and len(plans) == 1 and off.placement is plans[0]
         assert plans[0].resident and store.kept("host") == plans[0].resident
         assert off.placement_verdict.startswith("placement kept")  # the first: the guessed trace has no backward
-    else:  # a trace that changes every step is never planned: nothing is kept
-        assert not plans and store.kept("host") == frozenset()
+    else:  # two traces taking turns: the first to come back is tried on its own steps, and its placement stays
+        assert len(plans) == 1 and off.placement is plans[0] and store.kept("host") == plans[0].resident
+        assert off.placement_verdict.startswith("placement kept")
 
 
 class _Slow(torch.nn.Module):
@@ -252,3 +253,31 @@ def test_a_loss_over_two_forwards_is_one_step(make_store):
     trace = off.policy.trace
     assert trace is not None and trace.count("blocks.0.qkv") == 3  # both forwards and the backward
     assert off.placement_verdict is not None and off.placement_verdict.startswith("placement ")
+
+
+def test_an_evaluation_forward_after_every_step_does_not_keep_the_placement_from_trial(make_store):
+    """Training and evaluation take turns: the training trace is tried on its own steps (the evaluation steps'
+    bytes are not the trial's), decided, and its placement stays through the evaluation forwards."""
+    from tierstore.integrations import OffloadedAdamW
+
+    ref, model, data = _tiny_pair()
+    store = make_store(host_budget_bytes=num_params(ref) * 8)
+    off = offload_model(model, store)
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    verdicts = []
+    try:
+        for step in range(10):
+            x, y = data.batch(step, 8)
+            for m, o in ((ref, ref_opt), (model, opt)):
+                F.cross_entropy(m(x), y).backward()
+                o.step()
+                o.zero_grad()
+            with torch.no_grad():
+                assert torch.equal(model(x), ref(x))
+            verdicts.append(off.placement_verdict)
+    finally:
+        opt.close()
+    _assert_same_parameters(model, ref)
+    assert verdicts[-1] is not None and verdicts[-1].startswith("placement kept"), verdicts
+    assert off.placement is not None and store.kept("host") == off.placement.resident
