@@ -76,6 +76,18 @@ def check_options(prefetch_depth: object, placement: object) -> None:
         raise TypeError(f"placement must be True or False, not {placement!r}")
 
 
+MAX_TRACES_REMEMBERED = 8
+
+
+def _remember(memory: dict, key: tuple, value: object) -> None:
+    """Put ``key`` last in ``memory`` (insertion order: least recent first), forgetting the least recent beyond
+    MAX_TRACES_REMEMBERED."""
+    memory.pop(key, None)
+    memory[key] = value
+    while len(memory) > MAX_TRACES_REMEMBERED:
+        del memory[next(iter(memory))]
+
+
 class Placer:
     """The placement and the prefetch depth of one offloaded model (see the notes above)."""
 
@@ -95,8 +107,10 @@ class Placer:
         self._trial = Trial.DECIDED
         self._trial_key: tuple | None = None  # the trace whose placement is on trial
         self._baseline_bytes = 0
-        self._decided: dict[tuple, tuple[Placement | None, str | None]] = {}  # key -> placement, verdict
-        self._seen: set[tuple] = set()
+        # key -> placement, verdict; the traces seen: the last MAX_TRACES_REMEMBERED of each (a model whose trace
+        # differs every step, a mixture of experts, would otherwise grow them without end)
+        self._decided: dict[tuple, tuple[Placement | None, str | None]] = {}
+        self._seen: dict[tuple, None] = {}
         self._last_key: tuple | None = None  # the trace of the step before
         self._drive_before = self._drive()
         self._sizes: dict[str, int] = {}
@@ -133,7 +147,7 @@ class Placer:
         again = key == self._last_key if self._last_key is not None else self.policy.traces_recorded == 1
         seen = key in self._seen
         self._last_key = key
-        self._seen.add(key)
+        _remember(self._seen, key, None)
         if key != self._trial_key:
             if self._trial_key is not None and not again:
                 return  # another trace's step during a trial (an evaluation forward): its bytes are not the trial's
@@ -168,7 +182,7 @@ class Placer:
     def _decide(self, key: tuple, placement: Placement | None, verdict: str) -> None:
         self._trial_key, self._trial = None, Trial.DECIDED
         self.verdict = verdict
-        self._decided[key] = (placement, verdict)
+        _remember(self._decided, key, (placement, verdict))
         self._set(placement)
 
     def _set(self, placement: Placement | None) -> None:

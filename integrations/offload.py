@@ -114,10 +114,10 @@ DEFAULT_UNITS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention, nn.Transfor
                                                nn.TransformerDecoderLayer)
 # Modules whose forward takes its fused inference path only when no forward hook is attached to it or to any module
 # inside it: as units, their forward is wrapped instead of hooked (see [Note: A held parameter is an ordinary one]).
+_HOOK_SHY: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer,)
 # A step is one root forward, or up to this many under grad before a backward (see [Note: Several forwards, one
 # backward]).
 MAX_FORWARDS_PER_STEP = 16
-_HOOK_SHY: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer,)
 
 
 class OffloadedParameterError(RuntimeError):

@@ -281,3 +281,36 @@ def test_an_evaluation_forward_after_every_step_does_not_keep_the_placement_from
     _assert_same_parameters(model, ref)
     assert verdicts[-1] is not None and verdicts[-1].startswith("placement kept"), verdicts
     assert off.placement is not None and store.kept("host") == off.placement.resident
+
+
+class _Rotating(torch.nn.Module):
+    """Skips a different layer each step: a trace that is new every step (as a mixture of experts' can be)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(12))
+        self.step = 0
+
+    def forward(self, x):
+        self.step += 1
+        for i, layer in enumerate(self.layers):
+            if i != self.step % 12:
+                x = torch.tanh(layer(x))
+        return x.sum()
+
+
+def test_traces_remembered_are_bounded(make_store):
+    from tierstore.integrations import OffloadedAdamW
+    from tierstore.integrations._placing import MAX_TRACES_REMEMBERED
+
+    torch.manual_seed(0)
+    model = _Rotating()
+    off = offload_model(model, make_store(host_budget_bytes="64KiB"))
+    opt = OffloadedAdamW(off, lr=1e-3)
+    for step in range(3 * MAX_TRACES_REMEMBERED):
+        model(torch.randn(2, 32, generator=torch.Generator().manual_seed(step))).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    assert off.policy.traces_recorded > 2 * MAX_TRACES_REMEMBERED
+    assert len(off.placer._seen) == MAX_TRACES_REMEMBERED and len(off.placer._decided) <= MAX_TRACES_REMEMBERED
