@@ -523,3 +523,7 @@ def test_the_encoder_is_bit_identical_in_eval_with_the_fast_path_on_and_off(make
             assert torch.equal(model(x), ref(x))
     finally:
         torch.backends.mha.set_fastpath_enabled(enabled)
+    off.remove()  # the wrapped forwards are undone with the hooks
+    assert not any("forward" in vars(layer) for layer in model.layers)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
