@@ -136,10 +136,13 @@ def test_auto_depth_follows_the_drive(make_store):
     assert fast == 1 and slow == 4, (fast, slow)  # 4: as deep as the host budget allows beside one computing
 
 
-def test_a_placement_that_moves_no_fewer_bytes_is_dropped(make_store, monkeypatch):
-    from tierstore.integrations import _placing
-
-    monkeypatch.setattr(_placing, "KEEP_BELOW", 0.0)  # no measured step can pass
+@pytest.mark.parametrize("module, name, value, verdict", [
+    ("tierstore.integrations._placing", "KEEP_BELOW", 0.0, "placement dropped: a step moved"),  # no step can pass
+    ("tierstore._placement", "ROOM_SHARE", 1.0, "no placement: nothing fits beside the"),  # the budget is all room
+], ids=["moves-no-fewer-bytes", "keeps-nothing"])
+def test_a_placement_that_saves_nothing_is_not_kept(make_store, monkeypatch, module, name, value, verdict):
+    """A plan whose measured step moved no fewer bytes is dropped; one that keeps nothing is not even tried."""
+    monkeypatch.setattr(f"{module}.{name}", value)
     ref, model, data = _tiny_pair()
     store = make_store(host_budget_bytes=num_params(ref) * 8)
     ref_losses, _ = train_resident(ref, data, 6)
@@ -147,21 +150,7 @@ def test_a_placement_that_moves_no_fewer_bytes_is_dropped(make_store, monkeypatc
     assert losses == ref_losses
     _assert_same_parameters(model, ref)
     assert off.placement is None and store.kept("host") == frozenset()
-    assert off.placement_verdict.startswith("placement dropped: a step moved")
-
-
-def test_a_plan_that_keeps_nothing_is_not_tried(make_store, monkeypatch):
-    from tierstore import _placement
-
-    monkeypatch.setattr(_placement, "ROOM_SHARE", 1.0)  # the whole budget is room for copies in flight
-    ref, model, data = _tiny_pair()
-    store = make_store(host_budget_bytes=num_params(ref) * 8)
-    ref_losses, _ = train_resident(ref, data, 5)
-    losses, off, opt = train_offloaded(model, data, 5, store, step_in_backward=True)
-    assert losses == ref_losses
-    _assert_same_parameters(model, ref)
-    assert off.placement is None and store.kept("host") == frozenset()
-    assert off.placement_verdict.startswith("no placement: nothing fits beside the")
+    assert off.placement_verdict.startswith(verdict)
 
 
 def test_an_evaluation_forward_between_steps_keeps_the_placement(make_store):
