@@ -44,6 +44,8 @@ import enum
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+import torch
+
 from tierstore import Tier, TierStore
 from tierstore._config import check_prefetch_depth
 from tierstore._memory import TierPool
@@ -77,6 +79,39 @@ def check_options(prefetch_depth: object, placement: object) -> None:
 
 
 MAX_TRACES_REMEMBERED = 8
+MAX_FORWARDS_PER_STEP = 16  # see [Note: Several forwards, one backward]
+
+
+class StepStarts:
+    """Which forwards of a model start a step.
+
+    [Note: Several forwards, one backward] A step (what the prefetch trace
+    records, and the placement plans for) starts at a forward of the model,
+    except one under grad that follows another under grad with no backward
+    between: a loss over two views of a batch, or a siamese pair, calls the
+    model twice before its one backward, and the step is both forwards and
+    the backward (up to MAX_FORWARDS_PER_STEP forwards, for a model called
+    under grad that is never differentiated). Otherwise the trace would
+    alternate between "a forward" and "a forward and a backward", prefetch
+    would follow the wrong one each step, and the placement's trial would see
+    neither repeat.
+    """
+
+    def __init__(self) -> None:
+        self.awaiting_backward = 0  # forwards under grad since the last backward
+
+    def forward(self) -> bool:
+        """A forward of the model (not one rerun inside backward) begins: True when it starts a step."""
+        grad = torch.is_grad_enabled()
+        if grad and 0 < self.awaiting_backward < MAX_FORWARDS_PER_STEP:
+            self.awaiting_backward += 1
+            return False
+        self.awaiting_backward = int(grad)
+        return True
+
+    def backward(self) -> None:
+        """A backward of the model ran."""
+        self.awaiting_backward = 0
 
 
 def _remember(memory: dict, key: tuple, value: object) -> None:

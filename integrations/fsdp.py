@@ -38,7 +38,7 @@ from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 from . import _fsdp_internals as internals
 from ._contract import OPTIMIZER_PREFIX, OffloadedParameters
 from ._meta import check_meta, materialize, unmaterialize
-from ._placing import AUTO_START_DEPTH, Placer, check_options
+from ._placing import AUTO_START_DEPTH, Placer, StepStarts, check_options
 
 _STATE_KEY = "_tierstore_fsdp"
 
@@ -183,6 +183,7 @@ class FSDPOffload(OffloadedParameters):
         self.victim_order = group_victim_order(self.policy, self._key_group, self.later_uses)
         self._victim_token = store.add_victim_order(
             self.victim_order, owns=lambda k: k in self._key_group or k in self.later_uses.after)
+        self._steps = StepStarts()
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
         # What stays in the host tier for the whole run, and the depth with "auto" (see integrations/_placing.py).
         self.placer = Placer(store, self.policy, self.later_uses, group_keys=self._group_keys,
@@ -192,6 +193,8 @@ class FSDPOffload(OffloadedParameters):
     def _start_step(self, module: nn.Module, args: Any) -> None:
         if self.broken:
             raise RuntimeError(self.broken)
+        if not self._steps.forward():  # see [Note: Several forwards, one backward]
+            return
         self.policy.start_step()
         self.placer.start_step()
 
@@ -223,6 +226,7 @@ class FSDPOffload(OffloadedParameters):
         sg.materialized = True
 
     def _gradients_ready(self, sg: _ShardGroup, group: Any) -> None:
+        self._steps.backward()
         if not self.grad_ready_callbacks:
             return
         ready = [sh.key for sh in sg.shards if sh.param.grad is not None]

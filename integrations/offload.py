@@ -43,16 +43,6 @@ still hold no values, so a read there raises; only the question sees them).
 Off the hot path too: a held parameter's ops no longer pass through a
 Python ``__torch_function__``.
 
-[Note: Several forwards, one backward] A step (what the prefetch trace
-records, and the placement plans for) starts at a forward of the model,
-except one under grad that follows another under grad with no backward
-between: a loss over two views of a batch, or a siamese pair, calls the
-model twice before its one backward, and the step is both forwards and the
-backward (up to MAX_FORWARDS_PER_STEP forwards, for a model called under grad
-that is never differentiated). Otherwise the trace would alternate between
-"a forward" and "a forward and a backward" each step, prefetch would follow
-the wrong one, and no placement would ever be tried.
-
 [Note: Holding a parameter] Holds are counted: one per forward of a unit that
 holds it (released by the forward post-hook) and at most one for backward
 (taken when the gradient of one of the unit's forward outputs is about to be
@@ -104,7 +94,7 @@ from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
 from ._contract import OffloadedParameters
 from ._meta import check_meta, materialize, unmaterialize
-from ._placing import AUTO_START_DEPTH, Placer, check_options
+from ._placing import AUTO_START_DEPTH, Placer, StepStarts, check_options
 
 _STATE_KEY = "_tierstore_offload"
 _NOT_COPYABLE = ("an offloaded model cannot be copied or pickled: its parameters live in the store and its module "
@@ -115,9 +105,6 @@ DEFAULT_UNITS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention, nn.Transfor
 # Modules whose forward takes its fused inference path only when no forward hook is attached to it or to any module
 # inside it: as units, their forward is wrapped instead of hooked (see [Note: A held parameter is an ordinary one]).
 _HOOK_SHY: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer,)
-# A step is one root forward, or up to this many under grad before a backward (see [Note: Several forwards, one
-# backward]).
-MAX_FORWARDS_PER_STEP = 16
 
 
 class OffloadedParameterError(RuntimeError):
@@ -334,7 +321,7 @@ class OffloadedModel(OffloadedParameters):
         self.stats = OffloadStats()
         self._handles: list[Any] = []
         self._callback_queued = False
-        self._forwards_awaiting_backward = 0  # root forwards under grad since the last backward ended
+        self._steps = StepStarts()
         self._backward_used: set[str] = set()
         # Units whose forward is running, innermost last, each with whether it started inside backward.
         self._running: list[tuple[_Group, bool]] = []
@@ -523,11 +510,8 @@ class OffloadedModel(OffloadedParameters):
             self._release_all()  # holds left by a forward (or a load_state_dict) that raised
             self._loading.clear()
             self._hook_gradients()
-            grad = torch.is_grad_enabled()
-            if grad and 0 < self._forwards_awaiting_backward < MAX_FORWARDS_PER_STEP:
-                self._forwards_awaiting_backward += 1  # see [Note: Several forwards, one backward]
+            if not self._steps.forward():  # see [Note: Several forwards, one backward]
                 return
-            self._forwards_awaiting_backward = int(grad)
             self.policy.start_step()
             self.placer.start_step()
             self.stats.prefetch_depth = self.policy.depth
@@ -728,7 +712,7 @@ class OffloadedModel(OffloadedParameters):
         holding their parameters, one hold each, as their pre-hooks took them.
         """
         self._callback_queued = False
-        self._forwards_awaiting_backward = 0
+        self._steps.backward()
         self._backward_used.clear()
         self._running = [(group, rerun) for group, rerun in self._running if not rerun]
         outer = Counter(id(sp) for group, _ in self._running for sp in group.params)

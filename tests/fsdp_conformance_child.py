@@ -1,6 +1,7 @@
 """Run under torchrun: a model tierstore did not write (see conformance.py), sharded with FSDP2 per layer,
 trained offloaded against FSDP2 alone. Prints one JSON line per rank: both runs' losses and whether the
-offloaded shards and Adam moments end bit-identical to FSDP2's."""
+offloaded shards and Adam moments end bit-identical to FSDP2's. With a third argument ``views`` each step's
+loss sums that many forwards (two views of a batch) before its one backward."""
 
 import copy
 import json
@@ -26,12 +27,11 @@ def shard(model, layers):
     return model
 
 
-def train(model, opt, case, rank, world):
+def train(model, opt, case, rank, world, views):
     losses = []
-    for step in range(3):
-        batch = case.batch(step, batch=2 * world)[rank::world]
+    for step in range(3 if views == 1 else 6):
         torch.manual_seed(100 + rank * 10 + step)  # dropout: the same masks in both runs
-        loss = case.loss(model, batch)
+        loss = sum(case.loss(model, case.batch(10 * step + v, batch=2 * world)[rank::world]) for v in range(views))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -39,7 +39,7 @@ def train(model, opt, case, rank, world):
     return losses
 
 
-def main(name: str, nvme_path: str) -> None:
+def main(name: str, nvme_path: str, views: int) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     case = CASES[name]
@@ -47,25 +47,28 @@ def main(name: str, nvme_path: str) -> None:
     base = case.build()
     ref = shard(copy.deepcopy(base), LAYERS[name])
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
-    ref_losses = train(ref, ref_opt, case, rank, world)
+    ref_losses = train(ref, ref_opt, case, rank, world, views)
     model = shard(copy.deepcopy(base), LAYERS[name])
     with TierStore(StoreConfig(nvme_path=nvme_path, host_budget_bytes="256KiB", device_budget_bytes="1MiB",
                                file_size_bytes="4MiB", block_size_bytes="64KiB")) as store:
         off = offload_fsdp(model, store)
         opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
-        losses = train(model, opt, case, rank, world)
+        losses = train(model, opt, case, rank, world, views)
         opt.wait()
         moments = opt.state_dict()["state"]
         same = all(torch.equal(off.read_param(n), p.to_local()) for n, p in ref.named_parameters())
         same_moments = all(torch.equal(moments[n][m], ref_opt.state[p][m].to_local())
                            for n, p in ref.named_parameters() for m in ("exp_avg", "exp_avg_sq"))
         read = store.stats_dict()["bytes_read_nvme"]
+        first = next(g for g in off.groups if "layers" in g)  # a layer: its uses in the step's trace
+        uses = off.policy.trace.count(first)
     print(json.dumps({"rank": rank, "ref": ref_losses, "ours": losses, "same_parameters": same,
-                      "same_moments": same_moments, "read_bytes": read}), flush=True)
+                      "same_moments": same_moments, "read_bytes": read, "uses_of_a_layer": uses,
+                      "verdict": off.placement_verdict}), flush=True)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1)
     sys.stdout.flush()
     os._exit(0)  # skip C++ teardown at exit, as the torchrun example does (see tierstore/tools/fsdp_train.py)

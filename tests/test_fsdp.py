@@ -63,16 +63,21 @@ def test_fsdp_offload_is_bit_identical_and_sharded_as_planned(tmp_path, ranks):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama-tied", "mha-encoder"])
-def test_models_we_did_not_write_are_bit_identical_under_fsdp(tmp_path, name):
+@pytest.mark.parametrize("name, views", [("llama-tied", 1), ("mha-encoder", 1), ("mha-encoder", 2)],
+                         ids=["llama-tied", "mha-encoder", "mha-encoder-two-views"])
+def test_models_we_did_not_write_are_bit_identical_under_fsdp(tmp_path, name, views):
+    """With two views a step is both forwards and the backward (see [Note: Several forwards, one backward]): the
+    trace repeats, and a placement is tried."""
     pytest.importorskip("transformers")
     child = os.path.join(os.path.dirname(__file__), "fsdp_conformance_child.py")
-    lines = [json.loads(line) for line in _launch(2, child, name, str(tmp_path)).splitlines()
+    lines = [json.loads(line) for line in _launch(2, child, name, str(tmp_path), str(views)).splitlines()
              if line.startswith("{")]
     assert sorted(r["rank"] for r in lines) == [0, 1]
     for r in lines:
         assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"], r
         assert r["read_bytes"] > 0
+        if views == 2:
+            assert r["uses_of_a_layer"] >= 3 and r["verdict"] is not None, r  # two forwards and a backward
 
 
 @pytest.mark.slow
