@@ -250,6 +250,50 @@ class TorchTransformer(nn.Module):
         return self.head(self.body(x, x, tgt_mask=causal, src_key_padding_mask=pad, memory_key_padding_mask=pad))
 
 
+def _hf_vit() -> nn.Module:
+    cfg = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, intermediate_size=128, num_labels=10)
+    return transformers.ViTForImageClassification(cfg)
+
+
+def _clip() -> nn.Module:
+    """Two towers (text and vision) and a contrastive loss over the batch."""
+    text = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "max_position_embeddings": 32}
+    vision = {"image_size": 32, "patch_size": 8, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4}
+    return transformers.CLIPModel(transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=32))
+
+
+def _whisper() -> nn.Module:
+    """An audio encoder (convolutions over mel features) and a text decoder."""
+    cfg = transformers.WhisperConfig(vocab_size=VOCAB, num_mel_bins=16, d_model=64, encoder_layers=2,
+                                     decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                                     encoder_ffn_dim=128, decoder_ffn_dim=128, max_source_positions=16,
+                                     max_target_positions=32, decoder_start_token_id=1, pad_token_id=0,
+                                     eos_token_id=2, bos_token_id=1)
+    return transformers.WhisperForConditionalGeneration(cfg)
+
+
+def _pixels_and_labels(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3000 + step)
+    return {"pixel_values": torch.randn(2, 3, 32, 32, generator=g), "labels": torch.randint(0, 10, (2,), generator=g)}
+
+
+def _pixels_and_text(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(4000 + step)
+    return {"pixel_values": torch.randn(2, 3, 32, 32, generator=g), "input_ids": _tokens(step), "return_loss": True}
+
+
+def _mel_and_text(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5000 + step)
+    return {"input_features": torch.randn(2, 16, 32, generator=g), "labels": _tokens(step, length=8)}
+
+
+def _model_loss(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    return model(**batch).loss
+
+
 def _padding(ids: torch.Tensor) -> torch.Tensor:
     """True past each row's length: row i of the batch is i + 1 tokens shorter than the longest."""
     lengths = ids.shape[1] - torch.arange(ids.shape[0])
@@ -266,6 +310,9 @@ CASES = {
     "mha-encoder": Case(Encoder, _tokens, _encoder_loss),
     "torch-encoder": Case(TorchEncoder, _tokens, _encoder_loss),
     "torch-transformer": Case(TorchTransformer, _tokens, _encoder_loss),
+    "hf-vit": Case(_hf_vit, _pixels_and_labels, _model_loss),
+    "clip": Case(_clip, _pixels_and_text, _model_loss),
+    "whisper": Case(_whisper, _mel_and_text, _model_loss),
 }
 
 
