@@ -126,6 +126,8 @@ def save_checkpoint(path: str, model: nn.Module | Offloaded, optimizer: Offloade
     model, off = _offloaded(model)
     if off is not None and off.in_forward_or_backward():
         raise RuntimeError("cannot save a checkpoint inside forward or backward; save between steps")
+    if off is not None and off.broken:
+        raise RuntimeError(f"cannot save a checkpoint of values that mix two steps: {off.broken}")
     tensors, aliases = _model_tensors(model, off)
     store = off.store if off is not None else None
     sources = [_store_source(store, v, name) if isinstance(v, str) and store is not None else _plain_source(name, v)

@@ -331,6 +331,7 @@ class OffloadedModel(OffloadedParameters):
         self.later_uses = LaterUses()
         self.on_remove: list[Callable[[], None]] = []  # called by remove(): optimizers drop their state
         self.broken: str | None = None  # why the values can no longer be trusted (see OffloadedParameters)
+        self.backwards_failed = 0  # backward passes that raised (an optimizer stepping in backward asks)
         self._storage_owner: dict[int, _Param] = {}  # data_ptr of a held copy's storage -> its parameter
         self._saved_hooks: Any = None
         meta = check_meta(model, init_fn)
@@ -699,6 +700,7 @@ class OffloadedModel(OffloadedParameters):
         """Release what a backward that raised still holds (the callback that ends a backward runs only when
         it completes)."""
         if self._callback_queued and torch._C._current_graph_task_id() == -1:
+            self.backwards_failed += 1
             self._end_backward()
 
     def _end_backward(self) -> None:

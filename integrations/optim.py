@@ -29,6 +29,7 @@ import contextlib
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
@@ -135,6 +136,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._futures: list[Future] = []  # of the queue's updates started in backward
         self._backlog_bytes = 0  # of gradients queued and not yet consumed
         self._backlog_lock = threading.Lock()
+        # name -> (the gradient its last update applied, that gradient's version), and why the last step()
+        # stopped part-way: see [Note: A step that stops part-way].
+        self._applied: dict[str, tuple[weakref.ref, int]] = {}
+        self._unfinished: str | None = None
+        self._backwards_failed = getattr(offloaded, "backwards_failed", 0)  # as of the last step()
         self._worker: ThreadPoolExecutor | None = None
         self._worker_ident: int | None = None
         if step_in_backward:
@@ -252,6 +258,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
             raise RuntimeError(self._thawed_message([n for n, k, _ in self._frozen if k == key]))
         name, key_, p = self._by_key[key]
         if key in self._early:
+            if getattr(self.offloaded, "backwards_failed", 0) != self._backwards_failed:
+                self.offloaded.broken = (
+                    f"a backward raised after stepping in backward had updated some parameters ({name} among them): "
+                    f"their updates stand and the rest never came, so the model is part of a step ahead and no "
+                    f"step can finish it; load a checkpoint to go on")
+                raise UnrestorableUpdateError(self.offloaded.broken)
             raise RuntimeError(f"{name}: a second backward before step(); step_in_backward=True steps each "
                                "parameter after one backward, so gradient accumulation needs step_in_backward=False")
         grad = self.offloaded.grads.get(key)
@@ -321,7 +333,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient (offloaded gradients are always dropped, never zeroed in place)."""
+        if self._unfinished is not None:
+            raise RuntimeError(self._unfinished)
         self.offloaded.zero_grad()
+
+    def _was_applied(self, name: str, grad: torch.Tensor) -> bool:
+        """Whether ``name``'s last update applied this very gradient (see [Note: A step that stops part-way])."""
+        seen = self._applied.get(name)
+        return seen is not None and seen[0]() is grad and seen[1] == grad._version
 
     def _grad(self, name: str, key: str | None, p: torch.nn.Parameter) -> torch.Tensor | None:
         if key is None:
@@ -336,32 +355,69 @@ class OffloadedAdamW(torch.optim.Optimizer):
         while the next forward and backward run; the next ``step()`` (or
         :meth:`wait`) waits for them first and raises any failure.
         """
-        if self.offloaded.broken:
+        if self.offloaded.broken and self.offloaded.broken != self._unfinished:
             raise UnrestorableUpdateError(self.offloaded.broken)
         early, self._early = self._early, {}
+        self._backwards_failed = getattr(self.offloaded, "backwards_failed", 0)
         t0 = time.perf_counter()  # the training loop waits here for I/O-bound work: stall time
         errors = [f.exception() for f in early.values()]  # waits for the updates started in backward
         self._queue, self._done, self._futures = [], 0, []
-        previous = self._pipeline.take_previous()
-        for h in previous:
-            h.wait()
-        if early or previous:
-            self.store.stats.add_wait(t0, time.perf_counter(), key="optimizer")
-        for err in errors:
-            if err is not None:
-                raise err
-        thawed = [n for n, k, p in self._frozen if self._grad(n, k, p) is not None]
-        if thawed:
-            raise RuntimeError(self._thawed_message(thawed))
-        work = [(n, k, p, g) for n, k, p in self._items
-                if k not in early and (g := self._grad(n, k, p)) is not None]
-        self._queue = work
-        for i, (name, key, p, grad) in enumerate(work):
-            self._pipeline.read_ahead(work, i)
-            self._timed_step(name, key, p, grad)
-            self._done = i + 1
+        updated = sum(err is None for err in errors)  # by this step so far
+        try:
+            previous = self._pipeline.take_previous()
+            for h in previous:
+                h.wait()
+            if early or previous:
+                self.store.stats.add_wait(t0, time.perf_counter(), key="optimizer")
+            for err in errors:
+                if err is not None:
+                    raise err
+            thawed = [n for n, k, p in self._frozen if self._grad(n, k, p) is not None]
+            if thawed:
+                raise RuntimeError(self._thawed_message(thawed))
+            ready = [(n, k, p, g) for n, k, p in self._items
+                     if k not in early and (g := self._grad(n, k, p)) is not None]
+            work = [item for item in ready if not self._was_applied(item[0], item[3])]
+            if ready and not work and not early and self._unfinished is None:
+                raise RuntimeError("step() again with the gradients the last step() applied: run backward() first "
+                                   "(after zero_grad()); a step applies a gradient once")
+            self._queue = work
+            for i, (name, key, p, grad) in enumerate(work):
+                self._pipeline.read_ahead(work, i)
+                self._timed_step(name, key, p, grad)
+                updated += 1
+                self._done = i + 1
+        except BaseException as e:
+            self._queue, self._done = [], 0
+            if updated and not isinstance(e, UnrestorableUpdateError):
+                self._stopped_part_way(updated, e)
+            raise
         self._queue, self._done = [], 0
+        if self._unfinished is not None and self.offloaded.broken == self._unfinished:
+            self.offloaded.broken = None  # finished: the model is one whole step ahead again
+        self._unfinished = None
         self._pipeline.end_step()
+
+    def _stopped_part_way(self, updated: int, error: BaseException) -> None:
+        """[Note: A step that stops part-way] An update that fails (a read of
+        its state, say) leaves that parameter as it was, but those updated
+        before it stay updated: the model is part of a step ahead, which no
+        resident training ever is. A gradient whose update succeeded is marked
+        as applied (the tensor and its version), so calling step() again with
+        the same gradients updates only the rest, and the step ends as if it
+        had not failed; step() twice with the same gradients is refused. Until
+        it is finished, forward, zero_grad() and checkpoints refuse (through
+        the model's ``broken``), since their values would mix two steps."""
+        left = sum(1 for n, k, p in self._items
+                   if (g := self._grad(n, k, p)) is not None and not self._was_applied(n, g))
+        if not left:
+            return
+        self._unfinished = (f"step() stopped after updating {updated} parameters, {left} not yet ({error}). Call "
+                            f"opt.step() again, before anything else: it updates the rest with the gradients it kept, "
+                            f"and the step ends as if it had not failed; until then forward, zero_grad() and "
+                            f"checkpoints refuse, since the model is part of a step ahead")
+        if not self.offloaded.broken:
+            self.offloaded.broken = self._unfinished
 
     def _timed_step(self, name: str, key: str | None, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """One parameter's update through the pipeline (a timeline span when one is recorded)."""
@@ -374,6 +430,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self.offloaded.broken = str(e)
                 raise
         self.steps[name] = step
+        self._applied[name] = (weakref.ref(grad), grad._version)
 
     def wait(self) -> None:
         """Wait for the write-behind of the last step; raises the first failure (the data stays in memory)."""

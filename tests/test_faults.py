@@ -135,3 +135,34 @@ def test_real_full_disk(small_fs, monkeypatch):
         assert torch.equal(store.get("a", "host"), a)  # earlier data intact, store usable
         store.release("a", "host")
         store.put("c", torch.randn(1000)).wait()  # fits in the existing file
+
+
+def test_a_failed_write_is_reported_once(nvme_dir):
+    """A write-back whose handle's wait() raised is not raised again by the key's next get(); one nobody waited
+    for is (by that get). Either way the bytes stay in memory and the next write-back succeeds."""
+    for waited in (True, False):
+        sys = FaultySyscalls(None)
+        with ts.TierStore(nvme_path=nvme_dir, syscalls=sys, block_size_bytes=BLOCK, host_budget_bytes="8MiB",
+                          file_size_bytes="1MiB") as store:
+            x = torch.randn(BLOCK // 4)
+            sys.fail_at = sys.calls
+            handle = store.put("x", x)
+            if waited:
+                with pytest.raises(ts.TierIOError, match="x: write"):
+                    handle.wait()
+            else:
+                while not handle.done():
+                    pass
+            if waited:
+                got = store.get("x", "host")
+            else:
+                with pytest.raises(ts.TierIOError, match="x: write"):
+                    store.get("x", "host")
+                got = store.get("x", "host")
+            assert torch.equal(got, x)
+            store.release("x", "host")
+            store.write_back("x").wait()
+            store.evict("x", "host")
+            assert torch.equal(store.get("x", "host"), x)
+            store.release("x", "host")
+            assert sys.failed == 1

@@ -1,6 +1,7 @@
 """OffloadedAdamW on its own terms: bit-identical to torch.optim.AdamW (parameter groups, schedulers,
 clipping, accumulation, loss scaling, stepping in backward), its budgets, and what it leaves in the store."""
 
+import contextlib
 import copy
 
 import pytest
@@ -14,6 +15,7 @@ from _training import (
     train_resident,
 )
 from tierstore.integrations import _adamw
+from tierstore.integrations._pipeline import UnrestorableUpdateError
 from tierstore.integrations.offload import offload_model
 from tierstore.integrations.optim import OffloadedAdamW
 
@@ -399,5 +401,149 @@ def test_frozen_parameters_get_no_state_and_unfreezing_later_is_an_error(make_st
     with pytest.raises(RuntimeError, match=r"frozen \(requires_grad=False\) when this OffloadedAdamW was created.*"
                                            r"0.base.weight"):
         model(torch.randn(4, 32)).pow(2).mean().backward()
+        opt.step()
+    opt.close()
+
+
+def _step_that_fails(model, opt, data, step, fail):
+    """One training step whose opt.step() fails once (``fail()`` arms the fault); returns whether it stopped part-way
+    (some parameters updated, some not), after checking what refuses until opt.step() is called again."""
+    x, y = data.batch(step, 8)
+    F.cross_entropy(model(x), y).backward()
+    fail()
+    with pytest.raises(Exception) as failed:  # noqa: PT011 - the fault's own error, whatever layer raised it
+        opt.step()
+    part_way = opt._unfinished is not None
+    if part_way:
+        assert "Call opt.step() again" in opt._unfinished and str(failed.value) in opt._unfinished
+        with pytest.raises(RuntimeError, match=r"step\(\) stopped after updating \d+ parameters"):
+            model(x)
+        with pytest.raises(RuntimeError, match="stopped after updating"):
+            opt.zero_grad()
+    opt.step()  # finishes the step: only the parameters not yet updated are
+    opt.zero_grad()
+    return part_way
+
+
+def test_a_step_stopped_by_an_io_error_finishes_when_called_again(make_store, nvme_dir, tmp_path):
+    """An I/O error part-way through step() leaves some parameters updated: forward, zero_grad() and checkpoints
+    refuse until step() is called again, which updates only the rest; training then matches resident training."""
+    from tierstore.integrations.checkpoint import save_checkpoint
+    from tierstore import TierIOError
+    from tierstore.testing import FaultySyscalls
+
+    ref, _, data = _tiny_pair()
+    train_resident(ref, data, 4)
+    part_ways = 0
+    for k in (1, 3, 5, 7, 9):
+        _, model, _ = _tiny_pair()
+        sysc = FaultySyscalls(None)
+        store = make_store(host_budget_bytes="384KiB", device_budget_bytes="320KiB", syscalls=sysc)
+        off = offload_model(model, store)
+        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
+        _train(model, data, 2, opt)
+        x, y = data.batch(2, 8)
+        F.cross_entropy(model(x), y).backward()
+        sysc.fail_at = sysc.calls + k  # a read of the step, or (the count is not exact) a write behind it
+        try:
+            opt.step()
+        except TierIOError:
+            if opt._unfinished is not None:
+                part_ways += 1
+                with pytest.raises(RuntimeError, match="mix two steps"):
+                    save_checkpoint(str(tmp_path / "ckpt"), model, opt)
+                assert not (tmp_path / "ckpt").exists()
+                with pytest.raises(RuntimeError, match=r"step\(\) stopped after updating \d+ parameters"):
+                    model(x)
+            opt.step()
+        with contextlib.suppress(TierIOError):  # a write behind the step failed: its data stayed in memory
+            opt.wait()
+        assert sysc.failed == 1
+        opt.zero_grad()
+        x, y = data.batch(3, 8)
+        F.cross_entropy(model(x), y).backward()  # a failure is reported once: nothing raises from here on
+        opt.step()
+        opt.wait()
+        _assert_same_parameters(model, ref)
+        off.remove()
+        store.close()
+    assert part_ways >= 3  # most faults landed part-way through the step, not only before the first update
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_a_step_stopped_by_a_failed_update_finishes_when_called_again(make_store, monkeypatch, in_backward):
+    ref, model, data = _tiny_pair()
+    train_resident(ref, data, 3)
+    store = make_store(host_budget_bytes="384KiB", device_budget_bytes="320KiB")
+    off = offload_model(model, store)
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=in_backward)
+    _train(model, data, 1, opt)
+    real = _adamw.adamw_update
+
+    def fail_once():
+        def failing(param, exp_avg, exp_avg_sq, grad, step, hyper):
+            if param.shape == (256, 64):  # blocks.0.fc1.weight, neither first nor last to be updated
+                monkeypatch.setattr(_adamw, "adamw_update", real)
+                raise RuntimeError("update failed")
+            real(param, exp_avg, exp_avg_sq, grad, step, hyper)
+        monkeypatch.setattr(_adamw, "adamw_update", failing)
+
+    if in_backward:  # the updates run as backward produces gradients: arm the fault before it
+        x, y = data.batch(1, 8)
+        fail_once()
+        F.cross_entropy(model(x), y).backward()
+        with pytest.raises(RuntimeError, match="update failed"):
+            opt.step()
+        assert opt._unfinished is not None
+        with pytest.raises(RuntimeError, match="stopped after updating"):
+            model(x)
+        opt.step()
+        opt.zero_grad()
+    else:
+        assert _step_that_fails(model, opt, data, 1, fail_once)
+    x, y = data.batch(2, 8)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.wait()
+    opt.close()
+    _assert_same_parameters(model, ref)
+
+
+def test_step_twice_with_the_same_gradients_is_refused(make_store):
+    _, model, data = _tiny_pair()
+    off = offload_model(model, make_store())
+    opt = OffloadedAdamW(off)
+    x, y = data.batch(0, 8)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"step\(\) again with the gradients the last step\(\) applied"):
+        opt.step()
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()  # a new backward's gradients: fine
+
+
+def test_a_backward_that_raises_after_stepping_in_backward_began_is_refused_for_good(make_store):
+    """Stepping in backward updates parameters while backward runs: when it raises, some are a step ahead and
+    the rest never get their gradient, which no second step can repair; the retry's backward says so."""
+    _, model, data = _tiny_pair()
+    store = make_store()
+    off = offload_model(model, store)
+    opt = OffloadedAdamW(off, step_in_backward=True)
+    _train(model, data, 1, opt)
+    x, y = data.batch(1, 8)
+    calls = []
+
+    def raise_in_backward(module, grad_in, grad_out):
+        calls.append(module)
+        if len(calls) == 1:
+            raise RuntimeError("backward failed")
+    handle = model.blocks[0].register_full_backward_hook(raise_in_backward)
+    with pytest.raises(RuntimeError, match="backward failed"):
+        F.cross_entropy(model(x), y).backward()
+    handle.remove()
+    with pytest.raises(UnrestorableUpdateError, match="load a checkpoint"):
+        F.cross_entropy(model(x), y).backward()
+    with pytest.raises(UnrestorableUpdateError, match="load a checkpoint"):
         opt.step()
     opt.close()

@@ -34,10 +34,12 @@ from ._types import StoreFullError, Tier, TierStoreError
 class Handle:
     """Pending work on one key: ``wait()`` blocks and re-raises a failure; ``done()`` polls."""
 
-    def __init__(self, future: Future, key: str, tier: Tier) -> None:
+    def __init__(self, future: Future, key: str, tier: Tier,
+                 reported: Callable[[BaseException], None] | None = None) -> None:
         self._future = future
         self.key = key
         self.tier = tier
+        self._reported = reported  # told of a failure wait() raised, so the key's next get() does not again
 
     def done(self) -> bool:
         return self._future.done()
@@ -45,11 +47,13 @@ class Handle:
     def wait(self, timeout: float | None = None) -> None:
         try:
             self._future.result(timeout)
-        except TierStoreError:
-            raise
         except TimeoutError:
             raise
         except BaseException as e:
+            if self._reported is not None:
+                self._reported(e)
+            if isinstance(e, TierStoreError):
+                raise
             raise TierStoreError(f"{self.key!r} -> {self.tier.label}: {e!r}") from e
 
     @property
@@ -138,7 +142,7 @@ class TierStore:
                     return Handle(done_future(), key, home)
                 fut = self._transfers.start_writeback(entry)
             assert fut is not None
-            return Handle(fut, key, home)
+            return Handle(fut, key, home, self._reporter(entry))
         except BaseException:
             with state.lock:
                 state.drop_entry(entry)
@@ -262,7 +266,7 @@ class TierStore:
         with self._state.lock:
             entry = self._state.lookup(key)
             fut = self._transfers.start_writeback(entry)
-        return Handle(fut or done_future(), key, entry.home)
+        return Handle(fut or done_future(), key, entry.home, self._reporter(entry))
 
     def writing(self, key: str) -> Handle:
         """The write-back of ``key`` in flight (a done handle when none): wait on it before changing the copy it
@@ -271,7 +275,16 @@ class TierStore:
         with self._state.lock:
             entry = self._state.lookup(key)
             fut = entry.writeback
-        return Handle(fut or done_future(), key, entry.home)
+        return Handle(fut or done_future(), key, entry.home, self._reporter(entry))
+
+    def _reporter(self, entry: Entry) -> Callable[[BaseException], None]:
+        """For a write's handle: a failed write is reported once, by the handle's wait() or else by the key's
+        next get(); the bytes stay in memory either way and a later write-back tries again."""
+        def reported(err: BaseException) -> None:
+            with self._state.lock:
+                if entry.error is err:
+                    entry.error = None
+        return reported
 
     def flush(self) -> None:
         """Write every dirty copy back to its home tier and wait; raises the first failure."""
