@@ -16,6 +16,10 @@ and it holds no memory. No value can be read from it: a torch function that
 reads it is intercepted (below); ``.data`` and ``detach()``, which would alias
 it, give a meta tensor instead, whose computations yield meta tensors or a
 device error, never values. So no stand-in value can ever reach compute.
+Nor can a write be lost: one into that meta tensor or a view of it
+(``p.data.normal_()``, ``p.data[0] = 1``, as initialization code does), an
+in-place op on the parameter, or ``p.data = x`` raises, saying how to write
+values (``load_state_dict``).
 Every torch function called on such a parameter passes through its
 ``__torch_function__``: one that reads values while the parameter is not
 held fetches it on demand when a forward of the model is running (the
@@ -42,6 +46,15 @@ as ordinary from its start until the layer holds them (their placeholders
 still hold no values, so a read there raises; only the question sees them).
 Off the hot path too: a held parameter's ops no longer pass through a
 Python ``__torch_function__``.
+
+[Note: A write while held] A forward may write its parameter in place
+(``with torch.no_grad(): self.weight.clamp_(-c, c)``: weight clipping,
+renormalization); the resident model keeps the write, so the offloaded one
+must too: a held parameter whose version counter moved is marked dirty in
+the store when its last hold ends, and so written home before its copy is
+dropped. A write through ``self.weight.data`` moves no version counter
+(torch gives ``.data`` a counter of its own) and is not seen: write the
+parameter itself under ``torch.no_grad()``.
 
 [Note: Holding a parameter] Holds are counted: one per forward of a unit that
 holds it (released by the forward post-hook) and at most one for backward
@@ -157,7 +170,12 @@ class _OffloadedParameter(nn.Parameter):
             if (attribute or how) in _ALIASES and how != "__set__":
                 p = args[0]
                 if isinstance(p, _OffloadedParameter) and not p._tierstore.holds:
-                    return torch.empty(p.shape, dtype=p.dtype, device="meta")
+                    return _Alias.of(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta"),
+                                     p._tierstore)
+            elif attribute == "data" and how == "__set__" and isinstance(args[0], _OffloadedParameter):
+                if args[1] is args[0]:  # ``param.data = param``: what nn.Module._apply does after a no-op .to()
+                    return None
+                raise OffloadedParameterError(_write_message("assigning .data", args[0]._tierstore))
             elif attribute is None or attribute in _VALUE_ATTRIBUTES:
                 unheld = [p for p in _leaves((args, kwargs), _OffloadedParameter) if not p._tierstore.holds]
                 if unheld:
@@ -217,12 +235,7 @@ def _on_read(unheld: list[_OffloadedParameter], func: Any, args: Any, kwargs: An
         what = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
         module = sp.name.rpartition(".")[0] or "the model"
         if what.endswith("_") and not what.endswith("__") and args and args[0] is p:  # an in-place write
-            raise OffloadedParameterError(
-                f"{what} would write the offloaded parameter {sp.name!r} (of {module}) outside the forward and "
-                f"backward of its model; its values live in the store. Write new values with "
-                f"model.load_state_dict(state_dict) or tierstore.integrations.load_safetensors, before creating "
-                f"the model's OffloadedAdamW; initialize parameters before offload_model (or build the model on "
-                f"the meta device and pass init_fn)")
+            raise OffloadedParameterError(_write_message(what, sp))
         raise OffloadedParameterError(
             f"{what} read the offloaded parameter {sp.name!r} (of {module}) outside the forward and backward of "
             f"the model it was offloaded with; its values live in the store, so no value is there to read. "
@@ -230,6 +243,49 @@ def _on_read(unheld: list[_OffloadedParameter], func: Any, args: Any, kwargs: An
             f"forward (any module of the model may read any of its parameters there); convert dtype or device "
             f"before offload_model; or call off.remove() to make the parameters ordinary tensors again")
     return None
+
+
+def _write_message(what: str, sp: _Param) -> str:
+    module = sp.name.rpartition(".")[0] or "the model"
+    return (f"{what} would write the offloaded parameter {sp.name!r} (of {module}) outside the forward and "
+            f"backward of its model, and be lost: its values live in the store. Write new values with "
+            f"model.load_state_dict(state_dict) or tierstore.integrations.load_safetensors, before creating "
+            f"the model's OffloadedAdamW; initialize parameters before offload_model (or build the model on "
+            f"the meta device and pass init_fn)")
+
+
+class _Alias(torch.Tensor):
+    """What ``.data`` or ``detach()`` of an unheld offloaded parameter gives, and any view of it: a meta tensor of
+    its shape and dtype, so computing with it yields meta tensors, never values; a write into it (``p.data.normal_()``,
+    ``p.data[0] = 1``: initialization code does both) raises, since it would change nothing the model computes with
+    (see [Note: Reads of an offloaded parameter])."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    _meta: torch.Tensor
+    _tierstore: _Param
+
+    @staticmethod
+    def of(meta: torch.Tensor, sp: _Param) -> _Alias:
+        alias = torch.Tensor._make_wrapper_subclass(_Alias, meta.shape, strides=meta.stride(),
+                                                    storage_offset=meta.storage_offset(), dtype=meta.dtype,
+                                                    device="meta")
+        alias._meta, alias._tierstore = meta, sp
+        return alias
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        schema = func._schema
+        for i, arg in enumerate(schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if isinstance(value, _Alias) and arg.alias_info is not None and arg.alias_info.is_write:
+                raise OffloadedParameterError(_write_message(func.overloadpacket.__name__, value._tierstore))
+        aliases = [a for a in _leaves((args, kwargs), _Alias)]
+        unwrap = functools.partial(torch.utils._pytree.tree_map_only, _Alias, lambda a: a._meta)
+        out = func(*unwrap(args), **unwrap(kwargs))
+        if aliases and any(r.alias_info is not None for r in schema.returns):  # a view: a write into it is one too
+            return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: _Alias.of(t, aliases[0]._tierstore), out)
+        return out
 
 
 def _refuse_other_optimizers(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -260,6 +316,7 @@ class _Param:
     original_class: type
     holds: int = 0
     backward_hold: bool = False
+    version: int = 0  # the parameter's version counter when held (see [Note: A write while held])
 
 
 @dataclass(frozen=True, eq=False)
@@ -582,12 +639,13 @@ class OffloadedModel(OffloadedParameters):
             # Under torch.inference_mode() the copy would be an inference tensor, and torch computes with one
             # differently (its eval outputs would round otherwise than the resident model's): it is made outside.
             try:
-                with torch.inference_mode(False):
+                with torch.inference_mode(False), torch._C.DisableTorchFunctionSubclass():
                     sp.param.data = self.store.get(sp.key, self.compute_tier)
             except BaseException:
                 sp.holds -= 1  # not held: it still has no values
                 raise
             sp.param.__class__ = sp.original_class  # see [Note: A held parameter is an ordinary one]
+            sp.version = sp.param._version
             if sp.param.numel():
                 self._storage_owner[sp.param.untyped_storage().data_ptr()] = sp
             by_group = self.stats.stall_seconds_by_group
@@ -596,6 +654,8 @@ class OffloadedModel(OffloadedParameters):
     def _unhold(self, sp: _Param) -> None:
         sp.holds -= 1
         if sp.holds == 0:
+            if sp.param._version != sp.version:  # see [Note: A write while held]
+                self.store.mark_dirty(sp.key, self.compute_tier)
             self._storage_owner.pop(sp.param.untyped_storage().data_ptr(), None)
             sp.param.data = sp.placeholder
             sp.param.__class__ = _OffloadedParameter

@@ -527,3 +527,62 @@ def test_the_encoder_is_bit_identical_in_eval_with_the_fast_path_on_and_off(make
     assert not any("forward" in vars(layer) for layer in model.layers)
     with torch.no_grad():
         assert torch.equal(model(x), ref(x))
+
+
+@pytest.mark.parametrize("write", [
+    lambda p: p.data.normal_(mean=0.0, std=0.02),  # initialization code of many models
+    lambda p: p.data.zero_(),
+    lambda p: p.data.__setitem__((slice(None), 0), 1.0),
+    lambda p: p.data.view(-1)[:3].fill_(1.0),
+    lambda p: p.detach().copy_(torch.ones(p.shape)),
+    lambda p: setattr(p, "data", torch.ones(p.shape)),
+], ids=["data-normal_", "data-zero_", "data-setitem", "data-view-fill_", "detach-copy_", "assign-data"])
+def test_a_write_that_would_be_lost_is_refused(make_store, write):
+    """Outside forward an offloaded parameter's values live in the store: a write through ``.data``, a view of
+    it, or an assignment would change nothing the model computes with, so it raises and names the parameter."""
+    ref, model, data = _tiny_pair()
+    off = offload_model(model, make_store())
+    p = model.blocks[0].fc1.weight
+    with pytest.raises(OffloadedParameterError, match=r"'blocks.0.fc1.weight' .* and be lost.*load_state_dict"):
+        write(p)
+    assert p.data.shape == p.shape and p.data.dtype == p.dtype and p.data.is_meta  # metadata still reads
+    x, _ = data.batch(0, 2)
+    assert torch.equal(model(x), ref(x))  # nothing changed
+    model.to("cpu")  # ``param.data = param`` (a conversion that changes nothing) is no write
+    off.remove()
+
+
+class _ClippedLinear(torch.nn.Linear):
+    """Clips its own weight in place on every forward (as weight clipping and renormalization do)."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.weight.clamp_(-0.05, 0.05)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
+def test_a_write_in_forward_is_kept_as_the_resident_model_keeps_it(make_store, in_backward):
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[_ClippedLinear(96, 96) for _ in range(6)], torch.nn.Linear(96, 4))
+    with torch.no_grad():
+        for m in ref[:6]:
+            m.weight.mul_(2)  # some weights beyond the clip
+    model = copy.deepcopy(ref)
+    store = make_store(host_budget_bytes="160KiB", device_budget_bytes="64KiB")  # the weights cycle through
+    off = offload_model(model, store)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = OffloadedAdamW(off, lr=1e-2, step_in_backward=in_backward)
+    for step in range(3):
+        x = torch.randn(4, 96, generator=torch.Generator().manual_seed(step))
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        _assert_same_parameters(model, ref)
+    with torch.no_grad():
+        x = torch.randn(4, 96)
+        assert torch.equal(model(x), ref(x))
+    _assert_same_parameters(model, ref)
+    assert store.stats_dict()["bytes_read_nvme"] > 0
+    opt.close()
