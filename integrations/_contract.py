@@ -20,6 +20,23 @@ OPTIMIZER_PREFIX = "adam/"
 OPTIMIZER_STATE = ("exp_avg", "exp_avg_sq", "master")
 
 
+# Parameter dtypes AdamW steps: bf16/fp16 ones through an fp32 master (mixed precision), the others in their own
+# dtype (moments of that dtype too, as torch.optim.AdamW keeps them).
+MASTERED_DTYPES = (torch.bfloat16, torch.float16)
+STEPPED_DTYPES = (torch.float32, torch.float64, *MASTERED_DTYPES)
+
+
+def has_master(key: str | None, p: torch.Tensor) -> bool:
+    """Whether an offloaded parameter (``key`` not None) is stepped through an fp32 master copy."""
+    return key is not None and p.dtype in MASTERED_DTYPES
+
+
+def moment_dtype(key: str | None, p: torch.Tensor) -> torch.dtype:
+    """The dtype of a parameter's moments (and of its master): an offloaded bf16/fp16 parameter's are fp32; any
+    other's are its own (a resident parameter is stepped as torch.optim.AdamW steps it)."""
+    return torch.float32 if has_master(key, p) else p.dtype
+
+
 def optimizer_key(name: str, what: str) -> str:
     """The store key of one piece of a parameter's optimizer state (``what``: exp_avg, exp_avg_sq or master,
     the fp32 master of a bf16/fp16 parameter)."""

@@ -10,7 +10,7 @@ import torch
 from tierstore import Handle, Tier, TierStore
 
 from . import _adamw
-from ._contract import optimizer_key
+from ._contract import has_master, optimizer_key
 
 # (parameter name, its store key or None for a resident parameter, the parameter, its gradient)
 Item = tuple[str, "str | None", torch.nn.Parameter, "torch.Tensor | None"]
@@ -21,7 +21,7 @@ def state_keys(name: str, key: str | None, p: torch.nn.Parameter) -> list[str]:
     (its own store copy when the parameter is fp32)."""
     keys = [optimizer_key(name, "exp_avg"), optimizer_key(name, "exp_avg_sq")]
     if key is not None:
-        keys.append(key if p.dtype == torch.float32 else optimizer_key(name, "master"))
+        keys.append(optimizer_key(name, "master") if has_master(key, p) else key)
     return keys
 
 

@@ -40,7 +40,14 @@ from tierstore import Tier, TierStore, parse_bytes
 from tierstore._memory import TierPool
 
 from ._adamw import HYPER, check_hyper
-from ._contract import OPTIMIZER_STATE, OffloadedParameters, optimizer_key
+from ._contract import (
+    OPTIMIZER_STATE,
+    STEPPED_DTYPES,
+    OffloadedParameters,
+    has_master,
+    moment_dtype,
+    optimizer_key,
+)
 from ._pipeline import StatePipeline, UnrestorableUpdateError, state_keys
 
 
@@ -97,6 +104,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._items: list[tuple[str, str | None, torch.nn.Parameter]] = [
             it for it in everything if it[2].requires_grad]
         self._frozen = [it for it in everything if not it[2].requires_grad]
+        odd = [f"{name} ({p.dtype})" for name, _, p in self._items if p.dtype not in STEPPED_DTYPES]
+        if odd:
+            raise TypeError(f"OffloadedAdamW steps fp32, fp64, bf16 and fp16 parameters, not {', '.join(odd[:4])}"
+                            f"{', ...' if len(odd) > 4 else ''}: freeze them (requires_grad_(False)) or convert "
+                            f"them before offload_model")
         handles = []
         self._name_of = {id(p): name for name, _, p in everything}
         self._check_host_budget(host, step_in_backward)
@@ -111,15 +123,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if home is Tier.NVME:  # room for every moment (and master) is checked before the first is written
             self.store.require_nvme_room(
                 sum((p.numel() if key is None else self._param_shape(key).numel())
-                    * (12 if key is not None and p.dtype != torch.float32 else 8) for _, key, p in self._items),
+                    * moment_dtype(key, p).itemsize * (2 if key is None else 3) for _, key, p in self._items),
                 "AdamW state of {size}")
         try:
             for name, key, p in self._items:
                 shape = p.shape if key is None else self._param_shape(key)
-                zeros = torch.zeros(shape, dtype=torch.float32)
+                zeros = torch.zeros(shape, dtype=moment_dtype(key, p))
                 handles.append(self.store.put(optimizer_key(name, "exp_avg"), zeros, home=home))
                 handles.append(self.store.put(optimizer_key(name, "exp_avg_sq"), zeros, home=home))
-                if key is not None and p.dtype != torch.float32:
+                if has_master(key, p):
                     master = self.offloaded.read_param(name).float()
                     handles.append(self.store.put(optimizer_key(name, "master"), master, home=home))
             for h in handles:
@@ -166,14 +178,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         backward, beside what backward holds there): a budget below that for the largest parameter could never
         step it, or only by luck, so say so now, before any state exists."""
         def one_update(name: str, key: str | None, p: torch.nn.Parameter) -> int:
-            n = (p.numel() if key is None else self._param_shape(key).numel()) * 4
+            n = (p.numel() if key is None else self._param_shape(key).numel()) * moment_dtype(key, p).itemsize
             return TierPool.capacity_for(n) * (2 if key is None else 3)
 
         # name -> what backward may hold in the host tier while it is updated
         beside = self.offloaded.held_beside_updates() if step_in_backward else {}
         need, name = max(((one_update(n, k, p) + beside.get(n, 0), n) for n, k, p in self._items),
                          default=(0, ""))
-        what = "its fp32 master and two moments"
+        what = "its master weight and two moments"
         if beside.get(name):
             what += f", beside the largest unit backward may hold meanwhile ({beside[name]} bytes)"
         if need > host_budget:
@@ -450,7 +462,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for name, key, p in self._items:
             if name not in stepped:
                 continue
-            for what in OPTIMIZER_STATE[:2] + (("master",) if key and p.dtype != torch.float32 else ()):
+            for what in OPTIMIZER_STATE[:2] + (("master",) if has_master(key, p) else ()):
                 out.append((name, what, optimizer_key(name, what)))
         return out
 

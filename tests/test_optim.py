@@ -547,3 +547,52 @@ def test_a_backward_that_raises_after_stepping_in_backward_began_is_refused_for_
     with pytest.raises(UnrestorableUpdateError, match="load a checkpoint"):
         opt.step()
     opt.close()
+
+
+def _mlp(dtype):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 128), torch.nn.GELU(),
+                               torch.nn.Linear(128, 10)).to(dtype)
+
+
+def _train_both(ref, model, opt, steps=3):
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    dtype = next(ref.parameters()).dtype
+    for step in range(steps):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step)).to(dtype)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(x).float().square().mean().backward()
+            o.step()
+            o.zero_grad()
+        _assert_same_parameters(model, ref)
+    opt.close()
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
+def test_fp64_parameters_are_stepped_in_fp64(make_store, in_backward):
+    """An fp64 parameter's moments are fp64, as torch.optim.AdamW keeps them (an fp32 master would round it)."""
+    ref = _mlp(torch.float64)
+    model = copy.deepcopy(ref)
+    store = make_store(host_budget_bytes="640KiB", device_budget_bytes="64KiB")
+    off = offload_model(model, store)
+    opt = OffloadedAdamW(off, lr=1e-2, step_in_backward=in_backward)
+    assert opt.state_dict()["state"] == {} and "adam/0.weight/master" not in store
+    _train_both(ref, model, opt)
+    assert opt.state_dict()["state"]["0.weight"]["exp_avg"].dtype == torch.float64
+    assert store.stats_dict()["bytes_read_nvme"] > 0
+
+
+def test_resident_bf16_parameters_are_stepped_as_torch_steps_them(make_store):
+    ref = _mlp(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    off = offload_model(model, make_store(), resident_threshold_bytes=2**20)  # all resident: torch's AdamW
+    assert len(off.resident) == 6 and not off.params
+    _train_both(ref, model, OffloadedAdamW(off, lr=1e-2))
+
+
+def test_parameters_of_a_dtype_adamw_cannot_step_are_refused(make_store):
+    model = torch.nn.Linear(8, 8)
+    model.phase = torch.nn.Parameter(torch.randn(8, dtype=torch.complex64))
+    off = offload_model(model, make_store())
+    with pytest.raises(TypeError, match=r"not phase \(torch.complex64\): freeze them"):
+        OffloadedAdamW(off)
