@@ -201,6 +201,10 @@ def _kept_grad(sp: _Param, how: str, value: Any) -> torch.Tensor | None:
     the compute tier): torch's ``clip_grad_norm_``, ``model.zero_grad()`` and the like act on it."""
     grads = sp.owner.grads
     if how == "__get__":
+        for guard in sp.owner.grad_read_guards:
+            why = guard()
+            if why is not None:
+                raise RuntimeError(f"{sp.name}.grad: {why}")
         return grads.get(sp.key)
     if how == "__set__" and value[0] is not None:
         grad = value[0]
@@ -384,6 +388,8 @@ class OffloadedModel(OffloadedParameters):
         self._running: list[tuple[_Group, bool]] = []
         # Called with a store key once that parameter's gradient for this backward is complete.
         self.grad_ready_callbacks: list[Callable[[str], None]] = []
+        # Each says why no gradient may be read now, or None (an optimizer stepping in backward consumes them).
+        self.grad_read_guards: list[Callable[[], str | None]] = []
         # An optimizer's uses of store keys, which eviction weighs with the trace's.
         self.later_uses = LaterUses()
         self.on_remove: list[Callable[[], None]] = []  # called by remove(): optimizers drop their state

@@ -159,6 +159,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._by_key = {key: (name, key, p) for name, key, p in self._items if key is not None}
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="tierstore-adamw")
             offloaded.grad_ready_callbacks.append(self._on_grad_ready)
+            if hasattr(offloaded, "grad_read_guards"):  # param.grad of an offloaded parameter asks it
+                offloaded.grad_read_guards.append(self._gradients_taken)
         # Every store key an update of an offloaded parameter uses, built once: eviction asks for the
         # queue's keys on each allocation.
         self._use_keys = {name: tuple(dict.fromkeys((key, *state_keys(name, key, p))))
@@ -300,6 +302,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._futures.append(future)
         self._early[key] = future
 
+    def _gradients_taken(self) -> str | None:
+        """Why no gradient may be read now: since the last step() a backward has handed its gradients to the
+        updates, which consume them as they go (a clip then would race them, or find none and clip nothing)."""
+        if not self._early:
+            return None
+        return ("OffloadedAdamW(step_in_backward=True) applies each gradient as backward produces it, and this "
+                "backward's are being applied now, so none is there to read or clip (torch's clip_grad_norm_ "
+                "would clip nothing). Clip with step_in_backward=False (off.clip_grad_norm_), or read gradients "
+                "after opt.step() with step_in_backward=False")
+
     def _step_ready(self, i: int, nbytes: int) -> None:
         self._worker_ident = threading.get_ident()
         # Read ahead in the worker's order, within readahead_bytes: reads issued for every gradient as
@@ -325,6 +337,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             callbacks = self.offloaded.grad_ready_callbacks
             if self._on_grad_ready in callbacks:
                 callbacks.remove(self._on_grad_ready)
+            guards = getattr(self.offloaded, "grad_read_guards", [])
+            if self._gradients_taken in guards:
+                guards.remove(self._gradients_taken)
         if self._queued in self.offloaded.later_uses.queues:
             self.offloaded.later_uses.queues.remove(self._queued)
 

@@ -312,6 +312,14 @@ def test_clipping_and_loss_scaling_refuse_stepping_in_backward(make_store):
         off.clip_grad_norm_(1.0)
     with pytest.raises(RuntimeError, match="step_in_backward=False"):
         scaler.unscale_(opt)
+    # torch's own clipping reads param.grad, which the updates are consuming: refused too, not a clip of nothing
+    with pytest.raises(RuntimeError, match=r"0.weight.grad: .*being applied now.*step_in_backward=False"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match="being applied now"):
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+    opt.step()
+    model.zero_grad()  # after step() the gradients are gone, as they are after any step and zero_grad()
+    assert all(p.grad is None for p in model.parameters())
     opt.close()
 
 
