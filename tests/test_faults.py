@@ -138,18 +138,24 @@ def test_real_full_disk(small_fs, monkeypatch):
 
 
 def test_a_failed_write_is_reported_once(nvme_dir):
-    """A write-back whose handle's wait() raised is not raised again by the key's next get(); one nobody waited
-    for is (by that get). Either way the bytes stay in memory and the next write-back succeeds."""
-    for waited in (True, False):
+    """A failed write-back that a handle's wait() or flush() raised is not raised again by the key's next get();
+    one nobody waited for is (by that get). Either way the bytes stay in memory and the next write-back succeeds."""
+    for waited in ("handle", "flush", None):
         sys = FaultySyscalls(None)
         with ts.TierStore(nvme_path=nvme_dir, syscalls=sys, block_size_bytes=BLOCK, host_budget_bytes="8MiB",
                           file_size_bytes="1MiB") as store:
             x = torch.randn(BLOCK // 4)
             sys.fail_at = sys.calls
             handle = store.put("x", x)
-            if waited:
+            if waited == "handle":
                 with pytest.raises(ts.TierIOError, match="x: write"):
                     handle.wait()
+            elif waited == "flush":
+                while not handle.done():
+                    pass
+                sys.fail_at = sys.calls  # the flush's write fails too
+                with pytest.raises(ts.TierIOError, match="x: write"):
+                    store.flush()
             else:
                 while not handle.done():
                     pass
@@ -165,4 +171,4 @@ def test_a_failed_write_is_reported_once(nvme_dir):
             store.evict("x", "host")
             assert torch.equal(store.get("x", "host"), x)
             store.release("x", "host")
-            assert sys.failed == 1
+            assert sys.failed == (2 if waited == "flush" else 1)

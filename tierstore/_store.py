@@ -293,14 +293,16 @@ class TierStore:
         with state.lock:
             while True:
                 # None when home is current; the one in flight if any
-                pending = [f for e in list(state.entries.values())
+                pending = [(e, f) for e in list(state.entries.values())
                            if (f := self._transfers.start_writeback(e)) is not None]
                 if not pending:
                     return
-                for fut in pending:
+                for entry, fut in pending:
                     state.wait_for(fut)
-                    if fut.exception() is not None:
-                        raise fut.exception()
+                    if (err := fut.exception()) is not None:
+                        if entry.error is err:  # reported here, not again by the key's next get()
+                            entry.error = None
+                        raise err
 
     def evict(self, key: str, tier: Tier | str) -> None:
         """Drop the cached copy of ``key`` in ``tier``, writing it back first if it is dirty."""
