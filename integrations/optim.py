@@ -123,7 +123,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if home is Tier.NVME:  # room for every moment (and master) is checked before the first is written
             self.store.require_nvme_room(
                 sum((p.numel() if key is None else self._param_shape(key).numel())
-                    * moment_dtype(key, p).itemsize * (2 if key is None else 3) for _, key, p in self._items),
+                    * moment_dtype(key, p).itemsize * (3 if has_master(key, p) else 2) for _, key, p in self._items),
                 "AdamW state of {size}")
         try:
             for name, key, p in self._items:

@@ -109,3 +109,47 @@ def test_a_directory_that_goes_while_being_looked_at_is_not_reclaimed(nvme_dir):
     finally:
         for s in stores:
             s.close()
+
+
+def _make_and_reclaim(base: str, n: int) -> int:
+    """Make, reclaim and remove swap directories ``n`` times; the number of failures."""
+    import shutil
+
+    failures = 0
+    for _ in range(n):
+        try:
+            _ownership.reclaim_swap(base)
+            directory, fd = _ownership.make_swap_directory(base)
+            failures += not os.path.isdir(directory)
+            _ownership.unlock(directory, fd)
+            shutil.rmtree(directory)
+        except OSError:
+            failures += 1
+    return failures
+
+
+def test_processes_making_and_reclaiming_directories_together_never_take_a_live_one(nvme_dir):
+    """A directory being made gets its lock file already locked (made under a name of its own, locked, then
+    linked in): another process reclaiming never finds it unlocked and removes it under its maker."""
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        assert pool.starmap(_make_and_reclaim, [(nvme_dir, 300)] * 4) == [0, 0, 0, 0]
+    assert os.listdir(nvme_dir) == []
+
+
+def test_a_lock_file_left_half_made_is_reclaimed(tmp_path):
+    """Killed between making a staging directory's lock file and linking it in: the file goes at the next save."""
+    left = tmp_path / "c.tmp-abc.lock.new-xyz"
+    left.write_text("{}")
+    held = tmp_path / "c.tmp-def.lock.new-uvw"
+    held.write_text("{}")
+    fd = os.open(held, os.O_RDWR)
+    import fcntl
+
+    fcntl.flock(fd, fcntl.LOCK_EX)  # one its maker still holds
+    try:
+        assert _ownership.reclaim(str(tmp_path), ("c.tmp-",), beside=True) == []
+        assert not left.exists() and held.exists()
+    finally:
+        os.close(fd)

@@ -7,7 +7,10 @@ any signal, SIGKILL included, so "can I take the lock?" is the question of
 whether the owner is gone, and it cannot be wrong about a live process on
 this machine. A swap directory is made under a hidden name, locked, then
 renamed to ``tierstore-*``: every ``tierstore-*`` directory a current store
-made is locked from its first moment. The lock file also records the
+made is locked from its first moment. A lock file itself is made under a
+name of its own, locked, and then linked in, so no process ever finds a live
+owner's lock file unlocked (two ranks starting on one path, each reclaiming
+what the dead left, would otherwise remove each other's new directory). The lock file also records the
 owner (pid, the process's start time, the boot id, the host) for a person.
 A checkpoint's staging directory keeps its lock file beside it
 (``<dir>.lock``), since the directory itself becomes the checkpoint.
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 LOCK_FILE = ".owner.lock"
 SWAP_PREFIX = "tierstore-"
 _NEW_SWAP_PREFIX = ".tierstore-new-"
+_NEW_LOCK_INFIX = ".new-"  # a lock file being made: <lock file name>.new-XXXX, beside it
 STALE_SECONDS = 600.0
 
 
@@ -72,16 +76,32 @@ def lock_path(directory: str, *, beside: bool = False) -> str:
 
 def lock(directory: str, *, beside: bool = False) -> int:
     """Take ``directory``'s lock and write its owner record; returns the fd that holds the lock (keep it open,
-    :func:`unlock` it when done)."""
+    :func:`unlock` it when done).
+
+    A new lock file is made under a name of its own, locked, and only then linked in: were it created under
+    its name and locked after, another process reclaiming directories could take the lock in between, find
+    the owner "gone" and remove the directory being made."""
     path = lock_path(directory, beside=beside)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + _NEW_LOCK_INFIX, dir=os.path.dirname(path))
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.ftruncate(fd, 0)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else has this file open
         os.write(fd, json.dumps(_owner_record()).encode())  # who owns it, for a person reading it
+        try:
+            os.link(tmp, path)
+        except FileExistsError:  # a lock file of an earlier owner: take that one's lock, if it is free
+            os.close(fd)
+            fd = -1
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps(_owner_record()).encode())
     except BaseException:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
     return fd
 
 
@@ -121,10 +141,24 @@ def owner_gone(directory: str, *, beside: bool = False, now: float | None = None
         return _quiet_since(directory) < (now if now is not None else time.time()) - STALE_SECONDS
     except OSError:
         return False
+    return _free(fd)
+
+
+def _unlocked(path: str) -> bool:
+    """Whether nobody holds a lock on the file at ``path``."""
+    try:
+        return _free(os.open(path, os.O_RDWR | os.O_CLOEXEC))
+    except OSError:
+        return False
+
+
+def _free(fd: int) -> bool:
+    """Whether the lock on the file open at ``fd`` could be taken (a live process holds it otherwise); closes
+    ``fd``."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return False  # a live process holds it
+        return False
     finally:
         os.close(fd)
     return True
@@ -172,6 +206,11 @@ def reclaim(parent: str, prefixes: tuple[str, ...], *, beside: bool = False,
     for name in sorted(names):
         path = os.path.join(parent, name)
         if not name.startswith(prefixes) or os.path.islink(path):
+            continue
+        if beside and ".lock" + _NEW_LOCK_INFIX in name and os.path.isfile(path):
+            if _unlocked(path):  # its maker was killed before linking it in
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             continue
         if beside and name.endswith(".lock") and os.path.isfile(path):
             directory = path[:-len(".lock")]
