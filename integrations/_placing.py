@@ -229,7 +229,7 @@ class Placer:
         self.policy.group_bytes.update({g: sum(n for k, n in keys if k not in resident)
                                         for g, keys in self.group_keys().items()})
         if self._fixed_max_bytes is None:
-            self.policy.max_bytes = self.readahead_room()
+            self.policy.max_bytes = self._params_readahead()
 
     def _size(self, key: str) -> int:
         if key not in self._sizes:
@@ -278,15 +278,31 @@ class Placer:
         """Bytes of ``host`` (the host budget) left for copies in flight (see
         ``tierstore._placement.room_bytes``)."""
         host = self.store.config.host_budget_bytes if host is None else host
-        unit = max((sum(n for _, n in keys) for keys in self.group_keys().values()), default=0)
         by_param: dict[str, int] = {}
         for k, param_key in self.later.after.items():
             by_param[param_key] = by_param.get(param_key, self._size(param_key)) + self._size(k)
-        return room_bytes(host, largest_unit_bytes=unit, largest_update_bytes=max(by_param.values(), default=0))
+        return room_bytes(host, largest_unit_bytes=self._largest_unit(), units_in_flight=self._units_in_flight(),
+                          largest_update_bytes=max(by_param.values(), default=0))
+
+    def _largest_unit(self) -> int:
+        return max((sum(n for _, n in keys) for keys in self.group_keys().values()), default=0)
+
+    def _units_in_flight(self) -> int:
+        """Units held at once for compute and read-ahead: the one computing and the depth the user fixed (an
+        auto depth is chosen within the room instead, so it asks for one ahead)."""
+        return 2 if self.auto_depth else self.policy.depth + 1
 
     def readahead_room(self) -> int | None:
         """Bytes that reads ahead of use may fill (the parameters' and the optimizer's each): half the room."""
         return self.placement.room_bytes // 2 if self.placement is not None else None
+
+    def _params_readahead(self) -> int | None:
+        """The parameters' read-ahead bound: half the room, or a fixed depth's units if more (the room was made
+        for them)."""
+        half = self.readahead_room()
+        if half is None:
+            return None
+        return max(half, (self._units_in_flight() - 1) * self._largest_unit())
 
     def _tuned_depth(self, drive_bytes_per_second: float) -> int:
         uses, clock = self.policy.last_step

@@ -52,9 +52,12 @@ Python ``__torch_function__``.
 renormalization); the resident model keeps the write, so the offloaded one
 must too: a held parameter whose version counter moved is marked dirty in
 the store when its last hold ends, and so written home before its copy is
-dropped. A write through ``self.weight.data`` moves no version counter
-(torch gives ``.data`` a counter of its own) and is not seen: write the
-parameter itself under ``torch.no_grad()``.
+dropped; one whose ``.data`` was assigned another tensor
+(``self.weight.data = w.clamp(...)``) has those values copied into the
+store's copy first. A write in place through ``self.weight.data``
+(``self.weight.data.clamp_(...)``) moves no version counter (torch gives
+``.data`` a counter of its own) and is not seen: write the parameter itself
+under ``torch.no_grad()``.
 
 [Note: Holding a parameter] Holds are counted: one per forward of a unit that
 holds it (released by the forward post-hook) and at most one for backward
@@ -249,6 +252,12 @@ def _on_read(unheld: list[_OffloadedParameter], func: Any, args: Any, kwargs: An
     return None
 
 
+def _same_memory(p: torch.Tensor, held: torch.Tensor) -> bool:
+    """Whether ``p`` still computes with ``held``'s memory (its ``.data`` was not assigned another tensor)."""
+    return p.untyped_storage().data_ptr() == held.untyped_storage().data_ptr() and \
+        p.storage_offset() == held.storage_offset()
+
+
 def _write_message(what: str, sp: _Param) -> str:
     module = sp.name.rpartition(".")[0] or "the model"
     return (f"{what} would write the offloaded parameter {sp.name!r} (of {module}) outside the forward and "
@@ -321,6 +330,7 @@ class _Param:
     holds: int = 0
     backward_hold: bool = False
     version: int = 0  # the parameter's version counter when held (see [Note: A write while held])
+    held: torch.Tensor | None = None  # the store's copy while held
 
 
 @dataclass(frozen=True, eq=False)
@@ -646,7 +656,7 @@ class OffloadedModel(OffloadedParameters):
             # differently (its eval outputs would round otherwise than the resident model's): it is made outside.
             try:
                 with torch.inference_mode(False), torch._C.DisableTorchFunctionSubclass():
-                    sp.param.data = self.store.get(sp.key, self.compute_tier)
+                    sp.param.data = sp.held = self.store.get(sp.key, self.compute_tier)
             except BaseException:
                 sp.holds -= 1  # not held: it still has no values
                 raise
@@ -660,12 +670,28 @@ class OffloadedModel(OffloadedParameters):
     def _unhold(self, sp: _Param) -> None:
         sp.holds -= 1
         if sp.holds == 0:
-            if sp.param._version != sp.version:  # see [Note: A write while held]
-                self.store.mark_dirty(sp.key, self.compute_tier)
-            self._storage_owner.pop(sp.param.untyped_storage().data_ptr(), None)
+            held, sp.held = sp.held, None
+            assert held is not None
+            if sp.param._version != sp.version or not _same_memory(sp.param, held):  # [Note: A write while held]
+                self._keep_write(sp, held)
+            self._storage_owner.pop(held.untyped_storage().data_ptr(), None)
             sp.param.data = sp.placeholder
             sp.param.__class__ = _OffloadedParameter
             self.store.release(sp.key, self.compute_tier)
+
+    def _keep_write(self, sp: _Param, held: torch.Tensor) -> None:
+        """The parameter was written while held, in place or by assigning ``.data``: the store's copy gets the
+        values, and is marked changed."""
+        if not _same_memory(sp.param, held):
+            value = sp.param.detach()
+            if value.shape != held.shape or value.dtype != held.dtype:
+                raise OffloadedParameterError(
+                    f"{sp.name}.data was assigned a tensor of shape {tuple(value.shape)} and dtype {value.dtype} "
+                    f"while its module ran; an offloaded parameter keeps its shape {tuple(held.shape)} and dtype "
+                    f"{held.dtype} (write values of those in place, under torch.no_grad())")
+            with torch.no_grad():
+                held.copy_(value)
+        self.store.mark_dirty(sp.key, self.compute_tier)
 
     def _backward_hold(self, sp: _Param, group: _Group) -> None:
         self._queue_end_backward()

@@ -102,7 +102,8 @@ def test_bench_step_tiny(tmp_path, capsys):
     # Each setup planned its placement from its first step (the one without prints none); the bound is a bound.
     assert res["depths"]["2 w/o plan"]["predicted_bytes_per_step"] is None
     plan = res["placement"]
-    assert 0 < plan["lower_bound_bytes"] <= plan["bytes_per_step"] == res["depths"]["2"]["predicted_bytes_per_step"]
+    assert 0 < plan["lower_bound_bytes"] <= plan["bytes_per_step"] == res["depths"]["auto"]["predicted_bytes_per_step"]
+    assert res["depths"]["2"]["predicted_bytes_per_step"] >= plan["lower_bound_bytes"]
     for d in res["depths"]:
         row = res["depths"][d]
         assert row["bytes_per_step"] > 0

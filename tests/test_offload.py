@@ -234,13 +234,15 @@ def test_eviction_keeps_what_the_optimizer_still_needs(make_store):
 
 def test_prefetched_layers_are_not_read_twice(make_store):
     """A layer being fetched for use was ranked as unused (its place in the trace just passed), so a
-    prefetch running at that moment could evict it and the layer was read again."""
+    prefetch running at that moment could evict it and the layer was read again. The placement leaves the
+    fixed depth room for its layers in flight (it kept four of six layers' budget, leaving room for one ahead,
+    and a prefetch then evicted another layer before its use)."""
     torch.manual_seed(0)
     width, layers, depth = 1024, 24, 4
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     layer = width * (width + 1) * 4
     store = make_store(host_budget_bytes=(depth + 2) * layer, device_budget_bytes=2 * layer)
-    offload_model(model, store, prefetch_depth=depth)
+    off = offload_model(model, store, prefetch_depth=depth)
     x = torch.randn(4, width)
     for _ in range(4):
         for key in store.keys():
@@ -249,6 +251,8 @@ def test_prefetched_layers_are_not_read_twice(make_store):
         with torch.no_grad():
             model(x)
         assert store.stats_dict()["bytes_read_nvme"] - before == layers * layer
+    assert off.placement is not None and off.placement.room_bytes >= (depth + 1) * layer  # placed at the 4th
+    assert off.policy.max_bytes >= depth * layer
 
 
 def test_copying_an_offloaded_model_is_a_clear_error(make_store):
@@ -553,16 +557,24 @@ def test_a_write_that_would_be_lost_is_refused(make_store, write):
 
 
 class _ClippedLinear(torch.nn.Linear):
-    """Clips its own weight in place on every forward (as weight clipping and renormalization do)."""
+    """Clips its own weight on every forward (as weight clipping and renormalization do): in place, or by
+    assigning ``.data``."""
+
+    assign = False
 
     def forward(self, x):
-        with torch.no_grad():
-            self.weight.clamp_(-0.05, 0.05)
+        if self.assign:
+            self.weight.data = self.weight.data.clamp(-0.05, 0.05)
+        else:
+            with torch.no_grad():
+                self.weight.clamp_(-0.05, 0.05)
         return super().forward(x)
 
 
+@pytest.mark.parametrize("assign", [False, True], ids=["in-place", "assign-data"])
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
-def test_a_write_in_forward_is_kept_as_the_resident_model_keeps_it(make_store, in_backward):
+def test_a_write_in_forward_is_kept_as_the_resident_model_keeps_it(make_store, in_backward, assign, monkeypatch):
+    monkeypatch.setattr(_ClippedLinear, "assign", assign)
     torch.manual_seed(0)
     ref = torch.nn.Sequential(*[_ClippedLinear(96, 96) for _ in range(6)], torch.nn.Linear(96, 4))
     with torch.no_grad():

@@ -218,11 +218,13 @@ def plan_placement(trace: StepTrace, *, budget_bytes: int, room_bytes: int) -> P
                      bytes_per_step=sum(moved.values()), lower_bound_bytes=lower_bound_bytes(trace, budget_bytes))
 
 
-def room_bytes(budget_bytes: int, *, largest_unit_bytes: int, largest_update_bytes: int) -> int:
-    """Bytes of the budget to leave for copies in flight: two of the largest unit (one computing, one read
-    ahead) and two of the largest optimizer update (one stepping, one read ahead), or ROOM_SHARE of the budget
-    if more; never more than the budget."""
-    need = 2 * largest_unit_bytes + 2 * largest_update_bytes
+def room_bytes(budget_bytes: int, *, largest_unit_bytes: int, largest_update_bytes: int,
+               units_in_flight: int = 2) -> int:
+    """Bytes of the budget to leave for copies in flight: ``units_in_flight`` of the largest unit (one
+    computing, the rest read ahead: 2, or a prefetch depth the user fixed plus one) and two of the largest
+    optimizer update (one stepping, one read ahead), or ROOM_SHARE of the budget if more; never more than the
+    budget."""
+    need = units_in_flight * largest_unit_bytes + 2 * largest_update_bytes
     return min(budget_bytes, max(need, int(budget_bytes * ROOM_SHARE)))
 
 

@@ -2,8 +2,9 @@
 
 bound = max(resident step, bytes moved per step / drive GB/s), both measured
 in the same run, the drive's GB/s for the step's own mix of reads and writes
-(they share the drive: here a mix runs well below reads or writes alone); overlap efficiency = bound / offloaded step. Depths are run
-in alternating order over rounds and medians are reported.
+(they share the drive: here a mix runs well below reads or writes alone);
+overlap efficiency = bound / offloaded step. Depths are run in alternating
+order over rounds and medians are reported.
 
 [Note: The drive's rate for the bound] A virtual disk's rate moves from
 minute to minute (0.8 to 1.7 GB/s on one machine, within an hour), so one
@@ -184,7 +185,8 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
         f"; optimizer steps {'in' if step_in_backward else 'after'} backward")
     log(f"resident step: {resident_s:.3f} s; depth 0: nothing read ahead (parameters or optimizer state); "
         "'serial': that, with the optimizer after backward and its writes waited for")
-    plan = next((p for p in plans.values() if p is not None), None)
+    # The placement printed: the automatic depth's (a fixed depth leaves its own units room, so plans differ).
+    plan = plans.get("auto") or next((p for p in plans.values() if p is not None), None)
     for key, off in offloads.items():
         if off.placement_verdict:
             log(f"depth {key}: {off.placement_verdict}")
