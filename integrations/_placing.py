@@ -288,13 +288,10 @@ class Placer:
         return max((sum(n for _, n in keys) for keys in self.group_keys().values()), default=0)
 
     def _units_in_flight(self) -> int:
-        """Units held at once for compute and read-ahead: the one computing and the depth the user fixed (an
-        auto depth is chosen within the room instead, so it asks for one ahead)."""
-        return 2 if self.auto_depth else self.policy.depth + 1
-
-    def readahead_room(self) -> int | None:
-        """Bytes that reads ahead of use may fill (the parameters' and the optimizer's each): half the room."""
-        return self.placement.room_bytes // 2 if self.placement is not None else None
+        """Units in the host tier at once for compute and read-ahead at a depth the user fixed: the one
+        computing, the one before it (its hold ends as the next reads are issued) and the depth ahead. An auto
+        depth is chosen within the room instead, so it asks for one computing and one ahead."""
+        return 2 if self.auto_depth else self.policy.depth + 2
 
     def _params_readahead(self) -> int | None:
         """The parameters' read-ahead bound: half the room, or a fixed depth's units if more (the room was made
@@ -302,7 +299,12 @@ class Placer:
         half = self.readahead_room()
         if half is None:
             return None
-        return max(half, (self._units_in_flight() - 1) * self._largest_unit())
+        return max(half, self.policy.depth * self._largest_unit() if not self.auto_depth else 0)
+
+    def readahead_room(self) -> int | None:
+        """Bytes that reads ahead of use may fill (the parameters' and the optimizer's each): half the room."""
+        return self.placement.room_bytes // 2 if self.placement is not None else None
+
 
     def _tuned_depth(self, drive_bytes_per_second: float) -> int:
         uses, clock = self.policy.last_step

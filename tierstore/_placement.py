@@ -221,7 +221,7 @@ def plan_placement(trace: StepTrace, *, budget_bytes: int, room_bytes: int) -> P
 def room_bytes(budget_bytes: int, *, largest_unit_bytes: int, largest_update_bytes: int,
                units_in_flight: int = 2) -> int:
     """Bytes of the budget to leave for copies in flight: ``units_in_flight`` of the largest unit (one
-    computing, the rest read ahead: 2, or a prefetch depth the user fixed plus one) and two of the largest
+    computing, the rest read ahead or just used: 2, or a prefetch depth the user fixed plus two) and two of the largest
     optimizer update (one stepping, one read ahead), or ROOM_SHARE of the budget if more; never more than the
     budget."""
     need = units_in_flight * largest_unit_bytes + 2 * largest_update_bytes
