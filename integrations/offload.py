@@ -293,7 +293,7 @@ class _Alias(torch.Tensor):
             value = args[i] if i < len(args) else kwargs.get(arg.name)
             if isinstance(value, _Alias) and arg.alias_info is not None and arg.alias_info.is_write:
                 raise OffloadedParameterError(_write_message(func.overloadpacket.__name__, value._tierstore))
-        aliases = [a for a in _leaves((args, kwargs), _Alias)]
+        aliases = list(_leaves((args, kwargs), _Alias))
         unwrap = functools.partial(torch.utils._pytree.tree_map_only, _Alias, lambda a: a._meta)
         out = func(*unwrap(args), **unwrap(kwargs))
         if aliases and any(r.alias_info is not None for r in schema.returns):  # a view: a write into it is one too
