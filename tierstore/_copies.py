@@ -65,6 +65,11 @@ class Entry:
     prefetches: dict[Tier, Future] = field(default_factory=dict)
     dropped: bool = False
 
+    def reported(self, err: BaseException) -> None:
+        """``err`` was raised to a caller: the next get() does not raise it again (call under the state lock)."""
+        if self.error is err:
+            self.error = None
+
     def home_copy(self) -> Copy | None:
         return self.copies.get(self.home)
 

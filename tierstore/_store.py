@@ -282,8 +282,7 @@ class TierStore:
         next get(); the bytes stay in memory either way and a later write-back tries again."""
         def reported(err: BaseException) -> None:
             with self._state.lock:
-                if entry.error is err:
-                    entry.error = None
+                entry.reported(err)
         return reported
 
     def flush(self) -> None:
@@ -300,8 +299,7 @@ class TierStore:
                 for entry, fut in pending:
                     state.wait_for(fut)
                     if (err := fut.exception()) is not None:
-                        if entry.error is err:  # reported here, not again by the key's next get()
-                            entry.error = None
+                        entry.reported(err)  # here, not again by the key's next get()
                         raise err
 
     def evict(self, key: str, tier: Tier | str) -> None:

@@ -69,8 +69,7 @@ class Transfers:
         self.state.wait_for(loading)
         err = loading.exception()
         if err is not None and not may_skip:
-            if entry.error is err:  # this get() is the one that reports it
-                entry.error = None
+            entry.reported(err)  # this get() is the one that reports it
             raise err
 
     def _clear_stale(self, entry: Entry, copy: Copy) -> None:
