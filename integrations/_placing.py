@@ -297,9 +297,9 @@ class Placer:
         """The parameters' read-ahead bound: half the room, or a fixed depth's units if more (the room was made
         for them)."""
         half = self.readahead_room()
-        if half is None:
-            return None
-        return max(half, self.policy.depth * self._largest_unit() if not self.auto_depth else 0)
+        if half is None or self.auto_depth:
+            return half
+        return max(half, self.policy.depth * self._largest_unit())
 
     def readahead_room(self) -> int | None:
         """Bytes that reads ahead of use may fill (the parameters' and the optimizer's each): half the room."""

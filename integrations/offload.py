@@ -672,17 +672,18 @@ class OffloadedModel(OffloadedParameters):
         if sp.holds == 0:
             held, sp.held = sp.held, None
             assert held is not None
-            if sp.param._version != sp.version or not _same_memory(sp.param, held):  # [Note: A write while held]
-                self._keep_write(sp, held)
+            assigned = not _same_memory(sp.param, held)
+            if assigned or sp.param._version != sp.version:  # see [Note: A write while held]
+                self._keep_write(sp, held, assigned)
             self._storage_owner.pop(held.untyped_storage().data_ptr(), None)
             sp.param.data = sp.placeholder
             sp.param.__class__ = _OffloadedParameter
             self.store.release(sp.key, self.compute_tier)
 
-    def _keep_write(self, sp: _Param, held: torch.Tensor) -> None:
-        """The parameter was written while held, in place or by assigning ``.data``: the store's copy gets the
-        values, and is marked changed."""
-        if not _same_memory(sp.param, held):
+    def _keep_write(self, sp: _Param, held: torch.Tensor, assigned: bool) -> None:
+        """The parameter was written while held, in place or (``assigned``) by assigning ``.data``: the store's
+        copy gets the values, and is marked changed."""
+        if assigned:
             value = sp.param.detach()
             if value.shape != held.shape or value.dtype != held.dtype:
                 raise OffloadedParameterError(

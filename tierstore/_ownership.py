@@ -10,7 +10,8 @@ renamed to ``tierstore-*``: every ``tierstore-*`` directory a current store
 made is locked from its first moment. A lock file itself is made under a
 name of its own, locked, and then linked in, so no process ever finds a live
 owner's lock file unlocked (two ranks starting on one path, each reclaiming
-what the dead left, would otherwise remove each other's new directory). The lock file also records the
+what the dead left, would otherwise remove each other's new directory). The
+lock file also records the
 owner (pid, the process's start time, the boot id, the host) for a person.
 A checkpoint's staging directory keeps its lock file beside it
 (``<dir>.lock``), since the directory itself becomes the checkpoint.
@@ -85,7 +86,6 @@ def lock(directory: str, *, beside: bool = False) -> int:
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + _NEW_LOCK_INFIX, dir=os.path.dirname(path))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else has this file open
-        os.write(fd, json.dumps(_owner_record()).encode())  # who owns it, for a person reading it
         try:
             os.link(tmp, path)
         except FileExistsError:  # a lock file of an earlier owner: take that one's lock, if it is free
@@ -93,8 +93,8 @@ def lock(directory: str, *, beside: bool = False) -> int:
             fd = -1
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.ftruncate(fd, 0)
-            os.write(fd, json.dumps(_owner_record()).encode())
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(_owner_record()).encode())  # who owns it, for a person reading it
     except BaseException:
         if fd >= 0:
             os.close(fd)
