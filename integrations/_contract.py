@@ -7,7 +7,7 @@ rank's FSDP2 shards) implement it. The optimizer's store keys are spelt here and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -44,6 +44,21 @@ def optimizer_key(name: str, what: str) -> str:
     return f"{OPTIMIZER_PREFIX}{name}/{what}"
 
 
+def zero_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:
+    """What ``torch.optim.Optimizer.zero_grad`` does to each parameter's ``.grad``."""
+    for p in params:
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+        else:
+            if p.grad.grad_fn is not None:
+                p.grad.detach_()
+            else:
+                p.grad.requires_grad_(False)
+            p.grad.zero_()
+
+
 class GradientSource(Protocol):
     def get(self, key: str, default: torch.Tensor | None = None) -> torch.Tensor | None: ...
 
@@ -54,6 +69,7 @@ class GradientSource(Protocol):
 class OffloadedParameters(Protocol):
     """A model's parameters with their values in a store.
 
+    - ``model``: the module whose parameters these are;
     - ``named_offloaded()``: (name, store key, parameter) of each offloaded parameter; ``resident``: name ->
       parameter of those kept in memory (stepped in memory too);
     - ``grads``: the gradient of a store key (``get``; ``pop`` also lets it go), as backward left it;
@@ -70,6 +86,7 @@ class OffloadedParameters(Protocol):
       undone): every later step and forward raises it.
     """
 
+    model: nn.Module
     store: TierStore
     home: Tier
     policy: PrefetchPolicy
@@ -84,7 +101,7 @@ class OffloadedParameters(Protocol):
 
     def read_param(self, name: str) -> torch.Tensor: ...
 
-    def zero_grad(self) -> None: ...
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
 
     def in_forward_or_backward(self) -> bool: ...
 
@@ -93,4 +110,5 @@ class OffloadedParameters(Protocol):
     def readahead_room(self) -> int | None: ...
 
 
-__all__ = ["OPTIMIZER_PREFIX", "OPTIMIZER_STATE", "GradientSource", "OffloadedParameters", "optimizer_key"]
+__all__ = ["OPTIMIZER_PREFIX", "OPTIMIZER_STATE", "GradientSource", "OffloadedParameters", "optimizer_key",
+           "zero_grads"]

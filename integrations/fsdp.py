@@ -36,7 +36,7 @@ from tierstore._placement import Placement
 from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
 from . import _fsdp_internals as internals
-from ._contract import OPTIMIZER_PREFIX, OffloadedParameters
+from ._contract import OPTIMIZER_PREFIX, OffloadedParameters, zero_grads
 from ._meta import check_meta, materialize, unmaterialize
 from ._placing import AUTO_START_DEPTH, Placer, StepStarts, check_options
 
@@ -277,9 +277,9 @@ class FSDPOffload(OffloadedParameters):
     def placement_verdict(self) -> str | None:
         return self.placer.verdict
 
-    def zero_grad(self) -> None:
-        for sh in self.params.values():
-            sh.param.grad = None
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradient shards, or zero them in place (``set_to_none=False``), as torch does."""
+        zero_grads((sh.param for sh in self.params.values()), set_to_none)
 
     def local_state_bytes(self) -> dict[str, int]:
         """Bytes of this rank's parameter shards and optimizer state in the store, by home tier."""

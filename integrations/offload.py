@@ -104,11 +104,12 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tierstore import Tier, TierBudgetError, TierStore
+from tierstore._copies import contiguous_strides, dense_strides
 from tierstore._memory import TierPool
 from tierstore._placement import Placement
 from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
-from ._contract import OffloadedParameters
+from ._contract import OffloadedParameters, zero_grads
 from ._meta import check_meta, materialize, unmaterialize
 from ._placing import AUTO_START_DEPTH, Placer, StepStarts, check_options
 
@@ -550,7 +551,8 @@ class OffloadedModel(OffloadedParameters):
             self.resident_ids.add(id(p))
             return
         key = f"param/{name}"
-        handles.append(store.put(key, p.detach().contiguous(), home=home))
+        value = p.detach()
+        handles.append(store.put(key, value if dense_strides(value) else value.contiguous(), home=home))
         sp = self.params[id(p)] = _Param(name, key, p, self, _placeholder(p, self.compute_device), nbytes, type(p))
         if wait:  # its memory goes now
             handles[-1].wait()
@@ -952,11 +954,17 @@ class OffloadedModel(OffloadedParameters):
         return {sp.name: next((nbytes for nbytes, names in units if sp.name not in names), 0)
                 + root_bytes - root.get(sp.name, 0) for sp in self.params.values()}
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient, or with ``set_to_none=False`` zero them in place as torch does: a parameter
+        that then gets no gradient from the next backward is stepped with zeros (its moments decay, weight decay
+        applies), as a resident model's would be."""
         self._settle_failed_backward()
-        self.grads.clear()
-        for p in self.resident.values():
-            p.grad = None
+        if set_to_none:
+            self.grads.clear()
+        else:
+            for grad in self.grads.values():
+                grad.zero_()
+        zero_grads(self.resident.values(), set_to_none)
 
     def remove(self) -> None:
         """Detach from the module: parameters get their current values back as ordinary tensors, and the state of
@@ -1061,7 +1069,8 @@ class _NoStorage(torch.Tensor):
 def _placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:
     """What a parameter's ``.data`` is while nobody holds it: its shape, dtype and device with no storage
     (see [Note: Reads of an offloaded parameter])."""
-    return torch.Tensor._make_wrapper_subclass(_NoStorage, p.shape, dtype=p.dtype, device=device)
+    strides = dense_strides(p) or contiguous_strides(p.shape)  # those of the store's copy
+    return torch.Tensor._make_wrapper_subclass(_NoStorage, p.shape, strides=strides, dtype=p.dtype, device=device)
 
 
 def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | str | None = None,

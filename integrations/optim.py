@@ -35,6 +35,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
 import torch
+from torch import nn
 
 from tierstore import Tier, TierStore, parse_bytes
 from tierstore._memory import TierPool
@@ -111,6 +112,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
                             f"them before offload_model")
         handles = []
         self._name_of = {id(p): name for name, _, p in everything}
+        sparse = [n for n, m in offloaded.model.named_modules()
+                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
+        if sparse:  # torch's AdamW refuses sparse gradients at its step too
+            raise ValueError(f"{', '.join(sparse[:4])}: sparse=True gives sparse gradients, which AdamW does not "
+                             f"step; build the embedding with sparse=False (the default)")
+        added = [n for n, p in offloaded.model.named_parameters() if id(p) not in self._name_of and p.requires_grad]
+        if added:  # they would never be stepped, and the model would train without them, silently
+            raise ValueError(f"{', '.join(added[:4])}{', ...' if len(added) > 4 else ''}: trainable parameters of "
+                             f"the model that offload_model did not take (modules added or replaced after it): "
+                             f"OffloadedAdamW steps only what it took. Build the whole model (heads, adapters) "
+                             f"before offload_model, or freeze these (requires_grad_(False))")
         self._check_host_budget(host, step_in_backward)
         if any(optimizer_key(name, "exp_avg") in self.store for name, _, _ in self._items):
             raise ValueError("this model already has an OffloadedAdamW (its state is in the store); keep using that "
@@ -359,10 +371,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return torch.Size(self.store.info(key)["shape"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop every gradient (offloaded gradients are always dropped, never zeroed in place)."""
+        """Drop every gradient, or zero each in place (``set_to_none=False``), as torch's optimizers do: then a
+        parameter the next backward gives no gradient (an expert no token chose, a branch not taken) is stepped
+        with zeros."""
         if self._unfinished is not None:
             raise RuntimeError(self._unfinished)
-        self.offloaded.zero_grad()
+        if not set_to_none and self.step_in_backward:
+            raise ValueError("zero_grad(set_to_none=False) keeps every gradient, zeroed, until the next step; with "
+                             "step_in_backward=True each gradient is applied and dropped as backward makes it, so "
+                             "there are none to keep (a parameter that gets no gradient would not be stepped with "
+                             "zeros, as torch would step it): call zero_grad() (set_to_none=True), or use "
+                             "step_in_backward=False")
+        self.offloaded.zero_grad(set_to_none)
 
     def _was_applied(self, name: str, grad: torch.Tensor) -> bool:
         """Whether ``name``'s last update applied this very gradient (see [Note: A step that stops part-way])."""

@@ -205,6 +205,26 @@ class EncoderBlock(nn.Module):
         return x + y
 
 
+class ConvNet(nn.Module):
+    """Residual conv blocks with BatchNorm, trained channels_last as convnets often are: each weight's layout
+    picks the kernel (a contiguous copy of a channels_last weight would round otherwise)."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(width),
+                                  nn.ReLU())
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(width, width, 3, padding=1, bias=False),
+                                                  nn.BatchNorm2d(width), nn.ReLU(),
+                                                  nn.Conv2d(width, width, 1)) for _ in range(2))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x.mean((2, 3)))
+
+
 class Encoder(nn.Module):
     """torchvision's ViT encoder (pos embedding, blocks, norm) with a token embedding and a head."""
 
@@ -391,6 +411,9 @@ def _classify(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tor
     x, y = batch
     return F.cross_entropy(model(x), y)
 
+
+# The images stay contiguous: the weights' layout picks each convolution's (and its output's).
+CASES["channels-last-convnet"] = Case(lambda: ConvNet().to(memory_format=torch.channels_last), _images, _classify)
 
 try:
     import torchvision

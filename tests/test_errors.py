@@ -92,10 +92,12 @@ def test_quantized_dtype_rejected(make_store):
         store.put("q", q)
 
 
-def test_non_contiguous_rejected(make_store):
+def test_a_tensor_with_gaps_or_overlaps_is_rejected(make_store):
     store = make_store()
-    with pytest.raises(ValueError, match=r"not contiguous; pass tensor.contiguous\(\)"):
-        store.put("t", torch.randn(4, 4).t())
+    for t in (torch.randn(4, 8)[:, ::2], torch.randn(4, 1).expand(4, 4)):
+        with pytest.raises(ValueError, match=r"gaps or overlaps.*pass tensor.contiguous\(\)"):
+            store.put("t", t)
+    assert "t" not in store
 
 
 def test_not_a_tensor(make_store):

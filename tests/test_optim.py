@@ -604,3 +604,68 @@ def test_parameters_of_a_dtype_adamw_cannot_step_are_refused(make_store):
     off = offload_model(model, make_store())
     with pytest.raises(TypeError, match=r"not phase \(torch.complex64\): freeze them"):
         OffloadedAdamW(off)
+
+
+class _Branches(torch.nn.Module):
+    """A trunk, two branches taken on alternate steps (as experts are chosen), a head: each branch gets no
+    gradient every other step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.even, self.odd, self.head = (torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = self.trunk(x)
+        return self.head((self.even if step % 2 == 0 else self.odd)(h))
+
+
+@pytest.mark.parametrize("zero", ["optimizer", "model"])
+def test_gradients_zeroed_in_place_step_a_parameter_that_got_none(make_store, zero):
+    """zero_grad(set_to_none=False) keeps zero gradients: torch then steps the branch not taken with zeros (its
+    moments decay and move it); the offloaded model must too, whether the optimizer or the model zeroes them."""
+    torch.manual_seed(0)
+    ref = _Branches()
+    model = copy.deepcopy(ref)
+    off = offload_model(model, make_store(host_budget_bytes="64KiB", device_budget_bytes="32KiB"))
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = OffloadedAdamW(off, lr=1e-2)
+    for step in range(4):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        for m, o in ((ref, ropt), (model, opt)):
+            m(x, step).pow(2).mean().backward()
+            o.step()
+            (o if zero == "optimizer" else m).zero_grad(set_to_none=False)
+        if step:  # the odd branch has had a gradient: it is kept, zeroed, as torch keeps it
+            assert model.odd.weight.grad is not None and not model.odd.weight.grad.any()
+        _assert_same_parameters(model, ref)
+    assert off.store.stats_dict()["bytes_read_nvme"] > 0
+    opt.close()
+
+
+def test_zeroing_gradients_in_place_is_refused_when_stepping_in_backward(make_store):
+    off = offload_model(_Branches(), make_store(host_budget_bytes="64KiB", device_budget_bytes="32KiB"))
+    opt = OffloadedAdamW(off, step_in_backward=True)
+    with pytest.raises(ValueError, match=r"set_to_none=False.*step_in_backward=True.*call zero_grad\(\)"):
+        opt.zero_grad(set_to_none=False)
+    opt.zero_grad()
+    opt.close()
+
+
+def test_parameters_added_after_offload_are_refused_by_the_optimizer(make_store):
+    model = _Branches()
+    off = offload_model(model, make_store())
+    model.adapter = torch.nn.Linear(16, 2)  # never taken by offload_model: it would never be stepped
+    model.head = torch.nn.Linear(16, 16)  # replaced
+    with pytest.raises(ValueError, match=r"head.weight, head.bias, adapter.weight, adapter.bias: trainable "
+                                         r"parameters of the model that offload_model did not take"):
+        OffloadedAdamW(off)
+    model.adapter.requires_grad_(False)
+    model.head.requires_grad_(False)
+    OffloadedAdamW(off).close()
+
+
+def test_a_sparse_embedding_is_refused_when_the_optimizer_is_made(make_store):
+    off = offload_model(torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 2)),
+                        make_store())
+    with pytest.raises(ValueError, match=r"^0: sparse=True gives sparse gradients.*sparse=False"):
+        OffloadedAdamW(off)

@@ -37,6 +37,24 @@ def test_round_trip_odd_sizes(make_store, shape, verify):
     store.release("x", "device")
 
 
+@pytest.mark.parametrize("layout", ["channels_last", "transposed", "size_one_dim"])
+def test_a_dense_tensor_keeps_its_layout_through_the_drive(make_store, layout):
+    x = torch.randn((4, 3, 5, 2), generator=torch.Generator().manual_seed(0))
+    x = {"channels_last": x.contiguous(memory_format=torch.channels_last),
+         "transposed": x.flatten(1).t(),
+         "size_one_dim": torch.empty_strided((4, 1, 5, 2), (10, 1, 2, 1)).copy_(x[:, :1])}[layout]  # conv, 1 in
+    store = make_store()
+    store.put("x", x).wait()
+    store.evict("x", "host")
+    got = store.get("x", "device")
+    assert got.stride() == x.stride() and torch.equal(got, x)
+    got.mul_(2)  # a write through the strided view is the tensor's
+    store.mark_dirty("x", "device")
+    store.release("x", "device")
+    store.evict("x", "device")
+    assert torch.equal(store.read("x"), x * 2) and store.read("x").stride() == x.stride()
+
+
 def test_modify_write_back_and_reread(make_store):
     store = make_store()
     x = torch.arange(10000, dtype=torch.float32)

@@ -57,6 +57,7 @@ class Entry:
     dtype: torch.dtype
     nbytes: int
     home: Tier
+    stride: tuple[int, ...] | None = None  # a dense layout other than contiguous (see dense_strides)
     version: int = 0
     copies: dict[Tier, Copy] = field(default_factory=dict)
     error: BaseException | None = None  # a background failure, raised by the next get()
@@ -111,6 +112,29 @@ class Entry:
         return "dirty" if copy.tier is not self.home and not self.home_is_current() else "clean"
 
 
+def dense_strides(t: torch.Tensor) -> tuple[int, ...] | None:
+    """``t``'s strides when it covers its memory without gaps or overlaps in an order other than a contiguous
+    tensor's of its shape (channels_last, a transpose, a size-1 dim's odd stride), else None. A copy of it keeps
+    that layout: a channels_last convolution weight given back contiguous would run another kernel, which rounds
+    otherwise."""
+    if t.numel() <= 1 or t.stride() == contiguous_strides(t.shape):
+        return None
+    expected = 1
+    for d in sorted((d for d in range(t.dim()) if t.size(d) != 1), key=t.stride):
+        if t.stride(d) != expected:
+            return None
+        expected *= t.size(d)
+    return tuple(t.stride())
+
+
+def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    out, n = [], 1
+    for size in reversed(shape):
+        out.append(n)
+        n *= size
+    return tuple(reversed(out))
+
+
 def check_put(key: object, tensor: object, home: Tier, has_nvme: bool) -> None:
     """What ``put()`` refuses, before anything changes."""
     if not isinstance(key, str) or not key:
@@ -120,8 +144,9 @@ def check_put(key: object, tensor: object, home: Tier, has_nvme: bool) -> None:
     if tensor.dtype in UNSUPPORTED_DTYPES or tensor.is_quantized or tensor.is_sparse:
         raise TypeError(f"put({key!r}): dtype {tensor.dtype} / layout {tensor.layout} is not supported; "
                         "store a dense tensor (dequantize or .to_dense() it first)")
-    if not tensor.is_contiguous():
-        raise ValueError(f"put({key!r}): the tensor is not contiguous; pass tensor.contiguous()")
+    if not tensor.is_contiguous() and dense_strides(tensor) is None:
+        raise ValueError(f"put({key!r}): the tensor has gaps or overlaps in its memory (a slice, an expand); pass "
+                         f"tensor.contiguous()")
     if home is Tier.NVME and not has_nvme:
         raise ValueError(f"put({key!r}, home='nvme') needs nvme_path set in the config")
 
@@ -170,7 +195,8 @@ class StoreState:
             self.device.ready_for_compute(copy.buffer)
         else:
             self.device.ready_for_cpu(copy.buffer)
-        return copy.buffer.view(entry.shape, entry.dtype, entry.nbytes)
+        t = copy.buffer.view(entry.shape, entry.dtype, entry.nbytes)
+        return t if entry.stride is None else t.as_strided(entry.shape, entry.stride)
 
     def free_copy(self, entry: Entry, copy: Copy) -> None:
         if entry.copies.get(copy.tier) is copy:

@@ -20,7 +20,7 @@ import psutil
 import torch
 
 from ._config import StoreConfig
-from ._copies import Copy, Entry, StoreState, check_put
+from ._copies import Copy, Entry, StoreState, check_put, dense_strides
 from ._device import Device, default_device
 from ._memory import TierPool
 from ._nvme import NvmeEngine, Syscalls
@@ -117,13 +117,15 @@ class TierStore:
 
         The bytes are copied; for an NVMe home they are staged in the host tier
         and written behind. The handle completes when the home tier holds them.
+        A dense tensor keeps its layout: ``get()`` gives back its strides
+        (channels_last stays channels_last).
         """
         state = self._state
         state.check_open()
         home = Tier.parse(home)
         check_put(key, tensor, home, state.engine is not None)
         nbytes = tensor.numel() * tensor.element_size()
-        entry = Entry(key, tensor.shape, tensor.dtype, nbytes, home)
+        entry = Entry(key, tensor.shape, tensor.dtype, nbytes, home, stride=dense_strides(tensor))
         with state.lock:
             if key in state.entries:
                 raise ValueError(f"key {key!r} is already in the store; drop() it first or use another key")
