@@ -32,6 +32,7 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -395,13 +396,23 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return self.offloaded.grads.get(key)
 
     @torch.no_grad()
-    def step(self) -> None:
-        """One AdamW step over every parameter with a gradient.
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One AdamW step over every parameter with a gradient; returns what ``closure`` returned (None without).
 
+        ``closure``, as torch's optimizers take it, is called first with
+        gradients enabled (it runs forward and backward and returns the loss).
         Writes of the updated state go on in the background (write-behind)
         while the next forward and backward run; the next ``step()`` (or
         :meth:`wait`) waits for them first and raises any failure.
         """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step()
+        return loss
+
+    def _step(self) -> None:
         if self.offloaded.broken and self.offloaded.broken != self._unfinished:
             raise UnrestorableUpdateError(self.offloaded.broken)
         early, self._early = self._early, {}

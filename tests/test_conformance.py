@@ -114,3 +114,39 @@ def test_inference_mode_gives_the_resident_values(make_store):
                 got = model(ids)
             assert torch.equal(got, want), f"training={training}, batch {step}: {(got - want).abs().max()}"
     assert seen and not any(seen)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = _tokens(i, batch=1, length=8)[0]
+        return {"input_ids": ids, "labels": ids}
+
+
+def _trainer_run(tmp_path, optimizer_for) -> tuple[dict, list]:
+    """transformers' Trainer (its own loop: gradient accumulation, clipping to norm 1, a linear schedule, closure
+    steps through accelerate) over GPT-2; the state dict and the logged losses and gradient norms."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    model = _seeded(_gpt2, 0)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
+        learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), optimizers=(optimizer_for(model),
+                                                                                               None))
+    trainer.train()
+    logged = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+    return {k: v.clone() for k, v in model.state_dict().items()}, logged
+
+
+def test_transformers_trainer_trains_the_offloaded_model_as_the_resident_one(make_store, tmp_path):
+    from tierstore.integrations import OffloadedAdamW
+
+    ref = _trainer_run(tmp_path / "ref", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False))
+    store = make_store(host_budget_bytes="1MiB", device_budget_bytes="512KiB")
+    got = _trainer_run(tmp_path / "off", lambda m: OffloadedAdamW(offload_model(m, store), lr=1e-2))
+    assert len(got[1]) == 4 and got[1] == ref[1]
+    assert all(torch.equal(got[0][k], v) for k, v in ref[0].items())
+    assert store.stats_dict()["bytes_read_nvme"] > 0

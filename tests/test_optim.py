@@ -669,3 +669,26 @@ def test_a_sparse_embedding_is_refused_when_the_optimizer_is_made(make_store):
                         make_store())
     with pytest.raises(ValueError, match=r"^0: sparse=True gives sparse gradients.*sparse=False"):
         OffloadedAdamW(off)
+
+
+def test_step_takes_a_closure_as_torch_optimizers_do(make_store):
+    """step(closure) runs the closure with gradients on and returns its loss (transformers' Trainer, through
+    accelerate, and torch's LBFGS-style loops call it so)."""
+    ref = _mlp(torch.float32)
+    model = copy.deepcopy(ref)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = OffloadedAdamW(offload_model(model, make_store()), lr=1e-2)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    losses = []
+    for m, o in ((ref, ropt), (model, opt)):
+        def closure(m=m):
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            return loss
+        with torch.no_grad():  # the closure computes with gradients all the same
+            losses.append(o.step(closure))
+        o.zero_grad()
+    assert losses[1].item() == losses[0].item()
+    assert opt.step() is None
+    _assert_same_parameters(model, ref)
+    opt.close()
