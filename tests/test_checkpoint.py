@@ -452,3 +452,32 @@ def test_model_load_state_dict_writes_an_offloaded_model_as_it_does_a_resident_o
     OffloadedAdamW(off).close()
     with pytest.raises(OffloadedParameterError, match="before creating the model's OffloadedAdamW"):
         model.load_state_dict(sd)
+
+
+def _channels_last_convnet(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 8, 3)).to(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-into-fp32"])
+def test_channels_last_parameters_save_and_load_in_their_values_order(make_store, tmp_path, dtype):
+    """A channels_last store copy is written in the row-major order safetensors means, and read back into its
+    own layout (a read into a contiguous copy of it would leave the parameter unchanged)."""
+    st = pytest.importorskip("safetensors.torch")
+    src = _channels_last_convnet(0)
+    off = offload_model(src, make_store(host_budget_bytes="64KiB"))
+    save_checkpoint(str(tmp_path / "c"), off)
+    plain = st.load_file(str(tmp_path / "c" / MODEL_FILE))
+    sd = src.state_dict()
+    assert all(torch.equal(plain[k], v) for k, v in sd.items())
+    st.save_file({k: v.to(dtype).contiguous() for k, v in sd.items()}, str(tmp_path / "pretrained.safetensors"))
+    for how in ("checkpoint", "safetensors"):
+        dst = _channels_last_convnet(1)
+        dst_off = offload_model(dst, make_store(host_budget_bytes="64KiB"))
+        if how == "checkpoint":
+            load_checkpoint(str(tmp_path / "c"), dst_off)
+        else:
+            load_safetensors(str(tmp_path / "pretrained.safetensors"), dst_off)
+        for k, v in sd.items():  # the fp32 checkpoint, or the pretrained file converted as torch converts it
+            assert torch.equal(dst.state_dict()[k], v if how == "checkpoint" else v.to(dtype).float()), (how, k)
+        assert dst[1].weight.stride() == src[1].weight.stride()

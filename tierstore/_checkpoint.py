@@ -97,7 +97,10 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+    """The bytes of a contiguous CPU tensor, as a view (a write into them is a write into ``t``)."""
+    if not t.is_contiguous():  # reshape would copy, and bytes read into the copy would be lost
+        raise ValueError("a checkpoint tensor's bytes are taken of contiguous tensors only")
+    return memoryview(t.detach().view(-1).view(torch.uint8).numpy())
 
 
 def _fsync_dir(path: str) -> None:
@@ -364,7 +367,7 @@ def verify_tensor(directory: str, name: str, entry: dict[str, Any], *, chunk_byt
 
 
 def read_into(directory: str, name: str, entry: dict[str, Any], out: torch.Tensor) -> None:
-    """Read tensor ``name`` described by manifest ``entry`` into ``out`` (contiguous CPU), checking its CRC."""
+    """Read tensor ``name`` described by manifest ``entry`` into ``out`` (a CPU tensor), checking its CRC."""
     if list(out.shape) != entry["shape"] or dtype_name(out.dtype) != entry["dtype"]:
         raise CheckpointError(f"checkpoint tensor {name!r} is {entry['shape']} {entry['dtype']}, but the "
                              f"model expects {list(out.shape)} {dtype_name(out.dtype)}: wrong model or config")
@@ -445,7 +448,13 @@ def read_raw(name: str, entry: dict[str, Any]) -> torch.Tensor:
 
 
 def _read_exact(file: str, offset: int, out: torch.Tensor, what: str) -> memoryview:
-    """Fill ``out`` (contiguous CPU) with its bytes from ``file`` at ``offset``; the bytes, as a view of ``out``."""
+    """Fill ``out`` (a CPU tensor) with its bytes from ``file`` at ``offset``, in the file's (row-major) order
+    whatever ``out``'s layout (a channels_last store copy); the bytes read, as a memoryview."""
+    if not out.is_contiguous():
+        tmp = torch.empty(out.shape, dtype=out.dtype)
+        mv = _read_exact(file, offset, tmp, what)
+        out.copy_(tmp)
+        return mv
     mv = _bytes_of(out)
     with open(file, "rb") as f:
         f.seek(offset)
