@@ -212,9 +212,9 @@ def _kept_grad(sp: _Param, how: str, value: Any) -> torch.Tensor | None:
         return grads.get(sp.key)
     if how == "__set__" and value[0] is not None:
         grad = value[0]
-        if grad.shape != sp.param.shape:
-            raise ValueError(f"a gradient of shape {tuple(grad.shape)} for {sp.name!r} of shape "
-                             f"{tuple(sp.param.shape)}")
+        if grad.shape != sp.param.shape or grad.dtype != sp.param.dtype:  # torch refuses both
+            raise ValueError(f"a gradient of shape {tuple(grad.shape)} and dtype {grad.dtype} for {sp.name!r} of "
+                             f"shape {tuple(sp.param.shape)} and dtype {sp.param.dtype}")
         grads[sp.key] = grad.detach().to("cpu")
     else:
         grads.pop(sp.key, None)

@@ -525,6 +525,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
             raise ValueError("parameter groups must be a list of dicts")
         mine = self.group_states()
+        if any(isinstance(n, int) for g in groups for n in g.get("params", ())):
+            raise ValueError("these parameter groups name parameters by index, as torch.optim's state_dict() does: "
+                             "OffloadedAdamW's state_dict() names them (which an index cannot be matched to "
+                             "safely). Load state saved by an OffloadedAdamW (or a checkpoint), or start its "
+                             "moments afresh")
         if len(groups) == 1 and "params" not in groups[0]:
             groups = [{**groups[0], "params": g["params"]} for g in mine]
         if [g.get("params") for g in groups] != [g["params"] for g in mine]:

@@ -692,3 +692,29 @@ def test_step_takes_a_closure_as_torch_optimizers_do(make_store):
     assert opt.step() is None
     _assert_same_parameters(model, ref)
     opt.close()
+
+
+def test_a_torch_optimizer_state_dict_is_refused_by_name_not_by_guess(make_store):
+    """torch.optim's state_dict() names parameters by index: mapping indices onto names could load one
+    parameter's moments into another, so it is refused, saying why."""
+    ref = _mlp(torch.float32)
+    ropt = torch.optim.AdamW(ref.parameters(), foreach=False)
+    ref(torch.randn(2, 64)).sum().backward()
+    ropt.step()
+    off = offload_model(copy.deepcopy(ref), make_store())
+    opt = OffloadedAdamW(off)
+    with pytest.raises(ValueError, match="by index, as torch.optim's state_dict"):
+        opt.load_state_dict(ropt.state_dict())
+    assert opt.state_dict()["state"] == {}
+    opt.close()
+
+
+def test_a_gradient_of_another_dtype_or_shape_is_refused_as_torch_refuses_it(make_store):
+    model = _mlp(torch.float32)
+    offload_model(model, make_store())
+    for bad in (torch.zeros(128, 64, dtype=torch.float16), torch.zeros(64, 128)):
+        with pytest.raises(ValueError, match=r"a gradient of shape .* for '0.weight' of shape \(128, 64\) and dtype "
+                                             r"torch.float32"):
+            model[0].weight.grad = bad
+    model[0].weight.grad = torch.ones(128, 64)
+    assert model[0].weight.grad.sum().item() == 128 * 64
