@@ -404,6 +404,8 @@ class OffloadedModel(OffloadedParameters):
         # An optimizer's uses of store keys, which eviction weighs with the trace's.
         self.later_uses = LaterUses()
         self.on_remove: list[Callable[[], None]] = []  # called by remove(): optimizers drop their state
+        # called with the names of the parameters a load_state_dict() wrote: an optimizer remakes their masters
+        self.on_load: list[Callable[[list[str]], None]] = []
         self.broken: str | None = None  # why the values can no longer be trusted (see OffloadedParameters)
         self.backwards_failed = 0  # backward passes that raised (an optimizer stepping in backward asks)
         self._storage_owner: dict[int, _Param] = {}  # data_ptr of a held copy's storage -> its parameter
@@ -834,15 +836,14 @@ class OffloadedModel(OffloadedParameters):
         ``param.copy_(value)``. Before a module's own parameters are loaded, those that are offloaded and named in
         the state dict are held, so the copy writes the held copy; after the module's subtree is loaded they are
         marked changed and let go (``_after_load``, also when a submodule alone is loaded), to be written home.
-        Not after an ``OffloadedAdamW`` exists (its fp32 masters and moments come from the parameters as they
-        were), and not with ``assign=True``."""
+        An ``OffloadedAdamW`` of the model then remakes the fp32 masters of those parameters from the loaded
+        values (``on_load``), as a new optimizer would; its moments stay, as a torch optimizer's do when the model
+        it steps loads a state dict (transformers' Trainer, resuming, loads the model, then the optimizer's
+        state). Not with ``assign=True``."""
         mine = [self.params[id(p)] for name, p in module._parameters.items()
                 if p is not None and id(p) in self.params and prefix + name in state_dict]
         if not mine:
             return
-        if self.on_remove:
-            raise OffloadedParameterError("load the state dict before creating the model's OffloadedAdamW: its "
-                                          "fp32 masters and moments were made from the parameters as they are now")
         if local_metadata.get("assign_to_params_buffers"):
             raise OffloadedParameterError("load_state_dict(assign=True) would replace offloaded parameters by "
                                           "new tensors; load with assign=False, or before offload_model")
@@ -857,6 +858,9 @@ class OffloadedModel(OffloadedParameters):
         for sp in loading:
             self.store.mark_dirty(sp.key, self.compute_tier)
             self._unhold(sp)
+        if loading:
+            for loaded in self.on_load:
+                loaded([sp.name for sp in loading])
 
     def _fill_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         """A module's state_dict post-hook: its own offloaded parameters' values (in place of placeholders)."""

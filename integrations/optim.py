@@ -187,6 +187,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         offloaded.later_uses.queues.append(self._queued)
         offloaded.later_uses.in_backward = step_in_backward
         offloaded.on_remove.append(self._drop_state)  # the state goes with the offload: a later one may reuse names
+        if hasattr(offloaded, "on_load"):
+            offloaded.on_load.append(self._remake_masters)
 
     def _check_host_budget(self, host_budget: int, step_in_backward: bool) -> None:
         """One update holds its parameter's fp32 master and both moments in the host tier at once (stepping in
@@ -367,6 +369,21 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     self.store.drop(k)
         self._items = []
         self.steps = {}
+
+    def _remake_masters(self, names: list[str]) -> None:
+        """The model loaded new values into these parameters: their fp32 masters are made from them, as this
+        optimizer made them when it was created (a bf16 master left as it was would overwrite the loaded value
+        at the next step)."""
+        self.wait()
+        for name, key, p in self._items:
+            if name in names and has_master(key, p):
+                value = self.offloaded.read_param(name)
+                master = self.store.get(optimizer_key(name, "master"), Tier.HOST)
+                try:
+                    master.copy_(value)
+                    self.store.mark_dirty(optimizer_key(name, "master"), Tier.HOST)
+                finally:
+                    self.store.release(optimizer_key(name, "master"), Tier.HOST)
 
     def _param_shape(self, key: str) -> torch.Size:
         return torch.Size(self.store.info(key)["shape"])

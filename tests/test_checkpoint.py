@@ -449,9 +449,38 @@ def test_model_load_state_dict_writes_an_offloaded_model_as_it_does_a_resident_o
         assert torch.equal(model.state_dict()[name], value), name
     with pytest.raises(OffloadedParameterError, match="assign=True"):
         model.load_state_dict(sd, assign=True)
-    OffloadedAdamW(off).close()
-    with pytest.raises(OffloadedParameterError, match="before creating the model's OffloadedAdamW"):
-        model.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_state_dict_loaded_after_the_optimizer_exists_is_what_it_steps(make_store, dtype):
+    """Resuming as transformers' Trainer does: the optimizer exists, the model loads a state dict (then, there,
+    the optimizer's state). The loaded values are what the next step updates: the moments stay, as torch's
+    do; a bf16 parameter's fp32 master is made from the loaded value."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(dtype)
+    model = copy.deepcopy(ref)
+    sd = {k: torch.randn_like(v) for k, v in ref.state_dict().items()}
+    off = offload_model(model, make_store(host_budget_bytes="256KiB"))
+    opt = OffloadedAdamW(off, lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0)).to(dtype)
+    for m, o in ((ref, ropt), (model, opt)):
+        m(x).float().pow(2).mean().backward()
+        o.step()
+        o.zero_grad()
+        m.load_state_dict(sd)
+    if dtype == torch.float32:
+        ref(x).pow(2).mean().backward()
+        ropt.step()
+    state = opt.state_dict()["state"]
+    assert all(torch.equal(state[k]["master"], v.float()) for k, v in sd.items() if dtype == torch.bfloat16)
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    for name, value in (ref.state_dict().items() if dtype == torch.float32 else ()):
+        assert torch.equal(model.state_dict()[name], value), name
+    for name, value in sd.items():  # stepped from the loaded values, not from the values before the load
+        assert (model.state_dict()[name].float() - value.float()).abs().max() < 0.05, name
+    opt.close()
 
 
 def _channels_last_convnet(seed: int) -> torch.nn.Module:

@@ -125,18 +125,20 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def _trainer_run(tmp_path, optimizer_for) -> tuple[dict, list]:
+def _trainer_run(tmp_path, optimizer_for, *, steps: int = 4, resume: bool = False) -> tuple[dict, list]:
     """transformers' Trainer (its own loop: gradient accumulation, clipping to norm 1, a linear schedule, closure
-    steps through accelerate) over GPT-2; the state dict and the logged losses and gradient norms."""
+    steps through accelerate; a checkpoint every 2 steps, resumed from with ``resume``) over GPT-2; the state
+    dict and the logged losses and gradient norms."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     model = _seeded(_gpt2, 0)
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
-        learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0)
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=steps,
+        learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="steps", save_steps=2, use_cpu=True,
+        seed=0)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), optimizers=(optimizer_for(model),
                                                                                                None))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2") if resume else None)
     logged = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
     return {k: v.clone() for k, v in model.state_dict().items()}, logged
 
@@ -150,3 +152,12 @@ def test_transformers_trainer_trains_the_offloaded_model_as_the_resident_one(mak
     assert len(got[1]) == 4 and got[1] == ref[1]
     assert all(torch.equal(got[0][k], v) for k, v in ref[0].items())
     assert store.stats_dict()["bytes_read_nvme"] > 0
+    # Resumed from the step-2 checkpoint: the Trainer loads the model's state dict, then the optimizer's state,
+    # into an optimizer that exists; the rest of the run is the resident resumed run's
+    ref = _trainer_run(tmp_path / "ref", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False),
+                       steps=6, resume=True)
+    got = _trainer_run(tmp_path / "off", lambda m: OffloadedAdamW(
+        offload_model(m, make_store(host_budget_bytes="1MiB", device_budget_bytes="512KiB")), lr=1e-2),
+        steps=6, resume=True)
+    assert len(got[1]) == 6 and got[1] == ref[1]  # the 2 logged up to the checkpoint, then 4 more
+    assert all(torch.equal(got[0][k], v) for k, v in ref[0].items())
