@@ -30,9 +30,9 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -375,8 +375,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         optimizer made them when it was created (a bf16 master left as it was would overwrite the loaded value
         at the next step)."""
         self.wait()
+        loaded = set(names)
         for name, key, p in self._items:
-            if name in names and has_master(key, p):
+            if name in loaded and has_master(key, p):
                 value = self.offloaded.read_param(name)
                 master = self.store.get(optimizer_key(name, "master"), Tier.HOST)
                 try:
