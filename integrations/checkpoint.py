@@ -386,7 +386,8 @@ def _load_tensors(model: nn.Module | Offloaded, entries: dict[str, tuple[list[in
     """Write ``entries`` (name -> (shape, a function reading the tensor)) into the model's tensors, wherever
     they live, after checking names and shapes; one tensor read at a time."""
     model, off = _offloaded(model)
-    if off is not None and off.on_remove:
+    on_load = getattr(off, "on_load", None)  # where an optimizer's masters are remade from loaded values
+    if off is not None and off.on_remove and on_load is None:
         raise CheckpointError("load weights before creating the model's OffloadedAdamW: its fp32 masters and "
                               "moments were made from the parameters as they are now")
     tensors, aliases = _model_tensors(model, off)
@@ -419,6 +420,8 @@ def _load_tensors(model: nn.Module | Offloaded, entries: dict[str, tuple[list[in
         del value
     if store is not None:
         store.flush()
+    for loaded in on_load or ():
+        loaded([n for n in by_saved.values() if isinstance(tensors[n], str)])
     return list(by_saved.values())
 
 

@@ -451,8 +451,9 @@ def test_model_load_state_dict_writes_an_offloaded_model_as_it_does_a_resident_o
         model.load_state_dict(sd, assign=True)
 
 
+@pytest.mark.parametrize("how", ["load_state_dict", "load_safetensors"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_state_dict_loaded_after_the_optimizer_exists_is_what_it_steps(make_store, dtype):
+def test_a_state_dict_loaded_after_the_optimizer_exists_is_what_it_steps(make_store, tmp_path, dtype, how):
     """Resuming as transformers' Trainer does: the optimizer exists, the model loads a state dict (then, there,
     the optimizer's state). The loaded values are what the next step updates: the moments stay, as torch's
     do; a bf16 parameter's fp32 master is made from the loaded value."""
@@ -468,7 +469,11 @@ def test_a_state_dict_loaded_after_the_optimizer_exists_is_what_it_steps(make_st
         m(x).float().pow(2).mean().backward()
         o.step()
         o.zero_grad()
-        m.load_state_dict(sd)
+        if m is model and how == "load_safetensors":
+            pytest.importorskip("safetensors.torch").save_file(sd, str(tmp_path / "w.safetensors"))
+            load_safetensors(str(tmp_path / "w.safetensors"), off)
+        else:
+            m.load_state_dict(sd)
     if dtype == torch.float32:
         ref(x).pow(2).mean().backward()
         ropt.step()
