@@ -1,7 +1,8 @@
 """Run under torchrun: a model tierstore did not write (see conformance.py), sharded with FSDP2 per layer,
 trained offloaded against FSDP2 alone. Prints one JSON line per rank: both runs' losses and whether the
 offloaded shards and Adam moments end bit-identical to FSDP2's. With a third argument ``views`` each step's
-loss sums that many forwards (two views of a batch) before its one backward."""
+loss sums that many forwards (two views of a batch) before its one backward, and gradients are zeroed in place
+(``zero_grad(set_to_none=False)``) rather than dropped."""
 
 import copy
 import json
@@ -34,7 +35,7 @@ def train(model, opt, case, rank, world, views):
         loss = sum(case.loss(model, case.batch(10 * step + v, batch=2 * world)[rank::world]) for v in range(views))
         loss.backward()
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=views == 1)  # two views: gradients zeroed in place, accumulated into next step
         losses.append(loss.item())
     return losses
 
