@@ -25,6 +25,23 @@ def _launch(ranks: int, *target: str) -> str:
     return r.stdout
 
 
+def _rows(out: str) -> list[dict]:
+    """Every JSON object the ranks printed. Ranks share one stdout and print() writes the text and its newline
+    apart, so one rank's line can land between another's object and its newline: objects are read wherever
+    they start, not line by line."""
+    decoder, rows, i = json.JSONDecoder(), [], out.find("{")
+    while i != -1:
+        try:
+            row, end = decoder.raw_decode(out, i)
+        except json.JSONDecodeError:
+            end = i + 1
+        else:
+            if isinstance(row, dict) and "rank" in row:
+                rows.append(row)
+        i = out.find("{", end)
+    return rows
+
+
 def _torchrun(ranks: int, result: pathlib.Path, *args: str) -> dict:
     """The torchrun example with --check on ``ranks`` ranks; its result (rank 0's --json), bit-identity asserted."""
     _launch(ranks, "-m", "tierstore.tools.fsdp_train", "--check", "--json", str(result), *args)
@@ -70,8 +87,7 @@ def test_models_we_did_not_write_are_bit_identical_under_fsdp(tmp_path, name, vi
     trace repeats, and a placement is tried."""
     pytest.importorskip("transformers")
     child = os.path.join(os.path.dirname(__file__), "fsdp_conformance_child.py")
-    lines = [json.loads(line) for line in _launch(2, child, name, str(tmp_path), str(views)).splitlines()
-             if line.startswith("{")]
+    lines = _rows(_launch(2, child, name, str(tmp_path), str(views)))
     assert sorted(r["rank"] for r in lines) == [0, 1]
     for r in lines:
         assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"], r
@@ -84,8 +100,7 @@ def test_models_we_did_not_write_are_bit_identical_under_fsdp(tmp_path, name, vi
 @pytest.mark.parametrize("tied", ["tied", "untied"])
 def test_a_model_built_on_meta_is_sharded_into_the_store_as_fsdps_recipe_initializes_it(tmp_path, tied):
     child = os.path.join(os.path.dirname(__file__), "fsdp_meta_child.py")
-    lines = [json.loads(line) for line in _launch(2, child, str(tmp_path), tied).splitlines()
-             if line.startswith("{")]
+    lines = _rows(_launch(2, child, str(tmp_path), tied))
     assert sorted(r["rank"] for r in lines) == [0, 1]
     for r in lines:
         assert r["same_init"] and r["ours"] == r["ref"] and r["same_parameters"] and r["still_tied"], r
@@ -125,7 +140,7 @@ def test_fsdp_checkpoint_resumes_bit_identically_and_consolidates(tmp_path):
 def test_fsdp_loss_scaling_matches_fsdp2_alone(tmp_path):
     """fp16 autocast under FSDP2: an overflow on one rank skips the step on every rank, as with FSDP2 alone."""
     out = _launch(2, os.path.join(os.path.dirname(__file__), "fsdp_amp_child.py"), str(tmp_path))
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    rows = _rows(out)
     assert sorted(row["rank"] for row in rows) == [0, 1]
     for row in rows:
         assert row["ours"] == row["ref"] and row["same_parameters"]
