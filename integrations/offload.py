@@ -137,6 +137,8 @@ _NO_READ = frozenset({
     _T.is_signed, _T.is_contiguous, _T.storage_offset, _T.untyped_storage, _T.data_ptr,
     _T.requires_grad_, _T.register_hook, _T.register_post_accumulate_grad_hook, _T.is_shared, _T.get_device,
     _T._is_view, _T.__len__, _T.__hash__, _T.__dir__, _T.__setstate__, torch._has_compatible_shallow_copy_type,
+    # A parameter among the ``inputs`` of a backward is the leaf to differentiate for, not a value read.
+    torch.autograd.backward, torch.autograd.grad,
 })
 # Attributes whose getter makes a view or a copy of values (every other attribute is metadata).
 _VALUE_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})

@@ -333,6 +333,54 @@ def test_a_backward_inside_the_forward_trains_bit_identically(make_store, in_bac
     assert not any(sp.holds for sp in off.params.values())
 
 
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+        self.a = torch.nn.Linear(32, 8)
+        self.b = torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.a(h), self.b(h)
+
+
+@pytest.mark.parametrize("how", ["backward-inputs", "autograd-grad"])
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_parameters_as_the_inputs_of_a_backward(make_store, how, in_backward):
+    """``loss.backward(inputs=[...])`` (only the heads trained) and ``torch.autograd.grad(loss, params)`` (the
+    gradients assigned to ``.grad`` by hand) take offloaded parameters as the leaves to differentiate for: that
+    reads no value of them, and trains as the resident model does."""
+    torch.manual_seed(0)
+    ref = _TwoHeads()
+    model = copy.deepcopy(ref)
+    body = copy.deepcopy(ref.body.state_dict())
+    off = offload_model(model, make_store(host_budget_bytes="48KiB", device_budget_bytes="32KiB"))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = OffloadedAdamW(off, lr=1e-2, step_in_backward=in_backward)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 32, generator=g), torch.randint(0, 8, (4,), generator=g)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            a, b = m(x)
+            loss = F.cross_entropy(a, y) + F.cross_entropy(b, y)
+            if how == "backward-inputs":
+                loss.backward(inputs=[*m.a.parameters(), *m.b.parameters()])
+            else:
+                params = list(m.parameters())
+                for p, grad in zip(params, torch.autograd.grad(loss, params)):
+                    p.grad = grad * 0.5
+            o.step()
+            o.zero_grad()
+    opt.close()
+    _assert_same_parameters(model, ref)
+    if how == "backward-inputs":  # the body had no gradient, so it kept its values
+        assert all(torch.equal(off.read_param(f"body.{name}"), value) for name, value in body.items())
+    else:
+        assert not torch.equal(off.read_param("body.0.weight"), body["0.weight"])
+    assert not any(sp.holds for sp in off.params.values())
+
+
 def test_mha_keeps_its_packed_path_and_gradients(make_store, monkeypatch):
     """Backward fetches leave autograd's graph alone: query, key and value stay one tensor, so
     MultiheadAttention takes the packed in-projection, as it does without tierstore."""
