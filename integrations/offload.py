@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -253,6 +254,14 @@ def _on_read(unheld: list[_OffloadedParameter], func: Any, args: Any, kwargs: An
             f"forward (any module of the model may read any of its parameters there); convert dtype or device "
             f"before offload_model; or call off.remove() to make the parameters ordinary tensors again")
     return None
+
+
+def _call_weakly(method: weakref.WeakMethod, sp: weakref.ref, param: torch.Tensor) -> None:
+    """A parameter's post-accumulate-grad hook: torch keeps it where the garbage collector cannot see it, so a
+    hook holding its model strongly would keep a dropped model, its store and the swap files alive until exit."""
+    bound, target = method(), sp()
+    if bound is not None and target is not None:
+        bound(target, param)
 
 
 def _same_memory(p: torch.Tensor, held: torch.Tensor) -> bool:
@@ -577,7 +586,8 @@ class OffloadedModel(OffloadedParameters):
         still = []
         for sp in self._unhooked:
             if sp.param.requires_grad:
-                self._handles.append(sp.param.register_post_accumulate_grad_hook(partial(self._grad_accumulated, sp)))
+                self._handles.append(sp.param.register_post_accumulate_grad_hook(
+                    partial(_call_weakly, weakref.WeakMethod(self._grad_accumulated), weakref.ref(sp))))
             else:
                 still.append(sp)
         self._unhooked = still

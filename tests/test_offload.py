@@ -1,10 +1,14 @@
 """Offloaded training gives the same numbers as resident training, bit for bit (fp32)."""
 
 import copy
+import gc
+import os
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import open_fds, tierstore_threads
 from _training import (
     _assert_same_parameters,
     _tiny_pair,
@@ -646,3 +650,31 @@ def test_a_write_in_forward_is_kept_as_the_resident_model_keeps_it(make_store, i
     _assert_same_parameters(model, ref)
     assert store.stats_dict()["bytes_read_nvme"] > 0
     opt.close()
+
+
+@pytest.mark.parametrize("step", [False, True])
+def test_a_dropped_model_frees_its_store(nvme_dir, step):
+    """A model, its optimizer and its store dropped without close() (a notebook cell run again, a sweep in one
+    process) are collected like any Python object: the swap directory is removed and the threads end, instead
+    of holding the drive's space until the process exits."""
+    fds = open_fds()
+    for _ in range(3):
+        store = ts.TierStore(nvme_path=nvme_dir, host_budget_bytes="1MiB", device_budget_bytes="1MiB",
+                             file_size_bytes="4MiB", block_size_bytes="64KiB")
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+        opt = OffloadedAdamW(offload_model(model, store), lr=1e-3)
+        if step:
+            model(torch.randn(2, 64)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert os.listdir(nvme_dir)
+        del store, model, opt
+        # A write behind still in flight keeps the drive's engine until it ends; idle pool threads end once they
+        # see their pool is gone.
+        deadline = time.monotonic() + 10
+        while (os.listdir(nvme_dir) or tierstore_threads()) and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.01)
+        assert os.listdir(nvme_dir) == []
+        assert not tierstore_threads()
+    assert open_fds() <= fds
