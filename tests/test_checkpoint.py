@@ -421,6 +421,34 @@ def test_pretrained_safetensors_that_do_not_match_list_every_problem_and_change_
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
 
+def _safetensors_with_header(path, header: object, data: bytes = b"\0" * 64) -> str:
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw + data)
+    return str(path)
+
+
+@pytest.mark.parametrize("header,why", [
+    ({"w": {"dtype": "F32", "shape": [2**40], "data_offsets": [0, 16]}}, r"has 16 bytes for shape \[1099511627776\]"),
+    ({"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}, "has a bad shape"),
+    ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [-8, 8]}}, "data_offsets"),
+    ({"w": {"dtype": "F32", "shape": [32], "data_offsets": [0, 128]}}, "outside the file's 64 data bytes"),
+    ({"w": {"dtype": "F32", "shape": [4]}}, "data_offsets None"),
+    ({"w": {"dtype": "Q4", "shape": [4], "data_offsets": [0, 16]}}, "unknown dtype 'Q4'"),
+    ({"w": [0, 16]}, "has no dtype"),
+    ([1, 2], "not a JSON object"),
+])
+def test_a_damaged_safetensors_header_is_refused_before_anything_is_allocated(tmp_path, header, why):
+    """A header's shapes and offsets are checked against each other and the file before any tensor is made from
+    them: a shape of 2**40 elements would otherwise allocate 4 TiB, a negative offset read the header as data."""
+    path = _safetensors_with_header(tmp_path / "bad.safetensors", header)
+    with pytest.raises(ts.CheckpointIntegrityError, match=why):
+        _checkpoint.read_safetensors(path)
+    model = torch.nn.Linear(4, 1)
+    with pytest.raises(ts.CheckpointIntegrityError, match=why):
+        load_safetensors(path, model)
+
+
 def test_model_load_state_dict_writes_an_offloaded_model_as_it_does_a_resident_one(make_store):
     torch.manual_seed(0)
     source = ViT(PRESETS["tiny"], tie_head=True)

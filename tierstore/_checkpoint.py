@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -412,29 +413,53 @@ def safetensors_entries(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     return _header_entries(path)
 
 
+_MAX_HEADER_BYTES = 100 * 2**20  # as the safetensors format caps it
+
+
 def _header_entries(file: str) -> dict[str, dict[str, Any]]:
     try:
         with open(file, "rb") as f:
             head = f.read(8)
             (n,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
             size = os.fstat(f.fileno()).st_size
-            if n is None or n > size - 8:
+            if n is None or n > min(size - 8, _MAX_HEADER_BYTES):
                 raise CheckpointIntegrityError(f"{file} is not a safetensors file (bad header length)")
             header = json.loads(f.read(n))
     except OSError as e:
         raise CheckpointError(f"cannot read {file}: {e.strerror}") from None
     except ValueError as e:
         raise CheckpointIntegrityError(f"{file}: unreadable safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointIntegrityError(f"{file}: the safetensors header is not a JSON object")
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        why = _bad_entry(info, size - 8 - n)
+        if why:
+            raise CheckpointIntegrityError(f"{file}: tensor {name!r} {why}")
         lo, hi = info["data_offsets"]
-        if info.get("dtype") not in _BY_NAME or 8 + n + hi > size or hi < lo:
-            raise CheckpointIntegrityError(f"{file}: tensor {name!r} has a bad dtype or offsets")
         out[name] = {"file": file, "offset": 8 + n + lo, "nbytes": hi - lo, "shape": list(info["shape"]),
                      "dtype": info["dtype"]}
     return out
+
+
+def _bad_entry(info: Any, data_bytes: int) -> str | None:
+    """Why a safetensors header entry cannot be read (checked before anything is allocated from it), or None."""
+    if not isinstance(info, dict):
+        return "has no dtype, shape and data_offsets"
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _BY_NAME:
+        return f"has an unknown dtype {dtype!r}"
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        return f"has a bad shape {shape!r}"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data_bytes):
+        return f"has data_offsets {offsets!r} outside the file's {data_bytes} data bytes"
+    nbytes = math.prod(shape) * torch.empty((), dtype=_BY_NAME[dtype]).element_size()
+    if nbytes != offsets[1] - offsets[0]:
+        return f"has {offsets[1] - offsets[0]} bytes for shape {shape} {dtype} ({nbytes} bytes)"
+    return None
 
 
 def read_raw(name: str, entry: dict[str, Any]) -> torch.Tensor:
