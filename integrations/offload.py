@@ -86,6 +86,15 @@ offset), rebuilt in backward from the parameter's current copy (held on
 demand). Inside backward (a checkpointed forward rerun) the saved views are
 kept by checkpointing itself, so a module rerun there keeps its parameters
 held until their gradients are accumulated.
+
+[Note: A forward output that is a view of a parameter] A module may return a
+view of its own parameter (``self.latents.expand(batch, -1, -1)``, as
+Perceiver's latent embeddings do) for a later module to compute with. Once the
+module's hold ends, the store reuses that memory, so the later module would
+read another tensor's bytes. Such a parameter stays held until the model's
+forward returns (the later modules run inside it); a view of a parameter
+returned from the model's forward itself (or from a module called on its own)
+would outlive every hold, so it raises instead.
 """
 
 from __future__ import annotations
@@ -408,6 +417,9 @@ class OffloadedModel(OffloadedParameters):
         self._backward_used: set[str] = set()
         # Units whose forward is running, innermost last, each with whether it started inside backward.
         self._running: list[tuple[_Group, bool]] = []
+        # Parameters a unit's forward output is a view of, held until the model's forward returns (see [Note: A
+        # forward output that is a view of a parameter]).
+        self._held_for_outputs: list[_Param] = []
         # Called with a store key once that parameter's gradient for this backward is complete.
         self.grad_ready_callbacks: list[Callable[[str], None]] = []
         # Each says why no gradient may be read now, or None (an optimizer stepping in backward consumes them).
@@ -622,10 +634,25 @@ class OffloadedModel(OffloadedParameters):
         self._running.append((group, in_backward))
         return in_backward
 
+    def _viewed_by(self, output: Any) -> list[_Param]:
+        """The held parameters that a tensor of ``output`` is a view of (see [Note: A forward output that is a
+        view of a parameter])."""
+        viewed = []
+        for t in _leaves(output, torch.Tensor):
+            sp = self._storage_owner.get(t.untyped_storage().data_ptr()) if t.layout is torch.strided else None
+            if sp is not None and t is not sp.param and sp not in viewed:
+                viewed.append(sp)
+        return viewed
+
     def _exit_forward(self, group: _Group) -> None:
         at = next((i for i in range(len(self._running) - 1, -1, -1) if self._running[i][0] is group), None)
         if at is not None:  # not at the top when a forward that raised inside an inner module left it there
             del self._running[at:]
+        if not self._running:
+            held, self._held_for_outputs = self._held_for_outputs, []
+            for sp in held:
+                if sp.holds:
+                    self._unhold(sp)
         if not self._running and self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
@@ -756,9 +783,14 @@ class OffloadedModel(OffloadedParameters):
             group.forward_started.append(time.perf_counter())
 
     def _post_forward(self, group: _Group, module: nn.Module, args: Any, output: Any) -> None:
+        viewed = self._viewed_by(output) if self._storage_owner and not self._in_backward() else []
+        outermost = bool(self._running) and self._running[0][0] is group
         for sp in group.params:
             if sp.holds:
-                self._unhold(sp)
+                if sp in viewed and not outermost:
+                    self._held_for_outputs.append(sp)
+                else:
+                    self._unhold(sp)
         if group.params and torch.is_grad_enabled() and not self._in_backward():
             for t in _leaves(output, torch.Tensor):
                 if t.requires_grad:
@@ -768,6 +800,12 @@ class OffloadedModel(OffloadedParameters):
         if timeline is not None and group.forward_started:
             timeline.add(f"forward {group.name or '<root>'}", "compute", group.forward_started.pop(),
                          time.perf_counter())
+        if viewed and outermost:  # its holds are let go above: nothing is left held by the raise
+            name = group.name or "the model"
+            raise OffloadedParameterError(
+                f"the forward of {name} returned a view of the offloaded parameter {viewed[0].name!r}; its memory is "
+                f"reused once that forward returns, so the view would read other values. Return a copy "
+                f"(.clone()), or call {name} inside the forward of a module that computes with its output")
 
     def _pre_backward(self, group: _Group, grad: torch.Tensor) -> None:
         """A hook on a forward output of ``group``: its gradient is about to be computed, so the unit's
@@ -828,6 +866,7 @@ class OffloadedModel(OffloadedParameters):
         self._backward_used.clear()
         self._running = [(group, rerun) for group, rerun in self._running if not rerun]
         outer = Counter(id(sp) for group, _ in self._running for sp in group.params)
+        outer.update(id(sp) for sp in self._held_for_outputs)
         for sp in self.params.values():
             sp.backward_hold = False
             keep = outer[id(sp)]
@@ -836,6 +875,7 @@ class OffloadedModel(OffloadedParameters):
                 self._unhold(sp)
 
     def _release_all(self) -> None:
+        self._held_for_outputs.clear()
         for sp in self.params.values():
             sp.backward_hold = False
             if sp.holds:

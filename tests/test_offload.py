@@ -385,6 +385,51 @@ def test_parameters_as_the_inputs_of_a_backward(make_store, how, in_backward):
     assert not any(sp.holds for sp in off.params.values())
 
 
+class _Latents(torch.nn.Module):
+    """Returns a view of its own parameter, as Perceiver's latent embeddings do."""
+
+    def __init__(self):
+        super().__init__()
+        self.latents = torch.nn.Parameter(torch.randn(6, 16))
+
+    def forward(self, batch):
+        return self.latents.expand(batch, -1, -1)
+
+
+class _LatentsNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 16)
+        self.latents = _Latents()
+        self.norm = torch.nn.LayerNorm(16)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+        self.head = torch.nn.Linear(16, 16)
+
+    def forward(self, ids):
+        q = self.norm(self.latents(ids.shape[0]))  # computed with after the latents' module returned
+        q = q + self.mlp(q) + self.embed(ids).mean(1, keepdim=True)
+        return F.cross_entropy(self.head(q).flatten(0, 1), ids[:, :1].expand(-1, 6).flatten())
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_a_module_returning_a_view_of_its_parameter(make_store, in_backward):
+    """The view stays valid while the model's forward uses it (its memory was reused by the next fetch, and the
+    model trained on other values, silently); one returned from a module called on its own raises."""
+    torch.manual_seed(0)
+    ref = _LatentsNet()
+    model = copy.deepcopy(ref)
+    off = offload_model(model, make_store(host_budget_bytes="64KiB", device_budget_bytes="32KiB"),
+                        resident_threshold_bytes=0)
+    _train_on_ids(ref, model, off, vocab=16, steps=4, step_in_backward=in_backward)
+    _assert_same_parameters(model, ref)
+    assert not any(sp.holds for sp in off.params.values())
+    with pytest.raises(OffloadedParameterError, match=r"forward of latents returned a view of the offloaded "
+                                                      r"parameter 'latents.latents'.*\.clone\(\)"):
+        model.latents(2)
+    with torch.no_grad():
+        assert torch.equal(model(torch.ones(2, 6, dtype=torch.long)), ref(torch.ones(2, 6, dtype=torch.long)))
+
+
 def test_mha_keeps_its_packed_path_and_gradients(make_store, monkeypatch):
     """Backward fetches leave autograd's graph alone: query, key and value stay one tensor, so
     MultiheadAttention takes the packed in-projection, as it does without tierstore."""
