@@ -639,7 +639,7 @@ class OffloadedModel(OffloadedParameters):
         view of a parameter])."""
         viewed = []
         for t in _leaves(output, torch.Tensor):
-            sp = self._storage_owner.get(t.untyped_storage().data_ptr()) if t.layout is torch.strided else None
+            sp = self._held_param_of(t)
             if sp is not None and t is not sp.param and sp not in viewed:
                 viewed.append(sp)
         return viewed
@@ -657,10 +657,14 @@ class OffloadedModel(OffloadedParameters):
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
 
-    def _pack(self, t: torch.Tensor) -> Any:
+    def _held_param_of(self, t: torch.Tensor) -> _Param | None:
+        """The held parameter whose memory ``t`` is (a view of), or None."""
         if not self._storage_owner or t.layout is not torch.strided:
-            return t
-        sp = self._storage_owner.get(t.untyped_storage().data_ptr())
+            return None
+        return self._storage_owner.get(t.untyped_storage().data_ptr())
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        sp = self._held_param_of(t)
         if sp is None:
             return t
         if t.dtype != sp.param.dtype:
