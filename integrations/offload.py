@@ -14,8 +14,10 @@ names are unchanged) whose ``.data`` is its store copy while anyone holds it
 and a placeholder with no storage otherwise: shape, dtype and device are true
 and it holds no memory. No value can be read from it: a torch function that
 reads it is intercepted (below); ``.data`` and ``detach()``, which would alias
-it, give a meta tensor instead, whose computations yield meta tensors or a
-device error, never values. So no stand-in value can ever reach compute.
+it, give a meta tensor instead, whose computations yield meta tensors, never
+values; one that would mix it with a real tensor (``ema.add_(p.data)``, which
+torch alone computes as a silent no-op) or copy it off the meta device raises.
+So no stand-in value can ever reach compute.
 Nor can a write be lost: one into that meta tensor or a view of it
 (``p.data.normal_()``, ``p.data[0] = 1``, as initialization code does), an
 in-place op on the parameter, or ``p.data = x`` raises, saying how to write
@@ -253,16 +255,19 @@ def _on_read(unheld: list[_OffloadedParameter], func: Any, args: Any, kwargs: An
                 if func(probe, *args[1:], **kwargs) is probe:
                     return (p,)
         what = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
-        module = sp.name.rpartition(".")[0] or "the model"
         if what.endswith("_") and not what.endswith("__") and args and args[0] is p:  # an in-place write
             raise OffloadedParameterError(_write_message(what, sp))
-        raise OffloadedParameterError(
-            f"{what} read the offloaded parameter {sp.name!r} (of {module}) outside the forward and backward of "
-            f"the model it was offloaded with; its values live in the store, so no value is there to read. "
-            f"Read it with off.read_param({sp.name!r}) or model.state_dict(); compute with it inside the model's "
-            f"forward (any module of the model may read any of its parameters there); convert dtype or device "
-            f"before offload_model; or call off.remove() to make the parameters ordinary tensors again")
+        raise OffloadedParameterError(_read_message(what, sp))
     return None
+
+
+def _read_message(what: str, sp: _Param, through: str = "") -> str:
+    module = sp.name.rpartition(".")[0] or "the model"
+    return (f"{what} read the offloaded parameter {sp.name!r} (of {module}){through} outside the forward and "
+            f"backward of the model it was offloaded with; its values live in the store, so no value is there to "
+            f"read. Read it with off.read_param({sp.name!r}) or model.state_dict(); compute with it inside the "
+            f"model's forward (any module of the model may read any of its parameters there); convert dtype or "
+            f"device before offload_model; or call off.remove() to make the parameters ordinary tensors again")
 
 
 def _call_weakly(method: weakref.WeakMethod, sp: weakref.ref, param: torch.Tensor) -> None:
@@ -315,6 +320,14 @@ class _Alias(torch.Tensor):
             if isinstance(value, _Alias) and arg.alias_info is not None and arg.alias_info.is_write:
                 raise OffloadedParameterError(_write_message(func.overloadpacket.__name__, value._tierstore))
         aliases = list(_leaves((args, kwargs), _Alias))
+        real = [t for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and not isinstance(t, _Alias) and not t.is_meta]
+        to_real = func is torch.ops.aten._to_copy.default and kwargs.get("device") not in (None, torch.device("meta"))
+        if aliases and (to_real or real and (func._schema.is_mutable or any(t.dim() > 0 for t in real))):
+            # torch computes some ops of a real tensor and a meta one (``ema.add_(p.data)``, ``torch._foreach_
+            # add_``) as a silent no-op: a value would come out that the parameter's values never went into.
+            raise OffloadedParameterError(_read_message(func.overloadpacket.__name__, aliases[0]._tierstore,
+                                                        through=" through its .data or .detach()"))
         unwrap = functools.partial(torch.utils._pytree.tree_map_only, _Alias, lambda a: a._meta)
         out = func(*unwrap(args), **unwrap(kwargs))
         if aliases and any(r.alias_info is not None for r in schema.returns):  # a view: a write into it is one too

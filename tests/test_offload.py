@@ -653,6 +653,29 @@ def test_a_write_that_would_be_lost_is_refused(make_store, write):
     off.remove()
 
 
+@pytest.mark.parametrize("read", [
+    lambda ema, p: ema.mul_(0.9).add_(p.data, alpha=0.1),  # an EMA of the weights: torch alone adds nothing here
+    lambda ema, p: ema.sub_(p.detach()),
+    lambda ema, p: torch._foreach_add_([ema], [p.detach()]),
+    lambda ema, p: torch._foreach_lerp_([ema], [p.detach()], 0.5),
+    lambda ema, p: torch.add(ema, p.data, out=ema),
+    lambda ema, p: torch.equal(ema, p.data),
+    lambda ema, p: p.detach().to("cpu"),
+], ids=["data-add_", "detach-sub_", "foreach-add_", "foreach-lerp_", "add-out", "equal", "to-cpu"])
+def test_a_value_computed_from_data_outside_the_forward_is_refused(make_store, read):
+    """``.data`` and ``detach()`` of an offloaded parameter outside the forward are meta tensors with no values.
+    torch computes some ops of a real tensor and a meta one as a silent no-op (``cpu.add_(meta)`` returns the
+    CPU tensor unchanged): each would give a value the parameter's values never went into, so each raises."""
+    ref, model, _ = _tiny_pair()
+    off = offload_model(model, make_store())
+    p = model.blocks[0].fc1.weight
+    ema = ref.blocks[0].fc1.weight.detach().clone()
+    with pytest.raises(OffloadedParameterError, match=r"'blocks.0.fc1.weight' .* through its .data .*read_param"):
+        read(ema, p)
+    assert (p.data * torch.tensor(2.0)).is_meta and p.detach().double().is_meta  # still meta: no value made
+    off.remove()
+
+
 class _ClippedLinear(torch.nn.Linear):
     """Clips its own weight on every forward (as weight clipping and renormalization do): in place, or by
     assigning ``.data``."""
