@@ -13,7 +13,10 @@ when each module's constructor draws its random numbers in
 registered (nn.Linear, nn.Embedding, nn.LayerNorm, convolutions...); parameters
 a parent initializes in its own ``__init__`` (a class token drawn with
 ``normal_``) need ``init_fn``, and the random draws then differ from eager
-construction. Under FSDP2 a parameter is this rank's shard (a DTensor), given
+construction. Memory given to a meta tensor is filled with what no initialization
+writes (NaN; an integer type's minimum) first, and a tensor still holding it after
+its module's initialization is an error naming it: uninitialized memory is never
+trained on. Under FSDP2 a parameter is this rank's shard (a DTensor), given
 memory in place as ``to_empty`` does, so FSDP2's own references stay right; it
 gets the values FSDP2's recipe (``to_empty``, then each module's
 ``reset_parameters()``) gives it.
@@ -30,8 +33,12 @@ from torch import nn
 def check_meta(model: nn.Module, init_fn: Callable[[nn.Module], None] | None) -> bool:
     """Whether ``model`` is (partly) on the meta device; if so, that every module with meta tensors of its own can
     be initialized (its ``reset_parameters()``, or ``init_fn``), else an error naming them."""
-    on_meta = [(mname, m) for mname, m in model.named_modules()
-               if any(t is not None and t.is_meta for t in (*m._parameters.values(), *m._buffers.values()))]
+    from torch.nn.utils.parametrize import ParametrizationList
+    # A parametrization's original tensors are initialized through the module it parametrizes (see [Note:
+    # Parametrized tensors on the meta device]).
+    on_meta = [(mname, m) for mname, m in model.named_modules() if not isinstance(m, ParametrizationList) and any(
+        t is not None and t.is_meta for t in (*m._parameters.values(), *m._buffers.values(),
+                                              *_parametrization_originals(m)))]
     if not on_meta:
         return False
     if init_fn is None:
@@ -46,7 +53,7 @@ def check_meta(model: nn.Module, init_fn: Callable[[nn.Module], None] | None) ->
 
 def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None,
                 done: dict[int, tuple[nn.Parameter, nn.Parameter]], undo: list[Callable[[], None]], *,
-                in_place: bool = False,
+                in_place: bool = False, mname: str = "",
                 adopt: Callable[[nn.Parameter], Callable[[], None]] | None = None) -> list[nn.Parameter]:
     """Give ``module``'s own meta parameters and buffers CPU memory and initialize them, as its constructor would
     have (see [Note: Building on the meta device]); returns the parameters given memory here.
@@ -86,20 +93,138 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None,
     for name in meta_buffers:
         undo.append(_putter(module._buffers, name, module._buffers[name]))
         module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
-    if not fresh and not meta_buffers:
+    parametrized = _meta_parametrizations(module)
+    if parametrized and in_place:
+        raise ValueError(f"{mname or '<root>'} has parametrized tensors ({', '.join(parametrized)}) on the meta "
+                         f"device, which a sharded model cannot initialize here: build that module eagerly")
+    if not fresh and not meta_buffers and not parametrized:
         return fresh
+    for t in (*fresh, *(module._buffers[name] for name in meta_buffers)):
+        _fill_unwritten(t)
     # A tied parameter keeps the values it has (it may be offloaded already): this module's init writes a scratch.
     for name, p in tied.items():
         module._parameters[name] = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+    cls = module.__class__
     try:
+        if parametrized:  # the module's own class, with a plain tensor for each parametrized one to initialize
+            module.__class__ = cls.__bases__[0]
+            for tname, shaped in parametrized.items():
+                module._parameters[tname] = nn.Parameter(_fill_unwritten(torch.empty_like(shaped, device="cpu")))
         with torch.no_grad():
             if init_fn is not None:
                 init_fn(module)
             else:
                 module.reset_parameters()
+        values = {tname: module._parameters[tname].detach() for tname in parametrized}
     finally:
+        for tname in parametrized:
+            module._parameters.pop(tname, None)
+        module.__class__ = cls
         module._parameters.update(tied)
+    _refuse_unwritten(module, mname, [(n, p) for n, p in module._parameters.items() if any(p is f for f in fresh)] +
+                      [(n, module._buffers[n]) for n in meta_buffers] + list(values.items()), init_fn)
+    for tname, value in values.items():
+        _set_originals(module, tname, value, done, undo)
     return fresh
+
+
+def _parametrization_originals(module: nn.Module) -> list[torch.Tensor]:
+    plists = module.__dict__.get("_modules", {}).get("parametrizations")
+    return [] if plists is None else [t for plist in plists.values() for t in plist.parameters(recurse=False)]
+
+
+def _meta_parametrizations(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s parametrized tensors (torch.nn.utils.parametrize) whose original tensors are on the meta
+    device: name -> a meta tensor of the parametrized value's shape and dtype.
+
+    [Note: Parametrized tensors on the meta device] Eager construction initializes
+    a plain weight (``reset_parameters()``) and then registering a parametrization
+    (``weight_norm``, ``orthogonal``, ``spectral_norm``) computes its original
+    tensors from it with ``right_inverse``; a parametrized module's
+    ``reset_parameters()`` writes a value computed from those originals and is lost.
+    So on the meta device the module is initialized as its own class with a plain
+    tensor in the parametrized one's place, and the originals are computed from it
+    as registration does."""
+    from torch.nn.utils import parametrize
+    if not parametrize.is_parametrized(module):
+        return {}
+    out = {}
+    for tname, plist in module.parametrizations.items():
+        if any(t.is_meta for t in plist.parameters(recurse=False)):
+            try:
+                with torch.no_grad():
+                    out[tname] = getattr(module, tname)
+            except Exception as e:
+                raise ValueError(f"the parametrized {tname!r} of {type(module).__name__} on the meta device: its "
+                                 f"parametrization cannot run there ({e}); build this module eagerly") from e
+    return out
+
+
+def _set_originals(module: nn.Module, tname: str, value: torch.Tensor,
+                   done: dict[int, tuple[nn.Parameter, nn.Parameter]], undo: list[Callable[[], None]]) -> None:
+    """The original tensors of ``module``'s parametrized ``tname``, given memory and computed from ``value`` as
+    registering the parametrization computes them (see [Note: Parametrized tensors on the meta device])."""
+    plist = module.parametrizations[tname]
+    new = value
+    with torch.no_grad():
+        for parametrization in reversed(plist):
+            if hasattr(parametrization, "right_inverse"):
+                try:
+                    new = parametrization.right_inverse(new)
+                except NotImplementedError:  # registration takes it as the identity, too
+                    pass
+    news = [new] if plist.is_tensor else list(new)
+    names = ["original"] if plist.is_tensor else [f"original{i}" for i in range(plist.ntensors)]
+    for oname, t in zip(names, news, strict=True):
+        old = plist._parameters[oname]
+        if t.shape != old.shape or t.dtype != old.dtype:
+            raise ValueError(f"the parametrization of {tname!r} of {type(module).__name__} gives {oname} of shape "
+                             f"{tuple(t.shape)} and {t.dtype} from its value, not {tuple(old.shape)} and {old.dtype}")
+        undo.append(_putter(plist._parameters, oname, old))
+        fresh = nn.Parameter(t.detach().to("cpu", copy=True).contiguous(), requires_grad=old.requires_grad)
+        done[id(old)] = (old, fresh)
+        plist._parameters[oname] = fresh
+
+
+def _fill_unwritten(t: torch.Tensor) -> torch.Tensor:
+    """Fill fresh memory with what no initialization writes, so that :func:`_refuse_unwritten` can tell."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    with torch.no_grad():
+        if local.dtype.is_floating_point or local.dtype.is_complex:
+            local.fill_(float("nan"))
+        elif local.dtype != torch.bool:
+            local.fill_(torch.iinfo(local.dtype).min)
+    return t
+
+
+_CHECK = 1 << 24  # elements checked at once: the comparison's temporary is this many bytes
+
+
+def _unwritten(t: torch.Tensor) -> bool:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    if local.dtype == torch.bool or local.numel() == 0:
+        return False
+    flat = local.detach().reshape(-1)
+    fill = None if local.dtype.is_floating_point or local.dtype.is_complex else torch.iinfo(local.dtype).min
+    for start in range(0, flat.numel(), _CHECK):
+        part = flat[start:start + _CHECK]
+        if bool(part.isnan().any() if fill is None else (part == fill).any()):
+            return True
+    return False
+
+
+def _refuse_unwritten(module: nn.Module, mname: str, tensors: list[tuple[str, torch.Tensor]],
+                      init_fn: Callable[[nn.Module], None] | None) -> None:
+    """Memory given to a meta tensor is uninitialized: one its module's initialization left unwritten (in part
+    or whole) would train on whatever was there, so it is an error naming it."""
+    left = [f"{mname}.{name}" if mname else name for name, t in tensors if _unwritten(t)]
+    if left:
+        how = f"init_fn({mname or '<root>'})" if init_fn is not None else f"{mname or '<root>'}.reset_parameters()"
+        how += f" ({type(module).__name__})"
+        raise ValueError(f"the model is on the meta device and {how} left {', '.join(left)} (in whole or part) "
+                         f"unwritten: it would train on uninitialized memory. "
+                         f"Pass an init_fn that writes every parameter and buffer of each module it is given, or "
+                         f"build the model eagerly")
 
 
 def _putter(slots: dict, name: str, old: object) -> Callable[[], None]:

@@ -145,8 +145,8 @@ class FSDPOffload(OffloadedParameters):
                 def adopt(p: nn.Parameter) -> Callable[[], None]:
                     return internals.adopt_local_tensor(by_id[id(p)]) if id(p) in by_id else lambda: None
 
-                for _mname, module in model.named_modules():
-                    fresh = materialize(module, init_fn, done, undo, in_place=True, adopt=adopt)
+                for mname, module in model.named_modules():
+                    fresh = materialize(module, init_fn, done, undo, in_place=True, adopt=adopt, mname=mname)
                     for p in fresh:
                         if id(p) in sharded:
                             give(p, free=True)

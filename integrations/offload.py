@@ -463,7 +463,7 @@ class OffloadedModel(OffloadedParameters):
         try:
             if meta:  # materialized module by module: one module's tensors in memory at a time
                 for mname, module in model.named_modules():
-                    materialize(module, init_fn, done, undo)
+                    materialize(module, init_fn, done, undo, mname=mname)
                     for pname, p in module._parameters.items():
                         name = f"{mname}.{pname}" if mname else pname
                         if p is not None and id(p) not in self.params and id(p) not in self.resident_ids:

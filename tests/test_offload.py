@@ -4,6 +4,7 @@ import copy
 import gc
 import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -602,6 +603,83 @@ def test_meta_modules_without_an_init_need_init_fn_and_nothing_is_left_behind(ma
     with pytest.raises(ts.StoreFullError, match=r"1.0 MiB of parameters needs that much room .* 0.5 MiB is free"):
         offload_model(big, small)
     assert small.keys() == [] and all(p.is_meta for p in big.parameters())  # checked before any write
+
+
+class _Parametrized(torch.nn.Module):
+    """A weight-normed convolution (as wav2vec2's positional one) and a symmetric-weight layer without a
+    right_inverse: torch.nn.utils.parametrize keeps their original tensors in a ParametrizationList."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.nn.utils import parametrize
+
+        class Symmetric(torch.nn.Module):
+            def forward(self, w):
+                return w.triu() + w.triu(1).transpose(-1, -2)
+
+        self.conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(4, 8, 3, padding=1), dim=2)
+        self.sym = torch.nn.Linear(8, 8)
+        parametrize.register_parametrization(self.sym, "weight", Symmetric())
+
+    def forward(self, x):
+        return self.sym(self.conv(x).transpose(1, 2))
+
+
+def test_a_model_with_parametrized_weights_built_on_meta_equals_eager_construction(make_store):
+    """A parametrized module's reset_parameters() writes a value computed from its original tensors, which is
+    lost: on meta its originals would stay uninitialized memory. They are computed from the module's own
+    initialization as registering the parametrization computes them, so they equal eager construction's."""
+    torch.manual_seed(0)
+    ref = _Parametrized()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = _Parametrized()
+    off = offload_model(model, make_store())
+    state, ref_state = model.state_dict(), ref.state_dict()
+    assert list(state) == list(ref_state) and "conv.parametrizations.weight.original1" in state
+    assert all(torch.equal(state[k], ref_state[k]) for k in ref_state)
+    x = torch.randn(2, 4, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    off.remove()
+
+
+class _HalfInit(torch.nn.Linear):
+    def reset_parameters(self):  # writes half the weight and not the bias
+        torch.nn.init.ones_(self.weight[:2])
+
+
+class _UnwrittenBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.register_buffer("steps", torch.zeros(3, dtype=torch.long))  # set in __init__ only
+
+    def reset_parameters(self):
+        pass
+
+
+def _old_weight_norm(module):
+    """torch.nn.utils.weight_norm: a forward pre-hook computes the weight from weight_g and weight_v."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.nn.utils.weight_norm(module)
+
+
+@pytest.mark.parametrize("build, left", [
+    (lambda: _HalfInit(8, 4), r"<root>.reset_parameters\(\) \(_HalfInit\) left weight, bias"),
+    (lambda: torch.nn.Sequential(_UnwrittenBuffer()), r"0.reset_parameters\(\) .* left 0.steps"),
+    (lambda: _old_weight_norm(torch.nn.Linear(8, 4)), r"left weight_g, weight_v"),
+], ids=["part-of-a-weight", "a-buffer", "hook-weight-norm"])
+def test_a_meta_tensor_its_init_leaves_unwritten_is_refused(make_store, build, left):
+    """Memory given to a meta tensor holds whatever was there: a tensor its module's initialization leaves
+    unwritten, in whole or part, would train on it silently; it raises, naming it, and nothing is kept."""
+    with torch.device("meta"):
+        model = build()
+    store = make_store()
+    with pytest.raises(ValueError, match=left + r" \(in whole or part\) unwritten: .*init_fn"):
+        offload_model(model, store)
+    assert store.keys() == [] and all(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
 def test_the_encoder_is_bit_identical_in_eval_with_the_fast_path_on_and_off(make_store):
