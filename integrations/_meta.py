@@ -223,8 +223,8 @@ def _refuse_unwritten(module: nn.Module, mname: str, tensors: list[tuple[str, to
         how += f" ({type(module).__name__})"
         raise ValueError(f"the model is on the meta device and {how} left {', '.join(left)} (in whole or part) "
                          f"unwritten: it would train on uninitialized memory. "
-                         f"Pass an init_fn that writes every parameter and buffer of each module it is given, or "
-                         f"build the model eagerly")
+                         f"Pass an init_fn that writes every parameter and buffer of each module it is given (any "
+                         f"values, zeros say, where load_safetensors replaces them next), or build the model eagerly")
 
 
 def _putter(slots: dict, name: str, old: object) -> Callable[[], None]:
