@@ -3,6 +3,7 @@ AdamW arithmetic there, and writes the state behind (see [Note: Pipelined step] 
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -77,6 +78,11 @@ class StatePipeline:
         try:
             _adamw.adamw_update(param, exp_avg, exp_avg_sq, grad, step, hyper())
         except BaseException as e:
+            # The error's frames keep their views of the state alive, which keeps that memory from being reused
+            # (see [Note: A freed buffer still viewed]): nothing reads them again.
+            del param, exp_avg, exp_avg_sq
+            held.clear()
+            traceback.clear_frames(e.__traceback__)
             # A partial update must not persist: copies written home before it are dropped, which brings back
             # the state of before this step. A kept copy changed since it was last written home cannot be.
             lost = []

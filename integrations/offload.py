@@ -738,7 +738,8 @@ class OffloadedModel(OffloadedParameters):
             self._storage_owner.pop(held.untyped_storage().data_ptr(), None)
             sp.param.data = sp.placeholder
             sp.param.__class__ = _OffloadedParameter
-            self.store.release(sp.key, self.compute_tier)
+            # A view of it kept past the hold (see [Note: A freed buffer still viewed]) keeps its memory.
+            self.store.release(sp.key, self.compute_tier, guard_views=True)
 
     def _keep_write(self, sp: _Param, held: torch.Tensor, assigned: bool) -> None:
         """The parameter was written while held, in place or (``assigned``) by assigning ``.data``: the store's

@@ -72,7 +72,7 @@ def test_the_simulation_catches_a_missed_wait(make_store, device_class):
 
 
 def test_the_simulation_catches_a_buffer_reused_under_a_copy(make_store, monkeypatch):
-    def free_at_once(pool, buf):  # no fence: the buffer is carved again while a copy may still use it
+    def free_at_once(pool, buf, label=""):  # no fence: the buffer is carved again while a copy may still use it
         with pool._lock:
             pool.live_bytes -= buf.capacity
             pool._give_locked(buf)

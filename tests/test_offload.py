@@ -431,6 +431,68 @@ def test_a_module_returning_a_view_of_its_parameter(make_store, in_backward):
         assert torch.equal(model(torch.ones(2, 6, dtype=torch.long)), ref(torch.ones(2, 6, dtype=torch.long)))
 
 
+class _KeepsTransposeFn(torch.autograd.Function):
+    """A linear map that keeps ``ctx.wt = weight.t()`` for backward instead of ``ctx.save_for_backward(weight)``:
+    a view of the weight's memory that no saved-tensor hook sees."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x)
+        ctx.wt = weight.t()
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad @ ctx.wt.t(), grad.t() @ x
+
+
+class _KeepsTranspose(torch.nn.Linear):
+    def forward(self, x):
+        return _KeepsTransposeFn.apply(x, self.weight) + self.bias
+
+
+class _KeepsTransposeLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 64)
+        self.layers = torch.nn.Sequential(*[_KeepsTranspose(64, 64) for _ in range(6)])  # 16 KiB weights
+        self.head = torch.nn.Linear(64, 16)
+
+    def forward(self, ids):
+        return F.cross_entropy(self.head(self.layers(self.embed(ids.flatten()))), ids.flatten())
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_a_view_of_a_weight_kept_past_its_forward_keeps_its_values(make_store, in_backward):
+    """``ctx.wt = weight.t()`` outlives the layer's hold: its memory was reused by the next fetch and backward
+    computed with other values, silently (embed.weight differed after step 0 at this budget, both modes). The
+    memory is now kept while the view lives, and training is bit-identical; where the budget cannot hold what
+    is so kept, the budget error says why."""
+    torch.manual_seed(0)
+    ref = _KeepsTransposeLM()
+    model = copy.deepcopy(ref)
+    store = make_store(host_budget_bytes="160KiB", device_budget_bytes="32KiB")
+    off = offload_model(model, store, resident_threshold_bytes=0, placement=False, prefetch_depth=0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = OffloadedAdamW(off, lr=1e-2, step_in_backward=in_backward)
+    for step in range(3):
+        ids = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(step))
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(ids).backward()  # the graph, and the views it keeps, go with the loss
+            o.step()
+            o.zero_grad()
+        _assert_same_parameters(model, ref)
+    opt.close()
+    off.remove()
+    model = copy.deepcopy(ref)
+    tight = make_store(host_budget_bytes="96KiB", device_budget_bytes="32KiB")
+    off = offload_model(model, tight, resident_threshold_bytes=0, placement=False)
+    with pytest.raises(ts.TierBudgetError, match=r"freed copies \(param/layers.0.weight, .*kept because tensors "
+                                                 r"viewing them are still alive.*save_for_backward"):
+        model(torch.zeros(4, 6, dtype=torch.long)).backward()
+
+
 def test_mha_keeps_its_packed_path_and_gradients(make_store, monkeypatch):
     """Backward fetches leave autograd's graph alone: query, key and value stay one tensor, so
     MultiheadAttention takes the packed in-projection, as it does without tierstore."""

@@ -169,7 +169,8 @@ class StoreState:
     def memory(self) -> dict[str, dict[str, int]]:
         """Bytes held and peak per tier."""
         out = {t.label: {"held_bytes": p.held_bytes, "live_bytes": p.live_bytes,
-                         "peak_bytes": p.peak_held_bytes, "budget_bytes": p.budget_bytes}
+                         "peak_bytes": p.peak_held_bytes, "budget_bytes": p.budget_bytes,
+                         "frees_kept_for_views": p.viewed_frees}  # see [Note: A freed buffer still viewed]
                for t, p in self.pools.items()}
         e = self.engine
         out["nvme"] = {"held_bytes": e.used_bytes if e else 0, "live_bytes": e.used_bytes if e else 0,
@@ -202,7 +203,7 @@ class StoreState:
         if entry.copies.get(copy.tier) is copy:
             del entry.copies[copy.tier]
         if copy.buffer is not None:
-            self.pools[copy.tier].free(copy.buffer)
+            self.pools[copy.tier].free(copy.buffer, entry.key)
             copy.buffer = None
         if copy.extent is not None and self.engine is not None:
             self.engine.free(copy.extent)

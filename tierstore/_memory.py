@@ -109,9 +109,30 @@ class _Arena:
         self.live -= length
 
 
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _use_count(t: torch.Tensor) -> int:
+    """The tensors (and storage objects) that share ``t``'s storage, one of them the temporary asked here."""
+    return 0 if _storage_use_count is None else _storage_use_count(t.untyped_storage()._cdata)
+
+
 @dataclass(eq=False)
 class Buffer:
-    """A block of tier memory; ``data`` is a flat uint8 tensor of ``capacity`` bytes."""
+    """A block of tier memory; ``data`` is a flat uint8 tensor of ``capacity`` bytes.
+
+    [Note: A freed buffer still viewed] The tensors a buffer hands out are views of
+    its storage. One that outlives the buffer (a custom ``autograd.Function``
+    keeping ``ctx.wt = weight.t()`` of an offloaded parameter past its module's
+    forward, instead of ``save_for_backward``) would read whatever the memory holds
+    next. So a buffer released with ``guard_views`` (the offloaded model's holds
+    are), freed while its storage is shared by more tensors than when it was made,
+    is fenced like one with device work pending, and reused only once they are
+    gone: the view keeps its values, as it would have in the resident model. If the
+    tier then runs out of room, the budget error names what is so kept. Other
+    get()s are not guarded: a released tensor left in a variable that nothing reads
+    again is common, and must not hold memory.
+    """
 
     data: torch.Tensor
     capacity: int
@@ -121,6 +142,16 @@ class Buffer:
     events: dict = field(default_factory=dict)
     arena: _Arena | None = None
     offset: int = 0
+    refs: int = 0  # tensors sharing its storage when it was made: its own views (see [Note: A freed buffer still viewed])
+    guarded: bool = False  # a view of it may be read after release: kept while one is alive
+    label: str = ""  # what it held, named when it is kept for a view
+
+    def __post_init__(self) -> None:
+        self.refs = _use_count(self.data)
+
+    def viewed(self) -> bool:
+        """Whether a tensor it handed out is still alive."""
+        return _use_count(self.data) > self.refs
 
     def view(self, shape: torch.Size, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
         if nbytes == 0:
@@ -162,6 +193,7 @@ class TierPool:
         self.held_bytes = 0  # arenas taken from the system
         self.live_bytes = 0  # handed out
         self.peak_held_bytes = 0
+        self.viewed_frees = 0  # buffers freed while a tensor still viewed them (see [Note: A freed buffer still viewed])
 
     @staticmethod
     def capacity_for(nbytes: int) -> int:
@@ -279,7 +311,9 @@ class TierPool:
     def _unfence_locked(self, *, wait: bool) -> None:
         keep = []
         for buf in self._fenced:
-            if wait or buf.work_done():
+            if buf.viewed():
+                keep.append(buf)
+            elif wait or buf.work_done():
                 buf.wait_pending()
                 self._give_locked(buf)
             else:
@@ -303,13 +337,23 @@ class TierPool:
             return aligned_empty(size, pin=self.pin)
         return torch.empty(size, dtype=torch.uint8, device=self.device)
 
-    def free(self, buf: Buffer) -> None:
+    def free(self, buf: Buffer, label: str = "") -> None:
         with self._lock:
             self.live_bytes -= buf.capacity
-            if buf.events:
+            if buf.guarded and buf.viewed():  # see [Note: A freed buffer still viewed]
+                buf.label = label
+                self.viewed_frees += 1
+                self._fenced.append(buf)
+            elif buf.events:
                 self._fenced.append(buf)
             else:
                 self._give_locked(buf)
+
+    def viewed_bytes(self) -> tuple[int, list[str]]:
+        """Bytes of freed buffers kept for tensors still viewing them, and what they held."""
+        with self._lock:
+            kept = [b for b in self._fenced if b.viewed()]
+            return sum(b.capacity for b in kept), [b.label for b in kept]
 
     def clear(self) -> None:
         """Give every wholly free arena back to the system."""

@@ -152,10 +152,17 @@ class Room:
                          for who, keys in by_thread.items()) or "none held"
         waited = (f" after waiting {time.perf_counter() - waited_since:.1f} s for other threads to release theirs"
                   if waited_since is not None else "")
+        viewed, labels = pool.viewed_bytes()
+        # See [Note: A freed buffer still viewed].
+        views = (f"; {viewed} more bytes are freed copies ({', '.join(sorted(set(labels))[:4])}"
+                 f"{', ...' if len(set(labels)) > 4 else ''}) kept because tensors viewing them are still alive: "
+                 f"a view of a parameter kept past its module's forward (a custom autograd.Function storing "
+                 f"ctx.w = weight.t() rather than ctx.save_for_backward(weight)) or of a tensor from get() kept "
+                 f"after release(); drop such views" if viewed else "")
         return (f"{tier.label} tier cannot fit {need} bytes for {for_key!r}{waited}: {pool.live_bytes} of "
                 f"{pool.budget_bytes} budget bytes are in use, {homes} by tensors whose home is this tier, "
                 f"{unsaved} by changed copies that could not be written home (through the host tier) and the "
-                f"rest by get() without release(): {held}. Release tensors you are done with or raise "
+                f"rest by get() without release(): {held}{views}. Release tensors you are done with or raise "
                 f"{tier.label}_budget_bytes")
 
     # ---- eviction order ----------------------------------------------------------------

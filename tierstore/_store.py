@@ -221,8 +221,11 @@ class TierStore:
         finally:
             self.release(key, Tier.HOST)
 
-    def release(self, key: str, tier: Tier | str = Tier.DEVICE) -> None:
-        """The caller is done with the tensor :meth:`get` returned; the copy becomes evictable."""
+    def release(self, key: str, tier: Tier | str = Tier.DEVICE, *, guard_views: bool = False) -> None:
+        """The caller is done with the tensor :meth:`get` returned; the copy becomes evictable.
+
+        ``guard_views``: a view of that tensor may still be read later (by autograd, say); while one is alive
+        the copy's memory is not reused once it is freed (see [Note: A freed buffer still viewed])."""
         state = self._state
         tier = Tier.parse(tier)
         with state.lock:
@@ -241,6 +244,8 @@ class TierStore:
                 del copy.holders[holder]
             if copy.buffer is not None and tier is Tier.DEVICE:
                 state.device.record_use(copy.buffer)
+            if copy.buffer is not None and guard_views:
+                copy.buffer.guarded = True
             state.drop_if_stale(entry, copy)
             state.lock.notify_all()
 
