@@ -142,7 +142,7 @@ class Buffer:
     events: dict = field(default_factory=dict)
     arena: _Arena | None = None
     offset: int = 0
-    refs: int = 0  # tensors sharing its storage when it was made: its own views (see [Note: A freed buffer still viewed])
+    refs: int = 0  # tensors sharing its storage when it was made (see [Note: A freed buffer still viewed])
     guarded: bool = False  # a view of it may be read after release: kept while one is alive
     label: str = ""  # what it held, named when it is kept for a view
 
@@ -193,7 +193,7 @@ class TierPool:
         self.held_bytes = 0  # arenas taken from the system
         self.live_bytes = 0  # handed out
         self.peak_held_bytes = 0
-        self.viewed_frees = 0  # buffers freed while a tensor still viewed them (see [Note: A freed buffer still viewed])
+        self.viewed_frees = 0  # freed while a tensor viewed them (see [Note: A freed buffer still viewed])
 
     @staticmethod
     def capacity_for(nbytes: int) -> int:
@@ -311,7 +311,7 @@ class TierPool:
     def _unfence_locked(self, *, wait: bool) -> None:
         keep = []
         for buf in self._fenced:
-            if buf.viewed():
+            if buf.guarded and buf.viewed():
                 keep.append(buf)
             elif wait or buf.work_done():
                 buf.wait_pending()
@@ -352,7 +352,7 @@ class TierPool:
     def viewed_bytes(self) -> tuple[int, list[str]]:
         """Bytes of freed buffers kept for tensors still viewing them, and what they held."""
         with self._lock:
-            kept = [b for b in self._fenced if b.viewed()]
+            kept = [b for b in self._fenced if b.guarded and b.viewed()]
             return sum(b.capacity for b in kept), [b.label for b in kept]
 
     def clear(self) -> None:
