@@ -102,6 +102,8 @@ would outlive every hold, so it raises instead.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import time
 import weakref
 from collections import Counter
@@ -261,9 +263,30 @@ def _on_read(unheld: list[_OffloadedParameter], func: Any, args: Any, kwargs: An
     return None
 
 
+# Callers whose reads and writes of every parameter mean they wrap the model: what to use instead.
+_WRAPPERS = {
+    ("torch", "nn", "parallel", "distributed.py"): "DistributedDataParallel",
+    ("torch", "nn", "parallel", "data_parallel.py"): "DataParallel",
+}
+
+
+def _wrapper_hint() -> str:
+    """Said first when a data-parallel wrapper (which broadcasts or replicates every parameter) read or wrote an
+    offloaded parameter, found on the stack at the error (never on the hot path)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        parts = tuple(os.path.normpath(frame.f_code.co_filename).split(os.sep)[-4:])
+        if parts in _WRAPPERS:
+            return (f"{_WRAPPERS[parts]} cannot wrap a model offloaded with offload_model: it broadcasts and "
+                    f"replicates parameters that live in the store. Shard the model with FSDP2 (fully_shard) and "
+                    f"offload it with tierstore.integrations.offload_fsdp instead. ")
+        frame = frame.f_back
+    return ""
+
+
 def _read_message(what: str, sp: _Param, through: str = "") -> str:
     module = sp.name.rpartition(".")[0] or "the model"
-    return (f"{what} read the offloaded parameter {sp.name!r} (of {module}){through} outside the forward and "
+    return _wrapper_hint() + (f"{what} read the offloaded parameter {sp.name!r} (of {module}){through} outside the forward and "
             f"backward of the model it was offloaded with; its values live in the store, so no value is there to "
             f"read. Read it with off.read_param({sp.name!r}) or model.state_dict(); compute with it inside the "
             f"model's forward (any module of the model may read any of its parameters there); convert dtype or "
@@ -286,7 +309,7 @@ def _same_memory(p: torch.Tensor, held: torch.Tensor) -> bool:
 
 def _write_message(what: str, sp: _Param) -> str:
     module = sp.name.rpartition(".")[0] or "the model"
-    return (f"{what} would write the offloaded parameter {sp.name!r} (of {module}) outside the forward and "
+    return _wrapper_hint() + (f"{what} would write the offloaded parameter {sp.name!r} (of {module}) outside the forward and "
             f"backward of its model, and be lost: its values live in the store. Write new values with "
             f"model.load_state_dict(state_dict) or tierstore.integrations.load_safetensors, before creating "
             f"the model's OffloadedAdamW; initialize parameters before offload_model (or build the model on "

@@ -3,6 +3,8 @@
 import copy
 import gc
 import os
+import subprocess
+import sys
 import time
 import warnings
 
@@ -554,6 +556,38 @@ def test_torch_compile_is_refused(make_store):
     offload_model(model, make_store())
     with pytest.raises(OffloadedParameterError, match="torch.compile of an offloaded model"):
         torch.compile(model)(torch.randn(2, 8))
+
+
+_DDP = """
+import sys, torch, torch.distributed as dist
+import tierstore as ts
+from tierstore.integrations import offload_model
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+with ts.TierStore(nvme_path=sys.argv[1], host_budget_bytes="1MiB") as store:
+    offload_model(model, store)
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + "/group", rank=0, world_size=1)
+    try:
+        torch.nn.parallel.DistributedDataParallel(model)
+    except Exception as e:
+        print(type(e).__name__, e)
+    dist.destroy_process_group()
+"""
+
+
+def test_data_parallel_wrapping_is_refused_with_what_to_use(tmp_path):
+    """DistributedDataParallel broadcasts every parameter at construction: refused, saying to use FSDP2 (in a
+    process of its own: a gloo group leaves a descriptor open)."""
+    out = subprocess.run([sys.executable, "-c", _DDP, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("OffloadedParameterError DistributedDataParallel cannot wrap a model offloaded "
+                                 "with offload_model: "), out.stdout + out.stderr
+    assert "offload_fsdp instead" in out.stdout
+
+
+def test_only_a_wrapper_gets_the_wrapper_hint(make_store):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    offload_model(model, make_store())
+    with pytest.raises(OffloadedParameterError, match=r"^TensorBase.sum read"):
+        model[0].weight.sum()
 
 
 def test_units_hold_whole_subtrees_and_must_fit_the_compute_budget(make_store):
