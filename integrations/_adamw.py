@@ -11,11 +11,11 @@ SLICE = 1 << 20  # elements per slice of the update of a tensor larger than WHOL
 WHOLE_MAX = 1 << 22
 
 
-HYPER = ("lr", "betas", "eps", "weight_decay")
+HYPER = ("lr", "betas", "eps", "weight_decay", "maximize")
 
 
 def check_hyper(group: dict[str, Any], where: str) -> None:
-    lr, betas, eps, wd = (group[k] for k in HYPER)
+    lr, betas, eps, wd, maximize = (group[k] for k in HYPER)
     if not lr >= 0.0:
         raise ValueError(f"{where}lr={lr} must be >= 0")
     if not (len(betas) == 2 and 0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -24,6 +24,8 @@ def check_hyper(group: dict[str, Any], where: str) -> None:
         raise ValueError(f"{where}eps={eps} must be >= 0")
     if not wd >= 0.0:
         raise ValueError(f"{where}weight_decay={wd} must be >= 0")
+    if not isinstance(maximize, bool):
+        raise ValueError(f"{where}maximize={maximize!r} must be True or False")
 
 
 def adamw_update(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
@@ -58,8 +60,10 @@ def adamw_update(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
 
 def adamw_slice(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
                 step: float, hyper: tuple) -> None:
-    lr, (beta1, beta2), eps, weight_decay = hyper
+    lr, (beta1, beta2), eps, weight_decay, maximize = hyper
     grad = grad.to(param.dtype)  # a bf16/fp16 gradient against its fp32 master; no copy when the same
+    if maximize:  # as torch's: the update climbs the gradient
+        grad = -grad
     if weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)

@@ -64,8 +64,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
     ``param_groups`` gives some parameters their own hyper-parameters, as
     torch.optim's parameter groups do: a list of dicts, each with ``"params"``
     (parameter names or the model's parameters) and any of ``lr``, ``betas``,
-    ``eps``, ``weight_decay``; parameters in no group form a last group with
-    the keyword defaults. It is a ``torch.optim.Optimizer``, so learning-rate
+    ``eps``, ``weight_decay``, ``maximize``; parameters in no group form a last
+    group with the keyword defaults. The update is torch.optim.AdamW's
+    single-tensor one (``foreach=False``) operation for operation, ``maximize``
+    included; ``foreach`` and ``fused`` are accepted, so that code written for
+    torch's AdamW runs, and change nothing; ``amsgrad``, ``capturable`` and
+    ``differentiable`` must be False. It is a ``torch.optim.Optimizer``, so learning-rate
     schedulers drive it through ``param_groups``; its state lives in the store
     (read it with :meth:`state_dict`), not in ``self.state``.
     """
@@ -76,9 +80,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, param_groups: list[dict[str, Any]] | None = None,
                  readahead: int | None = None, readahead_bytes: int | str | None = None,
                  home: Tier | str | None = None, step_in_backward: bool = False,
-                 max_grad_backlog_bytes: int | str | None = None) -> None:
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+                 max_grad_backlog_bytes: int | str | None = None, maximize: bool = False, amsgrad: bool = False,
+                 foreach: bool | None = None, fused: bool | None = None, capturable: bool = False,
+                 differentiable: bool = False) -> None:
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         check_hyper(defaults, "")
+        unsupported = [f"{k}=True" for k, v in (("amsgrad", amsgrad), ("capturable", capturable),
+                                                  ("differentiable", differentiable)) if v]
+        if unsupported:
+            raise ValueError(f"OffloadedAdamW does not support {', '.join(unsupported)} (torch.optim.AdamW's "
+                             f"amsgrad would keep a third state tensor per parameter; capturable and differentiable "
+                             f"are for CUDA graphs and higher-order optimization): leave them False")
+        del foreach, fused  # accepted as torch's AdamW takes them: the update is its own (see the class docstring)
         if not isinstance(offloaded, OffloadedParameters):
             raise TypeError(f"OffloadedAdamW steps offloaded parameters: pass what offload_model or offload_fsdp "
                             f"returned, not {type(offloaded).__name__}")
@@ -513,7 +526,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._pipeline.wait()
 
     def _hyper(self, name: str) -> tuple:
-        """(lr, betas, eps, weight_decay) of the parameter's group now: read once per update, so a scheduler
+        """(lr, betas, eps, weight_decay, maximize) of the parameter's group now: read once per update, so a scheduler
         changing the group during backward never mixes two learning rates in one update."""
         group = self._group_of[name]
         return tuple(group[k] for k in HYPER)

@@ -153,7 +153,7 @@ def test_tensors_larger_than_an_update_slice_are_bit_identical(make_store, monke
 def test_sliced_update_matches_whole_tensor_operations():
     """The update over slices gives the bits of each operation run over the whole tensor, bf16 gradients too."""
     _SLICE, _WHOLE_MAX = _adamw.SLICE, _adamw.WHOLE_MAX
-    hyper = (3e-4, (0.9, 0.95), 1e-8, 0.1)  # lr, betas, eps, weight_decay
+    hyper = (3e-4, (0.9, 0.95), 1e-8, 0.1, False)  # lr, betas, eps, weight_decay, maximize
     g = torch.Generator().manual_seed(3)
     for n, grad_dtype in ((_WHOLE_MAX + 2 * _SLICE + 12345, torch.float32), (_WHOLE_MAX + 1, torch.bfloat16),
                           (1001, torch.float32)):
@@ -238,6 +238,36 @@ def test_parameter_groups_and_a_scheduler_match_torch(make_store, in_backward):
     _assert_same_parameters(model, ref)
     saved = opt.state_dict()["param_groups"]
     assert saved[0]["params"] == no_decay and saved[0]["initial_lr"] == 1e-3
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
+def test_maximize_and_torch_adamw_keywords_match_torch(make_store, in_backward):
+    """Code written for torch.optim.AdamW ports unchanged: ``maximize`` (for all, or one group) climbs the
+    gradient as torch's does, bit for bit; ``foreach``/``fused`` change nothing; what it cannot do is refused."""
+    ref, model, data = _tiny_pair()
+    heads = [n for n, _ in ref.named_parameters() if n.startswith("head")]
+    ropt = torch.optim.AdamW([{"params": [p for n, p in ref.named_parameters() if n not in heads]},
+                              {"params": [p for n, p in ref.named_parameters() if n in heads], "maximize": False}],
+                             lr=1e-3, maximize=True, foreach=False)
+    off = offload_model(model, make_store(host_budget_bytes="704KiB", device_budget_bytes="320KiB"))
+    for bad in ("amsgrad", "capturable", "differentiable"):
+        with pytest.raises(ValueError, match=f"does not support {bad}=True"):
+            OffloadedAdamW(off, **{bad: True})
+    with pytest.raises(ValueError, match="maximize=1 must be True or False"):
+        OffloadedAdamW(off, maximize=1)
+    opt = OffloadedAdamW(off, lr=1e-3, maximize=True, foreach=True, fused=True, amsgrad=False,
+                         step_in_backward=in_backward, param_groups=[{"params": heads, "maximize": False}])
+    try:
+        for step in range(3):
+            for m, o in ((ref, ropt), (model, opt)):
+                x, y = data.batch(step, 8)
+                F.cross_entropy(m(x), y).backward()
+                o.step()
+                o.zero_grad()
+            _assert_same_parameters(model, ref)
+        assert [g["maximize"] for g in opt.state_dict()["param_groups"]] == [False, True]
+    finally:
+        opt.close()
 
 
 def test_parameter_groups_refuse_bad_input(make_store):
