@@ -104,6 +104,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 import time
 import weakref
 from collections import Counter
@@ -469,6 +470,11 @@ class OffloadedModel(OffloadedParameters):
         self.backwards_failed = 0  # backward passes that raised (an optimizer stepping in backward asks)
         self._storage_owner: dict[int, _Param] = {}  # data_ptr of a held copy's storage -> its parameter
         self._saved_hooks: Any = None
+        # The thread in the model's forward (how deep), and the one whose backward runs: see [Note: One pass at
+        # a time].
+        self._forward_thread: int | None = None
+        self._forward_depth = 0
+        self._backward_thread: int | None = None
         meta = check_meta(model, init_fn)
         offloaded, owned_by = self._plan_units(model, units, resident_threshold_bytes)  # checked before any write
         taken = [name for name, _ in offloaded.values() if f"param/{name}" in store]
@@ -527,6 +533,7 @@ class OffloadedModel(OffloadedParameters):
                 self._handles.append(module.register_forward_hook(partial(_present_ordinary, first, False),
                                                                   always_call=True))
         self._handles.append(model.register_forward_pre_hook(self._start_step, prepend=True))
+        self._handles.append(model.register_forward_hook(self._end_pass, always_call=True))
         self._unhooked = list(self.params.values())  # gradients not yet taken as they complete (frozen ones)
         self._hook_gradients()
 
@@ -626,6 +633,7 @@ class OffloadedModel(OffloadedParameters):
     def _queue_end_backward(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
+            self._backward_thread = threading.get_ident()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _hook_gradients(self) -> None:
@@ -643,6 +651,7 @@ class OffloadedModel(OffloadedParameters):
     def _start_step(self, module: nn.Module, args: Any) -> None:
         if self.broken:
             raise OffloadedParameterError(self.broken)
+        self._one_pass_at_a_time()
         self._settle_failed_backward()
         if not self._in_backward():  # not a forward rerun inside backward (checkpointing)
             self._release_all()  # holds left by a forward (or a load_state_dict) that raised
@@ -653,6 +662,40 @@ class OffloadedModel(OffloadedParameters):
             self.policy.start_step()
             self.placer.start_step()
             self.stats.prefetch_depth = self.policy.depth
+
+    def _one_pass_at_a_time(self) -> None:
+        """[Note: One pass at a time] Forward and backward share the holds, the
+        running units and the step's trace: two threads running the model at
+        once would release each other's parameters (a crash, or values from
+        another tensor's memory). A forward started while another thread is in
+        the model's forward, or in its backward, raises instead. A forward run
+        by a backward (checkpointing, on autograd's own threads) is part of
+        that pass. (A thread whose backward raised counts as in backward until
+        it runs the model again.)"""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        me = threading.get_ident()
+        if self._forward_thread not in (None, me):
+            other, doing = self._forward_thread, "forward"
+        elif self._callback_queued and self._backward_thread not in (None, me):
+            other, doing = self._backward_thread, "backward"
+        else:
+            self._forward_thread = me
+            self._forward_depth += 1
+            return
+        names = {t.ident: t.name for t in threading.enumerate()}
+        raise OffloadedParameterError(
+            f"the offloaded model was called from thread {names.get(me, me)!r} while thread "
+            f"{names.get(other, other)!r} is in its {doing}: an offloaded model runs one forward or backward at a "
+            f"time (its parameters are fetched into memory the running pass holds). Serialize the calls (a "
+            f"threading.Lock around the forward and backward), or give each thread its own model")
+
+    def _end_pass(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The model's forward returned (or raised): see [Note: One pass at a time]."""
+        if self._forward_thread == threading.get_ident() and torch._C._current_graph_task_id() == -1:
+            self._forward_depth -= 1
+            if not self._forward_depth:
+                self._forward_thread = None
 
     def _enter_forward(self, group: _Group) -> bool:
         """Push ``group`` on the running units; True when the forward runs inside backward."""

@@ -5,6 +5,7 @@ import gc
 import os
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -588,6 +589,79 @@ def test_only_a_wrapper_gets_the_wrapper_hint(make_store):
     offload_model(model, make_store())
     with pytest.raises(OffloadedParameterError, match=r"^TensorBase.sum read"):
         model[0].weight.sum()
+
+
+class _Gate(torch.nn.Module):
+    """Waits, inside the model's forward (or, in backward, at the gradient through it), until let go."""
+
+    def __init__(self):
+        super().__init__()
+        self.inside, self.go, self.in_backward = threading.Event(), threading.Event(), False
+
+    def _wait(self, grad=None):
+        self.inside.set()
+        assert self.go.wait(30)
+        return grad
+
+    def forward(self, x):
+        if self.in_backward:
+            if x.requires_grad:
+                x.register_hook(self._wait)
+        else:
+            self._wait()
+        return x
+
+
+@pytest.mark.parametrize("during", ["forward", "backward"])
+def test_a_second_thread_is_refused_while_the_model_runs(make_store, during):
+    """Two threads running an offloaded model at once released each other's parameters: a segfault with four
+    inference threads. A forward while another thread is in the forward or backward raises; the running pass
+    is unharmed, and calls serialized by a lock give the resident values."""
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), _Gate(),
+                                   torch.nn.Linear(32, 4))
+
+    ref, model = build(), build()
+    gate = model[3]
+    off = offload_model(model, make_store(host_budget_bytes="64KiB"), resident_threshold_bytes=0)
+    x = torch.randn(8, 16)
+    gate.in_backward = during == "backward"
+    got = {}
+
+    def run():
+        with torch.set_grad_enabled(during == "backward"):
+            y = model(x)
+            if during == "backward":
+                y.square().sum().backward()
+        got["y"] = y.detach()
+
+    t = threading.Thread(target=run, name="runner")
+    t.start()
+    assert gate.inside.wait(30)
+    with pytest.raises(OffloadedParameterError, match=f"called from thread 'MainThread' while thread 'runner' is "
+                                                      f"in its {during}: .*threading.Lock"):
+        model(x)
+    gate.go.set()
+    t.join(30)
+    ref[3].go.set()
+    with torch.no_grad():
+        want = ref(x)
+    assert torch.equal(got["y"], want)
+    lock, outs = threading.Lock(), []
+
+    def serialized():
+        for _ in range(3):
+            with lock, torch.no_grad():
+                outs.append(torch.equal(model(x), want))
+
+    gate.in_backward = True  # no waiting in a forward under no_grad
+    threads = [threading.Thread(target=serialized) for _ in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert outs == [True] * 9
 
 
 def test_units_hold_whole_subtrees_and_must_fit_the_compute_budget(make_store):

@@ -133,8 +133,10 @@ def test_processes_making_and_reclaiming_directories_together_never_take_a_live_
     linked in): another process reclaiming never finds it unlocked and removes it under its maker."""
     import multiprocessing
 
-    with multiprocessing.get_context("fork").Pool(4) as pool:
-        assert pool.starmap(_make_and_reclaim, [(nvme_dir, 300)] * 4) == [0, 0, 0, 0]
+    # Spawned, not forked: a fork of this process while other threads hold locks (torch's, tqdm's monitor that
+    # importing dynamo starts) can leave a child waiting on one forever, and the pool with it.
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        assert pool.starmap_async(_make_and_reclaim, [(nvme_dir, 300)] * 4).get(timeout=240) == [0, 0, 0, 0]
     assert os.listdir(nvme_dir) == []
 
 
