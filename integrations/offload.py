@@ -287,11 +287,12 @@ def _wrapper_hint() -> str:
 
 def _read_message(what: str, sp: _Param, through: str = "") -> str:
     module = sp.name.rpartition(".")[0] or "the model"
-    return _wrapper_hint() + (f"{what} read the offloaded parameter {sp.name!r} (of {module}){through} outside the forward and "
-            f"backward of the model it was offloaded with; its values live in the store, so no value is there to "
-            f"read. Read it with off.read_param({sp.name!r}) or model.state_dict(); compute with it inside the "
-            f"model's forward (any module of the model may read any of its parameters there); convert dtype or "
-            f"device before offload_model; or call off.remove() to make the parameters ordinary tensors again")
+    return _wrapper_hint() + (
+        f"{what} read the offloaded parameter {sp.name!r} (of {module}){through} outside the forward and backward "
+        f"of the model it was offloaded with; its values live in the store, so no value is there to read. Read it "
+        f"with off.read_param({sp.name!r}) or model.state_dict(); compute with it inside the model's forward (any "
+        f"module of the model may read any of its parameters there); convert dtype or device before "
+        f"offload_model; or call off.remove() to make the parameters ordinary tensors again")
 
 
 def _call_weakly(method: weakref.WeakMethod, sp: weakref.ref, param: torch.Tensor) -> None:
@@ -310,11 +311,12 @@ def _same_memory(p: torch.Tensor, held: torch.Tensor) -> bool:
 
 def _write_message(what: str, sp: _Param) -> str:
     module = sp.name.rpartition(".")[0] or "the model"
-    return _wrapper_hint() + (f"{what} would write the offloaded parameter {sp.name!r} (of {module}) outside the forward and "
-            f"backward of its model, and be lost: its values live in the store. Write new values with "
-            f"model.load_state_dict(state_dict) or tierstore.integrations.load_safetensors, before creating "
-            f"the model's OffloadedAdamW; initialize parameters before offload_model (or build the model on "
-            f"the meta device and pass init_fn)")
+    return _wrapper_hint() + (
+        f"{what} would write the offloaded parameter {sp.name!r} (of {module}) outside the forward and backward "
+        f"of its model, and be lost: its values live in the store. Write new values with "
+        f"model.load_state_dict(state_dict) or tierstore.integrations.load_safetensors, before creating the "
+        f"model's OffloadedAdamW; initialize parameters before offload_model (or build the model on the meta "
+        f"device and pass init_fn)")
 
 
 class _Alias(torch.Tensor):
