@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 from tierstore.integrations.offload import offload_model
+from tierstore.integrations.optim import OffloadedAdamW
 
 pytest.importorskip("transformers")
 # torch says so whenever nn.TransformerEncoder takes its nested-tensor path (the resident model too)
@@ -56,6 +57,45 @@ def test_generate_gives_the_resident_tokens(make_store):
     ids = _tokens(0, batch=1, length=5)
     kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "wav2vec2", "clip"])
+def test_built_on_meta_every_tensor_is_written_or_it_is_an_error(name, make_store):
+    """``offload_model(model, store, init_fn=model._init_weights)`` of a model built on meta: every parameter
+    and buffer written (wav2vec2's weight-normed positional convolution trained on NaN before), its buffers
+    equal to eager construction's and training finite; CLIP's ``logit_scale``, which ``_init_weights`` does not
+    write, is an error naming it (it trained on whatever the memory held) until init_fn writes it too."""
+    case = CASES[name]
+    with torch.device("meta"):
+        model = case.build()
+    store = make_store(host_budget_bytes="4MiB")
+    if name == "clip":
+        with pytest.raises(ValueError, match=r"init_fn\(<root>\) \(CLIPModel\) left logit_scale .* unwritten"):
+            offload_model(model, store, init_fn=model._init_weights)
+        assert store.keys() == [] and model.logit_scale.is_meta
+
+        def init(module):
+            model._init_weights(module)
+            if module is model:
+                torch.nn.init.constant_(module.logit_scale, model.config.logit_scale_init_value)
+
+        off = offload_model(model, store, init_fn=init)
+    else:
+        off = offload_model(model, store, init_fn=model._init_weights)
+    eager = _seeded(case.build, 0)
+    buffers = dict(model.named_buffers())
+    assert all(torch.equal(b, buffers[n]) for n, b in eager.named_buffers())
+    opt = OffloadedAdamW(off, lr=1e-3)
+    try:
+        for step in range(2):
+            loss = case.loss(model, case.batch(step))
+            assert torch.isfinite(loss), (step, loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        assert all(torch.isfinite(t).all() for t in model.state_dict().values())
+    finally:
+        opt.close()
 
 
 @pytest.mark.parametrize("name", ["llama-tied", "mha-encoder"])
