@@ -784,7 +784,7 @@ class OffloadedModel(OffloadedParameters):
             # differently (its eval outputs would round otherwise than the resident model's): it is made outside.
             try:
                 with torch.inference_mode(False), torch._C.DisableTorchFunctionSubclass():
-                    sp.param.data = sp.held = self.store.get(sp.key, self.compute_tier)
+                    sp.param.data = sp.held = self.store.get(sp.key, self.compute_tier, sync_views=True)
             except BaseException:
                 sp.holds -= 1  # not held: it still has no values
                 raise

@@ -496,6 +496,43 @@ def test_a_view_of_a_weight_kept_past_its_forward_keeps_its_values(make_store, i
         model(torch.zeros(4, 6, dtype=torch.long)).backward()
 
 
+class _CachesTranspose(torch.nn.Linear):
+    """Caches ``weight.t()`` at its first forward and computes with the cached view from then on: a view of
+    the resident parameter, it reads every optimizer update."""
+
+    def forward(self, x):
+        if not hasattr(self, "_wt"):
+            self._wt = self.weight.t()
+        return x @ self._wt + self.bias
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_a_view_cached_across_steps_reads_the_updates(make_store, in_backward):
+    """The cached view's memory is kept for it (see the test above) and is given the parameter's current value
+    each time the parameter is fetched again, so the view reads what the resident one does."""
+    torch.manual_seed(0)
+    ref = _KeepsTransposeLM()
+    ref.layers = torch.nn.Sequential(*[_CachesTranspose(64, 64) for _ in range(6)])
+    model = copy.deepcopy(ref)
+    store = make_store(host_budget_bytes="224KiB", device_budget_bytes="32KiB")
+    off = offload_model(model, store, resident_threshold_bytes=0, placement=False, prefetch_depth=0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = OffloadedAdamW(off, lr=1e-2, step_in_backward=in_backward)
+    for step in range(4):
+        ids = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(step))
+        losses = []
+        for m, o in ((ref, ref_opt), (model, opt)):
+            loss = m(ids)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+            del loss
+        assert losses[0] == losses[1], step
+        _assert_same_parameters(model, ref)
+    opt.close()
+
+
 def test_mha_keeps_its_packed_path_and_gradients(make_store, monkeypatch):
     """Backward fetches leave autograd's graph alone: query, key and value stay one tensor, so
     MultiheadAttention takes the packed in-projection, as it does without tierstore."""

@@ -128,7 +128,10 @@ class Buffer:
     next. So a buffer released with ``guard_views`` (the offloaded model's holds
     are), freed while its storage is shared by more tensors than when it was made,
     is fenced like one with device work pending, and reused only once they are
-    gone: the view keeps its values, as it would have in the resident model. If the
+    gone: the view keeps its values, as it would have in the resident model. Each
+    time the model fetches that parameter again (``get(..., sync_views=True)``) the
+    kept buffer gets its current value, so a view cached on a module across steps
+    reads the optimizer's updates, as a view of the resident parameter does. If the
     tier then runs out of room, the budget error names what is so kept. Other
     get()s are not guarded: a released tensor left in a variable that nothing reads
     again is common, and must not hold memory.
@@ -348,6 +351,14 @@ class TierPool:
                 self._fenced.append(buf)
             else:
                 self._give_locked(buf)
+
+    def copy_into_viewed(self, label: str, src: torch.Tensor, nbytes: int) -> None:
+        """Copy the first ``nbytes`` of ``src`` into the freed buffers that held ``label`` and are kept for its
+        views (under the lock: none is reused meanwhile)."""
+        with self._lock:
+            for b in self._fenced:
+                if b.label == label and b.capacity >= nbytes and b.guarded and b.viewed():
+                    b.data[:nbytes].copy_(src[:nbytes])
 
     def viewed_bytes(self) -> tuple[int, list[str]]:
         """Bytes of freed buffers kept for tensors still viewing them, and what they held."""

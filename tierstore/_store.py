@@ -178,11 +178,13 @@ class TierStore:
         self._transfers.submit_prefetch(entry, tier, fut)
         return Handle(fut, key, tier)
 
-    def get(self, key: str, tier: Tier | str = Tier.DEVICE) -> torch.Tensor:
+    def get(self, key: str, tier: Tier | str = Tier.DEVICE, *, sync_views: bool = False) -> torch.Tensor:
         """The tensor in ``tier``, held until :meth:`release`; waits for an in-flight prefetch.
 
         Time spent waiting here is counted as stall time (as background wait time on a thread
-        inside ``stats.background()``).
+        inside ``stats.background()``). ``sync_views``: copies of the key freed while views of them lived (see
+        [Note: A freed buffer still viewed]) get its current value, so that those views read it as views of
+        the tensor itself would.
         """
         state = self._state
         state.check_open()
@@ -211,7 +213,10 @@ class TierStore:
             me = threading.get_ident()
             copy.holders[me] = copy.holders.get(me, 0) + 1
             copy.last_use = next(state.tick)
-            return state.view(entry, copy)
+            t = state.view(entry, copy)
+            if sync_views and copy.buffer is not None:
+                state.pools[tier].copy_into_viewed(key, copy.buffer.data, entry.nbytes)
+            return t
 
     def read(self, key: str) -> torch.Tensor:
         """A copy of the tensor's current value in ordinary CPU memory (read through the host tier)."""
