@@ -482,6 +482,7 @@ def test_a_step_stopped_by_an_io_error_finishes_when_called_again(make_store, nv
         _train(model, data, 2, opt)
         x, y = data.batch(2, 8)
         F.cross_entropy(model(x), y).backward()
+        opt.wait()  # the last step's writes behind are done: the fault lands in this step's reads and writes
         sysc.fail_at = sysc.calls + k  # a read of the step, or (the count is not exact) a write behind it
         try:
             opt.step()
