@@ -466,6 +466,28 @@ class _KeepsTransposeLM(torch.nn.Module):
         return F.cross_entropy(self.head(self.layers(self.embed(ids.flatten()))), ids.flatten())
 
 
+def _train_with_views(ref, model, store, *, steps, in_backward):
+    """Train a _KeepsTransposeLM-like pair resident and offloaded (no prefetch: evictions in a fixed order);
+    each loss, its graph and the views it keeps go before the next forward. Same losses and parameters."""
+    off = offload_model(model, store, resident_threshold_bytes=0, placement=False, prefetch_depth=0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = OffloadedAdamW(off, lr=1e-2, step_in_backward=in_backward)
+    for step in range(steps):
+        ids = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(step))
+        losses = []
+        for m, o in ((ref, ref_opt), (model, opt)):
+            loss = m(ids)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+            del loss
+        assert losses[0] == losses[1], step
+        _assert_same_parameters(model, ref)
+    opt.close()
+    return off
+
+
 @pytest.mark.parametrize("in_backward", [False, True])
 def test_a_view_of_a_weight_kept_past_its_forward_keeps_its_values(make_store, in_backward):
     """``ctx.wt = weight.t()`` outlives the layer's hold: its memory was reused by the next fetch and backward
@@ -475,18 +497,8 @@ def test_a_view_of_a_weight_kept_past_its_forward_keeps_its_values(make_store, i
     torch.manual_seed(0)
     ref = _KeepsTransposeLM()
     model = copy.deepcopy(ref)
-    store = make_store(host_budget_bytes="160KiB", device_budget_bytes="32KiB")
-    off = offload_model(model, store, resident_threshold_bytes=0, placement=False, prefetch_depth=0)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
-    opt = OffloadedAdamW(off, lr=1e-2, step_in_backward=in_backward)
-    for step in range(3):
-        ids = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(step))
-        for m, o in ((ref, ref_opt), (model, opt)):
-            m(ids).backward()  # the graph, and the views it keeps, go with the loss
-            o.step()
-            o.zero_grad()
-        _assert_same_parameters(model, ref)
-    opt.close()
+    off = _train_with_views(ref, model, make_store(host_budget_bytes="160KiB", device_budget_bytes="32KiB"),
+                            steps=3, in_backward=in_backward)
     off.remove()
     model = copy.deepcopy(ref)
     tight = make_store(host_budget_bytes="96KiB", device_budget_bytes="32KiB")
@@ -514,23 +526,8 @@ def test_a_view_cached_across_steps_reads_the_updates(make_store, in_backward):
     ref = _KeepsTransposeLM()
     ref.layers = torch.nn.Sequential(*[_CachesTranspose(64, 64) for _ in range(6)])
     model = copy.deepcopy(ref)
-    store = make_store(host_budget_bytes="224KiB", device_budget_bytes="32KiB")
-    off = offload_model(model, store, resident_threshold_bytes=0, placement=False, prefetch_depth=0)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
-    opt = OffloadedAdamW(off, lr=1e-2, step_in_backward=in_backward)
-    for step in range(4):
-        ids = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(step))
-        losses = []
-        for m, o in ((ref, ref_opt), (model, opt)):
-            loss = m(ids)
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            losses.append(loss.item())
-            del loss
-        assert losses[0] == losses[1], step
-        _assert_same_parameters(model, ref)
-    opt.close()
+    _train_with_views(ref, model, make_store(host_budget_bytes="224KiB", device_budget_bytes="32KiB"), steps=4,
+                      in_backward=in_backward)
 
 
 def test_mha_keeps_its_packed_path_and_gradients(make_store, monkeypatch):
