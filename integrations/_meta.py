@@ -28,15 +28,16 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 
 def check_meta(model: nn.Module, init_fn: Callable[[nn.Module], None] | None) -> bool:
     """Whether ``model`` is (partly) on the meta device; if so, that every module with meta tensors of its own can
     be initialized (its ``reset_parameters()``, or ``init_fn``), else an error naming them."""
-    from torch.nn.utils.parametrize import ParametrizationList
     # A parametrization's original tensors are initialized through the module it parametrizes (see [Note:
     # Parametrized tensors on the meta device]).
-    on_meta = [(mname, m) for mname, m in model.named_modules() if not isinstance(m, ParametrizationList) and any(
+    on_meta = [(mname, m) for mname, m in model.named_modules() if not isinstance(m, parametrize.ParametrizationList)
+               and any(
         t is not None and t.is_meta for t in (*m._parameters.values(), *m._buffers.values(),
                                               *_parametrization_originals(m)))]
     if not on_meta:
@@ -64,6 +65,7 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None,
     owners that hold references to it (FSDP2); ``adopt(param)`` is then called before the init, and returns what
     undoes it."""
     fresh: list[nn.Parameter] = []
+    fresh_names: list[str] = []
     tied: dict[str, nn.Parameter] = {}
     for name, p in list(module._parameters.items()):
         if p is None:
@@ -89,6 +91,7 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None,
             done[id(p)] = (p, new)
             module._parameters[name] = new
             fresh.append(new)
+        fresh_names.append(name)
     meta_buffers = [name for name, b in module._buffers.items() if b is not None and b.is_meta]
     for name in meta_buffers:
         undo.append(_putter(module._buffers, name, module._buffers[name]))
@@ -121,7 +124,7 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None,
             module._parameters.pop(tname, None)
         module.__class__ = cls
         module._parameters.update(tied)
-    _refuse_unwritten(module, mname, [(n, p) for n, p in module._parameters.items() if any(p is f for f in fresh)] +
+    _refuse_unwritten(module, mname, [(n, module._parameters[n]) for n in fresh_names] +
                       [(n, module._buffers[n]) for n in meta_buffers] + list(values.items()), init_fn)
     for tname, value in values.items():
         _set_originals(module, tname, value, done, undo)
@@ -129,8 +132,9 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None,
 
 
 def _parametrization_originals(module: nn.Module) -> list[torch.Tensor]:
-    plists = module.__dict__.get("_modules", {}).get("parametrizations")
-    return [] if plists is None else [t for plist in plists.values() for t in plist.parameters(recurse=False)]
+    if not parametrize.is_parametrized(module):
+        return []
+    return [t for plist in module.parametrizations.values() for t in plist.parameters(recurse=False)]
 
 
 def _meta_parametrizations(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -145,7 +149,6 @@ def _meta_parametrizations(module: nn.Module) -> dict[str, torch.Tensor]:
     So on the meta device the module is initialized as its own class with a plain
     tensor in the parametrized one's place, and the originals are computed from it
     as registration does."""
-    from torch.nn.utils import parametrize
     if not parametrize.is_parametrized(module):
         return {}
     out = {}

@@ -145,16 +145,17 @@ class Buffer:
     events: dict = field(default_factory=dict)
     arena: _Arena | None = None
     offset: int = 0
-    refs: int = 0  # tensors sharing its storage when it was made (see [Note: A freed buffer still viewed])
+    # Tensors sharing its storage when it was made (see [Note: A freed buffer still viewed]).
+    refs: int = field(init=False, default=0)
     guarded: bool = False  # a view of it may be read after release: kept while one is alive
     label: str = ""  # what it held, named when it is kept for a view
 
     def __post_init__(self) -> None:
         self.refs = _use_count(self.data)
 
-    def viewed(self) -> bool:
-        """Whether a tensor it handed out is still alive."""
-        return _use_count(self.data) > self.refs
+    def kept_for_views(self) -> bool:
+        """Whether it is guarded and a tensor it handed out is still alive."""
+        return self.guarded and _use_count(self.data) > self.refs
 
     def view(self, shape: torch.Size, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
         if nbytes == 0:
@@ -314,7 +315,7 @@ class TierPool:
     def _unfence_locked(self, *, wait: bool) -> None:
         keep = []
         for buf in self._fenced:
-            if buf.guarded and buf.viewed():
+            if buf.kept_for_views():
                 keep.append(buf)
             elif wait or buf.work_done():
                 buf.wait_pending()
@@ -343,7 +344,7 @@ class TierPool:
     def free(self, buf: Buffer, label: str = "") -> None:
         with self._lock:
             self.live_bytes -= buf.capacity
-            if buf.guarded and buf.viewed():  # see [Note: A freed buffer still viewed]
+            if buf.kept_for_views():  # see [Note: A freed buffer still viewed]
                 buf.label = label
                 self.viewed_frees += 1
                 self._fenced.append(buf)
@@ -357,13 +358,13 @@ class TierPool:
         views (under the lock: none is reused meanwhile)."""
         with self._lock:
             for b in self._fenced:
-                if b.label == label and b.capacity >= nbytes and b.guarded and b.viewed():
+                if b.label == label and b.capacity >= nbytes and b.kept_for_views():
                     b.data[:nbytes].copy_(src[:nbytes])
 
     def viewed_bytes(self) -> tuple[int, list[str]]:
         """Bytes of freed buffers kept for tensors still viewing them, and what they held."""
         with self._lock:
-            kept = [b for b in self._fenced if b.guarded and b.viewed()]
+            kept = [b for b in self._fenced if b.kept_for_views()]
             return sum(b.capacity for b in kept), [b.label for b in kept]
 
     def clear(self) -> None:

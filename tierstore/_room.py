@@ -156,9 +156,9 @@ class Room:
         # See [Note: A freed buffer still viewed].
         views = (f"; {viewed} more bytes are freed copies ({', '.join(sorted(set(labels))[:4])}"
                  f"{', ...' if len(set(labels)) > 4 else ''}) kept because tensors viewing them are still alive: "
-                 f"a view of a parameter kept past its module's forward (a custom autograd.Function storing "
-                 f"ctx.w = weight.t() rather than ctx.save_for_backward(weight)) or of a tensor from get() kept "
-                 f"after release(); drop such views" if viewed else "")
+                 f"views of tensors released with guard_views=True, such as an offloaded parameter's view kept "
+                 f"past its module's forward (a custom autograd.Function storing ctx.w = weight.t() rather than "
+                 f"ctx.save_for_backward(weight)); drop such views" if viewed else "")
         return (f"{tier.label} tier cannot fit {need} bytes for {for_key!r}{waited}: {pool.live_bytes} of "
                 f"{pool.budget_bytes} budget bytes are in use, {homes} by tensors whose home is this tier, "
                 f"{unsaved} by changed copies that could not be written home (through the host tier) and the "
