@@ -14,9 +14,11 @@ names are unchanged) whose ``.data`` is its store copy while anyone holds it
 and a placeholder with no storage otherwise: shape, dtype and device are true
 and it holds no memory. No value can be read from it: a torch function that
 reads it is intercepted (below); ``.data`` and ``detach()``, which would alias
-it, give a meta tensor instead, whose computations yield meta tensors, never
-values; one that would mix it with a real tensor (``ema.add_(p.data)``, which
-torch alone computes as a silent no-op) or copy it off the meta device raises.
+it, fetch it on demand as any read does inside the model's forward and
+backward, and elsewhere give a meta tensor instead, whose computations yield
+meta tensors, never values; one that would mix it with a real tensor
+(``ema.add_(p.data)``, which torch alone computes as a silent no-op) or copy
+it off the meta device raises.
 So no stand-in value can ever reach compute.
 Nor can a write be lost: one into that meta tensor or a view of it
 (``p.data.normal_()``, ``p.data[0] = 1``, as initialization code does), an
@@ -60,6 +62,15 @@ store's copy first. A write in place through ``self.weight.data``
 (``self.weight.data.clamp_(...)``) moves no version counter (torch gives
 ``.data`` a counter of its own) and is not seen: write the parameter itself
 under ``torch.no_grad()``.
+
+[Note: A write through .data] A forward may also take ``.data`` of a
+parameter that no running unit holds and write through it: a momentum
+encoder updated inside the forward (``pk.data.mul_(m).add_(pq.data, alpha=1
+- m)``, as MoCo's and BYOL's code does). Taking it fetches the parameter on
+demand (see [Note: Reads of an offloaded parameter]), and since a write
+through ``.data`` moves no version counter, such a parameter is marked
+changed at the end of every hold from then on: a write never made costs one
+write home of it per step, a write lost would change the model silently.
 
 [Note: Holding a parameter] Holds are counted: one per forward of a unit that
 holds it (released by the forward post-hook) and at most one for backward
@@ -191,8 +202,11 @@ class _OffloadedParameter(nn.Parameter):
             if (attribute or how) in _ALIASES and how != "__set__":
                 p = args[0]
                 if isinstance(p, _OffloadedParameter) and not p._tierstore.holds:
-                    return _Alias.of(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta"),
-                                     p._tierstore)
+                    sp = p._tierstore
+                    if not sp.owner.fetch_on_demand(sp):  # outside the model's forward and backward
+                        return _Alias.of(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta"), sp)
+                    # See [Note: A write through .data].
+                    sp.written_through_data = sp.written_through_data or attribute == "data"
             elif attribute == "data" and how == "__set__" and isinstance(args[0], _OffloadedParameter):
                 if args[1] is args[0]:  # ``param.data = param``: what nn.Module._apply does after a no-op .to()
                     return None
@@ -390,6 +404,7 @@ class _Param:
     holds: int = 0
     backward_hold: bool = False
     version: int = 0  # the parameter's version counter when held (see [Note: A write while held])
+    written_through_data: bool = False  # its .data was taken in a forward, unheld (see [Note: A write through .data])
     held: torch.Tensor | None = None  # the store's copy while held
 
 
@@ -801,7 +816,8 @@ class OffloadedModel(OffloadedParameters):
             held, sp.held = sp.held, None
             assert held is not None
             assigned = not _same_memory(sp.param, held)
-            if assigned or sp.param._version != sp.version:  # see [Note: A write while held]
+            # See [Note: A write while held] and [Note: A write through .data].
+            if assigned or sp.param._version != sp.version or sp.written_through_data:
                 self._keep_write(sp, held, assigned)
             self._storage_owner.pop(held.untyped_storage().data_ptr(), None)
             sp.param.data = sp.placeholder

@@ -1002,6 +1002,56 @@ def test_a_write_in_forward_is_kept_as_the_resident_model_keeps_it(make_store, i
     opt.close()
 
 
+class _Momentum(torch.nn.Module):
+    """A query encoder trained by the optimizer and a key encoder that its forward moves towards it (MoCo, BYOL,
+    DINO): the update reads and writes parameters of modules that are not running, four ways."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.q = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+        self.k = copy.deepcopy(self.q).requires_grad_(False)
+        self.head = torch.nn.Linear(128, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            for pk, pq in zip(self.k.parameters(), self.q.parameters()):
+                if self.how == "assign-data":
+                    pk.data = pk.data * 0.9 + pq.data * 0.1
+                elif self.how == "through-data":
+                    pk.data.mul_(0.9).add_(pq.data, alpha=0.1)
+                elif self.how == "detach":
+                    pk.mul_(0.9).add_(pq.detach(), alpha=0.1)
+                else:
+                    pk.copy_(pk * 0.9 + pq * 0.1)
+        return self.head(torch.cat([self.q(x), self.k(x)], -1))
+
+
+@pytest.mark.parametrize("how", ["assign-data", "through-data", "detach", "copy"])
+def test_a_momentum_encoder_updated_in_the_forward_trains_as_the_resident_one(make_store, how):
+    """Inside the forward, ``.data`` and ``detach()`` of a parameter no running module holds fetch it (outside
+    they are meta tensors), and a write through ``.data``, which no version counter sees, is kept: the key
+    encoder's weights cycle through the drive between steps, so a lost write would show."""
+    torch.manual_seed(0)
+    ref = _Momentum(how)
+    model = copy.deepcopy(ref)
+    start = ref.k[0].weight.detach().clone()
+    store = make_store(host_budget_bytes="128KiB", device_budget_bytes="64KiB")
+    off = offload_model(model, store)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = OffloadedAdamW(off, lr=1e-2)
+    for step in range(3):
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step))
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        _assert_same_parameters(model, ref)
+    assert not torch.equal(model.state_dict()["k.0.weight"], start), "the key encoder never moved"
+    assert store.stats_dict()["bytes_read_nvme"] > 0
+    opt.close()
+
+
 @pytest.mark.parametrize("step", [False, True])
 def test_a_dropped_model_frees_its_store(nvme_dir, step):
     """A model, its optimizer and its store dropped without close() (a notebook cell run again, a sweep in one
