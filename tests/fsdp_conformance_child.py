@@ -18,7 +18,8 @@ from tierstore import StoreConfig, TierStore
 from tierstore.integrations.fsdp import offload_fsdp
 from tierstore.integrations.optim import OffloadedAdamW
 
-LAYERS = {"llama-tied": lambda m: m.model.layers, "mha-encoder": lambda m: m.layers}
+LAYERS = {"llama-tied": lambda m: m.model.layers, "mha-encoder": lambda m: m.layers, "gpt2": lambda m: m.transformer.h,
+          "albert": lambda m: m.albert.encoder.albert_layer_groups}  # albert: one group, used at every depth
 
 
 def shard(model, layers):
@@ -61,7 +62,7 @@ def main(name: str, nvme_path: str, views: int) -> None:
         same_moments = all(torch.equal(moments[n][m], ref_opt.state[p][m].to_local())
                            for n, p in ref.named_parameters() for m in ("exp_avg", "exp_avg_sq"))
         read = store.stats_dict()["bytes_read_nvme"]
-        first = next(g for g in off.groups if "layers" in g)  # a layer: its uses in the step's trace
+        first = next(g for g in off.groups if "layers" in g or ".h." in g or "layer_groups" in g)  # a layer: its uses in the step's trace
         uses = off.policy.trace.count(first)
     print(json.dumps({"rank": rank, "ref": ref_losses, "ours": losses, "same_parameters": same,
                       "same_moments": same_moments, "read_bytes": read, "uses_of_a_layer": uses,

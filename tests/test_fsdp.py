@@ -80,8 +80,9 @@ def test_fsdp_offload_is_bit_identical_and_sharded_as_planned(tmp_path, ranks):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, views", [("llama-tied", 1), ("mha-encoder", 1), ("mha-encoder", 2)],
-                         ids=["llama-tied", "mha-encoder", "mha-encoder-two-views"])
+@pytest.mark.parametrize("name, views", [("llama-tied", 1), ("gpt2", 1), ("albert", 1), ("mha-encoder", 1),
+                                         ("mha-encoder", 2)],
+                         ids=["llama-tied", "gpt2", "albert", "mha-encoder", "mha-encoder-two-views"])
 def test_models_we_did_not_write_are_bit_identical_under_fsdp(tmp_path, name, views):
     """With two views a step is both forwards and the backward (see [Note: Several forwards, one backward]): the
     trace repeats, and a placement is tried."""
