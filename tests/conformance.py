@@ -345,6 +345,56 @@ def _wav2vec2() -> nn.Module:
     return transformers.Wav2Vec2ForCTC(cfg)
 
 
+def _bart(cls: type[nn.Module], config: type, **kw: Any) -> nn.Module:
+    """An encoder-decoder with tied embeddings (Marian: and a final-logits bias buffer)."""
+    return cls(config(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                      decoder_attention_heads=4, encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=64,
+                      **kw))
+
+
+def _qwen2_moe() -> nn.Module:
+    """Routed experts beside a gated shared expert."""
+    cfg = transformers.Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64)
+    return transformers.Qwen2MoeForCausalLM(cfg)
+
+
+def _xlnet() -> nn.Module:
+    """Two-stream relative attention whose bias parameters each layer reads outside its linear modules."""
+    return transformers.XLNetLMHeadModel(transformers.XLNetConfig(vocab_size=VOCAB, d_model=64, n_layer=2, n_head=4,
+                                                                  d_inner=96))
+
+
+def _mamba() -> nn.Module:
+    """A selective state-space scan (torch's reference path): ``A_log`` and ``D`` read outside any submodule."""
+    return transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32,
+                                                                  num_hidden_layers=2, state_size=8))
+
+
+def _rwkv() -> nn.Module:
+    """Rescales its output weights in place whenever it switches between training and eval (rescale_every)."""
+    cfg = transformers.RwkvConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                                  intermediate_size=64, context_length=32, rescale_every=1)
+    return transformers.RwkvForCausalLM(cfg)
+
+
+def _hf_swin() -> nn.Module:
+    """Shifted windows with a relative position bias table indexed by a buffer."""
+    cfg = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+                                  window_size=4, num_labels=10)
+    return transformers.SwinForImageClassification(cfg)
+
+
+def _beit() -> nn.Module:
+    """Relative position bias per layer and layer-scale parameters (read by the layer, not by a submodule)."""
+    cfg = transformers.BeitConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=96, use_relative_position_bias=True,
+                                  layer_scale_init_value=0.1, num_labels=10)
+    return transformers.BeitForImageClassification(cfg)
+
+
 def _audio_and_text(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(6000 + step)
     return {"input_values": torch.randn(2, 400, generator=g), "labels": _tokens(step, length=6)}
@@ -398,6 +448,15 @@ CASES = {
     "reformer": Case(_reformer, _tokens, _causal_lm),
     "vit-mae": Case(_vit_mae, _pixels, _model_loss),
     "wav2vec2": Case(_wav2vec2, _audio_and_text, _model_loss),
+    "bart": Case(lambda: _bart(transformers.BartForConditionalGeneration, transformers.BartConfig), _tokens, _seq2seq),
+    "marian": Case(lambda: _bart(transformers.MarianMTModel, transformers.MarianConfig, pad_token_id=0,
+                                 decoder_start_token_id=0), _tokens, _seq2seq),
+    "qwen2-moe": Case(_qwen2_moe, _tokens, _causal_lm),
+    "xlnet": Case(_xlnet, _tokens, _causal_lm),
+    "mamba": Case(_mamba, _tokens, _causal_lm),
+    "rwkv": Case(_rwkv, _tokens, _causal_lm),
+    "hf-swin": Case(_hf_swin, _pixels_and_labels, _model_loss),
+    "beit": Case(_beit, _pixels_and_labels, _model_loss),
 }
 
 
@@ -426,6 +485,20 @@ if torchvision is not None:
                                                     hidden_dim=64, mlp_dim=128, num_classes=10)
 
     CASES["torchvision-vit_b_16"] = Case(_vit_b_16, _images, _classify)
+    M = torchvision.models
+    # Stochastic depth (a random draw per block in training), layer scale; shifted windows; dense blocks whose
+    # concatenation is checkpointed (memory_efficient).
+    CASES["torchvision-convnext"] = Case(lambda: M.ConvNeXt([M.convnext.CNBlockConfig(16, 32, 1),
+                                                             M.convnext.CNBlockConfig(32, None, 1)],
+                                                            stochastic_depth_prob=0.1, num_classes=10),
+                                         _images, _classify)
+    CASES["torchvision-swin"] = Case(lambda: M.SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[2, 2],
+                                                               num_heads=[2, 4], window_size=[4, 4],
+                                                               stochastic_depth_prob=0.1, num_classes=10),
+                                     _images, _classify)
+    CASES["torchvision-densenet"] = Case(lambda: M.DenseNet(growth_rate=8, block_config=(2, 2), num_init_features=16,
+                                                            num_classes=10, memory_efficient=True),
+                                         _images, _classify)
 
 try:
     import timm
@@ -442,3 +515,9 @@ if timm is not None:
 
     CASES["timm-vit"] = Case(_timm_vit, _images, _classify)
     CASES["timm-resnet"] = Case(_timm_resnet, _images, _classify)
+    # An attention-bias table cached per device in eval (LeViT); rotary embeddings (EVA-02).
+    CASES["timm-levit"] = Case(lambda: timm.create_model("levit_128s", pretrained=False, img_size=32, num_classes=10),
+                               _images, _classify)
+    CASES["timm-eva02"] = Case(lambda: timm.create_model("eva02_tiny_patch14_224", pretrained=False, img_size=32,
+                                                         patch_size=8, depth=2, embed_dim=64, num_heads=4,
+                                                         num_classes=10), _images, _classify)
