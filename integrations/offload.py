@@ -849,9 +849,10 @@ class OffloadedModel(OffloadedParameters):
                 f"{e}. In backward each offloaded parameter is held from its unit's backward until its gradient is "
                 f"complete; when one loss sums several forwards of the model (two views of a batch, a siamese "
                 f"pair), or a forward calls one module several times (a layer shared across depth, as ALBERT's), "
-                f"a gradient is complete only when the backward of the earliest use reaches it, and a "
+                f"a gradient is complete only when the backward of the earliest use reaches it, a "
                 f"gradient differentiated again (create_graph=True: a gradient penalty) uses every parameter in "
-                f"the second backward, so up to every parameter ({total / 2**20:.1f} MiB) is held at once. Call "
+                f"the second backward, and torch.autograd.grad(loss, parameters) accumulates no .grad, so each "
+                f"parameter is held until that backward ends: up to every parameter ({total / 2**20:.1f} MiB) is held at once. Call "
                 f"backward() on each forward's loss instead (gradients accumulate; step once), or raise the "
                 f"{self.compute_tier.label} budget above that") from e
         sp.backward_hold = True

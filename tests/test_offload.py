@@ -1002,6 +1002,27 @@ def test_a_write_in_forward_is_kept_as_the_resident_model_keeps_it(make_store, i
     opt.close()
 
 
+def test_autograd_grad_over_the_parameters_gives_the_resident_gradients(make_store):
+    """``torch.autograd.grad(loss, parameters)`` accumulates no ``.grad``, so no parameter's gradient is seen
+    complete before that backward ends: each stays held to its end. With room for that it gives the resident
+    gradients (and the model trains on after it); without, the budget error says why."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    x = torch.randn(3, 64)
+    expected = torch.autograd.grad(ref(x).pow(2).sum(), list(ref.parameters()))
+    model = copy.deepcopy(ref)
+    offload_model(model, make_store(host_budget_bytes="512KiB", param_tier="nvme"))
+    got = torch.autograd.grad(model(x).pow(2).sum(), list(model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    tight = copy.deepcopy(ref)
+    offload_model(tight, make_store(host_budget_bytes="64KiB", param_tier="nvme"))  # under the 66 KiB of weights
+    with pytest.raises(ts.TierBudgetError, match=r"torch.autograd.grad\(loss, parameters\) accumulates no .grad"):
+        torch.autograd.grad(tight(x).pow(2).sum(), list(tight.parameters()))
+
+
 class _Momentum(torch.nn.Module):
     """A query encoder trained by the optimizer and a key encoder that its forward moves towards it (MoCo, BYOL,
     DINO): the update reads and writes parameters of modules that are not running, four ways."""
