@@ -131,7 +131,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tierstore import Tier, TierBudgetError, TierStore
 from tierstore._copies import contiguous_strides, dense_strides
-from tierstore._memory import TierPool
+from tierstore._memory import PAGE_BYTES, TierPool
 from tierstore._placement import Placement
 from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
@@ -618,10 +618,11 @@ class OffloadedModel(OffloadedParameters):
         budget = (self.store.config.device_budget_bytes if self.compute_tier is Tier.DEVICE
                   else self.store.config.host_budget_bytes)
         for mname, (_, ids) in owned_by.items():
-            need = sum(offloaded[i][1] for i in ids)
+            need = sum(TierPool.capacity_for(offloaded[i][1]) for i in ids)  # whole pages, as the pool hands out
             if need > budget:
                 raise ValueError(
-                    f"unit {mname or '<root>'!r} holds {need} bytes ({need / 2**20:.2f} MiB) of parameters at once, "
+                    f"unit {mname or '<root>'!r} holds {need} bytes ({need / 2**20:.2f} MiB, each parameter in whole "
+                    f"{PAGE_BYTES // 1024} KiB pages) of parameters at once, "
                     f"more than the {self.compute_tier.label} budget ({budget} bytes) it computes in: raise "
                     f"{self.compute_tier.label}_budget_bytes, or split the unit (units=... names the modules whose "
                     f"whole subtree is fetched at once)")

@@ -241,6 +241,20 @@ class Encoder(nn.Module):
         return self.head(self.ln(self.layers(self.embed(ids) + self.pos_embedding)))
 
 
+class Recurrent(nn.Module):
+    """A bidirectional two-layer LSTM (its kernel takes every layer's weights in one call) and a GRU after it."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim, padding_idx=0)
+        self.lstm = nn.LSTM(dim, dim, num_layers=2, batch_first=True, bidirectional=True, dropout=0.1)
+        self.gru = nn.GRU(2 * dim, dim, batch_first=True)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gru(self.lstm(self.embed(ids))[0])[0])
+
+
 def _encoder_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(ids).flatten(0, 1), ids.flip(1).flatten())
 
@@ -439,6 +453,7 @@ CASES = {
     "mha-encoder": Case(Encoder, _tokens, _encoder_loss),
     "torch-encoder": Case(TorchEncoder, _tokens, _encoder_loss),
     "torch-transformer": Case(TorchTransformer, _tokens, _encoder_loss),
+    "torch-recurrent": Case(Recurrent, _tokens, _encoder_loss, host_budget_fraction=2 / 3),
     "hf-vit": Case(_hf_vit, _pixels_and_labels, _model_loss),
     "clip": Case(_clip, _pixels_and_text, _model_loss),
     "whisper": Case(_whisper, _mel_and_text, _model_loss),

@@ -713,6 +713,10 @@ def test_units_hold_whole_subtrees_and_must_fit_the_compute_budget(make_store):
     assert store.keys() == [] and type(model.blocks[0].qkv.weight) is torch.nn.Parameter  # nothing left behind
     with pytest.raises(ValueError, match="no module named 'blocks.99'"):
         offload_model(model, store, units=["blocks.99"])
+    # Each parameter takes whole pages of the budget: 20 biases of 1 KiB are 80 KiB there, not 20.
+    with pytest.raises(ValueError, match=r"unit '<root>' holds 81920 bytes .* whole 4 KiB pages"):
+        offload_model(torch.nn.ParameterList(torch.zeros(256) for _ in range(20)), store)
+    assert store.keys() == []
 
 
 def test_two_models_on_one_store_keep_their_own_eviction_order(make_store):
