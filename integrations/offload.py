@@ -551,6 +551,7 @@ class OffloadedModel(OffloadedParameters):
                                                                   always_call=True))
         self._handles.append(model.register_forward_pre_hook(self._start_step, prepend=True))
         self._handles.append(model.register_forward_hook(self._end_pass, always_call=True))
+        self._handles.append(_WrappedForward(model, self, None))  # see [Note: A forward stopped by Ctrl-C]
         self._unhooked = list(self.params.values())  # gradients not yet taken as they complete (frozen ones)
         self._hook_gradients()
 
@@ -680,6 +681,29 @@ class OffloadedModel(OffloadedParameters):
             self.policy.start_step()
             self.placer.start_step()
             self.stats.prefetch_depth = self.policy.depth
+
+    def _stopped_by_interrupt(self) -> None:
+        """[Note: A forward stopped by Ctrl-C] torch runs a module's always-call
+        forward hooks when its forward raises an Exception, not a BaseException
+        that is none (KeyboardInterrupt: Ctrl-C in a notebook, SystemExit), so
+        such a forward would leave its units on the running stack (reads after
+        it would be taken for reads inside a forward), its saved-tensor hooks
+        pushed, its parameters held and its pass counted (other threads refused
+        for good). The model's forward is wrapped to clear all of that as it
+        propagates; a forward rerun inside backward is left to the backward's
+        own settling."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        self._settle_failed_backward()
+        self._running.clear()
+        hooks, self._saved_hooks = self._saved_hooks, None
+        if hooks is not None:
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if top is not None and top[0] == self._pack:  # another context may have popped it on its way out
+                hooks.__exit__(None, None, None)
+        self._release_all()
+        if self._forward_thread == threading.get_ident():
+            self._forward_thread, self._forward_depth = None, 0
 
     def _one_pass_at_a_time(self) -> None:
         """[Note: One pass at a time] Forward and backward share the holds, the
@@ -1153,26 +1177,37 @@ class OffloadedModel(OffloadedParameters):
 
 class _WrappedForward:
     """A unit's pre- and post-forward around its module's ``forward`` instead of as hooks (for ``_HOOK_SHY``
-    modules); ``remove()`` undoes it, as a hook's handle does."""
+    modules), or with no unit the model's forward, which clears a pass stopped by Ctrl-C (see [Note: A forward
+    stopped by Ctrl-C]); ``remove()`` undoes it, as a hook's handle does."""
 
-    def __init__(self, module: nn.Module, owner: OffloadedModel, group: _Group) -> None:
-        self.module = module
+    def __init__(self, module: nn.Module, owner: OffloadedModel, group: _Group | None) -> None:
+        self.module, self.previous = module, module.__dict__.get("forward")
         forward = module.forward
 
         @functools.wraps(forward)
         def held_forward(*args: Any, **kwargs: Any) -> Any:
-            owner._pre_forward(group, module, args)
+            if group is not None:
+                owner._pre_forward(group, module, args)
             output = None
             try:
                 output = forward(*args, **kwargs)
+            except Exception:
+                raise
+            except BaseException:
+                owner._stopped_by_interrupt()
+                raise
             finally:
-                owner._post_forward(group, module, args, output)
+                if group is not None:
+                    owner._post_forward(group, module, args, output)
             return output
 
         module.forward = held_forward
 
     def remove(self) -> None:
-        self.module.__dict__.pop("forward", None)
+        if self.previous is None:
+            self.module.__dict__.pop("forward", None)
+        else:
+            self.module.forward = self.previous
 
 
 def _present_ordinary(params: list[_Param], start: bool, module: nn.Module, *_: Any) -> None:

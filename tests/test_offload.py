@@ -625,6 +625,49 @@ def test_only_a_wrapper_gets_the_wrapper_hint(make_store):
         model[0].weight.sum()
 
 
+class _Interrupted(torch.nn.Linear):
+    """Stops the forward with a KeyboardInterrupt (Ctrl-C) when armed, after computing with its weight."""
+
+    armed = False
+
+    def forward(self, x):
+        y = super().forward(x)
+        if self.armed:
+            raise KeyboardInterrupt
+        return y
+
+
+def test_a_forward_stopped_by_ctrl_c_leaves_nothing_held(make_store):
+    """torch runs its modules' always-call forward hooks for an Exception, not for a KeyboardInterrupt: the
+    stopped forward's units, saved-tensor hooks and pass count are cleared by the next forward, which trains on
+    as the resident model does after the same interrupted step (and another thread may run the model again)."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), _Interrupted(64, 64))
+                                for _ in range(6)])
+    model = copy.deepcopy(ref)
+    store = make_store(host_budget_bytes="96KiB", param_tier="nvme", optimizer_tier="nvme")  # ~ four weights
+    opt = OffloadedAdamW(offload_model(model, store), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    for step in range(5):
+        x = torch.randn(3, 64, generator=torch.Generator().manual_seed(step))
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m[3][1].armed = step in (1, 2)
+            try:
+                m(x).square().mean().backward()
+            except KeyboardInterrupt:
+                continue
+            o.step()
+            o.zero_grad()
+        _assert_same_parameters(model, ref)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    result = []
+    thread = threading.Thread(target=lambda: result.append(model(torch.ones(1, 64))))
+    thread.start()
+    thread.join(30)
+    assert result and torch.equal(result[0], ref(torch.ones(1, 64)))
+    opt.close()
+
+
 class _Gate(torch.nn.Module):
     """Waits, inside the model's forward (or, in backward, at the gradient through it), until let go."""
 
