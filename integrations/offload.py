@@ -877,9 +877,9 @@ class OffloadedModel(OffloadedParameters):
                 f"a gradient is complete only when the backward of the earliest use reaches it, a "
                 f"gradient differentiated again (create_graph=True: a gradient penalty) uses every parameter in "
                 f"the second backward, and torch.autograd.grad(loss, parameters) accumulates no .grad, so each "
-                f"parameter is held until that backward ends: up to every parameter ({total / 2**20:.1f} MiB) is held at once. Call "
-                f"backward() on each forward's loss instead (gradients accumulate; step once), or raise the "
-                f"{self.compute_tier.label} budget above that") from e
+                f"parameter is held until that backward ends: up to every parameter ({total / 2**20:.1f} MiB) is "
+                f"held at once. Call backward() on each forward's loss instead (gradients accumulate; step once), "
+                f"or raise the {self.compute_tier.label} budget above that") from e
         sp.backward_hold = True
 
     def fetch_on_demand(self, sp: _Param) -> bool:

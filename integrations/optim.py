@@ -501,7 +501,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                    if (g := self._grad(n, k, p)) is not None and not self._was_applied(n, g))
         if not left:
             return
-        self._unfinished = (f"step() stopped after updating {updated} parameters, {left} not yet ({type(error).__name__}{f': {error}' if str(error) else ''}). Call "
+        why = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__  # Ctrl-C has no text
+        self._unfinished = (f"step() stopped after updating {updated} parameters, {left} not yet ({why}). Call "
                             f"opt.step() again, before anything else: it updates the rest with the gradients it kept, "
                             f"and the step ends as if it had not failed; until then forward, zero_grad() and "
                             f"checkpoints refuse, since the model is part of a step ahead")

@@ -62,7 +62,8 @@ def main(name: str, nvme_path: str, views: int) -> None:
         same_moments = all(torch.equal(moments[n][m], ref_opt.state[p][m].to_local())
                            for n, p in ref.named_parameters() for m in ("exp_avg", "exp_avg_sq"))
         read = store.stats_dict()["bytes_read_nvme"]
-        first = next(g for g in off.groups if "layers" in g or ".h." in g or "layer_groups" in g)  # a layer: its uses in the step's trace
+        # A layer: its uses in the step's trace.
+        first = next(g for g in off.groups if "layers" in g or ".h." in g or "layer_groups" in g)
         uses = off.policy.trace.count(first)
     print(json.dumps({"rank": rank, "ref": ref_losses, "ours": losses, "same_parameters": same,
                       "same_moments": same_moments, "read_bytes": read, "uses_of_a_layer": uses,
