@@ -222,6 +222,14 @@ class _OffloadedParameter(nn.Parameter):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
+    def __deepcopy__(self, memo: dict) -> nn.Parameter:
+        """A copy of its values, fetched on demand in the model's forward or backward; elsewhere refused (torch's
+        would clone the meta tensor ``.data`` gives there: a copy with no values)."""
+        sp = self._tierstore
+        if sp.holds or sp.owner.fetch_on_demand(sp):  # held: of its own class again
+            return sp.original_class.__deepcopy__(self, memo)
+        raise OffloadedParameterError(_read_message("copy.deepcopy", sp))
+
     def __repr__(self) -> str:
         sp = self._tierstore
         if sp.holds:

@@ -159,6 +159,8 @@ def test_remove_restores_module(make_store):
             p.sum()
         with pytest.raises(RuntimeError, match="meta"):  # .data bypasses the parameter: no value to read there
             p.data.sum().item()
+        with pytest.raises(OffloadedParameterError, match=f"copy.deepcopy read .*{name}.*read_param"):
+            copy.deepcopy(p)  # torch's would copy the meta .data: a copy with no values
         assert "offloaded" in repr(p)
     assert not any(m._backward_pre_hooks or m._backward_hooks for m in model.modules())
     model.to("cpu")  # a conversion that changes nothing reads nothing
