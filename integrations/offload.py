@@ -874,13 +874,20 @@ class OffloadedModel(OffloadedParameters):
 
     def _backward_hold(self, sp: _Param, group: _Group) -> None:
         self._queue_end_backward()
+        self._hold_in_backward(sp, group)
+        sp.backward_hold = True
+
+    def _hold_in_backward(self, sp: _Param, group: _Group) -> None:
+        """A hold in backward, whose budget error says why backward holds what it does."""
         try:
             self._hold(sp, group)
         except TierBudgetError as e:
             total = sum(q.nbytes for q in self.params.values())
             raise TierBudgetError(
                 f"{e}. In backward each offloaded parameter is held from its unit's backward until its gradient is "
-                f"complete; when one loss sums several forwards of the model (two views of a batch, a siamese "
+                f"complete; a forward rerun there (activation checkpointing) holds its whole segment's parameters "
+                f"until their gradients are complete, beside what backward holds (checkpoint smaller segments: "
+                f"a layer each); when one loss sums several forwards of the model (two views of a batch, a siamese "
                 f"pair), or a forward calls one module several times (a layer shared across depth, as ALBERT's), "
                 f"a gradient is complete only when the backward of the earliest use reaches it, a "
                 f"gradient differentiated again (create_graph=True: a gradient penalty) uses every parameter in "
@@ -888,7 +895,6 @@ class OffloadedModel(OffloadedParameters):
                 f"parameter is held until that backward ends: up to every parameter ({total / 2**20:.1f} MiB) is "
                 f"held at once. Call backward() on each forward's loss instead (gradients accumulate; step once), "
                 f"or raise the {self.compute_tier.label} budget above that") from e
-        sp.backward_hold = True
 
     def fetch_on_demand(self, sp: _Param) -> bool:
         """Hold ``sp`` for a read that its units' hooks did not foresee (see [Note: Reads of an offloaded
@@ -912,7 +918,10 @@ class OffloadedModel(OffloadedParameters):
         in_backward = self._enter_forward(group)
         self._use(group)
         for sp in group.params:
-            self._hold(sp, group)
+            if in_backward:
+                self._hold_in_backward(sp, group)
+            else:
+                self._hold(sp, group)
             if in_backward and not sp.backward_hold and torch.is_grad_enabled():
                 self._backward_hold(sp, group)  # a forward rerun inside backward (checkpointing)
         if self.store.timeline is not None:

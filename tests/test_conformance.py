@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from tierstore import TierBudgetError
 from tierstore.integrations.offload import offload_model
 from tierstore.integrations.optim import OffloadedAdamW
 
@@ -37,15 +38,29 @@ def test_step_in_backward(nvme_dir):
     check_bit_identical(CASES["llama-untied"], nvme_dir, step_in_backward=True)
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_gradient_checkpointing(nvme_dir, reentrant):
+def _checkpointed(reentrant: bool):
     def prepare(model):
         kwargs = {"use_reentrant": reentrant}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24's name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    check_bit_identical(CASES["llama-tied"], nvme_dir, prepare=prepare)
+    return prepare
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing(nvme_dir, reentrant):
+    check_bit_identical(CASES["llama-tied"], nvme_dir, prepare=_checkpointed(reentrant))
+
+
+def test_a_checkpointed_segment_beyond_the_budget_says_so(nvme_dir):
+    """HF Swin checkpoints a whole stage: rerun in backward, the stage's parameters are all held until their
+    gradients are complete. Beyond a third of the state that fits and trains as the resident model does; at a
+    third, the budget error says why backward holds them."""
+    check_bit_identical(CASES["hf-swin"], nvme_dir, prepare=_checkpointed(False), host_budget_fraction=1 / 2)
+    with pytest.raises(TierBudgetError, match="a forward rerun there .activation checkpointing. holds its whole "
+                                              "segment's parameters"):
+        check_bit_identical(CASES["hf-swin"], nvme_dir, prepare=_checkpointed(False))
 
 
 def test_generate_gives_the_resident_tokens(make_store):
