@@ -1007,6 +1007,22 @@ def test_a_value_computed_from_data_outside_the_forward_is_refused(make_store, r
     off.remove()
 
 
+def _train_beside_resident(ref, model, store, *, width: int, steps: int = 3, **opt_kw) -> OffloadedAdamW:
+    """Train ``ref`` resident and ``model`` offloaded into ``store`` on the same batches, asserting the same
+    parameters after every step; returns the offloaded model's optimizer, open."""
+    off = offload_model(model, store)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = OffloadedAdamW(off, lr=1e-2, **opt_kw)
+    for step in range(steps):
+        x = torch.randn(4, width, generator=torch.Generator().manual_seed(step))
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        _assert_same_parameters(model, ref)
+    return opt
+
+
 class _ClippedLinear(torch.nn.Linear):
     """Clips its own weight on every forward (as weight clipping and renormalization do): in place, or by
     assigning ``.data``."""
@@ -1033,16 +1049,7 @@ def test_a_write_in_forward_is_kept_as_the_resident_model_keeps_it(make_store, i
             m.weight.mul_(2)  # some weights beyond the clip
     model = copy.deepcopy(ref)
     store = make_store(host_budget_bytes="160KiB", device_budget_bytes="64KiB")  # the weights cycle through
-    off = offload_model(model, store)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
-    opt = OffloadedAdamW(off, lr=1e-2, step_in_backward=in_backward)
-    for step in range(3):
-        x = torch.randn(4, 96, generator=torch.Generator().manual_seed(step))
-        for m, o in ((ref, ref_opt), (model, opt)):
-            m(x).square().mean().backward()
-            o.step()
-            o.zero_grad()
-        _assert_same_parameters(model, ref)
+    opt = _train_beside_resident(ref, model, store, width=96, step_in_backward=in_backward)
     with torch.no_grad():
         x = torch.randn(4, 96)
         assert torch.equal(model(x), ref(x))
@@ -1107,16 +1114,7 @@ def test_a_momentum_encoder_updated_in_the_forward_trains_as_the_resident_one(ma
     model = copy.deepcopy(ref)
     start = ref.k[0].weight.detach().clone()
     store = make_store(host_budget_bytes="128KiB", device_budget_bytes="64KiB")
-    off = offload_model(model, store)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
-    opt = OffloadedAdamW(off, lr=1e-2)
-    for step in range(3):
-        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step))
-        for m, o in ((ref, ref_opt), (model, opt)):
-            m(x).square().mean().backward()
-            o.step()
-            o.zero_grad()
-        _assert_same_parameters(model, ref)
+    opt = _train_beside_resident(ref, model, store, width=64)
     assert not torch.equal(model.state_dict()["k.0.weight"], start), "the key encoder never moved"
     assert store.stats_dict()["bytes_read_nvme"] > 0
     opt.close()
