@@ -20,20 +20,39 @@ trained on. Under FSDP2 a parameter is this rank's shard (a DTensor), given
 memory in place as ``to_empty`` does, so FSDP2's own references stay right; it
 gets the values FSDP2's recipe (``to_empty``, then each module's
 ``reset_parameters()``) gives it.
+
+[Note: Real parameters in a model built on meta] A constructor that ignores
+the device context (``nn.Parameter(torch.FloatTensor(d, h))``, as XLNet's
+attention has it) makes a real tensor of uninitialized memory in a model
+built on meta, and the modules' initialization is what would have written it
+in eager construction. Whether a real parameter holds values or garbage cannot
+be told from its bytes, so it is the caller's word: ``real_parameters=
+"initialize"`` treats it as fresh memory (filled, initialized by its module,
+checked, as the meta ones are; what ``to_empty()`` and ``reset_parameters()``
+do), ``"keep"`` keeps its values, and with neither a model with such
+parameters is an error naming them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
 
-def check_meta(model: nn.Module, init_fn: Callable[[nn.Module], None] | None) -> bool:
+REAL_PARAMETERS = ("initialize", "keep")
+
+
+def check_meta(model: nn.Module, init_fn: Callable[[nn.Module], None] | None,
+               real_parameters: str | None = None) -> bool:
     """Whether ``model`` is (partly) on the meta device; if so, that every module with meta tensors of its own can
-    be initialized (its ``reset_parameters()``, or ``init_fn``), else an error naming them."""
+    be initialized (its ``reset_parameters()``, or ``init_fn``), else an error naming them, and that parameters
+    not on meta have been said what to do with (see [Note: Real parameters in a model built on meta])."""
+    if real_parameters not in (None, *REAL_PARAMETERS):
+        raise ValueError(f"real_parameters={real_parameters!r}: choose one of {', '.join(map(repr, REAL_PARAMETERS))}")
     # A parametrization's original tensors are initialized through the module it parametrizes (see [Note:
     # Parametrized tensors on the meta device]).
     on_meta = [(mname, m) for mname, m in model.named_modules() if not isinstance(m, parametrize.ParametrizationList)
@@ -42,7 +61,19 @@ def check_meta(model: nn.Module, init_fn: Callable[[nn.Module], None] | None) ->
                                               *_parametrization_originals(m)))]
     if not on_meta:
         return False
+    real = [name for name, p in model.named_parameters() if not p.is_meta]
+    if real and real_parameters is None:
+        raise ValueError(
+            f"the model is on the meta device but {len(real)} of its parameters are not: {', '.join(real[:4])}"
+            f"{', ...' if len(real) > 4 else ''}. A constructor that ignores torch.device('meta') (torch."
+            f"FloatTensor(size), torch.Tensor(size): XLNet's attention builds its weights so) makes them of "
+            f"uninitialized memory, which would be trained on. Pass real_parameters='initialize' to initialize them "
+            f"with their modules, as the meta ones are (and as to_empty() and reset_parameters() would), or "
+            f"real_parameters='keep' if they hold values on purpose")
     if init_fn is None:
+        if real_parameters == "initialize":  # modules whose parameters are all real are initialized too
+            real_owners = [(n, m) for n, m in model.named_modules() if _initializes_real(m)]
+            on_meta += [(n, m) for n, m in real_owners if not any(m is o for _, o in on_meta)]
         cannot = [mname or "<root>" for mname, m in on_meta if not callable(getattr(m, "reset_parameters", None))]
         if cannot:
             raise ValueError(f"the model is on the meta device and {len(cannot)} module(s) with tensors of their own "
@@ -54,10 +85,12 @@ def check_meta(model: nn.Module, init_fn: Callable[[nn.Module], None] | None) ->
 
 def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None,
                 done: dict[int, tuple[nn.Parameter, nn.Parameter]], undo: list[Callable[[], None]], *,
-                in_place: bool = False, mname: str = "",
+                in_place: bool = False, mname: str = "", initialize_real: bool = False,
                 adopt: Callable[[nn.Parameter], Callable[[], None]] | None = None) -> list[nn.Parameter]:
     """Give ``module``'s own meta parameters and buffers CPU memory and initialize them, as its constructor would
-    have (see [Note: Building on the meta device]); returns the parameters given memory here.
+    have (see [Note: Building on the meta device]); returns the parameters given memory here (with
+    ``initialize_real``, its parameters not on meta too, initialized in their memory: see [Note: Real parameters
+    in a model built on meta]).
 
     ``done``: id of a parameter met before -> (the meta one, the one with memory), so that a tied one stays one
     object; ``undo``: functions that put the model back as it was given, run last first by :func:`unmaterialize`.
@@ -77,6 +110,11 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None,
                 module._parameters[name] = done[id(p)][1]
             continue
         if not p.is_meta:
+            if initialize_real and _initializes_real(module):  # its values replaced; a copy puts them back on failure
+                undo.append(partial(_copy_back, p, p.detach().clone()))
+                done[id(p)] = (p, p)
+                fresh.append(p)
+                fresh_names.append(name)
             continue
         new = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
         if in_place:
@@ -228,6 +266,18 @@ def _refuse_unwritten(module: nn.Module, mname: str, tensors: list[tuple[str, to
                          f"unwritten: it would train on uninitialized memory. "
                          f"Pass an init_fn that writes every parameter and buffer of each module it is given (any "
                          f"values, zeros say, where load_safetensors replaces them next), or build the model eagerly")
+
+
+def _initializes_real(module: nn.Module) -> bool:
+    """Whether ``real_parameters="initialize"`` has ``module`` initialize real parameters of its own (a
+    parametrization's originals are its parametrized module's to initialize)."""
+    return not isinstance(module, parametrize.ParametrizationList) and any(
+        p is not None and not p.is_meta for p in module._parameters.values())
+
+
+def _copy_back(p: torch.Tensor, old: torch.Tensor) -> None:
+    with torch.no_grad():
+        p.copy_(old)
 
 
 def _putter(slots: dict, name: str, old: object) -> Callable[[], None]:

@@ -93,7 +93,8 @@ class FSDPOffload(OffloadedParameters):
     """The NVMe tier under one rank's FSDP2 shards; returned by :func:`offload_fsdp`."""
 
     def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int | str, prefetch_bytes: int | None,
-                 home: Tier, init_fn: Callable[[nn.Module], None] | None = None, placement: bool = True) -> None:
+                 home: Tier, init_fn: Callable[[nn.Module], None] | None = None, placement: bool = True,
+                 real_parameters: str | None = None) -> None:
         self.model = model
         self.store = store
         self.home = home
@@ -112,7 +113,7 @@ class FSDPOffload(OffloadedParameters):
             internals.check_group_supported(gname, group)
         if not any(internals.group_params(group) for _, _, group in groups):
             raise ValueError("no fully_shard-ed module with parameters found; apply fully_shard before offload_fsdp")
-        meta = check_meta(model, init_fn)
+        meta = check_meta(model, init_fn, real_parameters)
         sharded = {id(p) for _, _, group in groups for p in internals.group_params(group)}
         outside = [n for n, p in model.named_parameters() if id(p) not in sharded]
         if outside:  # an optimizer of the shards would never step them
@@ -146,7 +147,8 @@ class FSDPOffload(OffloadedParameters):
                     return internals.adopt_local_tensor(by_id[id(p)]) if id(p) in by_id else lambda: None
 
                 for mname, module in model.named_modules():
-                    fresh = materialize(module, init_fn, done, undo, in_place=True, adopt=adopt, mname=mname)
+                    fresh = materialize(module, init_fn, done, undo, in_place=True, adopt=adopt, mname=mname,
+                                        initialize_real=real_parameters == "initialize")
                     for p in fresh:
                         if id(p) in sharded:
                             give(p, free=True)
@@ -313,7 +315,8 @@ class FSDPOffload(OffloadedParameters):
 def offload_fsdp(model: nn.Module, store: TierStore, *, prefetch_depth: int | str | None = None,
                  prefetch_bytes: int | None = None, home: Tier | str | None = None,
                  init_fn: Callable[[nn.Module], None] | None = None,
-                 allow_untested_torch: bool = False, placement: bool = True) -> FSDPOffload:
+                 allow_untested_torch: bool = False, placement: bool = True,
+                 real_parameters: str | None = None) -> FSDPOffload:
     """Give this rank's FSDP2 shards of ``model`` a home in ``store`` (NVMe by default).
 
     Call after ``fully_shard`` (on the blocks, then the root) and before the
@@ -322,7 +325,7 @@ def offload_fsdp(model: nn.Module, store: TierStore, *, prefetch_depth: int | st
     memory and initialized one module at a time, each module's shards written
     to the store before the next (``reset_parameters()``, or ``init_fn(module)``;
     see [Note: Building on the meta device]); call no ``to_empty`` first.
-    ``prefetch_depth`` and ``placement`` are as for ``offload_model``.
+    ``prefetch_depth``, ``placement`` and ``real_parameters`` are as for ``offload_model``.
     """
     internals.check_torch_version(allow_untested_torch)
     if not isinstance(model, nn.Module):
@@ -338,7 +341,7 @@ def offload_fsdp(model: nn.Module, store: TierStore, *, prefetch_depth: int | st
                         prefetch_depth=cfg.prefetch_depth if prefetch_depth is None else prefetch_depth,
                         prefetch_bytes=cfg.prefetch_bytes if prefetch_bytes is None else prefetch_bytes,
                         home=Tier.parse(home if home is not None else cfg.param_tier), init_fn=init_fn,
-                        placement=placement)
+                        placement=placement, real_parameters=real_parameters)
     setattr(model, _STATE_KEY, state)
     return state
 

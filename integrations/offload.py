@@ -461,7 +461,8 @@ class OffloadedModel(OffloadedParameters):
     def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int | str, prefetch_bytes: int | None,
                  resident_threshold_bytes: int, home: Tier, compute_tier: Tier,
                  units: Sequence[type[nn.Module] | nn.Module | str],
-                 init_fn: Callable[[nn.Module], None] | None = None, placement: bool = True) -> None:
+                 init_fn: Callable[[nn.Module], None] | None = None, placement: bool = True,
+                 real_parameters: str | None = None) -> None:
         self.model = model
         self.store = store
         self.home = home
@@ -500,7 +501,7 @@ class OffloadedModel(OffloadedParameters):
         self._forward_thread: int | None = None
         self._forward_depth = 0
         self._backward_thread: int | None = None
-        meta = check_meta(model, init_fn)
+        meta = check_meta(model, init_fn, real_parameters)
         offloaded, owned_by = self._plan_units(model, units, resident_threshold_bytes)  # checked before any write
         taken = [name for name, _ in offloaded.values() if f"param/{name}" in store]
         if taken:
@@ -517,7 +518,8 @@ class OffloadedModel(OffloadedParameters):
         try:
             if meta:  # materialized module by module: one module's tensors in memory at a time
                 for mname, module in model.named_modules():
-                    materialize(module, init_fn, done, undo, mname=mname)
+                    materialize(module, init_fn, done, undo, mname=mname,
+                                initialize_real=real_parameters == "initialize")
                     for pname, p in module._parameters.items():
                         name = f"{mname}.{pname}" if mname else pname
                         if p is not None and id(p) not in self.params and id(p) not in self.resident_ids:
@@ -1289,7 +1291,8 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | s
                   prefetch_bytes: int | None = None, resident_threshold_bytes: int | None = None,
                   home: Tier | str | None = None, compute_tier: Tier | str | None = None,
                   units: Sequence[type[nn.Module] | nn.Module | str] = DEFAULT_UNITS,
-                  init_fn: Callable[[nn.Module], None] | None = None, placement: bool = True) -> OffloadedModel:
+                  init_fn: Callable[[nn.Module], None] | None = None, placement: bool = True,
+                  real_parameters: str | None = None) -> OffloadedModel:
     """Move ``model``'s parameters into ``store`` and fetch them just in time.
 
     Defaults come from ``store.config`` (prefetch_depth, prefetch_bytes,
@@ -1305,7 +1308,10 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | s
     module straight into the store, each initialized by its
     ``reset_parameters()`` or by ``init_fn(module)`` (see [Note: Building on the
     meta device]), so the whole model never exists in memory; the drive's room
-    for the parameters is checked before anything is written.
+    for the parameters is checked before anything is written. Parameters such
+    a model has off the meta device are an error unless ``real_parameters``
+    says to ``"initialize"`` them with their modules or to ``"keep"`` them (see
+    [Note: Real parameters in a model built on meta]).
     ``prefetch_depth="auto"`` (the store config's default) chooses the depth
     each step from the measured drive rate and compute time per unit. With
     ``placement`` (the default), once a step has been recorded the parameters
@@ -1334,6 +1340,7 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | s
         units=units,
         init_fn=init_fn,
         placement=placement,
+        real_parameters=real_parameters,
     )
     setattr(model, _STATE_KEY, state)
     return state

@@ -897,6 +897,55 @@ def test_a_model_with_parametrized_weights_built_on_meta_equals_eager_constructi
     off.remove()
 
 
+class _LegacyTable(torch.nn.Module):
+    """Makes a weight with ``torch.Tensor(size)``, which ignores ``torch.device("meta")`` (XLNet's attention does
+    so): in a model built on meta it is real, uninitialized memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.Tensor(4, 8))
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x) + self.table.sum(0)
+
+
+def _init_table(module):
+    if isinstance(module, _LegacyTable):
+        torch.nn.init.constant_(module.table, 0.5)
+    elif isinstance(module, torch.nn.Linear):
+        module.reset_parameters()
+
+
+def test_a_real_parameter_in_a_model_built_on_meta_is_initialized_kept_or_an_error(make_store):
+    """Whether a real parameter of a model built on meta holds values or uninitialized memory cannot be told:
+    it is an error naming it until ``real_parameters`` says which; "initialize" has its module's init write it
+    (and one that does not is refused with the parameter's values put back), "keep" keeps it."""
+    with torch.device("meta"):
+        model = _LegacyTable()
+    assert not model.table.is_meta and model.proj.weight.is_meta
+    with torch.no_grad():
+        model.table.fill_(3.0)  # stands for whatever the memory held
+    store = make_store()
+    with pytest.raises(ValueError, match=r"not: table\. A constructor that ignores torch.device\('meta'\)"):
+        offload_model(model, store, init_fn=_init_table)
+    with pytest.raises(ValueError, match=r"init_fn\(<root>\) \(_LegacyTable\) left table .*unwritten"):
+        offload_model(model, store, init_fn=lambda m: None, real_parameters="initialize")
+    assert store.keys() == [] and model.proj.weight.is_meta and torch.equal(model.table, torch.full((4, 8), 3.0))
+    off = offload_model(model, store, init_fn=_init_table, real_parameters="initialize")
+    assert torch.equal(off.read_param("table"), torch.full((4, 8), 0.5))
+    assert torch.isfinite(model(torch.ones(1, 8))).all()
+    off.remove()
+    with torch.device("meta"):
+        kept = _LegacyTable()
+    with torch.no_grad():
+        kept.table.fill_(2.0)
+    off = offload_model(kept, make_store(), init_fn=_init_table, real_parameters="keep")
+    assert torch.equal(off.read_param("table"), torch.full((4, 8), 2.0))
+    with pytest.raises(ValueError, match="real_parameters='all': choose one of 'initialize', 'keep'"):
+        offload_model(torch.nn.Linear(2, 2), make_store(), real_parameters="all")
+
+
 class _HalfInit(torch.nn.Linear):
     def reset_parameters(self):  # writes half the weight and not the bias
         torch.nn.init.ones_(self.weight[:2])
