@@ -36,7 +36,6 @@ parameters is an error naming them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import torch
 from torch import nn
@@ -89,8 +88,8 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None,
                 adopt: Callable[[nn.Parameter], Callable[[], None]] | None = None) -> list[nn.Parameter]:
     """Give ``module``'s own meta parameters and buffers CPU memory and initialize them, as its constructor would
     have (see [Note: Building on the meta device]); returns the parameters given memory here (with
-    ``initialize_real``, its parameters not on meta too, initialized in their memory: see [Note: Real parameters
-    in a model built on meta]).
+    ``initialize_real``, its real parameters too, as if on meta: see [Note: Real parameters in a model built on
+    meta]).
 
     ``done``: id of a parameter met before -> (the meta one, the one with memory), so that a tied one stays one
     object; ``undo``: functions that put the model back as it was given, run last first by :func:`unmaterialize`.
@@ -109,13 +108,8 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None,
                 undo.append(_putter(module._parameters, name, p))
                 module._parameters[name] = done[id(p)][1]
             continue
-        if not p.is_meta:
-            if initialize_real and _initializes_real(module):  # its values replaced; a copy puts them back on failure
-                undo.append(partial(_copy_back, p, p.detach().clone()))
-                done[id(p)] = (p, p)
-                fresh.append(p)
-                fresh_names.append(name)
-            continue
+        if not p.is_meta and not (initialize_real and _initializes_real(module)):
+            continue  # a real one is given new memory as a meta one is, and kept as it was for a failure
         new = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
         if in_place:
             torch.utils.swap_tensors(p, new)  # p has the memory now, new the meta tensor
@@ -273,11 +267,6 @@ def _initializes_real(module: nn.Module) -> bool:
     parametrization's originals are its parametrized module's to initialize)."""
     return not isinstance(module, parametrize.ParametrizationList) and any(
         p is not None and not p.is_meta for p in module._parameters.values())
-
-
-def _copy_back(p: torch.Tensor, old: torch.Tensor) -> None:
-    with torch.no_grad():
-        p.copy_(old)
 
 
 def _putter(slots: dict, name: str, old: object) -> Callable[[], None]:
