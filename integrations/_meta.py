@@ -64,7 +64,7 @@ def check_meta(model: nn.Module, init_fn: Callable[[nn.Module], None] | None,
     if real and real_parameters is None:
         raise ValueError(
             f"the model is on the meta device but {len(real)} of its parameters are not: {', '.join(real[:4])}"
-            f"{', ...' if len(real) > 4 else ''}. A constructor that ignores torch.device('meta') (torch."
+            f"{f' and {len(real) - 4} more' if len(real) > 4 else ''}. A constructor that ignores torch.device('meta') (torch."
             f"FloatTensor(size), torch.Tensor(size): XLNet's attention builds its weights so) makes them of "
             f"uninitialized memory, which would be trained on. Pass real_parameters='initialize' to initialize them "
             f"with their modules, as the meta ones are (and as to_empty() and reset_parameters() would), or "
