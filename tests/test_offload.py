@@ -1056,10 +1056,11 @@ def test_a_value_computed_from_data_outside_the_forward_is_refused(make_store, r
     off.remove()
 
 
-def _train_beside_resident(ref, model, store, *, width: int, steps: int = 3, **opt_kw) -> OffloadedAdamW:
+def _train_beside_resident(ref, model, store, *, width: int, steps: int = 3, compute_tier: str | None = None,
+                           **opt_kw) -> OffloadedAdamW:
     """Train ``ref`` resident and ``model`` offloaded into ``store`` on the same batches, asserting the same
     parameters after every step; returns the offloaded model's optimizer, open."""
-    off = offload_model(model, store)
+    off = offload_model(model, store, compute_tier=compute_tier)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     opt = OffloadedAdamW(off, lr=1e-2, **opt_kw)
     for step in range(steps):
@@ -1153,17 +1154,23 @@ class _Momentum(torch.nn.Module):
         return self.head(torch.cat([self.q(x), self.k(x)], -1))
 
 
-@pytest.mark.parametrize("how", ["assign-data", "through-data", "detach", "copy"])
-def test_a_momentum_encoder_updated_in_the_forward_trains_as_the_resident_one(make_store, how):
+@pytest.mark.parametrize("how, compute, in_backward", [
+    ("assign-data", "host", False), ("through-data", "host", False), ("detach", "host", False), ("copy", "host", False),
+    ("through-data", "host", True), ("through-data", "device", False), ("through-data", "device", True),
+], ids=["assign-data", "through-data", "detach", "copy", "through-data-in-backward", "through-data-device",
+        "through-data-device-in-backward"])
+def test_a_momentum_encoder_updated_in_the_forward_trains_as_the_resident_one(make_store, how, compute, in_backward):
     """Inside the forward, ``.data`` and ``detach()`` of a parameter no running module holds fetch it (outside
     they are meta tensors), and a write through ``.data``, which no version counter sees, is kept: the key
-    encoder's weights cycle through the drive between steps, so a lost write would show."""
+    encoder's weights cycle through the drive between steps, so a lost write would show. The query encoder's
+    parameters, read through ``.data`` and so marked changed after each hold, still get their updates (stepped
+    in backward too, and computing in the device tier, where the copy held is not the one updated)."""
     torch.manual_seed(0)
     ref = _Momentum(how)
     model = copy.deepcopy(ref)
     start = ref.k[0].weight.detach().clone()
-    store = make_store(host_budget_bytes="128KiB", device_budget_bytes="64KiB")
-    opt = _train_beside_resident(ref, model, store, width=64)
+    store = make_store(host_budget_bytes="256KiB", device_budget_bytes="192KiB")
+    opt = _train_beside_resident(ref, model, store, width=64, step_in_backward=in_backward, compute_tier=compute)
     assert not torch.equal(model.state_dict()["k.0.weight"], start), "the key encoder never moved"
     assert store.stats_dict()["bytes_read_nvme"] > 0
     opt.close()
