@@ -683,7 +683,7 @@ class OffloadedModel(OffloadedParameters):
         self._one_pass_at_a_time()
         self._settle_failed_backward()
         if not self._in_backward():  # not a forward rerun inside backward (checkpointing)
-            self._release_all()  # holds left by a forward (or a load_state_dict) that raised
+            self._clear_pass()  # what a forward that raised (or a load_state_dict, or Ctrl-C) left
             self._loading.clear()
             self._hook_gradients()
             if not self._steps.forward():  # see [Note: Several forwards, one backward]
@@ -705,6 +705,14 @@ class OffloadedModel(OffloadedParameters):
         if torch._C._current_graph_task_id() != -1:
             return
         self._settle_failed_backward()
+        self._clear_pass()
+        if self._forward_thread == threading.get_ident():
+            self._forward_thread, self._forward_depth = None, 0
+
+    def _clear_pass(self) -> None:
+        """Let go of what a pass left that no hook ended: its running units (a module called on its own and
+        stopped by Ctrl-C leaves them too: the model's next forward clears them), its saved-tensor hooks, its
+        holds."""
         self._running.clear()
         hooks, self._saved_hooks = self._saved_hooks, None
         if hooks is not None:
@@ -712,8 +720,6 @@ class OffloadedModel(OffloadedParameters):
             if top is not None and top[0] == self._pack:  # another context may have popped it on its way out
                 hooks.__exit__(None, None, None)
         self._release_all()
-        if self._forward_thread == threading.get_ident():
-            self._forward_thread, self._forward_depth = None, 0
 
     def _one_pass_at_a_time(self) -> None:
         """[Note: One pass at a time] Forward and backward share the holds, the
