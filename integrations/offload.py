@@ -496,6 +496,8 @@ class OffloadedModel(OffloadedParameters):
         self.backwards_failed = 0  # backward passes that raised (an optimizer stepping in backward asks)
         self._storage_owner: dict[int, _Param] = {}  # data_ptr of a held copy's storage -> its parameter
         self._saved_hooks: Any = None
+        self._saved_hooks_thread = 0
+        self._stale_hooks: dict[int, Any] = {}  # thread -> hooks a stopped pass left pushed there (see _clear_pass)
         # The thread in the model's forward (how deep), and the one whose backward runs: see [Note: One pass at
         # a time].
         self._forward_thread: int | None = None
@@ -711,14 +713,19 @@ class OffloadedModel(OffloadedParameters):
 
     def _clear_pass(self) -> None:
         """Let go of what a pass left that no hook ended: its running units (a module called on its own and
-        stopped by Ctrl-C leaves them too: the model's next forward clears them), its saved-tensor hooks, its
-        holds."""
+        stopped by Ctrl-C leaves them too: the model's next forward clears them), its saved-tensor hooks (popped
+        from their thread's stack when that thread next runs the model: the interrupted one is the main thread,
+        and the next forward may come from another), its holds."""
         self._running.clear()
         hooks, self._saved_hooks = self._saved_hooks, None
-        if hooks is not None:
+        if hooks is not None:  # pushed on its thread's stack of hooks: only that thread can pop them
+            self._stale_hooks[self._saved_hooks_thread] = hooks
+        me = threading.get_ident()
+        if me in self._stale_hooks:
             top = torch._C._autograd._top_saved_tensors_default_hooks(False)
             if top is not None and top[0] == self._pack:  # another context may have popped it on its way out
-                hooks.__exit__(None, None, None)
+                self._stale_hooks[me].__exit__(None, None, None)
+            del self._stale_hooks[me]
         self._release_all()
 
     def _one_pass_at_a_time(self) -> None:
@@ -768,6 +775,7 @@ class OffloadedModel(OffloadedParameters):
         if not self._running and not in_backward and torch.is_grad_enabled() and self._saved_hooks is None:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
+            self._saved_hooks_thread = threading.get_ident()
         self._running.append((group, in_backward))
         return in_backward
 
@@ -801,6 +809,8 @@ class OffloadedModel(OffloadedParameters):
         return self._storage_owner.get(t.untyped_storage().data_ptr())
 
     def _pack(self, t: torch.Tensor) -> Any:
+        if self._saved_hooks is None:  # left pushed by a pass stopped by Ctrl-C in a thread that did not clear it
+            return t
         sp = self._held_param_of(t)
         if sp is None:
             return t

@@ -671,6 +671,10 @@ def test_a_forward_stopped_by_ctrl_c_leaves_nothing_held(make_store):
     thread.start()
     thread.join(30)
     assert result and torch.equal(result[0], ref(torch.ones(1, 64)))
+    # The stopped pass's saved-tensor hooks are this thread's to pop: its next forward of the model does.
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    assert torch.equal(model(torch.ones(1, 64)), ref(torch.ones(1, 64)))
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     opt.close()
 
 
