@@ -157,10 +157,11 @@ class OffloadedParameterError(RuntimeError):
 # ---- the parameter class ----------------------------------------------------------------
 _T = torch.Tensor
 # Functions that read no values of a tensor (metadata, hooks, storage identity): an unheld parameter passes
-# them through.
+# them through. Not ``untyped_storage()``: its placeholder's storage has a size and no memory, so a write into
+# it, or a tensor made on it with ``set_()``, would crash the process; it is fetched or refused as a read is.
 _NO_READ = frozenset({
     _T.size, _T.dim, _T.numel, _T.nelement, _T.stride, _T.element_size, _T.is_floating_point, _T.is_complex,
-    _T.is_signed, _T.is_contiguous, _T.storage_offset, _T.untyped_storage, _T.data_ptr,
+    _T.is_signed, _T.is_contiguous, _T.storage_offset, _T.data_ptr,
     _T.requires_grad_, _T.register_hook, _T.register_post_accumulate_grad_hook, _T.is_shared, _T.get_device,
     _T._is_view, _T.__len__, _T.__hash__, _T.__dir__, _T.__setstate__, torch._has_compatible_shallow_copy_type,
     # A parameter among the ``inputs`` of a backward is the leaf to differentiate for, not a value read.

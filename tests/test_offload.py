@@ -161,6 +161,8 @@ def test_remove_restores_module(make_store):
             p.data.sum().item()
         with pytest.raises(OffloadedParameterError, match=f"copy.deepcopy read .*{name}.*read_param"):
             copy.deepcopy(p)  # torch's would copy the meta .data: a copy with no values
+        with pytest.raises(OffloadedParameterError, match=f"untyped_storage read .*{name}"):
+            p.untyped_storage()  # a storage with no memory: a write into it, or a tensor set_() on it, crashed
         assert "offloaded" in repr(p)
     assert not any(m._backward_pre_hooks or m._backward_hooks for m in model.modules())
     model.to("cpu")  # a conversion that changes nothing reads nothing
