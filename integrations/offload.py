@@ -69,8 +69,9 @@ encoder updated inside the forward (``pk.data.mul_(m).add_(pq.data, alpha=1
 - m)``, as MoCo's and BYOL's code does). Taking it fetches the parameter on
 demand (see [Note: Reads of an offloaded parameter]), and since a write
 through ``.data`` moves no version counter, such a parameter is marked
-changed at the end of every hold from then on: a write never made costs one
-write home of it per step, a write lost would change the model silently.
+changed at the end of every hold from then on: a write never made costs a
+write home of it after each hold, a write lost would change the model
+silently.
 
 [Note: Holding a parameter] Holds are counted: one per forward of a unit that
 holds it (released by the forward post-hook) and at most one for backward
