@@ -548,6 +548,33 @@ def test_a_step_stopped_by_a_failed_update_finishes_when_called_again(make_store
     _assert_same_parameters(model, ref)
 
 
+def test_a_step_stopped_by_ctrl_c_names_it_and_finishes_when_called_again(make_store, monkeypatch):
+    """A KeyboardInterrupt has no message: the part-way error names its type (it read "()" before)."""
+    ref, model, data = _tiny_pair()
+    train_resident(ref, data, 2)
+    opt = OffloadedAdamW(offload_model(model, make_store(host_budget_bytes="384KiB")), lr=1e-3, weight_decay=0.01)
+    _train(model, data, 1, opt)
+    real = _adamw.adamw_update
+
+    def interrupted(param, exp_avg, exp_avg_sq, grad, step, hyper):
+        if param.shape == (256, 64):
+            monkeypatch.setattr(_adamw, "adamw_update", real)
+            raise KeyboardInterrupt
+        real(param, exp_avg, exp_avg_sq, grad, step, hyper)
+
+    x, y = data.batch(1, 8)
+    F.cross_entropy(model(x), y).backward()
+    monkeypatch.setattr(_adamw, "adamw_update", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    with pytest.raises(RuntimeError, match=r"not yet \(KeyboardInterrupt\)\. Call opt.step\(\) again"):
+        model(x)
+    opt.step()
+    opt.wait()
+    opt.close()
+    _assert_same_parameters(model, ref)
+
+
 def test_step_twice_with_the_same_gradients_is_refused(make_store):
     _, model, data = _tiny_pair()
     off = offload_model(model, make_store())
