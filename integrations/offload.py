@@ -227,8 +227,8 @@ class _OffloadedParameter(nn.Parameter):
     def __deepcopy__(self, memo: dict) -> nn.Parameter:
         """A copy of its values, fetched on demand in the model's forward or backward; elsewhere refused (torch's
         would clone the meta tensor ``.data`` gives there: a copy with no values)."""
-        sp = self._tierstore
-        if sp.holds or sp.owner.fetch_on_demand(sp):  # held: of its own class again
+        sp = self._tierstore  # unheld: a held parameter is of its own class, and never reaches here
+        if sp.owner.fetch_on_demand(sp):  # held now, and of its own class again
             return sp.original_class.__deepcopy__(self, memo)
         raise OffloadedParameterError(_read_message("copy.deepcopy", sp))
 
@@ -1228,10 +1228,9 @@ class _WrappedForward:
             output = None
             try:
                 output = forward(*args, **kwargs)
-            except Exception:
-                raise
-            except BaseException:
-                owner._stopped_by_interrupt()
+            except BaseException as e:
+                if group is None and not isinstance(e, Exception):  # the model's own: a unit's ends in finally
+                    owner._stopped_by_interrupt()
                 raise
             finally:
                 if group is not None:

@@ -355,7 +355,10 @@ class TierPool:
 
     def copy_into_viewed(self, label: str, src: torch.Tensor, nbytes: int) -> None:
         """Copy the first ``nbytes`` of ``src`` into the freed buffers that held ``label`` and are kept for its
-        views (under the lock: none is reused meanwhile)."""
+        views (under the lock: none is reused meanwhile). On every hold of an offloaded model: nothing to do, and
+        no lock taken, until a buffer was first kept for a view."""
+        if not self.viewed_frees:
+            return
         with self._lock:
             for b in self._fenced:
                 if b.label == label and b.capacity >= nbytes and b.kept_for_views():
