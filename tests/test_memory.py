@@ -158,3 +158,37 @@ def test_buffers_never_overlap_and_stay_within_budget(ops, odd_bytes):
         assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
     for buf, value in live:  # no buffer was written through another
         assert bool((buf.data == value).all())
+
+
+def _smaps_field(address: int, name: str) -> str | None:
+    """The /proc/self/smaps field ``name`` of the mapping holding ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith(name + ":"):
+                return line.split(":", 1)[1].strip()
+    return None
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return None
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
+def test_arenas_of_plain_memory_ask_for_huge_pages():
+    pool = _pool(16 * 1024 * KIB, 8 * 1024 * KIB)
+    buf = pool.try_alloc(4 * 1024 * KIB)
+    assert buf is not None
+    start = buf.data.data_ptr()
+    assert start % (2 * 1024 * KIB) == 0  # the arena starts on a huge page
+    assert _smaps_field(start, "THPeligible") == "1"
+    small = aligned_empty(64 * KIB)  # less than a huge page: a plain page-aligned buffer
+    assert small.data_ptr() % PAGE_BYTES == 0

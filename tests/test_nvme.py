@@ -1,7 +1,10 @@
 """The I/O engine on its own: extents of private swap files, reads and writes by block, checksums, space."""
 
+import gc
 import os
 import stat
+import threading
+import time
 
 import pytest
 import torch
@@ -105,3 +108,32 @@ def test_a_closed_engine_refuses_transfers(tmp_path):
     assert engine.closed
     with pytest.raises(TierIOError, match="closed"):
         engine.write(ext, aligned_empty(4096), label="late")
+
+
+def _io_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("tierstore-io")]
+
+
+def test_close_finishes_queued_blocks_and_ends_the_io_threads(tmp_path):
+    before = set(_io_threads())
+    engine = _engine(tmp_path, queue_depth=3, io_threads=8, block_size_bytes="4KiB")
+    ext = engine.allocate(256 * 1024)  # 64 blocks queued for 3 threads
+    fut = engine.write(ext, _bytes(ext.length, 5), label="queued")
+    assert len(set(_io_threads()) - before) == 3  # min(io_threads, queue_depth): the calls in flight at most
+    engine.close()
+    assert fut.done() and fut.result() == ext.length
+    assert not set(_io_threads()) - before
+
+
+def test_an_engine_dropped_without_close_lets_its_threads_go(tmp_path):
+    before = set(_io_threads())
+    engine = _engine(tmp_path)
+    ext = engine.allocate(4096)
+    engine.write(ext, _bytes(4096, 6), label="t").result()
+    assert set(_io_threads()) - before
+    del engine, ext
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while set(_io_threads()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not set(_io_threads()) - before

@@ -121,8 +121,9 @@ def _make_and_reclaim(base: str, n: int) -> int:
             _ownership.reclaim_swap(base)
             directory, fd = _ownership.make_swap_directory(base)
             failures += not os.path.isdir(directory)
-            _ownership.unlock(directory, fd)
+            # Removed before its lock is let go, as a store does: once unlocked it is anyone's to reclaim.
             shutil.rmtree(directory)
+            _ownership.unlock(directory, fd)
         except OSError:
             failures += 1
     return failures

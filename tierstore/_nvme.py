@@ -9,20 +9,31 @@ length of the syscall, so a handful of Python threads keep as many requests
 in flight as an async I/O library would, and read this machine's disk as fast
 as fio does. Each transfer is split into ``block_size_bytes`` blocks that the
 threads issue independently, at most ``queue_depth`` at a time.
+
+[Note: The cost of a block] Every block is a job for one of a fixed set of
+I/O threads, taken from a ``queue.SimpleQueue``: a ThreadPoolExecutor's
+submit (a Future, a work item and an idle-semaphore probe per call) and a
+semaphore around each call cost more CPU than the syscall's own user time
+(profiled: the executor's semaphore alone was the largest own time of a
+read), and so did a lock per counter. The threads are
+``min(io_threads, queue_depth)``, which is the bound on calls in flight, and
+each block takes the stats' lock twice.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import queue
 import shutil
 import signal
+import sys
 import threading
 import time
 import warnings
 import weakref
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import psutil
@@ -97,6 +108,56 @@ except ImportError:
     _checksum = zlib.crc32
 
 
+class _IoWorkers:
+    """A fixed set of daemon threads running queued jobs ``(fn, *args)`` in order (see [Note: The cost of a
+    block]); started at the first job. A job must not raise (a block's errors go to its transfer's future)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._started: list[threading.Thread] = []
+        self._stopped = False
+        self._lock = threading.Lock()
+        # An engine dropped without close() lets its threads go (they hold the queue, not the engine).
+        weakref.finalize(self, _stop_workers, self._jobs, self.threads)
+
+    def put(self, job: tuple) -> None:
+        if self._stopped:
+            raise RuntimeError("the I/O threads were stopped")
+        if len(self._started) < self.threads:
+            with self._lock:
+                while len(self._started) < self.threads:
+                    t = threading.Thread(target=_work, args=(self._jobs,), daemon=True,
+                                         name=f"tierstore-io_{len(self._started)}")
+                    t.start()
+                    self._started.append(t)
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        """Run what is queued, then end the threads and wait for them."""
+        with self._lock:
+            self._stopped = True
+            started = list(self._started)
+        _stop_workers(self._jobs, len(started))
+        for t in started:
+            if t is not threading.current_thread():
+                t.join()
+
+
+def _work(jobs: queue.SimpleQueue) -> None:
+    while (job := jobs.get()) is not None:
+        try:
+            job[0](*job[1:])
+        except BaseException:  # a job reports its errors itself; the thread must go on serving the others
+            sys.excepthook(*sys.exc_info())
+        del job  # its buffers and future are not kept alive while the thread waits
+
+
+def _stop_workers(jobs: queue.SimpleQueue, n: int) -> None:
+    for _ in range(n):
+        jobs.put(None)
+
+
 def _cleanup(directory: str, fds: list[int]) -> None:
     # The files go before the lock is let go (the first fd): no other store may reclaim a half-removed directory.
     shutil.rmtree(directory, ignore_errors=True)
@@ -166,8 +227,7 @@ class NvmeEngine:
         self._lock = threading.Lock()
         self.used_bytes = 0
         self.peak_used_bytes = 0
-        self._inflight = threading.BoundedSemaphore(config.queue_depth)
-        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierstore-io")
+        self._workers = _IoWorkers(min(config.io_threads, config.queue_depth))
         self._closed = False
 
     def _probe_direct(self) -> bool:
@@ -290,9 +350,10 @@ class NvmeEngine:
         batch = _Batch(Future(), len(blocks), label, time.perf_counter(), [None] * len(blocks))
         if write:
             ext.checksums = None
+        queued = time.perf_counter()
         for i, off in enumerate(blocks):
             n = min(self.block_size, ext.length - off)
-            self._pool.submit(self._run_block, batch, ext, mv[off:off + n], off, i, write, time.perf_counter())
+            self._workers.put((self._run_block, batch, ext, mv[off:off + n], off, i, write, queued))
         return batch.future
 
     def _run_block(self, batch: _Batch, ext: Extent, mv: memoryview, off: int, index: int,
@@ -300,22 +361,22 @@ class NvmeEngine:
         err: BaseException | None = None
         try:
             if batch.error is None:
-                with self._inflight:
-                    self.stats.add("queue_wait_seconds", time.perf_counter() - queued)
-                    if write:
-                        if self.config.verify_checksums:
-                            batch.checksums[index] = _checksum(mv)
-                        with self.stats.busy("write"):
-                            self._io_all(self._sys.pwritev, ext, mv, off, batch.label, "write")
-                    else:
-                        with self.stats.busy("read"):
-                            self._io_all(self._sys.preadv, ext, mv, off, batch.label, "read")
-                        if self.config.verify_checksums and ext.checksums is not None \
-                                and _checksum(mv) != ext.checksums[index]:
-                            raise IntegrityError(
-                                f"{batch.label}: checksum mismatch in {ext.path} at byte "
-                                f"{ext.offset + off} ({len(mv)} bytes); the swap data is corrupt"
-                            )
+                if write and self.config.verify_checksums:
+                    batch.checksums[index] = _checksum(mv)
+                what = "write" if write else "read"
+                self.stats.io_begins(what, time.perf_counter() - queued)
+                calls = 0
+                try:
+                    calls = self._io_all(self._sys.pwritev if write else self._sys.preadv, ext, mv, off,
+                                         batch.label, what)
+                finally:
+                    self.stats.io_ends(what, calls)
+                if not write and self.config.verify_checksums and ext.checksums is not None \
+                        and _checksum(mv) != ext.checksums[index]:
+                    raise IntegrityError(
+                        f"{batch.label}: checksum mismatch in {ext.path} at byte "
+                        f"{ext.offset + off} ({len(mv)} bytes); the swap data is corrupt"
+                    )
         except BaseException as e:  # surfaced on the future, never only logged
             err = e
         with batch.lock:
@@ -326,11 +387,12 @@ class NvmeEngine:
         if last:
             self._finish(batch, ext, write)
 
-    def _io_all(self, call, ext: Extent, mv: memoryview, off: int, label: str, what: str) -> None:
-        done = 0
+    def _io_all(self, call, ext: Extent, mv: memoryview, off: int, label: str, what: str) -> int:
+        """Move all of ``mv``; returns the syscalls it took."""
+        done = calls = 0
         total = len(mv)
         while done < total:
-            self.stats.add("io_calls")
+            calls += 1
             try:
                 n = call(ext.file.fd, [mv[done:]], ext.offset + off + done)
             except OSError as e:
@@ -345,6 +407,7 @@ class NvmeEngine:
                     f"{done} of {total} bytes transferred"
                 )
             done += n
+        return calls
 
     def _finish(self, batch: _Batch, ext: Extent, write: bool) -> None:
         seconds = time.perf_counter() - batch.started
@@ -374,7 +437,7 @@ class NvmeEngine:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
+        self._workers.stop()  # after the blocks queued before
         self._finalizer()
 
     @property

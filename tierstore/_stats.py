@@ -51,21 +51,23 @@ class StoreStats:
             }
             self._busy: dict[str, tuple[int, float]] = {}  # "read"/"write" -> (calls in flight, since when)
 
-    @contextlib.contextmanager
-    def busy(self, what: str) -> Iterator[None]:
-        """An I/O call of kind ``what`` ("read" or "write") is in flight: the seconds during which at least one
-        is count as ``{what}_busy_seconds``, so bytes over them is the drive's rate, however many overlap."""
+    def io_begins(self, what: str, queued_seconds: float) -> None:
+        """An I/O call of kind ``what`` ("read" or "write") starts after ``queued_seconds`` in the queue: the
+        seconds during which at least one is in flight count as ``{what}_busy_seconds``, so bytes over them is the
+        drive's rate, however many overlap. One lock for all of it: this runs for every block."""
         with self._lock:
+            self._counters["queue_wait_seconds"] += queued_seconds
             n, since = self._busy.get(what, (0, 0.0))
             self._busy[what] = (n + 1, time.perf_counter() if n == 0 else since)
-        try:
-            yield
-        finally:
-            with self._lock:
-                n, since = self._busy[what]
-                self._busy[what] = (n - 1, since)
-                if n == 1:
-                    self._counters[f"{what}_busy_seconds"] += time.perf_counter() - since
+
+    def io_ends(self, what: str, calls: int) -> None:
+        """The call :meth:`io_begins` counted is done, after ``calls`` syscalls."""
+        with self._lock:
+            self._counters["io_calls"] += calls
+            n, since = self._busy[what]
+            self._busy[what] = (n - 1, since)
+            if n == 1:
+                self._counters[f"{what}_busy_seconds"] += time.perf_counter() - since
 
     def add_transfer(self, src: Tier, dst: Tier, nbytes: int, seconds: float, label: str | None = None) -> None:
         """A finished transfer of ``nbytes`` that took ``seconds`` (ending now, on this thread)."""
