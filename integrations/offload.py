@@ -1345,6 +1345,12 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | s
     if compute_tier is not None and Tier.parse(compute_tier) is Tier.NVME:
         raise ValueError("compute_tier='nvme': modules run on memory; choose 'device' or 'host'")
     check_options(prefetch_depth, placement)
+    scripted = [name or "the model" for name, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
+    if scripted:
+        raise TypeError(
+            f"{scripted[0]!r} is a TorchScript module (torch.jit.script or torch.jit.trace): its forward runs in "
+            "TorchScript, where no hook runs to fetch an offloaded parameter. Offload the eager module, and script "
+            "it for inference after training")
     state = OffloadedModel(
         model, store,
         prefetch_depth=cfg.prefetch_depth if prefetch_depth is None else prefetch_depth,

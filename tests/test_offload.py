@@ -597,6 +597,18 @@ def test_torch_compile_is_refused(make_store):
         torch.compile(model)(torch.randn(2, 8))
 
 
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")  # torch.jit.script is deprecated
+def test_a_torchscript_module_is_refused_before_anything_moves(make_store):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.jit.script(torch.nn.Linear(8, 2)))
+    before = [p.detach().clone() for p in model.parameters()]
+    store = make_store()
+    with pytest.raises(TypeError, match="'1' is a TorchScript module"):
+        offload_model(model, store)
+    assert store.keys() == [] and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    offload_model(model[0], store)  # its eager part offloads as any module
+
+
 _DDP = """
 import sys, torch, torch.distributed as dist
 import tierstore as ts
