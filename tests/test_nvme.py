@@ -137,3 +137,24 @@ def test_an_engine_dropped_without_close_lets_its_threads_go(tmp_path):
     while set(_io_threads()) - before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not set(_io_threads()) - before
+
+
+def test_a_failure_finishing_a_transfer_reaches_its_waiter_and_the_threads_go_on(tmp_path, monkeypatch, capsys):
+    engine = _engine(tmp_path, io_threads=2)
+    try:
+        ext = engine.allocate(4096)
+        engine.write(ext, _bytes(4096, 7), label="t").result()
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("accounting failed")
+
+        monkeypatch.setattr(engine.stats, "add_transfer", broken)
+        with pytest.raises(RuntimeError, match="accounting failed"):
+            engine.read(ext, aligned_empty(4096), label="t").result(timeout=10)
+        monkeypatch.undo()
+        out = aligned_empty(4096)
+        engine.read(ext, out, label="t").result(timeout=10)
+        assert torch.equal(out, _bytes(4096, 7))
+        assert "accounting failed" in capsys.readouterr().err  # the thread said so too
+    finally:
+        engine.close()

@@ -385,7 +385,12 @@ class NvmeEngine:
             batch.remaining -= 1
             last = batch.remaining == 0
         if last:
-            self._finish(batch, ext, write)
+            try:
+                self._finish(batch, ext, write)
+            except BaseException as e:  # the transfer's waiter must hear of it, or it would wait forever
+                if not batch.future.done():
+                    batch.future.set_exception(e)
+                raise
 
     def _io_all(self, call, ext: Extent, mv: memoryview, off: int, label: str, what: str) -> int:
         """Move all of ``mv``; returns the syscalls it took."""
