@@ -41,10 +41,11 @@ MIB = 1024**2
 # when the smallest working set is less. Measured on ViT-large, fp32, batch 8, a third of the state as budget:
 # at depth 4, one run each (A/B against no placement), room 0.15 moved 5.5 GiB a step in 4.33 s, 0.22 5.2 GiB in
 # 3.61 s, 0.3 5.3 GiB in 3.21 s, 0.45 5.6 GiB in 3.42 s (no placement: 6.5 GiB, 4.2-4.6 s). With the depth auto
-# and the I/O threads' CPU cut by half, four models in one process taking steps in turn (three runs, 5-8 steps
-# each, medians): 0.2 moved 5.05-5.07 GiB a step against 0.3's 5.26-5.27, in 3.56/4.15/4.21 s against
-# 3.74/4.04/4.18 (the same within the noise); 0.18 and 0.15 stalled more (4.02 and 4.43 s). Less room moves
-# fewer bytes until too little is left in flight to keep the drive busy.
+# and the I/O threads' CPU cut by half, two to four models in one process taking steps in turn (three runs, 5-8
+# steps each, medians): 0.2 moved 5.05-5.07 GiB a step against 0.3's 5.26-5.27, in 3.56/4.15/4.21 s against
+# 3.74/4.04/4.18 (the same within the noise); 0.18 moved 5.14 GiB and stalled 40% longer than 0.3, 0.15 stalled
+# three times as long and stepped 18% slower. Less room moves fewer bytes until too little is left in flight to
+# keep the drive busy.
 ROOM_SHARE = 0.2
 
 
