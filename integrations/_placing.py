@@ -27,15 +27,17 @@ evaluation loop), which starts its own trial; a trace that comes back
 at once; one seen once (an evaluation forward) keeps what is kept, so a
 one-off step costs no kept copies.
 
-[Note: Auto prefetch depth] The depth is the smallest that gets each use's
-reads done before it starts, given the drive's rate over the last step's
-reads (bytes over the seconds some read was in flight: the rate of the
-drive, not of one transfer waiting behind others) and the compute time
-between uses (the clock given to ``on_use`` stops
-while the training thread stalls, so a stall does not pass for compute); where
-none does (the drive is the bottleneck), as deep as the room left for copies
-in flight allows. It is chosen again each step, so it follows the drive and
-the compute as they change.
+[Note: Auto prefetch depth] The depth is the smallest whose predicted stall
+is within 1% of the step's compute of the least any depth reaches (at least
+2 where uses wait at every depth: the drive is the bottleneck), predicted
+from the drive's rate over the last step's reads (bytes over the seconds some
+read was in flight: the rate of the drive, not of one transfer waiting behind
+others) and the compute time between uses (the clock given to ``on_use`` stops
+while the training thread stalls, so a stall does not pass for compute), up
+to as deep as the room left for copies in flight allows (see
+``tierstore._placement.choose_depth`` and [Note: Not as deep as the room
+allows]). It is chosen again each step, so it follows the drive and the
+compute as they change.
 """
 
 from __future__ import annotations

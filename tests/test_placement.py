@@ -8,6 +8,7 @@ from tierstore._placement import (
     ROOM_SHARE,
     StepTrace,
     choose_depth,
+    predicted_stall,
     layered_trace,
     lower_bound_bytes,
     moved_bytes,
@@ -96,9 +97,27 @@ def test_the_room_is_two_units_and_two_updates_or_a_share_of_the_budget():
     assert room_bytes(1000, largest_unit_bytes=400, largest_update_bytes=400) == 1000
 
 
-def test_depth_is_the_least_that_hides_each_read_else_the_most_allowed():
+def test_depth_is_the_least_that_hides_what_any_depth_can_hide():
     compute = [1.0] * 8
     assert choose_depth([0.0] * 8, compute, max_depth=8) == 1  # nothing to read
     assert choose_depth([0.5] * 8, compute, max_depth=8) == 1  # a read takes half a use's compute
     assert choose_depth([0.0, 0.0, 0.0, 2.5, 0.0, 0.0, 0.0, 0.0], compute, max_depth=8) == 3  # one big read
-    assert choose_depth([2.0] * 8, compute, max_depth=6) == 6  # the drive is the bottleneck: as deep as allowed
+    # The drive is the bottleneck: reading further ahead hides nothing more; one read queued behind another.
+    assert choose_depth([2.0] * 8, compute, max_depth=6) == 2
+    assert choose_depth([2.0] * 8, compute, max_depth=1) == 1
+    # The first uses wait for their reads at every depth (nothing was read ahead of the step): that is no
+    # reason to read as far ahead as allowed (see [Note: Not as deep as the room allows]).
+    reads = [3.0, 3.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]
+    assert len({predicted_stall(reads, compute, d) for d in range(1, 9)}) == 1  # 5 s at every depth
+    assert choose_depth(reads, compute, max_depth=8) == 2
+
+
+def test_predicted_stall_serves_reads_in_order_as_they_are_issued():
+    compute = [1.0, 1.0, 1.0]
+    # depth 1: use 0 waits 2 s for its read; use 1's read, issued as use 0 starts (at 2), is done at 3 = ready.
+    assert predicted_stall([2.0, 1.0, 0.0], compute, 1) == 2.0
+    # use 1's read is issued at once with depth 2, behind use 0's: done at 3, ready at 3.
+    assert predicted_stall([2.0, 1.0, 0.0], compute, 2) == 2.0
+    # a read longer than the compute before it: use 1 ready at 1, its read (issued at 0, behind nothing) at 3.
+    assert predicted_stall([0.0, 3.0, 0.0], compute, 1) == 2.0
+    assert predicted_stall([0.0, 3.0, 0.0], compute, 2) == 2.0  # issued at the step's start either way
