@@ -473,7 +473,7 @@ def test_a_step_stopped_by_an_io_error_finishes_when_called_again(make_store, nv
     ref, _, data = _tiny_pair()
     train_resident(ref, data, 4)
     part_ways = 0
-    for k in (1, 3, 5, 7, 9, 11, 13):  # where a fault lands varies with timing: enough of them land part-way
+    for k in range(1, 27, 2):  # where a fault lands varies with timing: enough of them land part-way
         _, model, _ = _tiny_pair()
         sysc = FaultySyscalls(None)
         store = make_store(host_budget_bytes="384KiB", device_budget_bytes="320KiB", syscalls=sysc)
@@ -506,7 +506,7 @@ def test_a_step_stopped_by_an_io_error_finishes_when_called_again(make_store, nv
         _assert_same_parameters(model, ref)
         off.remove()
         store.close()
-    assert part_ways >= 3  # most faults landed part-way through the step, not only before the first update
+    assert part_ways >= 3  # faults landed part-way through the step, not only before the first update
 
 
 @pytest.mark.parametrize("in_backward", [False, True])
