@@ -597,7 +597,6 @@ def test_torch_compile_is_refused(make_store):
         torch.compile(model)(torch.randn(2, 8))
 
 
-
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")  # torch.jit.script is deprecated
 def test_a_torchscript_module_is_refused_before_anything_moves(make_store):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.jit.script(torch.nn.Linear(8, 2)))

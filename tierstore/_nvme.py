@@ -118,8 +118,9 @@ class _IoWorkers:
         self._started: list[threading.Thread] = []
         self._stopped = False
         self._lock = threading.Lock()
-        # An engine dropped without close() lets its threads go (they hold the queue, not the engine).
-        weakref.finalize(self, _stop_workers, self._jobs, self.threads)
+        # Ends the threads once, at stop() or when an engine dropped without close() goes (they hold the queue,
+        # not the engine).
+        self._end_threads = weakref.finalize(self, _stop_workers, self._jobs, self.threads)
 
     def put(self, job: tuple) -> None:
         if self._stopped:
@@ -138,7 +139,7 @@ class _IoWorkers:
         with self._lock:
             self._stopped = True
             started = list(self._started)
-        _stop_workers(self._jobs, len(started))
+        self._end_threads()
         for t in started:
             if t is not threading.current_thread():
                 t.join()
@@ -350,21 +351,19 @@ class NvmeEngine:
         batch = _Batch(Future(), len(blocks), label, time.perf_counter(), [None] * len(blocks))
         if write:
             ext.checksums = None
-        queued = time.perf_counter()
         for i, off in enumerate(blocks):
             n = min(self.block_size, ext.length - off)
-            self._workers.put((self._run_block, batch, ext, mv[off:off + n], off, i, write, queued))
+            self._workers.put((self._run_block, batch, ext, mv[off:off + n], off, i, write))
         return batch.future
 
-    def _run_block(self, batch: _Batch, ext: Extent, mv: memoryview, off: int, index: int,
-                   write: bool, queued: float) -> None:
+    def _run_block(self, batch: _Batch, ext: Extent, mv: memoryview, off: int, index: int, write: bool) -> None:
         err: BaseException | None = None
         try:
             if batch.error is None:
                 if write and self.config.verify_checksums:
                     batch.checksums[index] = _checksum(mv)
                 what = "write" if write else "read"
-                self.stats.io_begins(what, time.perf_counter() - queued)
+                self.stats.io_begins(what, time.perf_counter() - batch.started)  # queued since submitted
                 calls = 0
                 try:
                     calls = self._io_all(self._sys.pwritev if write else self._sys.preadv, ext, mv, off,
