@@ -58,6 +58,8 @@ from ._contract import OPTIMIZER_PREFIX
 
 MAX_AUTO_DEPTH = 16
 KEEP_BELOW = 0.97  # a placement is kept when its step moved less than this share of the baseline's bytes
+RETRY_AFTER_STEPS = 8  # a dropped placement is tried again after this many steps, twice as many after each drop
+MAX_RETRY_AFTER_STEPS = 1024
 
 
 class Trial(enum.Enum):
@@ -148,6 +150,7 @@ class Placer:
         # differs every step, a mixture of experts, would otherwise grow them without end)
         self._decided: dict[tuple, tuple[Placement | None, str | None]] = {}
         self._seen: dict[tuple, None] = {}
+        self._retry: dict[tuple, tuple[int, int]] = {}  # key -> (the step to try its dropped placement again, drops)
         self._last_key: tuple | None = None  # the trace of the step before
         self._drive_before = self._drive()
         self._sizes: dict[str, int] = {}
@@ -188,7 +191,11 @@ class Placer:
         if key != self._trial_key:
             if self._trial_key is not None and not again:
                 return  # another trace's step during a trial (an evaluation forward): its bytes are not the trial's
-            if key in self._decided:  # a trace seen before (training again after an evaluation)
+            retry = self._retry.get(key)
+            if key in self._decided and again and retry is not None and self.policy.steps >= retry[0]:
+                self._trial_key, self._trial = key, Trial.BASELINE  # its dropped placement is tried again
+                self._set(None)
+            elif key in self._decided:  # a trace seen before (training again after an evaluation)
                 self._trial_key, self._trial = None, Trial.DECIDED
                 placement, self.verdict = self._decided[key]
                 self._set(placement)
@@ -212,9 +219,16 @@ class Placer:
             self._trial = Trial.MEASURED
         elif self._trial is Trial.MEASURED:
             kept = moved < KEEP_BELOW * self._baseline_bytes
-            self._decide(key, self.placement if kept else None,
-                         f"placement {'kept' if kept else 'dropped'}: a step moved {size_text(moved)} with it, "
-                         f"{size_text(self._baseline_bytes)} without")
+            verdict = (f"placement {'kept' if kept else 'dropped'}: a step moved {size_text(moved)} with it, "
+                       f"{size_text(self._baseline_bytes)} without")
+            if kept:
+                self._retry.pop(key, None)
+            else:
+                drops = self._retry.get(key, (0, 0))[1] + 1
+                after = min(MAX_RETRY_AFTER_STEPS, RETRY_AFTER_STEPS * 2 ** (drops - 1))
+                _remember(self._retry, key, (self.policy.steps + after, drops))
+                verdict += f"; tried again after {after} steps"
+            self._decide(key, self.placement if kept else None, verdict)
 
     def _decide(self, key: tuple, placement: Placement | None, verdict: str) -> None:
         self._trial_key, self._trial = None, Trial.DECIDED

@@ -155,6 +155,46 @@ def test_a_placement_that_saves_nothing_is_not_kept(make_store, monkeypatch, mod
     assert off.placement_verdict.startswith(verdict)
 
 
+def test_a_dropped_placement_is_tried_again_later_and_kept_when_it_then_saves_bytes(make_store, monkeypatch):
+    """One trial step measures one moment: a plan it dropped is tried again after RETRY_AFTER_STEPS steps (twice
+    as many after each drop), and kept once a trial step moves fewer bytes; training stays bit-identical."""
+    from tierstore.integrations import OffloadedAdamW
+    from tierstore.integrations import _placing
+
+    monkeypatch.setattr(_placing, "RETRY_AFTER_STEPS", 2)
+    monkeypatch.setattr(_placing, "KEEP_BELOW", 0.0)  # every trial step fails
+    ref, model, data = _tiny_pair()
+    store = make_store(host_budget_bytes=num_params(ref) * 8)
+    ref_losses, _ = train_resident(ref, data, 22)
+    off = offload_model(model, store)
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
+    verdicts, plans, losses = [], [], []
+    for step in range(22):
+        if step == 14:
+            monkeypatch.setattr(_placing, "KEEP_BELOW", 0.97)  # from here a trial step can pass
+        x, y = data.batch(step, 8)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if off.placement_verdict and (not verdicts or verdicts[-1][1] != off.placement_verdict):
+            verdicts.append((step, off.placement_verdict))
+        if off.placement is not None and (not plans or plans[-1] is not off.placement):
+            plans.append(off.placement)
+    opt.close()
+    assert losses == ref_losses
+    _assert_same_parameters(model, ref)
+    dropped = [(step, v) for step, v in verdicts if v.startswith("placement dropped")]
+    # Dropped at the first trial and again at the second, which waited 2 steps; the third waited 4.
+    assert [v.rsplit("; ", 1)[1] for _, v in dropped] == ["tried again after 2 steps", "tried again after 4 steps"]
+    assert dropped[1][0] - dropped[0][0] == 2 + 3  # the wait, then a baseline, settling and measured step
+    assert verdicts[-1][1].startswith("placement kept: a step moved") and verdicts[-1][0] > 14
+    assert off.placement is not None and store.kept("host") == off.placement.resident
+    # Each trial loaded the plan's kept copies (three plans made: two dropped, one kept).
+    assert len(plans) == 3
+
+
 def test_an_evaluation_forward_between_steps_keeps_the_placement(make_store):
     ref, model, data = _tiny_pair()
     store = make_store(host_budget_bytes=num_params(ref) * 8)
