@@ -11,22 +11,6 @@ by the global norm (use the default mode for those). Gradients queued for
 the worker are memory that no tier budget counts, so backward waits (counted
 as stall time) while more than ``max_grad_backlog_bytes`` of them are queued.
 
-[Note: Finishing in the next forward] With ``finish_in_forward=True`` as
-well, ``step()`` does not wait for the updates the worker has not finished:
-it returns, and they go on in the order the next forward uses their
-parameters (the reverse of backward's: the first layers' first), while that
-forward computes and reads ahead. The drive, busy to the end of backward and
-past it, then works on through the forward instead of idling in it. Nothing
-can read a value before its update: the store fences each one's keys (see
-[Note: Fenced keys] in tierstore/_store.py), so a forward's hold of the
-parameter, ``read_param``, ``state_dict()``, a checkpoint or a flush waits
-for it, and the hyper-parameters are those of the groups when ``step()``
-returned (a scheduler's change after it applies from the next step, as with
-torch's AdamW). An update that fails then raises wherever its values are
-read (the forward's hold of its parameter, at the latest), and the model
-refuses to run until ``opt.step()`` is called again, which steps it again
-with the gradient it kept.
-
 [Note: Pipelined step] Parameters are stepped one at a time in a fixed order.
 Before parameter i is computed, the state of the next parameters (up to
 ``readahead_bytes`` of it, by default half the host budget, or half the room a
@@ -47,7 +31,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
@@ -68,24 +51,6 @@ from ._contract import (
     optimizer_key,
 )
 from ._pipeline import StatePipeline, UnrestorableUpdateError, state_keys
-
-
-@dataclass(eq=False)
-class _Update:
-    """One parameter's update handed to the worker of ``step_in_backward``."""
-
-    name: str
-    key: str
-    param: torch.nn.Parameter
-    grad: torch.Tensor | None
-    nbytes: int
-    done: Future = field(default_factory=Future)
-    hyper: tuple | None = None  # the group's hyper-parameters, fixed by a step() that returns before it runs
-    deferred: bool = False  # step() returned before it finished (see [Note: Finishing in the next forward])
-    failed: BaseException | None = None
-
-    def item(self) -> tuple[str, str, torch.nn.Parameter, torch.Tensor | None]:
-        return self.name, self.key, self.param, self.grad
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -114,7 +79,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def __init__(self, offloaded: OffloadedParameters, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, param_groups: list[dict[str, Any]] | None = None,
                  readahead: int | None = None, readahead_bytes: int | str | None = None,
-                 home: Tier | str | None = None, step_in_backward: bool = False, finish_in_forward: bool = False,
+                 home: Tier | str | None = None, step_in_backward: bool = False,
                  max_grad_backlog_bytes: int | str | None = None, maximize: bool = False, amsgrad: bool = False,
                  foreach: bool | None = None, fused: bool | None = None, capturable: bool = False,
                  differentiable: bool = False) -> None:
@@ -127,17 +92,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
                              f"amsgrad would keep a third state tensor per parameter; capturable and differentiable "
                              f"are for CUDA graphs and higher-order optimization): leave them False")
         del foreach, fused  # accepted as torch's AdamW takes them: the update is its own (see the class docstring)
-        if finish_in_forward and not step_in_backward:
-            raise ValueError("finish_in_forward=True lets the updates that step_in_backward=True runs during backward "
-                             "finish during the next forward; pass step_in_backward=True with it")
         if not isinstance(offloaded, OffloadedParameters):
             raise TypeError(f"OffloadedAdamW steps offloaded parameters: pass what offload_model or offload_fsdp "
                             f"returned, not {type(offloaded).__name__}")
-        from .offload import OffloadedModel
-
-        if finish_in_forward and not isinstance(offloaded, OffloadedModel):
-            raise ValueError("finish_in_forward=True is for a model of offload_model; with offload_fsdp leave it "
-                             "False")
         if readahead is None:  # prefetch depth 0 turns off reading ahead, the optimizer's as well
             readahead = 0 if offloaded.policy.depth == 0 else sys.maxsize  # bytes bound it
         if readahead < 0:
@@ -155,7 +112,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._pipeline = StatePipeline(self.store, readahead=readahead, readahead_bytes=(
             (lambda: fixed) if fixed is not None else (lambda: offloaded.readahead_room() or max(1, host // 2))))
         home = Tier.parse(home if home is not None else self.store.config.optimizer_tier)
-        self._step_counts: dict[str, float] = {}  # name -> AdamW's step of its last update (see ``steps``)
+        self.steps: dict[str, float] = {}
         # (name, param key or None for a resident one, param): frozen parameters (requires_grad=False) get no
         # state, as torch's optimizers create none for a parameter that never has a gradient.
         everything = [*offloaded.named_offloaded(), *((name, None, p) for name, p in offloaded.resident.items())]
@@ -211,18 +168,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._pipeline.state_bytes = {name: sum(self.store.info(k)["nbytes"] for k in state_keys(name, key, p))
                                       for name, key, p in self._items}
         self.step_in_backward = step_in_backward
-        self.finish_in_forward = finish_in_forward
-        self._early: dict[str, _Update] = {}  # key -> update started in this backward
-        self._queue: list[tuple] = []  # (name, key, param, grad) step() steps itself, in order
+        self._early: dict[str, Future] = {}  # key -> update started in backward
+        self._queue: list[tuple] = []  # (name, key, param, grad) in the order they are stepped
         self._done = 0  # how many of the queue are stepped
-        # The worker's updates still to run, in order, and the one running: see [Note: Finishing in the next
-        # forward] for how step() reorders them.
-        self._pending: list[_Update] = []
-        self._running_update: _Update | None = None
-        self._deferred: list[_Update] = []  # what the last step() left to finish
-        self._deferred_failed: list[_Update] = []  # ... that failed: the next step() steps them again
+        self._futures: list[Future] = []  # of the queue's updates started in backward
         self._backlog_bytes = 0  # of gradients queued and not yet consumed
-        self._lock = threading.Lock()  # the worker's queue, the backlog, an update's hyper-parameters and outcome
+        self._backlog_lock = threading.Lock()
         # name -> (the gradient its last update applied, that gradient's version), and why the last step()
         # stopped part-way: see [Note: A step that stops part-way].
         self._applied: dict[str, tuple[weakref.ref, int]] = {}
@@ -233,7 +184,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if step_in_backward:
             self._by_key = {key: (name, key, p) for name, key, p in self._items if key is not None}
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="tierstore-adamw")
-            self._worker_ident = self._worker.submit(threading.get_ident).result()  # the owner of its fences
             offloaded.grad_ready_callbacks.append(self._on_grad_ready)
             if hasattr(offloaded, "grad_read_guards"):  # param.grad of an offloaded parameter asks it
                 offloaded.grad_read_guards.append(self._gradients_taken)
@@ -333,13 +283,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return n
 
     def _queued(self) -> dict[str, int]:
-        """Store keys of the parameters still to be stepped -> their place in the queue: the worker's, then
-        step()'s own. Asked by eviction under the store's lock: it reads without taking the optimizer's."""
-        running, pending, queue, done = self._running_update, list(self._pending), self._queue, self._done
-        names = [u.name for u in (running, *pending) if u is not None] + [item[0] for item in queue[done:]]
+        """Store keys of the parameters still to be stepped -> their place in the queue."""
+        queue, done = self._queue, self._done
         out: dict[str, int] = {}
-        for pos, name in enumerate(names):
-            out.update(dict.fromkeys(self._use_keys.get(name, ()), pos))
+        for pos, item in enumerate(queue[done:]):
+            out.update(dict.fromkeys(self._use_keys.get(item[0], ()), pos))
         return out
 
     def _thawed_message(self, names: list[str]) -> str:
@@ -365,9 +313,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         # Backward waits while the gradients queued before this one exceed the backlog bound.
         if self._backlog_bytes > self.max_grad_backlog_bytes:
             t0 = time.perf_counter()
-            while self._backlog_bytes > self.max_grad_backlog_bytes and (oldest := self._oldest_update()):
+            while self._backlog_bytes > self.max_grad_backlog_bytes and self._done < len(self._futures):
                 try:
-                    oldest.done.exception(timeout=0.05)
+                    self._futures[self._done].exception(timeout=0.05)
                 except FutureTimeoutError:
                     # The worker waits for host memory that backward holds: backward goes on (and releases
                     # it), the backlog over its bound for a while, rather than both waiting for each other.
@@ -375,17 +323,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
                         break
             self.store.stats.add_wait(t0, time.perf_counter(), key="gradient backlog")
         nbytes = grad.numel() * grad.element_size() if grad is not None else 0
-        update = _Update(name, key_, p, grad, nbytes)
-        with self._lock:
+        with self._backlog_lock:
             self._backlog_bytes += nbytes
-            self._pending.append(update)
-        self._early[key] = update
-        self._worker.submit(self._step_next)
-
-    def _oldest_update(self) -> _Update | None:
-        """The worker's update that runs now, or else the next, or None."""
-        running, pending = self._running_update, self._pending
-        return running if running is not None else (pending[0] if pending else None)
+        self._queue.append((name, key_, p, grad))
+        future = self._worker.submit(self._step_ready, len(self._queue) - 1, nbytes)
+        self._futures.append(future)
+        self._early[key] = future
 
     def _gradients_taken(self) -> str | None:
         """Why no gradient may be read now: since the last step() a backward has handed its gradients to the
@@ -397,59 +340,22 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 "would clip nothing). Clip with step_in_backward=False (off.clip_grad_norm_), or read gradients "
                 "after opt.step() with step_in_backward=False")
 
-    def _step_next(self) -> None:
-        """The worker's next update (one job a gradient; the order is the queue's when the job starts)."""
-        with self._lock:
-            update = self._pending.pop(0)
-            self._running_update = update
-            upcoming = [u.item() for u in (update, *self._pending)]
+    def _step_ready(self, i: int, nbytes: int) -> None:
+        self._worker_ident = threading.get_ident()
+        # Read ahead in the worker's order, within readahead_bytes: reads issued for every gradient as
+        # it arrives would overflow the host tier and evict each other before use.
+        ready = self._queue
         try:
-            # Read ahead in the worker's order, within readahead_bytes: reads issued for every gradient as
-            # it arrives would overflow the host tier and evict each other before use.
             with self.store.stats.background():
-                self._pipeline.read_ahead(upcoming, 0)
-                self._timed_step(update.name, update.key, update.param, update.grad, lambda: self._hyper_of(update))
-            self.offloaded.grads.pop(update.key, None)  # consumed: its memory goes now, not at zero_grad()
-            update.grad = None
-        except BaseException as e:
-            with self._lock:  # deferred or not is decided under the lock step() defers under
-                update.failed = e
-                deferred = update.deferred
-            if deferred:
-                self._failed_after_step(update, e)
-            update.done.set_exception(update.failed)
-        else:
-            update.done.set_result(None)
+                self._pipeline.read_ahead(ready, i)
+                name, key, p, grad = ready[i]
+                self._timed_step(name, key, p, grad)
+            ready[i] = (name, key, p, None)
+            self.offloaded.grads.pop(key, None)  # consumed: its memory goes now, not at zero_grad()
         finally:
-            with self._lock:
-                self._backlog_bytes -= update.nbytes
-                self._running_update = None
-
-    def _hyper_of(self, update: _Update) -> tuple:
-        """The hyper-parameters of ``update``: fixed when a step() returned before it ran, else its group's now."""
-        with self._lock:
-            return update.hyper if update.hyper is not None else self._hyper(update.name)
-
-    def _failed_after_step(self, update: _Update, error: BaseException) -> None:
-        """An update step() left to finish failed (see [Note: Finishing in the next forward]): its fence raises
-        this, and the model refuses to run until step() steps it again."""
-        why = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-        if isinstance(error, UnrestorableUpdateError):
-            update.failed = error  # the model is broken for good (the pipeline said so)
-            return
-        message = (f"the AdamW update of {update.name!r}, which step() left to finish during the next forward, "
-                   f"failed ({why}); its parameter and state keep the values of before it. Call opt.step() "
-                   f"again: it steps it again with the gradient it kept; until then forward, reads of that "
-                   f"parameter, zero_grad() and checkpoints refuse")
-        failure = RuntimeError(message)
-        failure.__cause__ = error
-        update.failed = failure
-        with self._lock:
-            self._deferred_failed.append(update)
-        if self._unfinished is None:
-            self._unfinished = message
-        if not self.offloaded.broken:
-            self.offloaded.broken = message
+            with self._backlog_lock:
+                self._backlog_bytes -= nbytes
+            self._done = i + 1
 
     def close(self) -> None:
         """Stop the worker of ``step_in_backward`` (after the updates in flight) and detach from the model."""
@@ -543,22 +449,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         early, self._early = self._early, {}
         self._backwards_failed = getattr(self.offloaded, "backwards_failed", 0)
         t0 = time.perf_counter()  # the training loop waits here for I/O-bound work: stall time
-        last, self._deferred = self._deferred, []
-        for update in last:  # what the last step() left to finish (its failures are in _deferred_failed)
-            update.done.exception()
-        if self.finish_in_forward and early and self._defer(list(early.values())):
-            errors: list[BaseException | None] = []
-            updated = len(early)
-        else:
-            errors = [u.done.exception() for u in early.values()]  # waits for the updates started in backward
-            updated = sum(err is None for err in errors)  # by this step so far
-        self._queue, self._done = [], 0
+        errors = [f.exception() for f in early.values()]  # waits for the updates started in backward
+        self._queue, self._done, self._futures = [], 0, []
+        updated = sum(err is None for err in errors)  # by this step so far
         try:
-            updated += self._retry_failed()
             previous = self._pipeline.take_previous()
             for h in previous:
                 h.wait()
-            if early or previous or last:
+            if early or previous:
                 self.store.stats.add_wait(t0, time.perf_counter(), key="optimizer")
             for err in errors:
                 if err is not None:
@@ -589,54 +487,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._unfinished = None
         self._pipeline.end_step()
 
-    def _defer(self, updates: list[_Update]) -> bool:
-        """Leave those of ``updates`` not done yet to finish during the next forward, in its order, their keys
-        fenced and their hyper-parameters fixed now (see [Note: Finishing in the next forward]); False, deferring
-        nothing, when one of them has failed already (step() then waits for all and raises, as without it)."""
-        mine = set(updates)
-        with self._lock:
-            if any(u.failed is not None for u in updates):
-                return False
-            self._pending.reverse()  # backward's order, reversed: the next forward's
-            left = [u for u in (self._running_update, *self._pending) if u is not None and u in mine]
-            for u in left:
-                u.deferred = True
-                u.hyper = self._hyper(u.name)
-        for u in left:  # a change done by now lifts its fence at once
-            self.store.fence(self._use_keys[u.name], u.done, owner=self._worker_ident)
-        self._deferred = left
-        return True
-
-    def _retry_failed(self) -> int:
-        """Step again, here, the updates a step() left to finish that failed; how many. On a failure again
-        the rest stay fenced (their reads raise) and it raises."""
-        with self._lock:
-            failed, self._deferred_failed = self._deferred_failed, []
-        for i, update in enumerate(failed):
-            self.store.unfence(self._use_keys[update.name])
-            try:
-                self._timed_step(update.name, update.key, update.param, update.grad, lambda u=update: u.hyper)
-            except BaseException:
-                for rest in failed[i:]:
-                    fenced: Future = Future()
-                    fenced.set_exception(rest.failed or RuntimeError(f"the update of {rest.name!r} failed"))
-                    self.store.fence(self._use_keys[rest.name], fenced, owner=0)  # no thread is 0: all wait
-                with self._lock:
-                    self._deferred_failed[:0] = failed[i:]
-                raise
-            if self.offloaded.grads.get(update.key) is update.grad:
-                self.offloaded.grads.pop(update.key)
-            update.grad = None
-        return len(failed)
-
-    def _finish_deferred(self) -> None:
-        """Wait for the updates the last step() left to finish; raise the first that failed."""
-        if threading.get_ident() == self._worker_ident:
-            return
-        for update in list(self._deferred):
-            if (error := update.done.exception()) is not None:
-                raise error
-
     def _stopped_part_way(self, updated: int, error: BaseException) -> None:
         """[Note: A step that stops part-way] An update that fails (a read of
         its state, say) leaves that parameter as it was, but those updated
@@ -659,37 +509,22 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if not self.offloaded.broken:
             self.offloaded.broken = self._unfinished
 
-    def _timed_step(self, name: str, key: str | None, p: torch.nn.Parameter, grad: torch.Tensor,
-                    hyper: Callable[[], tuple] | None = None) -> None:
-        """One parameter's update through the pipeline (a timeline span when one is recorded); ``hyper`` gives
-        its hyper-parameters (by default its group's, read once its state is in memory)."""
-        step = self._step_counts.get(name, 0.0) + 1.0
+    def _timed_step(self, name: str, key: str | None, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """One parameter's update through the pipeline (a timeline span when one is recorded)."""
+        step = self.steps.get(name, 0.0) + 1.0
         timeline = self.store.timeline
         with timeline.span(f"adamw {name}", "optimizer") if timeline is not None else contextlib.nullcontext():
             try:
-                self._pipeline.update(name, key, p, grad, step, hyper or (lambda: self._hyper(name)))
+                self._pipeline.update(name, key, p, grad, step, lambda: self._hyper(name))
             except UnrestorableUpdateError as e:  # no later step or forward may use the half-updated values
                 self.offloaded.broken = str(e)
                 raise
-        self._step_counts[name] = step
+        self.steps[name] = step
         self._applied[name] = (weakref.ref(grad), grad._version)
 
     def wait(self) -> None:
-        """Wait for the updates the last step() left to finish (``finish_in_forward``) and the write-behind of
-        the last step; raises the first failure (the data stays in memory)."""
-        self._finish_deferred()
+        """Wait for the write-behind of the last step; raises the first failure (the data stays in memory)."""
         self._pipeline.wait()
-
-    @property
-    def steps(self) -> dict[str, float]:
-        """Parameter name -> AdamW's step count of its last update (once the updates a step() left to finish
-        are done)."""
-        self._finish_deferred()
-        return self._step_counts
-
-    @steps.setter
-    def steps(self, value: dict[str, float]) -> None:
-        self._step_counts = dict(value)
 
     def _hyper(self, name: str) -> tuple:
         """(lr, betas, eps, weight_decay, maximize) of the parameter's group now: read once per update, so a scheduler

@@ -110,7 +110,6 @@ class TierStore:
         self._state = state = StoreState(config, self.stats, device, pools, engine)
         self._room = Room(state, start_writeback=lambda entry: self._transfers.start_writeback(entry))
         self._transfers = Transfers(state, self._room, max(2, config.io_threads // 2))
-        self._fences: dict[str, tuple[Future, int]] = {}  # key -> (the change it waits for, the changing thread)
 
     # ---- put, get, release -------------------------------------------------------------
     def put(self, key: str, tensor: torch.Tensor, home: Tier | str = Tier.NVME) -> Handle:
@@ -163,8 +162,6 @@ class TierStore:
         state = self._state
         state.check_open()
         tier = _memory_tier(tier)
-        if self._fenced(key):  # its get waits for the change (see [Note: Fenced keys])
-            return Handle(done_future(), key, tier)
         with state.lock:
             entry = state.lookup(key)
             copy = entry.copies.get(tier)
@@ -193,7 +190,6 @@ class TierStore:
         state.check_open()
         tier = _memory_tier(tier)
         start = time.perf_counter()
-        self._wait_fence(key, tier)
         with state.lock:
             entry = state.lookup(key)
             self.stats.add("get_calls")
@@ -262,7 +258,6 @@ class TierStore:
         """Say that the held copy in ``tier`` was modified; it is written back before it is dropped."""
         state = self._state
         tier = Tier.parse(tier)
-        self._wait_fence(key)
         with state.lock:
             entry = state.lookup(key)
             if entry.nbytes == 0:
@@ -280,7 +275,6 @@ class TierStore:
     def write_back(self, key: str) -> Handle:
         """Start writing the newest bytes of ``key`` to its home tier."""
         self._state.check_open()
-        self._wait_fence(key)
         with self._state.lock:
             entry = self._state.lookup(key)
             fut = self._transfers.start_writeback(entry)
@@ -290,7 +284,6 @@ class TierStore:
         """The write-back of ``key`` in flight (a done handle when none): wait on it before changing the copy it
         reads, without starting one."""
         self._state.check_open()
-        self._wait_fence(key)
         with self._state.lock:
             entry = self._state.lookup(key)
             fut = entry.writeback
@@ -305,12 +298,9 @@ class TierStore:
         return reported
 
     def flush(self) -> None:
-        """Write every dirty copy back to its home tier and wait; raises the first failure (also of a fenced
-        change, which it waits for first)."""
+        """Write every dirty copy back to its home tier and wait; raises the first failure."""
         state = self._state
         state.check_open()
-        for key in list(self._fences):
-            self._wait_fence(key)
         with state.lock:
             while True:
                 # None when home is current; the one in flight if any
@@ -328,7 +318,6 @@ class TierStore:
         """Drop the cached copy of ``key`` in ``tier``, writing it back first if it is dirty."""
         self._state.check_open()
         tier = Tier.parse(tier)
-        self._wait_fence(key)
         with self._state.lock:
             entry = self._state.lookup(key)
             if tier is entry.home:
@@ -336,11 +325,10 @@ class TierStore:
             self._transfers.evict(entry, tier)
 
     def drop(self, key: str) -> None:
-        """Remove ``key`` and free every copy, discarding unwritten changes (and a fence on it)."""
+        """Remove ``key`` and free every copy, discarding unwritten changes."""
         self._state.check_open()
         with self._state.lock:
             self._state.drop_entry(self._state.lookup(key))
-            self._fences.pop(key, None)
 
     def undo_puts(self, handles: list[Handle]) -> None:
         """Take back what the puts of ``handles`` registered (their writes finished or failed): what a
@@ -350,54 +338,6 @@ class TierStore:
                 h.wait()
             if self.contains(h.key):
                 self.drop(h.key)
-
-    # ---- fences ------------------------------------------------------------------------
-    def fence(self, keys: Iterable[str], change: Future, *, owner: int) -> None:
-        """[Note: Fenced keys] ``keys`` are being changed by thread ``owner``
-        (an optimizer's update that goes on after its ``step()`` returned):
-        until ``change`` completes, any other thread's get, read, mark_dirty,
-        write_back, writing or evict of one of them waits for it, and raises
-        its error if it failed (the values would be neither before nor after
-        the change); flush() waits for every fence; a prefetch of one is
-        skipped (the get after it waits). A completed change lifts its fence; a
-        failed one stays until :meth:`unfence` (a retry that succeeded) or
-        drop(). The owner's own calls pass."""
-        keys = list(keys)
-        with self._state.lock:
-            for key in keys:
-                self._state.lookup(key)
-                self._fences[key] = (change, owner)
-
-        def lift(done: Future) -> None:
-            if done.exception() is None:
-                self.unfence(keys, done)
-
-        change.add_done_callback(lift)
-
-    def unfence(self, keys: Iterable[str], change: Future | None = None) -> None:
-        """Lift the fences on ``keys`` (only those of ``change``, if given)."""
-        with self._state.lock:
-            for key in keys:
-                fence = self._fences.get(key)
-                if fence is not None and (change is None or fence[0] is change):
-                    del self._fences[key]
-
-    def _fenced(self, key: str) -> bool:
-        fence = self._fences.get(key)
-        return fence is not None and fence[1] != threading.get_ident()
-
-    def _wait_fence(self, key: str, tier: Tier | None = None) -> None:
-        """Wait for a fenced change of ``key`` (see [Note: Fenced keys]), counted as stall time."""
-        fence = self._fences.get(key)
-        if fence is None or fence[1] == threading.get_ident():
-            return
-        start = time.perf_counter()
-        try:
-            error = fence[0].exception()
-        finally:
-            self.stats.add_wait(start, time.perf_counter(), key=key, **({"tier": tier.label} if tier else {}))
-        if error is not None:
-            raise error
 
     # ---- what is there -----------------------------------------------------------------
     def contains(self, key: str) -> bool:
