@@ -14,6 +14,13 @@ The drive is measured before the first round and after every round, and the
 fastest mix is used; a step that moved its bytes faster still (its bytes over
 its whole time) raises the rate to that. The bound is then one the drive
 has shown it can reach in this run, and overlap efficiency cannot pass 1.
+
+[Note: A sample is steps in a row] A step's last writes go on after its
+``step()`` returns, into the next step of its model. Models taking single
+steps in turn let those writes run inside another model's step, where they
+were counted for neither (their bytes fell between the model's own
+windows) and slowed the other. So a sample is STEPS_PER_SAMPLE steps of one
+model in a row and the wait for its last writes, divided by their number.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ MIB = 1024**2
 # Before the timed rounds: the trace-recording step, a placement's trial (three steps), and the step after its
 # verdict (a dropped placement writes its kept copies home then).
 WARMUP_STEPS = 5
+STEPS_PER_SAMPLE = 2  # see [Note: A sample is steps in a row]
 
 
 class _MasterAdamW:
@@ -115,7 +123,9 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
         # See WARMUP_STEPS (and integrations/_placing.py).
         for step in range(WARMUP_STEPS - 1):
             measure_step(model, store, opt, data, batch_size, step, dtype=torch_dtype)
-        return measure_step(model, store, opt, data, batch_size, WARMUP_STEPS - 1, dtype=torch_dtype)
+        last = measure_step(model, store, opt, data, batch_size, WARMUP_STEPS - 1, dtype=torch_dtype)
+        opt.wait()  # its writes belong to the warm-up, not to the first sample
+        return last
 
     # With placement_ab, the deepest numeric depth again without a placement (same run, alternating).
     numeric = [d for d in depths if isinstance(d, int)]
@@ -144,7 +154,8 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
             order = ["serial", *rows_keys] if r % 2 == 0 else [*reversed(rows_keys), "serial"]
             samples["resident"].append(_resident_step(resident, data, batch_size, r + 2, ropt, torch_dtype))
             for d in order:
-                samples[d].append(_offloaded_step(*setups[d], data, batch_size, r + WARMUP_STEPS, torch_dtype))
+                samples[d].append(_offloaded_sample(*setups[d], data, batch_size,
+                                                    WARMUP_STEPS + r * STEPS_PER_SAMPLE, torch_dtype))
             drive_once()
         plans = {key: off.placement for key, off in offloads.items()}
         tried = {key: off.placer.tried for key, off in offloads.items()}
@@ -154,7 +165,8 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
             model, store, opt = setups[traced]
             timeline = store.record_timeline()
             assert timeline is not None
-            _offloaded_step(model, store, opt, data, batch_size, rounds + WARMUP_STEPS, torch_dtype)
+            _offloaded_sample(model, store, opt, data, batch_size, WARMUP_STEPS + rounds * STEPS_PER_SAMPLE,
+                              torch_dtype, steps=1)
             store.record_timeline(False)
             n_events = timeline.write_chrome_trace(trace_path)
     finally:
@@ -332,6 +344,9 @@ class _NoOverlap:
         self.opt.step()
         self.opt.wait()
 
+    def wait(self) -> None:
+        self.opt.wait()
+
     def zero_grad(self) -> None:
         self.opt.zero_grad()
 
@@ -339,10 +354,19 @@ class _NoOverlap:
         self.opt.close()
 
 
-def _offloaded_step(model, store, opt, data, batch_size: int, step: int,
-                    dtype: torch.dtype = torch.float32) -> tuple[float, float, int]:
-    row = measure_step(model, store, opt, data, batch_size, step, dtype=dtype)
-    return row["step_s"], row["stall_s"], row["read_bytes"] + row["written_bytes"]
+def _offloaded_sample(model, store, opt, data, batch_size: int, first_step: int, dtype: torch.dtype = torch.float32,
+                      steps: int = STEPS_PER_SAMPLE) -> tuple[float, float, float]:
+    """Seconds, stall seconds and drive bytes per step over ``steps`` steps in a row and the wait for the last
+    one's writes (see [Note: A sample is steps in a row])."""
+    before = store.stats_dict()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        measure_step(model, store, opt, data, batch_size, first_step + i, dtype=dtype)
+    opt.wait()
+    seconds = time.perf_counter() - t0
+    after = store.stats_dict()
+    moved = sum(after[k] - before[k] for k in ("bytes_read_nvme", "bytes_written_nvme"))
+    return seconds / steps, (after["stall_seconds"] - before["stall_seconds"]) / steps, moved / steps
 
 
 def check_plotting() -> None:
