@@ -9,7 +9,8 @@ from tierstore.integrations import OffloadedAdamW, offload_model
 from tierstore.tools.vit import PRESETS, SyntheticImages, ViT
 
 
-def _train(model, data, steps, opt):
+def _train(model, data, steps, opt, after_step=None):
+    """``steps`` steps; their losses. ``after_step(step)`` is called after each."""
     losses = []
     for step in range(steps):
         x, y = data.batch(step, 8)
@@ -18,6 +19,8 @@ def _train(model, data, steps, opt):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+        if after_step is not None:
+            after_step(step)
     return losses
 
 

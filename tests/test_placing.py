@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from _training import _assert_same_parameters, _tiny_pair, train_offloaded, train_resident
+from _training import _assert_same_parameters, _tiny_pair, _train, train_offloaded, train_resident
 
 from tierstore.integrations import offload_model
 from tierstore.integrations._placing import AUTO_START_DEPTH
@@ -168,20 +168,17 @@ def test_a_dropped_placement_is_tried_again_later_and_kept_when_it_then_saves_by
     ref_losses, _ = train_resident(ref, data, 22)
     off = offload_model(model, store)
     opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
-    verdicts, plans, losses = [], [], []
-    for step in range(22):
-        if step == 14:
-            monkeypatch.setattr(_placing, "KEEP_BELOW", 0.97)  # from here a trial step can pass
-        x, y = data.batch(step, 8)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    verdicts, plans = [], []
+
+    def record(step):
         if off.placement_verdict and (not verdicts or verdicts[-1][1] != off.placement_verdict):
             verdicts.append((step, off.placement_verdict))
         if off.placement is not None and (not plans or plans[-1] is not off.placement):
             plans.append(off.placement)
+        if step == 13:
+            monkeypatch.setattr(_placing, "KEEP_BELOW", 0.97)  # from here a trial step can pass
+
+    losses = _train(model, data, 22, opt, after_step=record)
     opt.close()
     assert losses == ref_losses
     _assert_same_parameters(model, ref)
