@@ -475,6 +475,43 @@ CASES = {
 }
 
 
+def _hf(model: str, config: str, **kw: Any) -> Callable[[], nn.Module]:
+    """A builder of transformers' ``model`` from its ``config`` with ``kw``."""
+    return lambda: getattr(transformers, model)(getattr(transformers, config)(**kw))
+
+
+_LM = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+       "intermediate_size": 112, "max_position_embeddings": 64}
+_CLASSES = {"num_labels": 10, "image_size": 32}
+# Attention variants (ALiBi, parallel blocks, soft-capping, sliding windows, sparse and pooled attention) and
+# vision backbones of convolutions and attention.
+CASES.update({
+    "falcon": Case(_hf("FalconForCausalLM", "FalconConfig", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                       num_attention_heads=4), _tokens, _causal_lm),
+    "bloom": Case(_hf("BloomForCausalLM", "BloomConfig", vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4),
+                  _tokens, _causal_lm),
+    "gpt-neox": Case(_hf("GPTNeoXForCausalLM", "GPTNeoXConfig", **_LM), _tokens, _causal_lm),
+    "gemma2": Case(_hf("Gemma2ForCausalLM", "Gemma2Config", **_LM, num_key_value_heads=2, head_dim=16),
+                   _tokens, _causal_lm),
+    "mistral-sliding": Case(_hf("MistralForCausalLM", "MistralConfig", **_LM, num_key_value_heads=2,
+                                sliding_window=4), _tokens, _causal_lm),
+    "longformer": Case(_hf("LongformerForMaskedLM", "LongformerConfig", **_LM, attention_window=4), _tokens,
+                       _masked_lm),
+    "funnel": Case(_hf("FunnelForMaskedLM", "FunnelConfig", vocab_size=VOCAB, d_model=64, n_head=4, d_head=16,
+                       d_inner=112, block_sizes=[1, 1], num_decoder_layers=1), _tokens, _masked_lm),
+    "dinov2": Case(_hf("Dinov2ForImageClassification", "Dinov2Config", **_CLASSES, patch_size=8, hidden_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2), _pixels_and_labels, _model_loss),
+    "swinv2": Case(_hf("Swinv2ForImageClassification", "Swinv2Config", **_CLASSES, patch_size=4, embed_dim=16,
+                       depths=[1, 1], num_heads=[2, 2], window_size=4), _pixels_and_labels, _model_loss),
+    "segformer": Case(_hf("SegformerForImageClassification", "SegformerConfig", num_labels=10, num_encoder_blocks=2,
+                          depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], num_attention_heads=[1, 2],
+                          patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2]), _pixels_and_labels, _model_loss),
+    "mobilevit": Case(_hf("MobileViTForImageClassification", "MobileViTConfig", **_CLASSES,
+                          hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64]),
+                      _pixels_and_labels, _model_loss),
+})
+
+
 # ---- vision models: torchvision and timm, where installed (`bash .ci/run conformance`) ----------------------
 def _images(step: int, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(2000 + step)

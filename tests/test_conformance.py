@@ -34,8 +34,9 @@ def test_mha_without_default_units_learns_out_proj(nvme_dir):
     assert seen["off"].stats.reads_learned >= 4
 
 
-def test_step_in_backward(nvme_dir):
-    check_bit_identical(CASES["llama-untied"], nvme_dir, step_in_backward=True)
+@pytest.mark.parametrize("name", ["llama-untied", "falcon", "gemma2", "longformer", "swinv2", "mobilevit"])
+def test_step_in_backward(name, nvme_dir):
+    check_bit_identical(CASES[name], nvme_dir, step_in_backward=True)
 
 
 def _checkpointed(reentrant: bool):
