@@ -1,8 +1,9 @@
 """`tierstore bench step`: offloaded step time at several prefetch depths against the resident step and the bound.
 
 bound = max(resident forward and backward, bytes moved per step / drive GB/s),
-both measured in the same run (see [Note: The compute in the bound]), the drive's GB/s for the step's own mix of reads and writes
-(they share the drive: here a mix runs well below reads or writes alone);
+both measured in the same run (see [Note: The compute in the bound]), the
+drive's GB/s for the step's own mix of reads and writes (they share the
+drive: here a mix runs well below reads or writes alone);
 overlap efficiency = bound / offloaded step. Depths are run in alternating
 order over rounds and medians are reported.
 
