@@ -308,11 +308,12 @@ def run_budget_sweep(*, preset: str, batch_size: int, depths: list[int], nvme_pa
         f"backward, bytes / drive)")
     log("'bound MiB': the planner's lower bound on bytes per step at that budget")
     log(f"{'budget':>8} {'host MiB':>9} {'depth':>6} {'step s':>8} {'MiB/step':>9} {'bound MiB':>9} {'resident s':>10} "
-        f"{'bound s':>8} {'overlap':>8}")
+        f"{'fwd+bwd s':>9} {'bound s':>8} {'overlap':>8}")
     for r in rows:
         lower = f"{r['lower_bound_bytes'] / MIB:.1f}" if r["lower_bound_bytes"] is not None else "-"
         log(f"{'1/' + str(r['divisor']):>8} {r['host_budget_bytes'] / MIB:>9.1f} {r['depth']:>6} {r['step_s']:>8.3f} "
-            f"{r['bytes_per_step'] / MIB:>9.1f} {lower:>9} {r['resident_step_s']:>10.3f} {r['bound_s']:>8.3f} "
+            f"{r['bytes_per_step'] / MIB:>9.1f} {lower:>9} {r['resident_step_s']:>10.3f} "
+            f"{r['resident_compute_s']:>9.3f} {r['bound_s']:>8.3f} "
             f"{r['overlap_efficiency']:>8.2f}  {r['placement_verdict'] or ''}")
     return {"preset": preset, "params": n, "state_bytes": state, "dtype": dtype, "batch_size": batch_size,
             "sweep": rows}
