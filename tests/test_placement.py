@@ -8,11 +8,11 @@ from tierstore._placement import (
     ROOM_SHARE,
     StepTrace,
     choose_depth,
-    predicted_stall,
     layered_trace,
     lower_bound_bytes,
     moved_bytes,
     plan_placement,
+    predicted_stall,
     room_bytes,
 )
 
