@@ -33,8 +33,10 @@ class UnrestorableUpdateError(RuntimeError):
 class StatePipeline:
     """Read-ahead, update, write-behind over one store."""
 
-    def __init__(self, store: TierStore, *, readahead: int, readahead_bytes: Callable[[], int]) -> None:
+    def __init__(self, store: TierStore, *, readahead: int, readahead_bytes: Callable[[], int],
+                 impl: str = "single") -> None:
         self.store = store
+        self.impl = impl  # which of torch's AdamW implementations (see [Note: Which AdamW])
         self.readahead = readahead
         self.readahead_bytes = readahead_bytes  # asked at each read-ahead: the room may change with the placement
         self.state_bytes: dict[str, int] = {}  # name -> bytes of its state (what read-ahead counts)
@@ -76,7 +78,7 @@ class StatePipeline:
         exp_avg, exp_avg_sq = held[keys[0]], held[keys[1]]
         param = p.data if master_key is None else held[master_key]
         try:
-            _adamw.adamw_update(param, exp_avg, exp_avg_sq, grad, step, hyper())
+            _adamw.adamw_update(param, exp_avg, exp_avg_sq, grad, step, hyper(), self.impl)
         except BaseException as e:
             # The error's frames keep their views of the state alive, which keeps that memory from being reused
             # (see [Note: A freed buffer still viewed]): nothing reads them again.

@@ -18,9 +18,10 @@ placement leaves for copies in flight, and ``readahead``
 parameters if given; none where the model's prefetch depth is 0) is already
 being read into the host tier; after it is computed its state is
 marked dirty and a write-back is started at once, so the drive writes
-parameter i while the CPU computes i+1. The arithmetic is that of
-torch.optim.AdamW with foreach=False, operation for operation, so fp32
-training is bit-identical to it.
+parameter i while the CPU computes i+1. The arithmetic is torch.optim.AdamW's
+own, with the implementation its ``foreach``/``fused`` flags choose (see
+[Note: Which AdamW] in _adamw.py), so fp32 training is bit-identical to it
+given the same flags.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from torch import nn
 from tierstore import Tier, TierStore, parse_bytes
 from tierstore._memory import TierPool
 
+from . import _adamw
 from ._adamw import HYPER, check_hyper
 from ._contract import (
     OPTIMIZER_STATE,
@@ -65,10 +67,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
     torch.optim's parameter groups do: a list of dicts, each with ``"params"``
     (parameter names or the model's parameters) and any of ``lr``, ``betas``,
     ``eps``, ``weight_decay``, ``maximize``; parameters in no group form a last
-    group with the keyword defaults. The update is torch.optim.AdamW's
-    single-tensor one (``foreach=False``) operation for operation, ``maximize``
-    included; ``foreach`` and ``fused`` are accepted, so that code written for
-    torch's AdamW runs, and change nothing; ``amsgrad``, ``capturable`` and
+    group with the keyword defaults. The update is torch.optim.AdamW's own
+    (``maximize`` included), with the implementation its flags choose for CPU
+    tensors: the single-tensor one by default, the multi-tensor one with
+    ``foreach=True``, the fused kernel with ``fused=True`` (one pass over the
+    state, several times faster here); each is bit-identical to
+    torch.optim.AdamW given the same flag, and their results differ from each
+    other in the last bits, as torch's do. ``amsgrad``, ``capturable`` and
     ``differentiable`` must be False. It is a ``torch.optim.Optimizer``, so learning-rate
     schedulers drive it through ``param_groups``; its state lives in the store
     (read it with :meth:`state_dict`), not in ``self.state``.
@@ -91,7 +96,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             raise ValueError(f"OffloadedAdamW does not support {', '.join(unsupported)} (torch.optim.AdamW's "
                              f"amsgrad would keep a third state tensor per parameter; capturable and differentiable "
                              f"are for CUDA graphs and higher-order optimization): leave them False")
-        del foreach, fused  # accepted as torch's AdamW takes them: the update is its own (see the class docstring)
+        impl = _adamw.impl_of(foreach, fused)
         if not isinstance(offloaded, OffloadedParameters):
             raise TypeError(f"OffloadedAdamW steps offloaded parameters: pass what offload_model or offload_fsdp "
                             f"returned, not {type(offloaded).__name__}")
@@ -110,7 +115,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         # leaves for copies in flight bounds them instead (see integrations/_placing.py).
         fixed = None if readahead_bytes is None else self._positive_bytes(readahead_bytes, 1, "readahead_bytes")
         self._pipeline = StatePipeline(self.store, readahead=readahead, readahead_bytes=(
-            (lambda: fixed) if fixed is not None else (lambda: offloaded.readahead_room() or max(1, host // 2))))
+            (lambda: fixed) if fixed is not None else (lambda: offloaded.readahead_room() or max(1, host // 2))),
+            impl=impl)
         home = Tier.parse(home if home is not None else self.store.config.optimizer_tier)
         self.steps: dict[str, float] = {}
         # (name, param key or None for a resident one, param): frozen parameters (requires_grad=False) get no
@@ -613,7 +619,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def __repr__(self) -> str:
         groups = ", ".join(f"({len(g['params'])} params: " + ", ".join(f"{k}={g[k]}" for k in HYPER) + ")"
                            for g in self.param_groups)
-        return f"OffloadedAdamW({groups})"
+        flag = {"single": "", "foreach": ", foreach=True", "fused": ", fused=True"}[self._pipeline.impl]
+        return f"OffloadedAdamW({groups}{flag})"
 
 
 class OffloadedGradScaler(torch.amp.GradScaler):

@@ -47,8 +47,10 @@ def _seeded(fn: Callable[[], Any], seed: int) -> Any:
 
 def check_bit_identical(case: Case, nvme_path: str, *, steps: int = 3, step_in_backward: bool = False,
                         prepare: Callable[[torch.nn.Module], None] | None = None,
-                        units: Any = None, host_budget_fraction: float | None = None) -> dict[str, Any]:
-    """Train resident and offloaded; assert every figure equal; return what the offloaded run saw."""
+                        units: Any = None, host_budget_fraction: float | None = None,
+                        adamw_flags: dict[str, bool] | None = None) -> dict[str, Any]:
+    """Train resident and offloaded; assert every figure equal; return what the offloaded run saw.
+    ``adamw_flags`` (``foreach``/``fused``) go to both optimizers."""
     if host_budget_fraction is None:
         host_budget_fraction = case.host_budget_fraction
     ref = _seeded(case.build, 0)
@@ -68,8 +70,9 @@ def check_bit_identical(case: Case, nvme_path: str, *, steps: int = 3, step_in_b
     try:
         kw = {} if units is None else {"units": units}
         off = offload_model(model, store, **kw)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
-        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=step_in_backward)
+        flags = adamw_flags or {}
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, **({"foreach": False} | flags))
+        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=step_in_backward, **flags)
         try:
             for step in range(steps):
                 batch = case.batch(step)

@@ -39,6 +39,13 @@ def test_step_in_backward(name, nvme_dir):
     check_bit_identical(CASES[name], nvme_dir, step_in_backward=True)
 
 
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
+@pytest.mark.parametrize("name", ["llama-untied", "bert", "hf-vit", "torch-recurrent"])
+def test_fused_adamw(name, in_backward, nvme_dir):
+    """OffloadedAdamW(fused=True) against torch.optim.AdamW(fused=True): torch's fused kernel, bit for bit."""
+    check_bit_identical(CASES[name], nvme_dir, step_in_backward=in_backward, adamw_flags={"fused": True})
+
+
 def _checkpointed(reentrant: bool):
     def prepare(model):
         kwargs = {"use_reentrant": reentrant}

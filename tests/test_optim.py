@@ -27,12 +27,12 @@ def _fail_fc1_update_half_way(monkeypatch):
     its first moment, then fails; returns the real update."""
     real = _adamw.adamw_update
 
-    def failing(param, exp_avg, exp_avg_sq, grad, step, hyper):
+    def failing(param, exp_avg, exp_avg_sq, grad, step, hyper, impl):
         if param.shape == (256, 64):
             param.add_(1.0)
             exp_avg.add_(1.0)
             raise RuntimeError("update failed")
-        real(param, exp_avg, exp_avg_sq, grad, step, hyper)
+        real(param, exp_avg, exp_avg_sq, grad, step, hyper, impl)
 
     monkeypatch.setattr(_adamw, "adamw_update", failing)
     return real
@@ -150,8 +150,10 @@ def test_tensors_larger_than_an_update_slice_are_bit_identical(make_store, monke
         assert torch.equal(ours[name]["exp_avg_sq"], ropt.state[p]["exp_avg_sq"]), name
 
 
-def test_sliced_update_matches_whole_tensor_operations():
-    """The update over slices gives the bits of each operation run over the whole tensor, bf16 gradients too."""
+@pytest.mark.parametrize("impl", _adamw.IMPLS)
+def test_sliced_update_matches_whole_tensor_operations(impl):
+    """The update over slices gives the bits of the whole tensor's update, bf16 gradients too, for each of torch's
+    implementations (the fused kernel's scalar tail included: sizes that are no multiple of its vector width)."""
     _SLICE, _WHOLE_MAX = _adamw.SLICE, _adamw.WHOLE_MAX
     hyper = (3e-4, (0.9, 0.95), 1e-8, 0.1, False)  # lr, betas, eps, weight_decay, maximize
     g = torch.Generator().manual_seed(3)
@@ -162,8 +164,8 @@ def test_sliced_update_matches_whole_tensor_operations():
         grad = torch.randn(n, generator=g).to(grad_dtype)
         sliced, whole = [t.clone() for t in base], [t.clone() for t in base]
         for step in (1.0, 2.0, 7.0):
-            _adamw.adamw_update(*sliced, grad, step, hyper)
-            _adamw.adamw_slice(*whole, grad.float(), step, hyper)
+            _adamw.adamw_update(*sliced, grad, step, hyper, impl)
+            _adamw.adamw_slice(*whole, grad.float(), step, hyper, impl)
         for a, b in zip(sliced, whole):
             assert torch.equal(a, b)
 
@@ -240,23 +242,28 @@ def test_parameter_groups_and_a_scheduler_match_torch(make_store, in_backward):
     assert saved[0]["params"] == no_decay and saved[0]["initial_lr"] == 1e-3
 
 
+@pytest.mark.parametrize("flags", [{}, {"foreach": True}, {"fused": True}], ids=["single", "foreach", "fused"])
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
-def test_maximize_and_torch_adamw_keywords_match_torch(make_store, in_backward):
+def test_maximize_and_torch_adamw_keywords_match_torch(make_store, in_backward, flags):
     """Code written for torch.optim.AdamW ports unchanged: ``maximize`` (for all, or one group) climbs the
-    gradient as torch's does, bit for bit; ``foreach``/``fused`` change nothing; what it cannot do is refused."""
+    gradient as torch's does, and ``foreach``/``fused`` choose torch's implementation, bit for bit with torch
+    given the same flag (the three differ from each other); what it cannot do is refused."""
     ref, model, data = _tiny_pair()
     heads = [n for n, _ in ref.named_parameters() if n.startswith("head")]
     ropt = torch.optim.AdamW([{"params": [p for n, p in ref.named_parameters() if n not in heads]},
                               {"params": [p for n, p in ref.named_parameters() if n in heads], "maximize": False}],
-                             lr=1e-3, maximize=True, foreach=False)
+                             lr=1e-3, maximize=True, **({"foreach": False} | flags))
     off = offload_model(model, make_store(host_budget_bytes="704KiB", device_budget_bytes="320KiB"))
     for bad in ("amsgrad", "capturable", "differentiable"):
         with pytest.raises(ValueError, match=f"does not support {bad}=True"):
             OffloadedAdamW(off, **{bad: True})
     with pytest.raises(ValueError, match="maximize=1 must be True or False"):
         OffloadedAdamW(off, maximize=1)
-    opt = OffloadedAdamW(off, lr=1e-3, maximize=True, foreach=True, fused=True, amsgrad=False,
-                         step_in_backward=in_backward, param_groups=[{"params": heads, "maximize": False}])
+    with pytest.raises(ValueError, match="fused=True and foreach=True cannot be given together"):
+        OffloadedAdamW(off, foreach=True, fused=True)
+    opt = OffloadedAdamW(off, lr=1e-3, maximize=True, amsgrad=False, step_in_backward=in_backward,
+                         param_groups=[{"params": heads, "maximize": False}], **flags)
+    assert repr(opt).endswith(f"{', '.join(f'{k}=True' for k in flags)})".replace("(", ", ", 1 if flags else 0))
     try:
         for step in range(3):
             for m, o in ((ref, ropt), (model, opt)):
@@ -268,6 +275,21 @@ def test_maximize_and_torch_adamw_keywords_match_torch(make_store, in_backward):
         assert [g["maximize"] for g in opt.state_dict()["param_groups"]] == [False, True]
     finally:
         opt.close()
+
+
+def test_torchs_fused_adamw_differs_from_its_default_so_each_is_matched_to_its_own():
+    """Why the flags are honoured: torch's fused kernel gives other bits than its default implementation on the
+    same input, so an update that ran one where the user's resident code ran the other would drift from it."""
+    results = {}
+    for impl in ("single", "fused"):
+        g = torch.Generator().manual_seed(0)
+        p = torch.randn(4099, generator=g)
+        m, v = torch.zeros_like(p), torch.zeros_like(p)
+        for step in (1.0, 2.0, 3.0):
+            _adamw.adamw_update(p, m, v, torch.randn(4099, generator=g), step, (1e-2, (0.9, 0.999), 1e-8, 0.1, False),
+                                impl)
+        results[impl] = p
+    assert not torch.equal(results["single"], results["fused"])
 
 
 def test_parameter_groups_refuse_bad_input(make_store):
@@ -295,7 +317,11 @@ def test_parameter_groups_refuse_bad_input(make_store):
         other.load_state_dict(opt.state_dict())
 
 
-def test_loss_scaling_matches_torch_grad_scaler(make_store):
+@pytest.mark.parametrize("unscale", [True, False], ids=["unscale-and-clip", "no-clip"])
+@pytest.mark.parametrize("fused", [False, True], ids=["single", "fused"])
+def test_loss_scaling_matches_torch_grad_scaler(make_store, fused, unscale):
+    """torch's fused AdamW takes the scale into its kernel when nothing unscaled the gradients before the step
+    (the scaler hands it the scale instead): bit for bit the same, the scaler's scales being powers of two."""
     from tierstore.integrations.optim import OffloadedGradScaler
 
     ref, model, data = _tiny_pair(tie_head=True)
@@ -305,9 +331,9 @@ def test_loss_scaling_matches_torch_grad_scaler(make_store):
     # 2**30 overflows fp16 in the first backward: that step is skipped and the scale backed off to 2**10.
     scaler_kw = {"init_scale": 2.0**30, "backoff_factor": 2.0**-20, "growth_interval": 2}
     for who, m, opt, scaler, clip in (
-            ("ref", ref, torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False),
+            ("ref", ref, torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False, fused=fused),
              torch.amp.GradScaler("cpu", **scaler_kw), lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)),
-            ("ours", model, OffloadedAdamW(off, lr=1e-3, weight_decay=0.01),
+            ("ours", model, OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, fused=fused),
              OffloadedGradScaler("cpu", **scaler_kw), lambda: off.clip_grad_norm_(1.0))):
         losses, scales, norms = [], [], []
         for step in range(5):
@@ -315,8 +341,9 @@ def test_loss_scaling_matches_torch_grad_scaler(make_store):
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = F.cross_entropy(m(x), y)
             scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            norms.append(clip())
+            if unscale:
+                scaler.unscale_(opt)
+                norms.append(clip())
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
@@ -325,8 +352,9 @@ def test_loss_scaling_matches_torch_grad_scaler(make_store):
         runs[who] = (losses, scales, norms)
     assert runs["ours"][0] == runs["ref"][0] and runs["ours"][1] == runs["ref"][1]
     assert all(torch.equal(a, b) or (a.isnan() and b.isnan()) for a, b in zip(runs["ours"][2], runs["ref"][2]))
-    assert runs["ref"][1][0] == 2.0**10 and not torch.isfinite(runs["ref"][2][0])  # the first step overflowed
-    assert runs["ref"][1][-1] > 2.0**10 and torch.isfinite(runs["ref"][2][-1])  # the scale grew after clean steps
+    assert runs["ref"][1][0] == 2.0**10 and runs["ref"][1][-1] > 2.0**10  # the first step overflowed; then grew
+    if unscale:
+        assert not torch.isfinite(runs["ref"][2][0]) and torch.isfinite(runs["ref"][2][-1])
     _assert_same_parameters(model, ref)
 
 
@@ -520,11 +548,11 @@ def test_a_step_stopped_by_a_failed_update_finishes_when_called_again(make_store
     real = _adamw.adamw_update
 
     def fail_once():
-        def failing(param, exp_avg, exp_avg_sq, grad, step, hyper):
+        def failing(param, exp_avg, exp_avg_sq, grad, step, hyper, impl):
             if param.shape == (256, 64):  # blocks.0.fc1.weight, neither first nor last to be updated
                 monkeypatch.setattr(_adamw, "adamw_update", real)
                 raise RuntimeError("update failed")
-            real(param, exp_avg, exp_avg_sq, grad, step, hyper)
+            real(param, exp_avg, exp_avg_sq, grad, step, hyper, impl)
         monkeypatch.setattr(_adamw, "adamw_update", failing)
 
     if in_backward:  # the updates run as backward produces gradients: arm the fault before it
@@ -556,11 +584,11 @@ def test_a_step_stopped_by_ctrl_c_names_it_and_finishes_when_called_again(make_s
     _train(model, data, 1, opt)
     real = _adamw.adamw_update
 
-    def interrupted(param, exp_avg, exp_avg_sq, grad, step, hyper):
+    def interrupted(param, exp_avg, exp_avg_sq, grad, step, hyper, impl):
         if param.shape == (256, 64):
             monkeypatch.setattr(_adamw, "adamw_update", real)
             raise KeyboardInterrupt
-        real(param, exp_avg, exp_avg_sq, grad, step, hyper)
+        real(param, exp_avg, exp_avg_sq, grad, step, hyper, impl)
 
     x, y = data.batch(1, 8)
     F.cross_entropy(model(x), y).backward()

@@ -59,13 +59,13 @@ STEPS_PER_SAMPLE = 2  # see [Note: A sample is steps in a row]
 
 
 class _MasterAdamW:
-    """The resident reference of mixed precision, as OffloadedAdamW computes it: torch's AdamW (foreach=False)
-    over fp32 masters of the bf16 parameters, each parameter rounded from its master after the step."""
+    """The resident reference of mixed precision, as OffloadedAdamW computes it: torch's AdamW (foreach=False, or
+    fused) over fp32 masters of the bf16 parameters, each parameter rounded from its master after the step."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, fused: bool = False) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.masters = [p.detach().float().requires_grad_() for p in self.params]
-        self.opt = torch.optim.AdamW(self.masters, lr=1e-3, foreach=False)
+        self.opt = torch.optim.AdamW(self.masters, lr=1e-3, foreach=False, fused=fused)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -96,7 +96,7 @@ def _resident_step(model, data, batch_size: int, step: int, opt,
 def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvme_path: str, rounds: int,
                    host_budget_bytes: int | None, device_budget_bytes: int | None, trace_path: str | None = None,
                    step_in_backward: bool = True, rss: bool = True, dtype: str = "fp32", placement_ab: bool = False,
-                   log=print) -> dict[str, Any]:
+                   fused: bool = False, log=print) -> dict[str, Any]:
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
@@ -114,8 +114,9 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
     data = SyntheticImages(cfg)
 
     resident = copy.deepcopy(base)
-    ropt = (torch.optim.AdamW(resident.parameters(), lr=1e-3, foreach=False) if torch_dtype == torch.float32
-            else _MasterAdamW(resident))
+    # Both sides run the same implementation of torch's AdamW: fused=True, or its CPU default.
+    ropt = (torch.optim.AdamW(resident.parameters(), lr=1e-3, foreach=False, fused=fused)
+            if torch_dtype == torch.float32 else _MasterAdamW(resident, fused))
     for i in range(2):  # warm-up: the first two steps fault in Adam's state and temporaries (4.2 and 3.1 s
         _resident_step(resident, data, batch_size, i, ropt, torch_dtype)  # on ViT-large, against 2.2-2.6 after)
     setups: dict[Any, tuple] = {}
@@ -147,13 +148,14 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
     samples: dict[Any, list] = {"resident": [], "serial": [], **{d: [] for d in rows_keys}}
     try:
         for d in depths:
-            first = setup(d, d, lambda off: OffloadedAdamW(off, lr=1e-3, step_in_backward=step_in_backward))
+            first = setup(d, d, lambda off: OffloadedAdamW(off, lr=1e-3, step_in_backward=step_in_backward,
+                                                           fused=fused))
         if unplanned:
-            setup(unplanned, max(numeric), lambda off: OffloadedAdamW(off, lr=1e-3, step_in_backward=step_in_backward),
-                  placement=False)
+            setup(unplanned, max(numeric), lambda off: OffloadedAdamW(off, lr=1e-3, step_in_backward=step_in_backward,
+                                                                      fused=fused), placement=False)
         # The reference without any overlap: no prefetch, the optimizer after backward with no read-ahead, its
         # writes finished inside the step.
-        setup("serial", 0, lambda off: _NoOverlap(OffloadedAdamW(off, lr=1e-3, readahead=0)))
+        setup("serial", 0, lambda off: _NoOverlap(OffloadedAdamW(off, lr=1e-3, readahead=0, fused=fused)))
         # A step reads and writes at once; the drive's rate for that mix is what bounds it.
         moved = first["read_bytes"] + first["written_bytes"]
         drives: list[dict[str, float]] = []
@@ -199,7 +201,7 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
                               [m["mixed_gbps"] for m in drives], "drive_gbps_from_a_step": raised,
                               "host_budget_bytes": host, "device_budget_bytes": device,
                               "state_bytes": state_bytes, "step_in_backward": step_in_backward, "dtype": dtype,
-                              "depths": {}}
+                              "fused": fused, "depths": {}}
     precision = "fp32" if torch_dtype == torch.float32 else f"{dtype} weights with fp32 masters, resident too"
     log(f"bench step: ViT-{preset} ({n / 1e6:.1f}M params, {precision}, {state_bytes / MIB:.0f} MiB state), "
         f"batch {batch_size}, "
@@ -209,7 +211,8 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
         f"writes {drive['mixed_gbps']:.2f} GB/s (reads alone {drive['read_gbps']:.2f}, writes alone "
         f"{drive['write_gbps']:.2f})" + (f"; a step moved its bytes at {stepped_gbps:.2f} GB/s, which the bound uses"
                                          if raised else "") +
-        f"; optimizer steps {'in' if step_in_backward else 'after'} backward")
+        f"; optimizer steps {'in' if step_in_backward else 'after'} backward"
+        f"{' (torch AdamW fused kernel, resident too)' if fused else ''}")
     log(f"resident step: {resident_s:.3f} s, its forward and backward {compute_s:.3f} s (the bound's compute); "
         f"depth 0: nothing read ahead (parameters or optimizer state); "
         "'serial': that, with the optimizer after backward and its writes waited for")
@@ -281,7 +284,7 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
 
 def run_budget_sweep(*, preset: str, batch_size: int, depths: list[int], nvme_path: str, rounds: int,
                      divisors: list[int], device_budget_bytes: int | None, step_in_backward: bool = True,
-                     dtype: str = "fp32", log=print) -> dict[str, Any]:
+                     dtype: str = "fp32", fused: bool = False, log=print) -> dict[str, Any]:
     """``bench step`` at host budgets of state/k for each k in ``divisors``: per budget, the best depth's step
     time and bytes per step against the resident step and the bound, to show what a smaller budget costs."""
     if not divisors or any(k < 1 for k in divisors):
@@ -297,7 +300,8 @@ def run_budget_sweep(*, preset: str, batch_size: int, depths: list[int], nvme_pa
     for k in sorted(set(divisors)):
         res = run_step_bench(preset=preset, batch_size=batch_size, depths=depths, nvme_path=nvme_path, rounds=rounds,
                              host_budget_bytes=max(384 * 1024, state // k), device_budget_bytes=device_budget_bytes,
-                             step_in_backward=step_in_backward, rss=False, dtype=dtype, log=lambda *a: None)
+                             step_in_backward=step_in_backward, rss=False, dtype=dtype, fused=fused,
+                             log=lambda *a: None)
         depth, best = min(res["depths"].items(), key=lambda kv: kv[1]["step_s"])
         rows.append({"divisor": k, "host_budget_bytes": res["host_budget_bytes"], "depth": depth,
                      "resident_step_s": res["resident_step_s"],

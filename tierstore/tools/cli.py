@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     step.add_argument("--plot", metavar="FILE.png", help="plot step time and drive GB/s against depth (matplotlib)")
     step.add_argument("--step-after-backward", action="store_true",
                       help="run the optimizer after backward instead of overlapping it with backward")
+    step.add_argument("--fused", action="store_true",
+                      help="torch's fused AdamW kernel (fused=True) on both sides, resident and offloaded, instead "
+                           "of its CPU default")
     step.add_argument("--trace", metavar="FILE", help="write a Chrome trace (Perfetto) of one step at the deepest depth")
     step.add_argument("--no-rss", action="store_true",
                       help="skip the peak-RSS check (a fresh process training a few steps at the deepest depth)")
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = run_budget_sweep(
                     preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=_nvme_path(args),
                     depths=args.depths, step_in_backward=not args.step_after_backward,
-                    divisors=[int(k) for k in args.budget_sweep.split(",")], dtype=args.dtype,
+                    divisors=[int(k) for k in args.budget_sweep.split(",")], dtype=args.dtype, fused=args.fused,
                     device_budget_bytes=_budgets(args)["device_budget_bytes"])
                 _write_json(args.json, result)
                 if args.plot:
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=_nvme_path(args),
                 depths=args.depths, trace_path=args.trace, placement_ab=args.placement_ab,
                 step_in_backward=not args.step_after_backward, rss=not args.no_rss, dtype=args.dtype,
-                **_budgets(args))
+                fused=args.fused, **_budgets(args))
             _write_json(args.json, result)
             if args.plot:
                 from .bench_step import plot_step_bench
