@@ -40,7 +40,8 @@ def test_step_in_backward(name, nvme_dir):
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
-@pytest.mark.parametrize("name", ["llama-untied", "bert", "hf-vit", "torch-recurrent"])
+@pytest.mark.parametrize("name", [n for n in ("llama-untied", "bert", "hf-vit", "torch-recurrent", "timm-vit",
+                                              "torchvision-convnext") if n in CASES])  # the last two where installed
 def test_fused_adamw(name, in_backward, nvme_dir):
     """OffloadedAdamW(fused=True) against torch.optim.AdamW(fused=True): torch's fused kernel, bit for bit."""
     check_bit_identical(CASES[name], nvme_dir, step_in_backward=in_backward, adamw_flags={"fused": True})
