@@ -90,7 +90,8 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     log(f"tierstore demo: ViT-{preset}, {n / 1e6:.1f}M parameters, {dtype}; {on_drive / MIB:.0f} MiB of {what} and "
         f"AdamW moments on NVMe under {nvme_path!r}, built on the meta device")
     log(f"data: synthetic {cfg.image_size}x{cfg.image_size} images ({cfg.num_classes} random templates plus noise, "
-        f"made in-process), batch {batch_size}; AdamW lr {lr:g} after {warmup} warm-up step(s)")
+        f"made in-process), batch {batch_size}; AdamW (torch's fused kernel) lr {lr:g} after {warmup} warm-up "
+        f"step(s)")
     budgets = f"host {host / MIB:.1f} MiB" + (f", device {device / MIB:.1f} MiB" if cuda else
                                               " (no CUDA: modules compute in the host tier)")
     log(f"budgets: {budgets}; prefetch depth {prefetch_depth}" + (" (chosen each step: the 'depth' column)"
@@ -103,7 +104,8 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
         t0 = time.perf_counter()
         off = offload_model(model, store)
         log(f"built into the store in {time.perf_counter() - t0:.1f} s")
-        opt = OffloadedAdamW(off, lr=lr, step_in_backward=step_in_backward)
+        # torch's fused AdamW: one pass over each parameter's state (see [Note: Which AdamW])
+        opt = OffloadedAdamW(off, lr=lr, step_in_backward=step_in_backward, fused=True)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
         store.flush()
         built_peak = peak_rss_bytes() - rss_start if start_resettable else None  # construction's own peak
