@@ -39,11 +39,15 @@ def test_step_in_backward(name, nvme_dir):
     check_bit_identical(CASES[name], nvme_dir, step_in_backward=True)
 
 
+FUSED_CASES = ("llama-untied", "bert", "hf-vit", "torch-recurrent", "channels-last-convnet",
+               "timm-vit", "torchvision-convnext")  # the last two where installed
+
+
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
-@pytest.mark.parametrize("name", [n for n in ("llama-untied", "bert", "hf-vit", "torch-recurrent", "timm-vit",
-                                              "torchvision-convnext") if n in CASES])  # the last two where installed
+@pytest.mark.parametrize("name", [n for n in FUSED_CASES if n in CASES])
 def test_fused_adamw(name, in_backward, nvme_dir):
-    """OffloadedAdamW(fused=True) against torch.optim.AdamW(fused=True): torch's fused kernel, bit for bit."""
+    """OffloadedAdamW(fused=True) against torch.optim.AdamW(fused=True): torch's fused kernel, bit for bit, the moments
+    of channels_last weights too (see [Note: The fused kernel and layouts])."""
     check_bit_identical(CASES[name], nvme_dir, step_in_backward=in_backward, adamw_flags={"fused": True})
 
 

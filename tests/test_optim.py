@@ -292,6 +292,29 @@ def test_torchs_fused_adamw_differs_from_its_default_so_each_is_matched_to_its_o
     assert not torch.equal(results["single"], results["fused"])
 
 
+def test_the_fused_update_pairs_elements_by_position_not_by_memory_order():
+    """A channels_last weight, its gradient too, beside moments in the default layout (as the store keeps them):
+    the fused update gives torch's fused AdamW's weight and moments (the kernel alone would permute the moments);
+    a parameter whose memory has gaps is refused."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 3, 5, 5, generator=g).to(memory_format=torch.channels_last)
+    grads = [torch.randn(4, 3, 5, 5, generator=g).to(memory_format=torch.channels_last) for _ in range(3)]
+    ref = torch.nn.Parameter(w.clone(memory_format=torch.preserve_format))
+    ropt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1, fused=True)
+    m, v = torch.zeros(w.shape), torch.zeros(w.shape)
+    assert m.stride() != w.stride()
+    for step, grad in enumerate(grads, 1):
+        ref.grad = grad.clone(memory_format=torch.preserve_format)
+        ropt.step()
+        _adamw.adamw_update(w, m, v, grad, float(step), (1e-2, (0.9, 0.999), 1e-8, 0.1, False), "fused")
+    assert torch.equal(w, ref.detach())
+    assert torch.equal(m, ropt.state[ref]["exp_avg"]) and torch.equal(v, ropt.state[ref]["exp_avg_sq"])
+    gapped = torch.randn(4, 12)[:, ::2]
+    with pytest.raises(ValueError, match="memory has gaps or overlaps; use fused=False"):
+        _adamw.adamw_update(gapped, torch.zeros(4, 6), torch.zeros(4, 6), torch.ones(4, 6), 1.0,
+                            (1e-2, (0.9, 0.999), 1e-8, 0.0, False), "fused")
+
+
 def test_parameter_groups_refuse_bad_input(make_store):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     off = offload_model(model, make_store())
