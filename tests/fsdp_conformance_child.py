@@ -2,7 +2,8 @@
 trained offloaded against FSDP2 alone. Prints one JSON line per rank: both runs' losses and whether the
 offloaded shards and Adam moments end bit-identical to FSDP2's. With a third argument ``views`` each step's
 loss sums that many forwards (two views of a batch) before its one backward, and gradients are zeroed in place
-(``zero_grad(set_to_none=False)``) rather than dropped."""
+(``zero_grad(set_to_none=False)``) rather than dropped. A fourth argument ``fused`` runs torch's fused AdamW on
+both sides."""
 
 import copy
 import json
@@ -41,20 +42,20 @@ def train(model, opt, case, rank, world, views):
     return losses
 
 
-def main(name: str, nvme_path: str, views: int) -> None:
+def main(name: str, nvme_path: str, views: int, fused: bool) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     case = CASES[name]
     torch.manual_seed(0)
     base = case.build()
     ref = shard(copy.deepcopy(base), LAYERS[name])
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False, fused=fused)
     ref_losses = train(ref, ref_opt, case, rank, world, views)
     model = shard(copy.deepcopy(base), LAYERS[name])
     with TierStore(StoreConfig(nvme_path=nvme_path, host_budget_bytes="256KiB", device_budget_bytes="1MiB",
                                file_size_bytes="4MiB", block_size_bytes="64KiB")) as store:
         off = offload_fsdp(model, store)
-        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
+        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, fused=fused)
         losses = train(model, opt, case, rank, world, views)
         opt.wait()
         moments = opt.state_dict()["state"]
@@ -72,6 +73,6 @@ def main(name: str, nvme_path: str, views: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1)
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1, sys.argv[4:] == ["fused"])
     sys.stdout.flush()
     os._exit(0)  # skip C++ teardown at exit, as the torchrun example does (see tierstore/tools/fsdp_train.py)

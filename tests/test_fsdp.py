@@ -98,6 +98,17 @@ def test_models_we_did_not_write_are_bit_identical_under_fsdp(tmp_path, name, vi
 
 
 @pytest.mark.slow
+def test_fused_adamw_under_fsdp_is_torchs_fused_adamw(tmp_path):
+    """OffloadedAdamW(fused=True) over FSDP2 shards against torch.optim.AdamW(fused=True) over FSDP2 alone."""
+    pytest.importorskip("transformers")
+    child = os.path.join(os.path.dirname(__file__), "fsdp_conformance_child.py")
+    lines = _rows(_launch(2, child, "llama-tied", str(tmp_path), "1", "fused"))
+    assert sorted(r["rank"] for r in lines) == [0, 1]
+    for r in lines:
+        assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"], r
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", ["tied", "untied"])
 def test_a_model_built_on_meta_is_sharded_into_the_store_as_fsdps_recipe_initializes_it(tmp_path, tied):
     child = os.path.join(os.path.dirname(__file__), "fsdp_meta_child.py")
