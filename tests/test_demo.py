@@ -136,13 +136,16 @@ def test_bench_step_tiny(tmp_path, capsys):
         assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_step_bf16_and_its_resident_reference_computes_what_the_offloaded_step_does(tmp_path, make_store):
+@pytest.mark.parametrize("fused", [False, True], ids=["default", "fused"])
+def test_bench_step_bf16_and_its_resident_reference_computes_what_the_offloaded_step_does(tmp_path, make_store,
+                                                                                          fused):
     """--dtype bf16: bf16 weights with fp32 masters; the resident reference steps torch's AdamW over fp32
-    masters and rounds the weights from them, which is OffloadedAdamW's arithmetic: the same numbers."""
+    masters and rounds the weights from them, which is OffloadedAdamW's arithmetic: the same numbers (--fused:
+    torch's fused kernel on both sides)."""
     res = _bench_step.run_step_bench(preset="tiny", batch_size=4, depths=[2], nvme_path=str(tmp_path), rounds=1,
                                      host_budget_bytes=None, device_budget_bytes=None, rss=False, dtype="bf16",
-                                     log=lambda *a: None)
-    assert res["dtype"] == "bf16" and res["depths"]["2"]["bytes_per_step"] > 0
+                                     fused=fused, log=lambda *a: None)
+    assert res["dtype"] == "bf16" and res["depths"]["2"]["bytes_per_step"] > 0 and res["fused"] is fused
     assert res["state_bytes"] == 14 * res["params"]
     cfg = PRESETS["tiny"]
     torch.manual_seed(0)
@@ -150,7 +153,7 @@ def test_bench_step_bf16_and_its_resident_reference_computes_what_the_offloaded_
     model = copy.deepcopy(ref)
     data = SyntheticImages(cfg)
     off = offload_model(model, make_store(host_budget_bytes="2MiB"))
-    opts = (_bench_step._MasterAdamW(ref), OffloadedAdamW(off, lr=1e-3))
+    opts = (_bench_step._MasterAdamW(ref, fused), OffloadedAdamW(off, lr=1e-3, fused=fused))
     for step in range(3):
         for m, o in zip((ref, model), opts):
             _bench_step._resident_step(m, data, 4, step, o, torch.bfloat16)
