@@ -52,10 +52,11 @@ def adamw_update(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
     paths alike; the fused kernel too, since every slice starts at a multiple of
     its vector width: only the last ``numel % width`` elements of a call take its
     scalar path, the same elements sliced or whole). A tensor of more than
-    ``WHOLE_MAX`` elements is updated so: its temporaries (``sqrt`` and the division make two, and a bf16/fp16
-    gradient's fp32 copy a third) are then slices of 4 MiB in fp32 instead of
-    copies of the whole tensor, memory outside every tier budget (1.6 GB at once
-    for a 200M-element fp32 embedding) that the allocator faults in afresh on
+    ``WHOLE_MAX`` elements is updated so: its temporaries (``sqrt`` and the
+    division make two, and a bf16/fp16 gradient's fp32 copy a third) are then
+    slices of 4 MiB in fp32 instead of copies of the whole tensor, memory
+    outside every tier budget (1.6 GB at once for a 200M-element fp32
+    embedding) that the allocator faults in afresh on
     every step once it is larger than what it keeps for reuse. Measured here:
     a 16M-element tensor alone steps in 37 ms instead of 72; a training step of
     three offloaded Linear(8192, 8192) layers (67M elements each) took 3.57 s
@@ -104,8 +105,10 @@ def adamw_slice(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Te
     """[Note: Which AdamW] torch.optim.AdamW runs one of three implementations:
     the single-tensor one (``foreach=False``, its default for CPU tensors), the
     multi-tensor one (``foreach=True``) and the fused kernel (``fused=True``).
-    Their results differ in the last bits (the fused kernel is one pass, the
-    others a sequence of elementwise operations), so each update here calls
+    The fused kernel's results differ from the others' in the last bits (one
+    pass, against a sequence of elementwise operations; on the CPU the
+    multi-tensor one runs the same operations as the single-tensor one, and
+    gave the same bits here), so each update here calls
     torch's own functional AdamW with the same choice: the very code
     ``torch.optim.AdamW.step`` runs, whatever the torch release. The step count
     goes in as the tensor torch keeps (it adds the one itself): fp32 for the

@@ -72,8 +72,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     tensors: the single-tensor one by default, the multi-tensor one with
     ``foreach=True``, the fused kernel with ``fused=True`` (one pass over the
     state, several times faster here); each is bit-identical to
-    torch.optim.AdamW given the same flag, and their results differ from each
-    other in the last bits, as torch's do. ``amsgrad``, ``capturable`` and
+    torch.optim.AdamW given the same flag, and the fused kernel's results differ
+    from the default's in the last bits, as torch's do. ``amsgrad``, ``capturable`` and
     ``differentiable`` must be False. It is a ``torch.optim.Optimizer``, so learning-rate
     schedulers drive it through ``param_groups``; its state lives in the store
     (read it with :meth:`state_dict`), not in ``self.state``.
