@@ -141,6 +141,9 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
         opt.wait()  # its writes belong to the warm-up, not to the first sample
         return last
 
+    def adamw(off, **kw) -> OffloadedAdamW:  # every offloaded setup's optimizer
+        return OffloadedAdamW(off, lr=1e-3, fused=fused, **kw)
+
     # With placement_ab, the deepest numeric depth again without a placement (same run, alternating).
     numeric = [d for d in depths if isinstance(d, int)]
     unplanned = f"{max(numeric)} w/o plan" if placement_ab and numeric else None
@@ -148,14 +151,12 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
     samples: dict[Any, list] = {"resident": [], "serial": [], **{d: [] for d in rows_keys}}
     try:
         for d in depths:
-            first = setup(d, d, lambda off: OffloadedAdamW(off, lr=1e-3, step_in_backward=step_in_backward,
-                                                           fused=fused))
+            first = setup(d, d, lambda off: adamw(off, step_in_backward=step_in_backward))
         if unplanned:
-            setup(unplanned, max(numeric), lambda off: OffloadedAdamW(off, lr=1e-3, step_in_backward=step_in_backward,
-                                                                      fused=fused), placement=False)
+            setup(unplanned, max(numeric), lambda off: adamw(off, step_in_backward=step_in_backward), placement=False)
         # The reference without any overlap: no prefetch, the optimizer after backward with no read-ahead, its
         # writes finished inside the step.
-        setup("serial", 0, lambda off: _NoOverlap(OffloadedAdamW(off, lr=1e-3, readahead=0, fused=fused)))
+        setup("serial", 0, lambda off: _NoOverlap(adamw(off, readahead=0)))
         # A step reads and writes at once; the drive's rate for that mix is what bounds it.
         moved = first["read_bytes"] + first["written_bytes"]
         drives: list[dict[str, float]] = []
