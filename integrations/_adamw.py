@@ -85,10 +85,12 @@ def _fused_in_layout_of_param(param: torch.Tensor, exp_avg: torch.Tensor, exp_av
     weight beside contiguous moments it pairs elements that are not the same
     element (it computed the weight right and left both moments permuted, where
     ``state_dict()`` reads them). torch's own AdamW keeps each moment in its
-    parameter's layout (``zeros_like``) and autograd makes the gradient match it,
-    so the kernel runs here on copies in the parameter's layout, the moments
-    copied back after, giving torch's bits; the single-tensor and multi-tensor
-    updates index elements and need no copies."""
+    parameter's layout (``zeros_like``) and autograd makes the gradient match it;
+    OffloadedAdamW makes the moments so too. Where a tensor's layout still
+    differs (a gradient of another layout, say), the kernel runs on copies in
+    the parameter's layout, the moments copied back after, giving torch's bits;
+    the single-tensor and multi-tensor updates index elements and need no
+    copies."""
     copies = [t if t.stride() == param.stride() else torch.empty_like(param, dtype=t.dtype).copy_(t)
               for t in (exp_avg, exp_avg_sq, grad)]
     if any(t.stride() != param.stride() for t in copies):  # empty_like keeps the strides of dense memory only

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from tierstore import Tier, TierStore, parse_bytes
+from tierstore._copies import dense_strides
 from tierstore._memory import TierPool
 
 from . import _adamw
@@ -159,8 +160,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 "AdamW state of {size}")
         try:
             for name, key, p in self._items:
-                shape = p.shape if key is None else self._param_shape(key)
-                zeros = torch.zeros(shape, dtype=moment_dtype(key, p))
+                # In the parameter's layout, as torch's AdamW makes them (zeros_like): see [Note: The fused
+                # kernel and layouts].
+                shape, stride = (p.shape, dense_strides(p)) if key is None else self._param_layout(key)
+                zeros = (torch.zeros(shape, dtype=moment_dtype(key, p)) if stride is None else
+                         torch.empty_strided(shape, stride, dtype=moment_dtype(key, p)).zero_())
                 handles.append(self.store.put(optimizer_key(name, "exp_avg"), zeros, home=home))
                 handles.append(self.store.put(optimizer_key(name, "exp_avg_sq"), zeros, home=home))
                 if has_master(key, p):
@@ -407,6 +411,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def _param_shape(self, key: str) -> torch.Size:
         return torch.Size(self.store.info(key)["shape"])
+
+    def _param_layout(self, key: str) -> tuple[torch.Size, tuple[int, ...] | None]:
+        """The stored parameter's shape, and its strides where it is not contiguous."""
+        info = self.store.info(key)
+        return torch.Size(info["shape"]), info["stride"]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient, or zero each in place (``set_to_none=False``), as torch's optimizers do: then a

@@ -315,6 +315,37 @@ def test_the_fused_update_pairs_elements_by_position_not_by_memory_order():
                             (1e-2, (0.9, 0.999), 1e-8, 0.0, False), "fused")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-with-master"])
+def test_moments_take_their_parameters_layout_so_the_fused_update_copies_nothing(make_store, monkeypatch, dtype):
+    """As torch's AdamW makes them (zeros_like): a channels_last weight's moments (and fp32 master) are
+    channels_last in the store, offloaded or resident, and fused steps never need copies in another layout."""
+    from tierstore.integrations._contract import optimizer_key
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3),
+                                torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 2)).to(dtype)
+    model = model.to(memory_format=torch.channels_last)
+    store = make_store(host_budget_bytes="256KiB")
+    off = offload_model(model, store, resident_threshold_bytes=1000)  # the first conv's weight stays resident
+    assert "0.weight" in off.resident and "2.weight" not in off.resident
+    opt = OffloadedAdamW(off, lr=1e-2, fused=True)
+    for name in ("0.weight", "2.weight"):
+        layout = torch.empty((8, 8 if name == "2.weight" else 3, 3, 3)).to(memory_format=torch.channels_last).stride()
+        for what in ("exp_avg", "exp_avg_sq") + (("master",) if dtype != torch.float32 and name != "0.weight" else ()):
+            assert store.info(optimizer_key(name, what))["stride"] == layout, (name, what)
+
+    def copies(*args):
+        raise AssertionError("a fused update needed copies in the parameter's layout")
+
+    monkeypatch.setattr(_adamw, "_fused_in_layout_of_param", copies)
+    x = torch.randn(4, 3, 8, 8).to(dtype).to(memory_format=torch.channels_last)
+    for _ in range(2):
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert set(opt.state_dict()["state"]) == {n for n, _ in model.named_parameters()}
+
+
 def test_parameter_groups_refuse_bad_input(make_store):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     off = offload_model(model, make_store())

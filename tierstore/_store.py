@@ -351,11 +351,12 @@ class TierStore:
             return list(self._state.entries)
 
     def info(self, key: str) -> dict[str, Any]:
-        """Shape, dtype, size, home and, per tier holding a copy, its state."""
+        """Shape, dtype, strides (None when contiguous: see ``put``), size, home and, per tier holding a copy,
+        its state."""
         with self._state.lock:
             entry = self._state.lookup(key)
             copies = {tier.label: {"state": entry.state(c), "pins": c.pins} for tier, c in entry.copies.items()}
-            return {"shape": tuple(entry.shape), "dtype": entry.dtype, "nbytes": entry.nbytes,
+            return {"shape": tuple(entry.shape), "dtype": entry.dtype, "stride": entry.stride, "nbytes": entry.nbytes,
                     "home": entry.home.label, "copies": copies}
 
     def memory(self) -> dict[str, dict[str, int]]:
