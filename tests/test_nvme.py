@@ -155,6 +155,11 @@ def test_a_failure_finishing_a_transfer_reaches_its_waiter_and_the_threads_go_on
         out = aligned_empty(4096)
         engine.read(ext, out, label="t").result(timeout=10)
         assert torch.equal(out, _bytes(4096, 7))
-        assert "accounting failed" in capsys.readouterr().err  # the thread said so too
+        # The thread says so too, after it failed the transfer: its printing may still be under way here.
+        err, deadline = "", time.monotonic() + 10
+        while "accounting failed" not in err and time.monotonic() < deadline:
+            err += capsys.readouterr().err
+            time.sleep(0.01)
+        assert "accounting failed" in err
     finally:
         engine.close()
