@@ -273,7 +273,11 @@ class Placer:
             at = last.get(param_key, len(events)) if self.later.in_backward else len(events)
             updates.setdefault(at, []).append((param_key, *keys))
         ordered: list[tuple[str, ...]] = []
+        forward_uses = self.policy.forward_uses
+        forward_events = None
         for i, event in enumerate(events):
+            if i == forward_uses:
+                forward_events = len(ordered)
             ordered.append(event)
             ordered.extend(updates.get(i, ()))
         ordered.extend(updates.get(len(events), ()))
@@ -281,7 +285,8 @@ class Placer:
             nbytes.setdefault(k, self._size(k))
         changed = frozenset(states) | frozenset(self.later.after)
         kinds = {k: k.rsplit("/", 1)[-1] if k.startswith(OPTIMIZER_PREFIX) else "weights" for k in nbytes}
-        return StepTrace(events=tuple(ordered), nbytes=nbytes, changed=changed, kinds=kinds)
+        return StepTrace(events=tuple(ordered), nbytes=nbytes, changed=changed, kinds=kinds,
+                         forward_events=forward_events)
 
     def budget(self) -> int:
         """The host budget less what other models' placements keep in it (models offloaded into one store share

@@ -978,6 +978,8 @@ class OffloadedModel(OffloadedParameters):
         if group.name in self._backward_used:
             return
         self._queue_end_backward()
+        if not self._backward_used:
+            self.policy.backward_starts()
         self._backward_used.add(group.name)
         self._use(group)
         for sp in group.params:

@@ -104,6 +104,12 @@ def test_bench_step_tiny(tmp_path, capsys):
     plan = res["placement"]
     assert 0 < plan["lower_bound_bytes"] <= plan["bytes_per_step"] == res["depths"]["auto"]["predicted_bytes_per_step"]
     assert res["depths"]["2"]["predicted_bytes_per_step"] >= plan["lower_bound_bytes"]
+    # The prediction: the forward (its compute or its reads), then the rest (see [Note: The predicted step]).
+    assert 0 < res["resident_forward_s"] < res["resident_compute_s"] and 0 <= plan["forward_bytes"]
+    rate, forward = res["drive_gbps"] * 1e9, res["resident_forward_s"]
+    assert plan["predicted_step_s"] == pytest.approx(
+        max(forward, plan["forward_bytes"] / rate)
+        + max(res["resident_compute_s"] - forward, (plan["bytes_per_step"] - plan["forward_bytes"]) / rate))
     for d in res["depths"]:
         row = res["depths"][d]
         assert row["bytes_per_step"] > 0

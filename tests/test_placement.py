@@ -52,6 +52,27 @@ def test_weights_used_far_apart_are_kept_before_state_and_the_prediction_meets_t
     assert "lower bound" in p.summary() and "predicted step" in p.summary(1.0, 1e9)
 
 
+def test_the_step_is_predicted_as_its_forward_then_the_rest():
+    """See [Note: The predicted step]: the forward bound by its compute or its reads, then the rest by its
+    compute or the rest of the bytes; without a known forward, the single bound."""
+    t = layered(4, weight=100, state=100)
+    assert t.forward_events == 4
+    p = plan_placement(t, budget_bytes=300, room_bytes=300)  # everything streams through room for one update
+    # Read in the forward: w1, w2 (far from their last use) and w3 (kept from its forward to its backward, the
+    # next event); w0 comes to the forward straight from its update at the end of the last step's backward.
+    assert not p.resident and p.forward_bytes == 300 and p.bytes_per_step == 2 * 1200 + 2 * 100
+    assert p.predicted_step_seconds(10.0, 100.0, 4.0) == max(4.0, 3.0) + max(6.0, 2300 / 100)
+    assert p.predicted_step_seconds(10.0, 100.0) == max(10.0, 2600 / 100)  # the forward's share not given
+    assert p.predicted_step_seconds(100.0, 100.0, 40.0) == 100.0  # compute-bound either way
+    assert "forward: compute 4.000 s, reads 300 B" in p.summary(10.0, 100.0, 4.0)
+    unknown = StepTrace(events=t.events, nbytes=t.nbytes, changed=t.changed)
+    q = plan_placement(unknown, budget_bytes=300, room_bytes=300)
+    assert q.forward_bytes is None and q.bytes_per_step == p.bytes_per_step
+    assert q.predicted_step_seconds(10.0, 100.0, 4.0) == max(10.0, 2600 / 100)
+    with pytest.raises(ValueError, match="forward_events=13 must be within the 12 events"):
+        StepTrace(events=t.events, nbytes=t.nbytes, forward_events=13)
+
+
 def test_frozen_keys_are_kept_last_and_never_written():
     t = StepTrace(events=(("a",), ("b",), ("a",), ("b",)), nbytes={"a": 10, "b": 10}, changed=frozenset({"a"}))
     assert moved_bytes(t, frozenset({"a", "b"}), 0) == {"a": 30, "b": 20}

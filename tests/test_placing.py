@@ -51,6 +51,26 @@ def test_a_placement_keeps_training_bit_identical_and_moves_fewer_bytes(make_sto
     assert moved[True] < 0.9 * moved[False], moved  # measured here: 0.80-0.85
 
 
+def test_the_trace_knows_where_its_backward_starts(make_store):
+    """The placement's prediction splits the step at its first backward use (see [Note: The predicted step]); an
+    evaluation forward has none."""
+    ref, model, data = _tiny_pair()
+    store = make_store(host_budget_bytes=num_params(ref) * 8)
+    _, off, opt = train_offloaded(model, data, 5, store, step_in_backward=True)
+    trace, forward = off.policy.trace, off.policy.forward_uses
+    units = [name for name in off.units() if name]
+    # Each unit once in the forward, and again in the backward, which starts where the forward ended.
+    assert forward is not None and len(set(trace[:forward])) == forward and set(trace[:forward]) == {"", *units}
+    assert sorted(trace[forward:]) == sorted(trace[:forward]) and trace[forward] == trace[forward - 1] == "head"
+    step = off.placer.step_trace()
+    assert step.forward_events == forward  # no update inside the forward
+    assert off.placement is not None and 0 < off.placement.forward_bytes < off.placement.bytes_per_step
+    with torch.no_grad():
+        for i in range(2):  # recorded at the first, the trace from the second on
+            model(data.batch(i, 8)[0])
+    assert off.policy.forward_uses is None and off.placer.step_trace().forward_events is None
+
+
 class _Skipping(torch.nn.Module):
     """Skips its middle layer at the steps in ``skip``: those depart from the recorded trace."""
 

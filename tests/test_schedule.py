@@ -87,3 +87,18 @@ def test_victim_order_takes_the_nearest_use_of_a_shared_key():
     # "param/t" is read by a (now) and d; "param/x" only by c: a shared key counts from its nearest use.
     order = group_victim_order(p, {"param/t": ("d", "b"), "param/x": ("c",), "param/y": ("d",)})
     assert order(None, ["param/t", "param/x", "param/y"]) == ["param/y", "param/x", "param/t"]
+
+
+def test_the_trace_keeps_where_its_backward_starts():
+    p = PrefetchPolicy(depth=1)
+    p.start_step()
+    for use in "ab":
+        p.on_use(use)
+    for use in "ba":
+        p.backward_starts()  # each backward use says so; the first counts
+        p.on_use(use)
+    p.start_step()
+    assert p.trace == list("abba") and p.forward_uses == 2
+    run_step(p, "abc")  # departs from the trace (an evaluation forward: no backward) and records it
+    p.start_step()
+    assert p.trace == list("abc") and p.forward_uses is None

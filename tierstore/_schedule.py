@@ -46,14 +46,19 @@ class PrefetchPolicy:
     steps: int = 0
     traces_recorded: int = 0
     """How many times a recorded step became the trace (a new one after each departure)."""
+    forward_uses: int | None = None
+    """How many of the trace's first uses are its forward: those before :meth:`backward_starts` (None if its step
+    had no backward)."""
+    _recording_forward: int | None = None
 
     def start_step(self) -> None:
         """A new step begins: keep the last recorded trace if the step that made it completed."""
         if self._recording and (not self._on_trace or self._pos != len(self.trace or [])):
             self.trace = self._recording
+            self.forward_uses = self._recording_forward
             self.traces_recorded += 1
         self.last_step = (self._recording, self._clock)
-        self._recording, self._clock = [], []
+        self._recording, self._clock, self._recording_forward = [], [], None
         self._pos = 0
         self._on_trace = self.trace is not None
         self.steps += 1
@@ -72,6 +77,11 @@ class PrefetchPolicy:
         self._on_trace = False  # departed: on-demand for the rest of this step
         self.departures += 1
         return []
+
+    def backward_starts(self) -> None:
+        """The step's backward begins: the uses from here on are not its forward's."""
+        if self._recording_forward is None:
+            self._recording_forward = len(self._recording)
 
     @property
     def on_trace(self) -> bool:

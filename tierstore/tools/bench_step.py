@@ -82,15 +82,17 @@ class _MasterAdamW:
 
 
 def _resident_step(model, data, batch_size: int, step: int, opt,
-                   dtype: torch.dtype = torch.float32) -> tuple[float, float]:
-    """(the step's seconds, those of its forward and backward)."""
+                   dtype: torch.dtype = torch.float32) -> tuple[float, float, float]:
+    """(the step's seconds, those of its forward and backward, those of its forward)."""
     t0 = time.perf_counter()
     x, y = data.batch(step, batch_size)
-    F.cross_entropy(model(x.to(dtype)).float(), y).backward()
+    loss = F.cross_entropy(model(x.to(dtype)).float(), y)
+    forward = time.perf_counter() - t0
+    loss.backward()
     t1 = time.perf_counter()
     opt.step()
     opt.zero_grad()
-    return time.perf_counter() - t0, t1 - t0
+    return time.perf_counter() - t0, t1 - t0, forward
 
 
 def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvme_path: str, rounds: int,
@@ -191,13 +193,14 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
             store.close()
     resident_s = statistics.median(s[0] for s in samples["resident"])
     compute_s = statistics.median(s[1] for s in samples["resident"])  # see [Note: The compute in the bound]
+    forward_s = statistics.median(s[2] for s in samples["resident"])
     drive = max(drives, key=lambda m: m["mixed_gbps"])
     drive_gbps = drive["mixed_gbps"]
     stepped_gbps = max(s[2] / s[0] / 1e9 for key in ["serial", *rows_keys] for s in samples[key])
     raised = stepped_gbps > drive_gbps
     drive_gbps = max(drive_gbps, stepped_gbps)
     result: dict[str, Any] = {"preset": preset, "params": n, "batch_size": batch_size, "resident_step_s": resident_s,
-                              "resident_compute_s": compute_s,
+                              "resident_compute_s": compute_s, "resident_forward_s": forward_s,
                               "drive_gbps": drive_gbps, "drive": drive, "drive_mixed_gbps_samples":
                               [m["mixed_gbps"] for m in drives], "drive_gbps_from_a_step": raised,
                               "host_budget_bytes": host, "device_budget_bytes": device,
@@ -214,7 +217,8 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
                                          if raised else "") +
         f"; optimizer steps {'in' if step_in_backward else 'after'} backward"
         f"{' (torch AdamW fused kernel, resident too)' if fused else ''}")
-    log(f"resident step: {resident_s:.3f} s, its forward and backward {compute_s:.3f} s (the bound's compute); "
+    log(f"resident step: {resident_s:.3f} s, its forward and backward {compute_s:.3f} s (the bound's compute; "
+        f"the forward {forward_s:.3f} s); "
         f"depth 0: nothing read ahead (parameters or optimizer state); "
         "'serial': that, with the optimizer after backward and its writes waited for")
     # The placement printed: the automatic depth's (a fixed depth leaves its own units room, so plans differ).
@@ -224,10 +228,12 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
             log(f"depth {key}: {off.placement_verdict}")
     result["placement_verdicts"] = {str(key): off.placement_verdict for key, off in offloads.items()}
     if plan is not None:
-        log(plan.summary(compute_s, drive_gbps * 1e9))
+        log(plan.summary(compute_s, drive_gbps * 1e9, forward_s))
         result["placement"] = {"resident_bytes": plan.resident_bytes, "room_bytes": plan.room_bytes,
                                "resident_by_kind": plan.resident_by_kind, "moved_by_kind": plan.moved_by_kind,
-                               "bytes_per_step": plan.bytes_per_step, "lower_bound_bytes": plan.lower_bound_bytes}
+                               "bytes_per_step": plan.bytes_per_step, "lower_bound_bytes": plan.lower_bound_bytes,
+                               "forward_bytes": plan.forward_bytes, "predicted_step_s":
+                               plan.predicted_step_seconds(compute_s, drive_gbps * 1e9, forward_s)}
     log("overlap = bound / step (1.00 is the best a step can do); 'plan MiB': what the placement predicts a step "
         "moves; the last two columns: how many times faster than the first depth and than 'serial' (higher is "
         "better); 'auto' shows the depth it chose")
