@@ -38,10 +38,12 @@ step is predicted as its two phases one after the other, each bound by its
 compute or its bytes over the drive's rate:
 max(forward compute, forward bytes / rate) + max(the rest of the compute,
 the rest of the bytes / rate). ViT-large, fp32, a third of its state as
-host budget, torch's fused AdamW (one run): the single bound max(compute,
-bytes / rate) said 1.98 s; the forward took 0.49 s with the drive idle for
-all but 0.10 s of it, and the step 2.51-2.58 s. Where the trace has no
-backward (or its forward is not known), the single bound is the prediction.
+host budget, torch's fused AdamW, measured here: in one run the single bound
+max(compute, bytes / rate) said 1.98 s, and a traced step's forward took
+0.49 s with the drive busy for 0.10 s of it; in another, the single bound
+said 2.13 s, this prediction 2.55 s, and the step took 2.61 s. Where the
+trace has no backward (or its forward is not known), the single bound is
+the prediction.
 """
 
 from __future__ import annotations
