@@ -110,6 +110,8 @@ def test_bench_step_tiny(tmp_path, capsys):
     assert plan["predicted_step_s"] == pytest.approx(
         max(forward, plan["forward_bytes"] / rate)
         + max(res["resident_compute_s"] - forward, (plan["bytes_per_step"] - plan["forward_bytes"]) / rate))
+    assert res["depths"]["auto"]["predicted_step_s"] == plan["predicted_step_s"] >= res["resident_compute_s"]
+    assert res["depths"]["2 w/o plan"]["predicted_step_s"] is None
     for d in res["depths"]:
         row = res["depths"][d]
         assert row["bytes_per_step"] > 0
@@ -182,6 +184,8 @@ def test_bench_step_budget_sweep_tiny(tmp_path, capsys):
         assert r["step_s"] > 0 and r["bytes_per_step"] > 0 and r["bound_s"] >= r["resident_compute_s"] > 0
         assert 0 < r["lower_bound_bytes"]
         assert r["placement_verdict"].startswith(("placement kept", "placement dropped", "no placement"))
+        kept = r["placement_verdict"].startswith("placement kept")
+        assert (r["predicted_step_s"] >= r["resident_compute_s"]) if kept else r["predicted_step_s"] is None
     assert rows[0]["lower_bound_bytes"] < rows[1]["lower_bound_bytes"]  # less budget, more to move
     printed = capsys.readouterr().out
     assert "budget sweep" in printed and "1/10" in printed and "bound MiB" in printed

@@ -234,11 +234,12 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
                                "bytes_per_step": plan.bytes_per_step, "lower_bound_bytes": plan.lower_bound_bytes,
                                "forward_bytes": plan.forward_bytes, "predicted_step_s":
                                plan.predicted_step_seconds(compute_s, drive_gbps * 1e9, forward_s)}
-    log("overlap = bound / step (1.00 is the best a step can do); 'plan MiB': what the placement predicts a step "
-        "moves; the last two columns: how many times faster than the first depth and than 'serial' (higher is "
-        "better); 'auto' shows the depth it chose")
-    log(f"{'depth':>10} {'step s':>8} {'stall s':>8} {'MiB/step':>9} {'plan MiB':>9} {'bound s':>8} {'overlap':>8} "
-        f"{'vs first':>9} {'vs serial':>9}")
+    log("overlap = bound / step (1.00 is the best a step can do); 'plan MiB' and 'plan s': what the placement "
+        "predicts a step moves and takes (its forward, then the rest: see [Note: The predicted step]); the last two "
+        "columns: how many times faster than the first depth and than 'serial' (higher is better); 'auto' shows the "
+        "depth it chose")
+    log(f"{'depth':>10} {'step s':>8} {'stall s':>8} {'MiB/step':>9} {'plan MiB':>9} {'plan s':>7} {'bound s':>8} "
+        f"{'overlap':>8} {'vs first':>9} {'vs serial':>9}")
 
     def row_of(key: Any) -> dict[str, Any]:
         step_s = statistics.median(s[0] for s in samples[key])
@@ -248,6 +249,7 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
         return {"step_s": step_s, "stall_s": statistics.median(s[1] for s in samples[key]), "bytes_per_step": moved,
                 "bound_s": bound, "overlap_efficiency": bound / step_s, "chosen_depth": chosen[key],
                 "predicted_bytes_per_step": p.bytes_per_step if p else None,
+                "predicted_step_s": p.predicted_step_seconds(compute_s, drive_gbps * 1e9, forward_s) if p else None,
                 "lower_bound_bytes": tried[key].lower_bound_bytes if tried[key] else None}
 
     serial = result["serial"] = row_of("serial")
@@ -259,8 +261,9 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
         vs_first = "" if key == "serial" else f"{base0 / row['step_s']:.2f}x"
         label = f"auto={row['chosen_depth']}" if key == "auto" else str(key)
         planned = f"{row['predicted_bytes_per_step'] / MIB:.1f}" if row["predicted_bytes_per_step"] else "-"
+        planned_s = f"{row['predicted_step_s']:.3f}" if row["predicted_step_s"] else "-"
         log(f"{label:>10} {row['step_s']:>8.3f} {row['stall_s']:>8.3f} {row['bytes_per_step'] / MIB:>9.1f} "
-            f"{planned:>9} {row['bound_s']:>8.3f} {row['overlap_efficiency']:>8.2f} {vs_first:>9} "
+            f"{planned:>9} {planned_s:>7} {row['bound_s']:>8.3f} {row['overlap_efficiency']:>8.2f} {vs_first:>9} "
             f"{serial['step_s'] / row['step_s']:>8.2f}x")
     deepest = max(numeric) if numeric else "auto"
     if rss and torch_dtype != torch.float32:
@@ -317,13 +320,15 @@ def run_budget_sweep(*, preset: str, batch_size: int, depths: list[int], nvme_pa
     log(f"bench step, budget sweep: ViT-{preset}, {dtype}, {state / MIB:.0f} MiB of state, batch {batch_size}; per "
         f"host budget the best of depths {','.join(map(str, depths))}; bound = max(resident forward and "
         f"backward, bytes / drive)")
-    log("'bound MiB': the planner's lower bound on bytes per step at that budget")
-    log(f"{'budget':>8} {'host MiB':>9} {'depth':>6} {'step s':>8} {'MiB/step':>9} {'bound MiB':>9} {'resident s':>10} "
-        f"{'fwd+bwd s':>9} {'bound s':>8} {'overlap':>8}")
+    log("'bound MiB': the planner's lower bound on bytes per step at that budget; 'plan s': the step its placement "
+        "predicts (its forward, then the rest)")
+    log(f"{'budget':>8} {'host MiB':>9} {'depth':>6} {'step s':>8} {'plan s':>7} {'MiB/step':>9} {'bound MiB':>9} "
+        f"{'resident s':>10} {'fwd+bwd s':>9} {'bound s':>8} {'overlap':>8}")
     for r in rows:
         lower = f"{r['lower_bound_bytes'] / MIB:.1f}" if r["lower_bound_bytes"] is not None else "-"
+        planned_s = f"{r['predicted_step_s']:.3f}" if r["predicted_step_s"] else "-"
         log(f"{'1/' + str(r['divisor']):>8} {r['host_budget_bytes'] / MIB:>9.1f} {r['depth']:>6} {r['step_s']:>8.3f} "
-            f"{r['bytes_per_step'] / MIB:>9.1f} {lower:>9} {r['resident_step_s']:>10.3f} "
+            f"{planned_s:>7} {r['bytes_per_step'] / MIB:>9.1f} {lower:>9} {r['resident_step_s']:>10.3f} "
             f"{r['resident_compute_s']:>9.3f} {r['bound_s']:>8.3f} "
             f"{r['overlap_efficiency']:>8.2f}  {r['placement_verdict'] or ''}")
     return {"preset": preset, "params": n, "state_bytes": state, "dtype": dtype, "batch_size": batch_size,
