@@ -53,6 +53,8 @@ def test_the_plan_prints_the_placement_a_rank_would_make(capsys):
     assert pl["lower_bound_bytes"] == pytest.approx(2 * (state - 1154 * 2**20), rel=1e-3)
     assert pl["lower_bound_bytes"] < pl["bytes_per_step"] < 1.5 * pl["lower_bound_bytes"]
     assert set(pl["resident_by_kind"]) == {"weights"}  # weights first: read twice and written once a step
+    # The forward reads only the weights that stream; the state moves from backward on.
+    assert 0 < pl["forward_bytes"] < pl["moved_by_kind"]["weights"] and "read by the forward" in out
     assert make_plan(PlanConfig(params=10**6, host_budget_bytes=10**9))["placement"] is None  # all in memory
     with pytest.raises(ValueError, match="layers=0"):
         PlanConfig(params=1, layers=0)

@@ -126,7 +126,8 @@ def _placement(cfg: PlanConfig, per_rank: dict[str, float], homes: dict[str, str
     p = plan_placement(trace, budget_bytes=host, room_bytes=room)
     return {"layers": cfg.layers, "host_budget_bytes": host, "room_bytes": p.room_bytes,
             "resident_by_kind": p.resident_by_kind, "moved_by_kind": p.moved_by_kind,
-            "bytes_per_step": p.bytes_per_step, "lower_bound_bytes": p.lower_bound_bytes}
+            "bytes_per_step": p.bytes_per_step, "lower_bound_bytes": p.lower_bound_bytes,
+            "forward_bytes": p.forward_bytes}
 
 
 def format_plan(plan: dict[str, Any]) -> str:
@@ -167,8 +168,9 @@ def format_plan(plan: dict[str, Any]) -> str:
                      f"{pl['host_budget_bytes'] / scale:.2f} {unit}, {pl['room_bytes'] / scale:.2f} of it for "
                      "copies in flight): resident "
                      + ", ".join(f"{k} {v / scale:.2f}" for k, v in pl["resident_by_kind"].items()))
-        lines.append(f"  nvme bytes per step ({unit}): {pl['bytes_per_step'] / scale:.2f} predicted, "
-                     f"{pl['lower_bound_bytes'] / scale:.2f} lower bound")
+        lines.append(f"  nvme bytes per step ({unit}): {pl['bytes_per_step'] / scale:.2f} predicted "
+                     f"({pl['forward_bytes'] / scale:.2f} read by the forward, the rest from the first backward use "
+                     f"on), {pl['lower_bound_bytes'] / scale:.2f} lower bound")
     return "\n".join(lines)
 
 
