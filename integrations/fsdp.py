@@ -207,6 +207,8 @@ class FSDPOffload(OffloadedParameters):
     def _materialize(self, sg: _ShardGroup) -> None:
         """Before FSDP2 all-gathers ``sg``: its shards' storage back, filled from the store."""
         self.stats.unshards += 1
+        if torch._C._current_graph_task_id() != -1:  # an all-gather for backward (its pre-backward hook)
+            self.policy.backward_starts()
         for name in self.policy.on_use(sg.name, self.placer.clock()):
             for sh in self.groups[name].shards:
                 self.store.prefetch(sh.key, Tier.HOST)

@@ -66,9 +66,10 @@ def main(name: str, nvme_path: str, views: int, fused: bool) -> None:
         # A layer: its uses in the step's trace.
         first = next(g for g in off.groups if "layers" in g or ".h." in g or "layer_groups" in g)
         uses = off.policy.trace.count(first)
+        forward = off.policy.trace[:off.policy.forward_uses or 0]
     print(json.dumps({"rank": rank, "ref": ref_losses, "ours": losses, "same_parameters": same,
                       "same_moments": same_moments, "read_bytes": read, "uses_of_a_layer": uses,
-                      "verdict": off.placement_verdict}), flush=True)
+                      "uses_of_it_in_forward": forward.count(first), "verdict": off.placement_verdict}), flush=True)
     dist.destroy_process_group()
 
 

@@ -93,6 +93,10 @@ def test_models_we_did_not_write_are_bit_identical_under_fsdp(tmp_path, name, vi
     for r in lines:
         assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"], r
         assert r["read_bytes"] > 0
+        # The trace knows where its backward starts (the placement's prediction splits the step there): the backward
+        # gathers a layer as often as the forwards did (albert's shared layer: at every depth; two views: twice).
+        backward = r["uses_of_a_layer"] - r["uses_of_it_in_forward"]
+        assert r["uses_of_it_in_forward"] == backward >= views, r
         if views == 2:
             assert r["uses_of_a_layer"] >= 3 and r["verdict"] is not None, r  # two forwards and a backward
 
