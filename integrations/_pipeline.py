@@ -12,6 +12,7 @@ from tierstore import Handle, Tier, TierStore
 
 from . import _adamw
 from ._contract import has_master, optimizer_key
+from ._grads import store_key_of
 
 # (parameter name, its store key or None for a resident parameter, the parameter, its gradient)
 Item = tuple[str, "str | None", torch.nn.Parameter, "torch.Tensor | None"]
@@ -51,8 +52,10 @@ class StatePipeline:
             total += self.state_bytes.get(item[0], 0)
             if total > limit and item is not items[i]:
                 break
-            name, key, p, _ = item
+            name, key, p, grad = item
             for k in state_keys(name, key, p):
+                self.store.prefetch(k, Tier.HOST)
+            if (k := store_key_of(grad)) is not None:  # a gradient kept in the store is read ahead with the state
                 self.store.prefetch(k, Tier.HOST)
 
     def update(self, name: str, key: str | None, p: torch.nn.Parameter, grad: torch.Tensor, step: float,

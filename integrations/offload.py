@@ -137,6 +137,7 @@ from tierstore._placement import Placement
 from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
 from ._contract import OffloadedParameters, zero_grads
+from ._grads import GRAD_DTYPES, GradientStore, StoredGrad
 from ._meta import check_meta, materialize, unmaterialize
 from ._placing import AUTO_START_DEPTH, Placer, StepStarts, check_options
 
@@ -242,8 +243,9 @@ class _OffloadedParameter(nn.Parameter):
 
 
 def _kept_grad(sp: _Param, how: str, value: Any) -> torch.Tensor | None:
-    """``param.grad`` of an offloaded parameter is the gradient its model keeps for it (on the host, out of
-    the compute tier): torch's ``clip_grad_norm_``, ``model.zero_grad()`` and the like act on it."""
+    """``param.grad`` of an offloaded parameter is the gradient its model keeps for it in the store (see [Note: A
+    stored gradient read from outside]): torch's ``clip_grad_norm_``, ``model.zero_grad()`` and the like act on
+    it."""
     grads = sp.owner.grads
     if how == "__get__":
         for guard in sp.owner.grad_read_guards:
@@ -253,10 +255,14 @@ def _kept_grad(sp: _Param, how: str, value: Any) -> torch.Tensor | None:
         return grads.get(sp.key)
     if how == "__set__" and value[0] is not None:
         grad = value[0]
-        if grad.shape != sp.param.shape or grad.dtype != sp.param.dtype:  # torch refuses both
+        if isinstance(grad, StoredGrad) and grads.get(sp.key) is grad:  # ``p.grad = p.grad``: nothing changes
+            return None
+        if grad.shape != sp.param.shape or grad.dtype not in (sp.param.dtype, grads.dtype_of(sp.param)):
             raise ValueError(f"a gradient of shape {tuple(grad.shape)} and dtype {grad.dtype} for {sp.name!r} of "
                              f"shape {tuple(sp.param.shape)} and dtype {sp.param.dtype}")
-        grads[sp.key] = grad.detach().to("cpu")
+        if isinstance(grad, StoredGrad):
+            grad = grad.clone()
+        grads[sp.key] = grad.detach().to(dtype=grads.dtype_of(sp.param))
     else:
         grads.pop(sp.key, None)
     return None
@@ -464,7 +470,8 @@ class OffloadedModel(OffloadedParameters):
                  resident_threshold_bytes: int, home: Tier, compute_tier: Tier,
                  units: Sequence[type[nn.Module] | nn.Module | str],
                  init_fn: Callable[[nn.Module], None] | None = None, placement: bool = True,
-                 real_parameters: str | None = None) -> None:
+                 real_parameters: str | None = None, grad_tier: Tier | None = None,
+                 grad_dtype: str = "float32") -> None:
         self.model = model
         self.store = store
         self.home = home
@@ -474,7 +481,11 @@ class OffloadedModel(OffloadedParameters):
         self.resident: dict[str, nn.Parameter] = {}
         self.resident_ids: set[int] = set()
         self.groups: dict[str, _Group] = {}
-        self.grads: dict[str, torch.Tensor] = {}
+        # See [Note: Gradients in the tiers]; without a drive they stay in the host tier.
+        grad_home = grad_tier or store.config.grad_tier or store.config.optimizer_tier
+        if grad_home is Tier.NVME and store.swap_directory is None:
+            grad_home = Tier.HOST
+        self.grads = GradientStore(store, grad_home, grad_dtype)
         self.stats = OffloadStats()
         self._handles: list[Any] = []
         self._callback_queued = False
@@ -992,11 +1003,13 @@ class OffloadedModel(OffloadedParameters):
         with torch._C.DisableTorchFunctionSubclass():
             grad = param.grad
             param.grad = None
-        if grad is not None:
-            # Gradients leave the device tier as soon as they are complete.
-            host = grad.detach().to("cpu", copy=grad.device.type != "cpu")
-            prev = self.grads.get(sp.key)
-            self.grads[sp.key] = host if prev is None else prev.add_(host)
+        had = grad is not None
+        if grad is not None:  # it leaves the compute tier as soon as it is complete
+            if self.grad_ready_callbacks:  # an optimizer steps it now (see [Note: Stepping in backward])
+                self.grads.hand_over(sp.key, grad)
+            else:  # see [Note: Gradients in the tiers]
+                self.grads.accumulate(sp.key, grad, sp.param.dtype)
+            del grad
         if sp.backward_hold:
             sp.backward_hold = False
             self._unhold(sp)
@@ -1007,7 +1020,7 @@ class OffloadedModel(OffloadedParameters):
             timeline.add(f"backward {group.name or '<root>'}", "compute", group.backward_started,
                          time.perf_counter())
             group.backward_started = None
-        if grad is not None:
+        if had:
             for callback in self.grad_ready_callbacks:
                 callback(sp.key)
 
@@ -1185,8 +1198,7 @@ class OffloadedModel(OffloadedParameters):
         if set_to_none:
             self.grads.clear()
         else:
-            for grad in self.grads.values():
-                grad.zero_()
+            self.grads.zero()
         zero_grads(self.resident.values(), set_to_none)
 
     def remove(self) -> None:
@@ -1202,6 +1214,7 @@ class OffloadedModel(OffloadedParameters):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.grads.clear()
         self.store.remove_victim_order(self._victim_token)
         self.placer.close()
         for sp in self.params.values():
@@ -1311,7 +1324,8 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | s
                   home: Tier | str | None = None, compute_tier: Tier | str | None = None,
                   units: Sequence[type[nn.Module] | nn.Module | str] = DEFAULT_UNITS,
                   init_fn: Callable[[nn.Module], None] | None = None, placement: bool = True,
-                  real_parameters: str | None = None) -> OffloadedModel:
+                  real_parameters: str | None = None, grad_tier: Tier | str | None = None,
+                  grad_dtype: str = "float32") -> OffloadedModel:
     """Move ``model``'s parameters into ``store`` and fetch them just in time.
 
     Defaults come from ``store.config`` (prefetch_depth, prefetch_bytes,
@@ -1336,6 +1350,10 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | s
     ``placement`` (the default), once a step has been recorded the parameters
     and optimizer state that save the most drive traffic stay in the host
     tier for the whole run and the rest stream (see ``off.placement``).
+    Gradients kept from backward to the optimizer's step are tensors of the
+    store (see [Note: Gradients in the tiers]): their home is ``grad_tier``
+    (the store config's ``grad_tier``, else its ``optimizer_tier``), and a
+    bf16/fp16 parameter's is kept in fp32 unless ``grad_dtype="param"``.
     Parameter names and state_dict keys are unchanged;
     :meth:`OffloadedModel.remove` undoes it.
     """
@@ -1347,6 +1365,9 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | s
     if compute_tier is not None and Tier.parse(compute_tier) is Tier.NVME:
         raise ValueError("compute_tier='nvme': modules run on memory; choose 'device' or 'host'")
     check_options(prefetch_depth, placement)
+    if grad_dtype not in GRAD_DTYPES:
+        raise ValueError(f"grad_dtype={grad_dtype!r}: choose 'float32' (bf16/fp16 gradients kept and accumulated in "
+                         f"fp32) or 'param' (in the parameter's dtype, as torch keeps them)")
     scripted = [name or "the model" for name, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
     if scripted:
         raise TypeError(
@@ -1366,6 +1387,8 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | s
         init_fn=init_fn,
         placement=placement,
         real_parameters=real_parameters,
+        grad_tier=Tier.parse(grad_tier) if grad_tier is not None else None,
+        grad_dtype=grad_dtype,
     )
     setattr(model, _STATE_KEY, state)
     return state

@@ -53,6 +53,7 @@ from ._contract import (
     moment_dtype,
     optimizer_key,
 )
+from ._grads import generation, store_key_of, values_of
 from ._pipeline import StatePipeline, UnrestorableUpdateError, state_keys
 
 
@@ -219,13 +220,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         step it, or only by luck, so say so now, before any state exists."""
         def one_update(name: str, key: str | None, p: torch.nn.Parameter) -> int:
             n = (p.numel() if key is None else self._param_shape(key).numel()) * moment_dtype(key, p).itemsize
-            return TierPool.capacity_for(n) * (2 if key is None else 3)
+            # after backward, an offloaded parameter's gradient is held too (see [Note: Gradients in the tiers])
+            return TierPool.capacity_for(n) * (2 if key is None else 3 if step_in_backward else 4)
 
         # name -> what backward may hold in the host tier while it is updated
         beside = self.offloaded.held_beside_updates() if step_in_backward else {}
         need, name = max(((one_update(n, k, p) + beside.get(n, 0), n) for n, k, p in self._items),
                          default=(0, ""))
-        what = "its master weight and two moments"
+        what = "its master weight and two moments" + ("" if step_in_backward else ", and its gradient")
         if beside.get(name):
             what += f", beside the largest unit backward may hold meanwhile ({beside[name]} bytes)"
         if need > host_budget:
@@ -434,7 +436,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _was_applied(self, name: str, grad: torch.Tensor) -> bool:
         """Whether ``name``'s last update applied this very gradient (see [Note: A step that stops part-way])."""
         seen = self._applied.get(name)
-        return seen is not None and seen[0]() is grad and seen[1] == grad._version
+        return seen is not None and seen[0]() is grad and seen[1] == generation(grad)
 
     def _grad(self, name: str, key: str | None, p: torch.nn.Parameter) -> torch.Tensor | None:
         if key is None:
@@ -530,12 +532,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
         timeline = self.store.timeline
         with timeline.span(f"adamw {name}", "optimizer") if timeline is not None else contextlib.nullcontext():
             try:
-                self._pipeline.update(name, key, p, grad, step, lambda: self._hyper(name))
+                with values_of(grad) as values:  # a stored gradient is read into the host tier for its update
+                    self._pipeline.update(name, key, p, values, step, lambda: self._hyper(name))
             except UnrestorableUpdateError as e:  # no later step or forward may use the half-updated values
                 self.offloaded.broken = str(e)
                 raise
         self.steps[name] = step
-        self._applied[name] = (weakref.ref(grad), grad._version)
+        self._applied[name] = (weakref.ref(grad), generation(grad))
 
     def wait(self) -> None:
         """Wait for the write-behind of the last step; raises the first failure (the data stays in memory)."""
@@ -665,5 +668,8 @@ class OffloadedGradScaler(torch.amp.GradScaler):
             for (device, _), grads in groups.items():
                 if device not in found:
                     found[device] = found_inf.to(device, copy=True)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found[device], inv_scale.to(device))
+                # A stored gradient is read and written one at a time (the kernel takes each tensor in turn).
+                plain = [g for g in grads if store_key_of(g) is None]
+                for batch in ([plain] if plain else []) + [[g] for g in grads if store_key_of(g) is not None]:
+                    torch._amp_foreach_non_finite_check_and_unscale_(batch, found[device], inv_scale.to(device))
         return found

@@ -134,7 +134,8 @@ def test_tensors_larger_than_an_update_slice_are_bit_identical(make_store, monke
     with torch.no_grad():  # the process's first product of these shapes came out different in its last bits in
         copy.deepcopy(ref)(x)  # about 1 run in 30 here (torch's CPU BLAS, before any store existed), so not counted
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
-    off = offload_model(model, make_store(host_budget_bytes="12MiB", device_budget_bytes="8MiB"))
+    off = offload_model(model, make_store(  # an update holds its gradient too
+        host_budget_bytes="16MiB", device_budget_bytes="8MiB"))
     opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=in_backward)
     try:
         for m, o in ((ref, ropt), (model, opt)):
@@ -436,11 +437,13 @@ def test_clipping_and_loss_scaling_refuse_stepping_in_backward(make_store):
 
 
 def test_a_host_budget_below_one_update_is_refused_before_any_state_exists(make_store):
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))  # 16 KiB weight: 3 x 16 KiB
+    # 16 KiB weight: 4 x 16 KiB (weight, moments, gradient)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
     store = make_store(host_budget_bytes="40KiB")
     off = offload_model(model, store)
     keys = store.keys()
-    with pytest.raises(ValueError, match=r"host_budget_bytes=40960 .* AdamW update of .0.weight. needs .* 49152 bytes"):
+    with pytest.raises(ValueError, match=r"host_budget_bytes=40960 .* AdamW update of .0.weight. needs .* 65536 bytes"
+                                         r".*and its gradient"):
         OffloadedAdamW(off)
     assert store.keys() == keys  # nothing of the optimizer was left in the store
 

@@ -79,13 +79,21 @@ class StoreConfig:
     """Home tier of offloaded optimizer state (fp32 master weights and moments)."""
     resident_threshold_bytes: int = 0
     """Parameters smaller than this stay resident in the device tier and are never offloaded."""
+    grad_tier: Tier | None = None
+    """Home tier of the gradients an offloaded model keeps from backward to the optimizer's step (None: the
+    optimizer's tier). With an NVMe home a gradient stays in the host tier while it has room, and goes to the drive
+    only when the room is needed."""
+    malloc_mmap_threshold_bytes: int | None = 128 * 1024
+    """Fix the C allocator's mmap threshold at this size when a store is created, so that memory freed by tensors
+    goes back to the system and RSS does not grow with the model (glibc only; a setting of the whole process).
+    None leaves the allocator alone."""
 
     def __post_init__(self) -> None:
         for name in ("device_budget_bytes", "host_budget_bytes", "nvme_budget_bytes",
                      "block_size_bytes", "file_size_bytes", "prefetch_bytes",
-                     "resident_threshold_bytes"):
+                     "resident_threshold_bytes", "malloc_mmap_threshold_bytes"):
             value = getattr(self, name)
-            if value is None and name in ("nvme_budget_bytes", "prefetch_bytes"):
+            if value is None and name in ("nvme_budget_bytes", "prefetch_bytes", "malloc_mmap_threshold_bytes"):
                 continue
             object.__setattr__(self, name, parse_bytes(value, name=name))
         for name in ("device_budget_bytes", "host_budget_bytes", "nvme_budget_bytes",
@@ -93,6 +101,9 @@ class StoreConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name}={value} must be a positive number of bytes")
+        if self.malloc_mmap_threshold_bytes is not None and not 0 < self.malloc_mmap_threshold_bytes <= 2**25:
+            raise ValueError(f"malloc_mmap_threshold_bytes={self.malloc_mmap_threshold_bytes} must be between 1 byte "
+                             f"and 32 MiB (glibc's limit), or None to leave the allocator alone")
         if self.resident_threshold_bytes < 0:
             raise ValueError(f"resident_threshold_bytes={self.resident_threshold_bytes} must be >= 0")
         if self.block_size_bytes % 4096:
@@ -110,8 +121,9 @@ class StoreConfig:
         for name in ("direct_io", "verify_checksums", "pin_host_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be true or false, not {getattr(self, name)!r}")
-        for name in ("param_tier", "optimizer_tier"):
-            object.__setattr__(self, name, Tier.parse(getattr(self, name)))
+        for name in ("param_tier", "optimizer_tier", "grad_tier"):
+            if name != "grad_tier" or self.grad_tier is not None:
+                object.__setattr__(self, name, Tier.parse(getattr(self, name)))
         if self.nvme_path is not None:
             object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
 
@@ -121,8 +133,9 @@ class StoreConfig:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for name in ("param_tier", "optimizer_tier"):
-            out[name] = out[name].label
+        for name in ("param_tier", "optimizer_tier", "grad_tier"):
+            if out[name] is not None:
+                out[name] = out[name].label
         return out
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 import torch
 
+from ._allocator import set_mmap_threshold
 from ._config import StoreConfig
 from ._copies import Copy, Entry, StoreState, check_put, dense_strides
 from ._device import Device, default_device
@@ -101,6 +102,8 @@ class TierStore:
         # The device: CUDA when there is one; a test passes a simulated one (tierstore.testing.SimulatedDevice).
         device = device if device is not None else default_device(pin_host=config.pin_host_memory)
         _check_budgets_fit_memory(config, device.separate_memory)
+        if config.malloc_mmap_threshold_bytes is not None:
+            set_mmap_threshold(config.malloc_mmap_threshold_bytes)  # see [Note: Giving freed memory back]
         self.device = device.device
         pools = {
             Tier.DEVICE: TierPool(Tier.DEVICE, config.device_budget_bytes, device.device),
@@ -112,11 +115,16 @@ class TierStore:
         self._transfers = Transfers(state, self._room, max(2, config.io_threads // 2))
 
     # ---- put, get, release -------------------------------------------------------------
-    def put(self, key: str, tensor: torch.Tensor, home: Tier | str = Tier.NVME) -> Handle:
+    def put(self, key: str, tensor: torch.Tensor, home: Tier | str = Tier.NVME, *,
+            write_home: bool = True) -> Handle:
         """Register ``tensor``'s bytes under ``key`` with ``home`` as its authoritative tier.
 
         The bytes are copied; for an NVMe home they are staged in the host tier
         and written behind. The handle completes when the home tier holds them.
+        With ``write_home=False`` the staged copy is left dirty instead (the
+        handle completes at once): it reaches the drive only when the host tier
+        needs its room, or on :meth:`flush`, so a short-lived tensor (a
+        gradient) that fits costs the drive nothing.
         A dense tensor keeps its layout: ``get()`` gives back its strides
         (channels_last stays channels_last).
         """
@@ -140,7 +148,7 @@ class TierStore:
                     assert state.engine is not None
                     entry.copies[Tier.NVME] = Copy(Tier.NVME, version=-1, extent=state.engine.allocate(nbytes))
                 state.view(entry, staging).copy_(tensor)
-                if home is not Tier.NVME:
+                if home is not Tier.NVME or not write_home:
                     return Handle(done_future(), key, home)
                 fut = self._transfers.start_writeback(entry)
             assert fut is not None

@@ -1,0 +1,373 @@
+"""Gradients as tensors of the store: what an offloaded model keeps from backward to the optimizer's step.
+
+[Note: Gradients in the tiers] A gradient that must outlive the backward that
+made it (accumulation over micro-batches, clipping by the global norm, an
+optimizer that steps after backward) is a key of the store, ``grad/<name>``,
+under the same budgets as everything else: its home is ``grad_tier`` (the
+optimizer's tier by default), and with an NVMe home it is put with
+``write_home=False``, so it stays in the host tier while there is room and
+reaches the drive only when that room is needed (a model whose gradients fit
+costs the drive nothing for them). No owner ranks them for eviction, so they
+are the first to go to the drive when the host tier is full (see [Note:
+Several owners' victim orders]): nothing reads them before the optimizer's
+step, while the weights and state around them are read sooner. Accumulation adds into the stored copy
+(read, add, mark dirty). The optimizer reads each gradient ahead with its
+state (see [Note: Pipelined step]) and the gradients go at ``zero_grad()``.
+Gradients handed to an optimizer that steps in backward do not pass through
+the store: each is consumed at once, and their backlog is bounded apart (see
+[Note: Stepping in backward]).
+
+The stored dtype is the parameter's, except that a bf16 or fp16 parameter's
+gradient is kept, and accumulated, in fp32 (``grad_dtype="param"`` keeps the
+parameter's dtype, as torch does): the drive then holds 4 bytes per such
+parameter instead of 2, and accumulating over micro-batches loses no bits.
+
+[Note: A stored gradient read from outside] ``param.grad`` of an offloaded
+parameter is a :class:`StoredGrad`: a tensor with the gradient's shape, dtype
+and device and no memory of its own. Every torch operation on it reads the
+gradient from the store (through the host tier) and writes it back when the
+operation writes it, so ``torch.nn.utils.clip_grad_norm_(model.parameters(),
+...)``, ``model.zero_grad()``, ``p.grad.clamp_(...)`` and any read work as
+on a resident model, one gradient in memory at a time. Two operations that
+clipping does to every gradient cost no read at all, with the same bits: the
+2-norm of each gradient is computed as it is stored (after each
+accumulation), and a multiplication by a scalar (the clip coefficient) is
+recorded and applied when the gradient is next read. A view of a stored
+gradient (``p.grad[0]``, ``p.grad.view(-1)``) is a copy that refuses writes,
+since a write into it could not reach the gradient: write the gradient
+itself (``p.grad[0] = 0`` raises, ``p.grad.mul_(...)`` works).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from tierstore import Tier, TierStore
+from tierstore._copies import dense_strides
+
+from ._contract import MASTERED_DTYPES
+
+GRAD_PREFIX = "grad/"
+_aten = torch.ops.aten
+_NORM = _aten.linalg_vector_norm.default
+# In-place products by one number: recorded and applied at the next read (see [Note: A stored gradient read from
+# outside]).
+_SCALINGS = frozenset({_aten.mul_.Tensor, _aten.mul_.Scalar})
+GRAD_DTYPES = ("float32", "param")
+
+
+def grad_key(param_key: str) -> str:
+    """The store key of an offloaded parameter's gradient (``param/<name>`` -> ``grad/<name>``)."""
+    return GRAD_PREFIX + param_key.partition("/")[2]
+
+
+def stored_dtype(param_dtype: torch.dtype, grad_dtype: str) -> torch.dtype:
+    """The dtype a gradient of a ``param_dtype`` parameter is kept in (see [Note: Gradients in the tiers])."""
+    return torch.float32 if grad_dtype == "float32" and param_dtype in MASTERED_DTYPES else param_dtype
+
+
+@dataclass(eq=False)
+class _Record:
+    """One stored gradient."""
+
+    key: str  # its store key
+    param_key: str
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    scales: list[torch.Tensor | float] = field(default_factory=list)  # products not yet applied
+    norm: torch.Tensor | None = None  # its 2-norm, while its values are those it was computed from
+    generation: int = 0  # changes whenever its values do
+    handle: StoredGrad | None = None
+
+
+class GradientStore:
+    """The gradients of one offloaded model, by parameter key (see [Note: Gradients in the tiers]).
+
+    ``get``/``pop``/``[key] = tensor``/``clear``/``zero``: the ``GradientSource`` the optimizer reads; ``accumulate``
+    adds a backward's gradient; ``held`` gives the gradient's values in the host tier for the length of a ``with``.
+    """
+
+    def __init__(self, store: TierStore, home: Tier, grad_dtype: str = "float32") -> None:
+        if grad_dtype not in GRAD_DTYPES:
+            raise ValueError(f"grad_dtype={grad_dtype!r}: choose 'float32' (bf16/fp16 gradients accumulated in fp32) "
+                             f"or 'param' (in the parameter's dtype, as torch keeps them)")
+        self.store = store
+        self.home = home
+        self.grad_dtype = grad_dtype
+        self._records: dict[str, _Record] = {}
+        self._direct: dict[str, torch.Tensor] = {}  # handed to an optimizer stepping in backward
+        self._lock = threading.RLock()
+
+    # ---- what backward and the optimizer call --------------------------------------------
+    def accumulate(self, param_key: str, grad: torch.Tensor, param_dtype: torch.dtype) -> None:
+        """Add a backward's gradient into the stored one (or store it: the first of a step)."""
+        with self._lock:
+            rec = self._records.get(param_key)
+            if rec is None:
+                self._put(param_key, grad, stored_dtype(param_dtype, self.grad_dtype))
+                return
+            with self._held(rec, write=True) as t:
+                t.add_(grad.to(t.device))
+                rec.norm = torch.linalg.vector_norm(t, 2.0)
+
+    def hand_over(self, param_key: str, grad: torch.Tensor) -> None:
+        """Keep a gradient for an optimizer that steps in backward, outside the store (it is consumed at once)."""
+        host = grad.detach().to("cpu", copy=grad.device.type != "cpu")
+        prev = self._direct.get(param_key)
+        self._direct[param_key] = host if prev is None else prev.add_(host)
+
+    def get(self, param_key: str, default: Any = None) -> Any:
+        with self._lock:
+            direct = self._direct.get(param_key)
+            if direct is not None:
+                return direct
+            rec = self._records.get(param_key)
+            if rec is None:
+                return default
+            if rec.handle is None:
+                rec.handle = StoredGrad.of(self, rec)
+            return rec.handle
+
+    __getitem__ = get
+
+    def pop(self, param_key: str, default: Any = None) -> Any:
+        with self._lock:
+            out = self.get(param_key, default)
+            self._direct.pop(param_key, None)
+            rec = self._records.pop(param_key, None)
+            if rec is not None:
+                self.store.drop(rec.key)
+            return out
+
+    def __setitem__(self, param_key: str, grad: torch.Tensor) -> None:
+        with self._lock:
+            self.pop(param_key)
+            self._put(param_key, grad, grad.dtype)
+
+    def __contains__(self, param_key: object) -> bool:
+        return param_key in self._records or param_key in self._direct
+
+    def __len__(self) -> int:
+        return len(self._records) + len(self._direct)
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return [*self._direct, *self._records]
+
+    def values(self) -> list[Any]:
+        return [self.get(k) for k in self.keys()]
+
+    def clear(self) -> None:
+        """Drop every gradient (``zero_grad()``)."""
+        with self._lock:
+            for k in list(self._records):
+                self.pop(k)
+            self._direct.clear()
+
+    def zero(self) -> None:
+        """Zero every gradient in place (``zero_grad(set_to_none=False)``)."""
+        with self._lock:
+            for rec in self._records.values():
+                self.get(rec.param_key).zero_()
+            for t in self._direct.values():
+                t.zero_()
+
+    def dtype_of(self, param: torch.Tensor) -> torch.dtype:
+        """The dtype ``param``'s gradient is kept in."""
+        return stored_dtype(param.dtype, self.grad_dtype)
+
+    # ---- operations on a StoredGrad ----------------------------------------------------------
+    def apply(self, rec: _Record, func: Any, args: Any, kwargs: Any) -> Any:
+        """``func`` on a stored gradient: see [Note: A stored gradient read from outside]."""
+        with self._lock:
+            if self._records.get(rec.param_key) is not rec:
+                raise RuntimeError("this gradient was dropped (zero_grad() or a new assignment to .grad since it was "
+                                   "read): read param.grad again")
+            if func in _SCALINGS and not kwargs and len(args) == 2 and _is_scalar(args[1]):
+                rec.scales.append(args[1].detach().clone() if isinstance(args[1], torch.Tensor) else args[1])
+                rec.norm = None
+                rec.generation += 1
+                return rec.handle
+            if func is _NORM and not rec.scales and rec.norm is not None and _is_plain_2_norm(args, kwargs):
+                return rec.norm.clone()
+            writes = _writes_grad(func, args, kwargs)
+            with self._held(rec, write=writes) as t:
+                out = func(*_swap(args, rec, t), **_swap(kwargs, rec, t))
+                if writes:
+                    rec.norm = torch.linalg.vector_norm(t, 2.0)
+                if out is t:
+                    return rec.handle
+                return tree_map_only(torch.Tensor, lambda o: _copy_if_shares(o, t), out)
+
+    def read(self, rec: _Record) -> torch.Tensor:
+        """A copy of a stored gradient's values."""
+        with self._lock, self._held(rec, write=False) as t:
+            return t.clone()
+
+    # ---- inside ---------------------------------------------------------------------------
+    def _put(self, param_key: str, grad: torch.Tensor, dtype: torch.dtype) -> None:
+        key = grad_key(param_key)
+        value = grad.detach().to(device="cpu", dtype=dtype)  # in its own layout: channels_last stays so
+        if not value.is_contiguous() and dense_strides(value) is None:
+            value = value.contiguous()
+        self.store.put(key, value, home=self.home, write_home=False).wait()
+        self._records[param_key] = _Record(key, param_key, value.shape, value.stride(), dtype,
+                                           norm=torch.linalg.vector_norm(value, 2.0))
+
+    @contextlib.contextmanager
+    def _held(self, rec: _Record, *, write: bool) -> Iterator[torch.Tensor]:
+        """The stored gradient in the host tier with its pending products applied; marked changed after a write."""
+        st = self.store
+        t = st.get(rec.key, Tier.HOST)
+        try:
+            if rec.scales or write:
+                st.writing(rec.key).wait()  # a write of its bytes in flight must not see them change
+            if rec.scales:
+                for s in rec.scales:
+                    t.mul_(s)
+                rec.scales.clear()
+                st.mark_dirty(rec.key, Tier.HOST)
+            yield t
+            if write:
+                st.mark_dirty(rec.key, Tier.HOST)
+                rec.generation += 1
+        finally:
+            st.release(rec.key, Tier.HOST)
+
+
+def store_key_of(grad: torch.Tensor | None) -> str | None:
+    """The store key of a gradient ``GradientSource.get`` gave, or None when it is an ordinary tensor."""
+    return grad._record.key if isinstance(grad, StoredGrad) else None
+
+
+def generation(grad: torch.Tensor) -> int:
+    """What changes whenever the values of a gradient ``GradientSource.get`` gave change."""
+    return grad._record.generation if isinstance(grad, StoredGrad) else grad._version
+
+
+@contextlib.contextmanager
+def values_of(grad: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The values of a gradient ``GradientSource.get`` gave, as an ordinary tensor for the length of the block
+    (a stored one held in the host tier, read-only)."""
+    if not isinstance(grad, StoredGrad):
+        yield grad
+        return
+    grads, rec = grad._grads, grad._record
+    with grads._lock, grads._held(rec, write=False) as t:
+        yield t
+
+
+def _is_scalar(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) or (
+        isinstance(x, torch.Tensor) and not isinstance(x, StoredGrad) and x.dim() == 0 and x.device.type == "cpu")
+
+
+def _is_plain_2_norm(args: Any, kwargs: Any) -> bool:
+    """``linalg_vector_norm(g)`` or ``(g, 2)``: the 2-norm of the whole gradient, in its own dtype."""
+    ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    rest = list(args[2:]) + [v for k, v in kwargs.items() if k != "ord"]
+    return ord_ == 2 and all(v in (None, False, []) for v in rest)
+
+
+def _writes_grad(func: Any, args: Any, kwargs: Any) -> bool:
+    """Whether ``func`` writes a stored gradient among its arguments (``mul_``, ``zero_``, ``copy_``, ``out=``)."""
+    for i, arg in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if arg.alias_info is not None and arg.alias_info.is_write and any(
+                isinstance(v, StoredGrad) for v in tree_leaves(value)):
+            return True
+    return False
+
+
+def _swap(tree: Any, rec: _Record, t: torch.Tensor) -> Any:
+    def real(g: StoredGrad) -> torch.Tensor:
+        if g._record is not rec:
+            raise RuntimeError("an operation on two stored gradients at once; read one of them first "
+                               "(.clone() makes an ordinary tensor of it)")
+        return t
+    return tree_map_only(StoredGrad, real, tree)
+
+
+def _copy_if_shares(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """An output that shares the stored gradient's memory (a view) outlives the hold: a copy that refuses writes."""
+    if out.layout is torch.strided and out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+        return _ReadOnlyView.of(out.clone())
+    return out
+
+
+class StoredGrad(torch.Tensor):
+    """``param.grad`` of an offloaded parameter (see [Note: A stored gradient read from outside])."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    _grads: GradientStore
+    _record: _Record
+
+    @staticmethod
+    def of(grads: GradientStore, rec: _Record) -> StoredGrad:
+        g = torch.Tensor._make_wrapper_subclass(StoredGrad, rec.shape, strides=rec.stride, dtype=rec.dtype,
+                                                device="cpu")
+        g._grads, g._record = grads, rec
+        return g
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (_aten.detach.default, _aten.alias.default):  # ``.data``, ``.detach()``: the gradient itself
+            g = args[0]
+            return StoredGrad.of(g._grads, g._record)
+        mine = [g for g in tree_leaves((args, kwargs)) if isinstance(g, StoredGrad)]
+        if len({id(g._record) for g in mine}) > 1:  # two at once: each read in turn, none written
+            if _writes_grad(func, args, kwargs):
+                raise RuntimeError(f"{func.overloadpacket.__name__} of one stored gradient with another: read "
+                                   f"the other first (.clone() makes an ordinary tensor of it)")
+            values = {id(g._record): g._grads.read(g._record) for g in mine}
+            return func(*tree_map_only(StoredGrad, lambda g: values[id(g._record)], args),
+                        **tree_map_only(StoredGrad, lambda g: values[id(g._record)], kwargs))
+        g = mine[0]
+        return g._grads.apply(g._record, func, args, kwargs)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        with values_of(self) as t:
+            return f"StoredGrad({t!r})"
+
+
+class _ReadOnlyView(torch.Tensor):
+    """A copy of a view of a stored gradient: reads work, a write raises (it could not reach the gradient)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    _value: torch.Tensor
+
+    @staticmethod
+    def of(value: torch.Tensor) -> _ReadOnlyView:
+        v = torch.Tensor._make_wrapper_subclass(_ReadOnlyView, value.shape, strides=value.stride(),
+                                                dtype=value.dtype, device=value.device)
+        v._value = value
+        return v
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if isinstance(value, _ReadOnlyView) and arg.alias_info is not None and arg.alias_info.is_write:
+                raise RuntimeError(
+                    f"{func.overloadpacket.__name__} would write into a view of an offloaded parameter's gradient "
+                    f"(p.grad[...] or p.grad.view(...)), which is a copy: the gradient lives in the store and would "
+                    f"not change. Write the gradient itself (p.grad.mul_(...), p.grad.copy_(new), p.grad = new)")
+        unwrap = tree_map_only(_ReadOnlyView, lambda v: v._value, (args, kwargs))
+        out = func(*unwrap[0], **unwrap[1])
+        if any(r.alias_info is not None for r in func._schema.returns):
+            return tree_map_only(torch.Tensor, _ReadOnlyView.of, out)
+        return out
+
+
+__all__ = ["GRAD_DTYPES", "GradientStore", "StoredGrad", "generation", "grad_key", "store_key_of", "stored_dtype",
+           "values_of"]
