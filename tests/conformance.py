@@ -48,9 +48,13 @@ def _seeded(fn: Callable[[], Any], seed: int) -> Any:
 def check_bit_identical(case: Case, nvme_path: str, *, steps: int = 3, step_in_backward: bool = False,
                         prepare: Callable[[torch.nn.Module], None] | None = None,
                         units: Any = None, host_budget_fraction: float | None = None,
-                        adamw_flags: dict[str, bool] | None = None) -> dict[str, Any]:
+                        adamw_flags: dict[str, bool] | None = None, micro_batches: int = 1,
+                        clip: float | None = None) -> dict[str, Any]:
     """Train resident and offloaded; assert every figure equal; return what the offloaded run saw.
-    ``adamw_flags`` (``foreach``/``fused``) go to both optimizers."""
+    ``adamw_flags`` (``foreach``/``fused``) go to both optimizers; ``micro_batches`` backward passes a step
+    accumulate gradients, and ``clip`` clips them by their global norm (torch's ``clip_grad_norm_`` over each
+    model's parameters) before each step. The result's ``spilled``: how many times a kept gradient was found on
+    the drive alone before a step."""
     if host_budget_fraction is None:
         host_budget_fraction = case.host_budget_fraction
     ref = _seeded(case.build, 0)
@@ -74,20 +78,28 @@ def check_bit_identical(case: Case, nvme_path: str, *, steps: int = 3, step_in_b
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, **({"foreach": False} | flags))
         opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=step_in_backward, **flags)
         try:
+            spilled = 0
             for step in range(steps):
-                batch = case.batch(step)
-                torch.manual_seed(100 + step)  # dropout draws the same masks in both runs
-                ref_loss = case.loss(ref, batch)
-                ref_loss.backward()
+                for micro in range(micro_batches):
+                    batch = case.batch(step * micro_batches + micro)
+                    torch.manual_seed(100 + step * micro_batches + micro)  # dropout draws the same masks in both
+                    ref_loss = case.loss(ref, batch)
+                    ref_loss.backward()
+                    torch.manual_seed(100 + step * micro_batches + micro)
+                    loss = case.loss(model, batch)
+                    loss.backward()
+                    assert torch.isfinite(loss), f"step {step}: loss {loss.item()}"
+                    assert loss.item() == ref_loss.item(), f"step {step}: loss {loss.item()} != {ref_loss.item()}"
+                spilled += sum(1 for k in store.keys() if k.startswith("grad/")
+                               and set(store.info(k)["copies"]) == {"nvme"})
+                if clip is not None:
+                    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                    assert torch.equal(norm, ref_norm), f"step {step}: norm {norm} != {ref_norm}"
                 ref_opt.step()
                 ref_opt.zero_grad()
-                torch.manual_seed(100 + step)
-                loss = case.loss(model, batch)
-                loss.backward()
                 opt.step()
                 opt.zero_grad()
-                assert torch.isfinite(loss), f"step {step}: loss {loss.item()}"
-                assert loss.item() == ref_loss.item(), f"step {step}: loss {loss.item()} != {ref_loss.item()}"
                 _assert_same_state(model, ref, opt, ref_opt, f"after step {step}")
             ref.eval()
             model.eval()
@@ -100,7 +112,7 @@ def check_bit_identical(case: Case, nvme_path: str, *, steps: int = 3, step_in_b
             opt.close()
         stats = store.stats_dict()
         assert stats["bytes_read_nvme"] > 0, "nothing was read from the drive: the test would prove nothing"
-        return {"off": off, "stats": stats, "units": off.units()}
+        return {"off": off, "stats": stats, "units": off.units(), "spilled": spilled}
     finally:
         store.close()
 

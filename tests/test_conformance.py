@@ -25,6 +25,14 @@ def test_bit_identical(name, nvme_dir):
     check_bit_identical(CASES[name], nvme_dir)
 
 
+@pytest.mark.parametrize("name", [n for n in ("llama-tied", "gpt2", "t5", "mixtral") if n in CASES])
+def test_accumulation_and_clipping_with_gradients_on_the_drive(name, nvme_dir):
+    """Trainer's loop (two micro-batches a step, torch's clip_grad_norm_ over model.parameters()) at a host budget
+    a sixth of the state: kept gradients go to the drive and come back, and every figure is the resident one."""
+    seen = check_bit_identical(CASES[name], nvme_dir, micro_batches=2, clip=0.5, host_budget_fraction=1 / 6)
+    assert seen["spilled"] > 0, "no gradient reached the drive: the test would prove nothing"
+
+
 def test_mha_without_default_units_learns_out_proj(nvme_dir):
     """With no unit given, MultiheadAttention's read of out_proj's weight (it never calls out_proj) is fetched
     on demand in the first step and learned: its unit then fetches it ahead."""

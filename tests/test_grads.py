@@ -1,0 +1,172 @@
+"""Gradients kept in the store between backward and the optimizer's step: what ``param.grad`` reads and writes,
+where the bytes go, their dtype, and the allocator setting that gives freed memory back."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tierstore as ts
+from tierstore import _allocator
+from tierstore.integrations.offload import offload_model
+from tierstore.integrations.optim import OffloadedAdamW
+
+
+def _pair(dtype=torch.float32, width=64, depth=4):
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)]).to(dtype)
+    return ref, copy.deepcopy(ref)
+
+
+def _backward(model, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, 64, generator=g).to(dtype)
+    model(x).float().pow(2).mean().backward()
+
+
+def test_param_grad_reads_and_writes_the_stored_gradient(make_store):
+    ref, model = _pair()
+    store = make_store(host_budget_bytes="256KiB")
+    offload_model(model, store)
+    for m in (ref, model):
+        _backward(m, 0)
+    p, r = model[0].weight, ref[0].weight
+    assert type(p.grad).__name__ == "StoredGrad" and p.grad.shape == r.grad.shape and p.grad.dtype == r.grad.dtype
+    assert torch.equal(p.grad, r.grad) and torch.equal(p.grad.view(-1)[:5], r.grad.view(-1)[:5])
+    assert torch.equal(p.grad.clone(), r.grad) and p.grad.norm().item() == r.grad.norm().item()
+    for a, b in ((p.grad, r.grad), (p.grad.data, r.grad.data)):  # in place, also through .data: kept
+        a.mul_(0.5)
+        b.mul_(0.5)
+        assert torch.equal(p.grad, r.grad)
+    p.grad.clamp_(-1e-3, 1e-3)
+    r.grad.clamp_(-1e-3, 1e-3)
+    assert torch.equal(p.grad, r.grad)
+    with pytest.raises(RuntimeError, match=r"view of an offloaded parameter's gradient .* Write the gradient itself"):
+        p.grad[0] = 0.0  # a write into a copy would change nothing: refused, never lost
+    with pytest.raises(RuntimeError, match="Write the gradient itself"):
+        p.grad.view(-1).zero_()
+    new = torch.full_like(r.grad, 0.25)
+    p.grad = new.clone()
+    assert torch.equal(p.grad, new)
+    with pytest.raises(ValueError, match="shape"):
+        p.grad = torch.zeros(3)
+    p.grad = None
+    assert p.grad is None and "grad/0.weight" not in store
+    old = model[1].weight.grad
+    model.zero_grad()
+    assert all(q.grad is None for q in model.parameters()) and not [k for k in store.keys() if k.startswith("grad/")]
+    with pytest.raises(RuntimeError, match="this gradient was dropped"):
+        old.sum()  # a gradient read before zero_grad() is not silently another one
+
+
+def test_kept_gradients_spill_to_the_drive_and_clipping_reads_none_of_them(make_store):
+    """A host budget below the gradients: they go to the drive during backward, come back for the step, and
+    torch's clip_grad_norm_ over every parameter reads none of them (norms made as they were stored, the
+    coefficient applied as the optimizer reads each); the training is the resident one."""
+    ref, model = _pair(width=64, depth=8)
+    store = make_store(host_budget_bytes="96KiB")  # 8 weights of 16 KiB, their gradients, and the state
+    off = offload_model(model, store)
+    opt = OffloadedAdamW(off, lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    for step in range(3):
+        for micro in range(2):
+            _backward(ref, 10 * step + micro)
+            _backward(model, 10 * step + micro)
+        on_drive = [k for k in store.keys() if k.startswith("grad/") and set(store.info(k)["copies"]) == {"nvme"}]
+        assert on_drive, "no gradient reached the drive"
+        read = store.stats_dict()["bytes_read_nvme"]
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        assert store.stats_dict()["bytes_read_nvme"] == read  # the clip read nothing from the drive
+        assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01))
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    opt.close()
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_low_precision_gradients_accumulate_in_fp32_unless_asked(make_store):
+    ref, model = _pair(torch.bfloat16)
+    kept = copy.deepcopy(ref)
+    off = offload_model(model, make_store())
+    off_param = offload_model(kept, make_store(), grad_dtype="param")
+    for seed in (0, 1):
+        _backward(ref, seed, torch.bfloat16)
+        _backward(model, seed, torch.bfloat16)
+        _backward(kept, seed, torch.bfloat16)
+    assert kept[0].weight.grad.dtype == torch.bfloat16 and torch.equal(kept[0].weight.grad, ref[0].weight.grad)
+    assert model[0].weight.grad.dtype == torch.float32
+    # each backward's bf16 gradient, added in fp32
+    g = [None, None]
+    for i, seed in enumerate((0, 1)):
+        one = copy.deepcopy(ref)
+        one.zero_grad()
+        _backward(one, seed, torch.bfloat16)
+        g[i] = one[0].weight.grad.float()
+    assert torch.equal(model[0].weight.grad, g[0] + g[1])
+    assert store_dtype(off, "grad/0.weight") == torch.float32 and store_dtype(off_param, "grad/0.weight") == \
+        torch.bfloat16
+    with pytest.raises(ValueError, match="grad_dtype='half'"):
+        offload_model(copy.deepcopy(ref), make_store(), grad_dtype="half")
+
+
+def store_dtype(off, key):
+    return off.store.info(key)["dtype"]
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_grad_tier_is_the_gradients_home(make_store, tier):
+    _, model = _pair()
+    off = offload_model(model, make_store(grad_tier=tier))
+    _backward(model, 0)
+    assert off.store.info("grad/0.weight")["home"] == tier
+    # the optimizer's tier when not set
+    _, other = _pair()
+    off = offload_model(other, make_store(optimizer_tier="host"))
+    _backward(other, 0)
+    assert off.store.info("grad/0.weight")["home"] == "host"
+
+
+def test_a_gradient_that_fits_never_touches_the_drive(make_store):
+    _, model = _pair()
+    store = make_store(host_budget_bytes="8MiB")
+    offload_model(model, store)
+    written = store.stats_dict()["bytes_written_nvme"]
+    _backward(model, 0)
+    _backward(model, 1)
+    model.zero_grad()
+    assert store.stats_dict()["bytes_written_nvme"] == written
+
+
+def test_the_store_fixes_the_allocators_mmap_threshold(make_store):
+    make_store()
+    if _allocator._libc() is None:
+        pytest.skip("not glibc")
+    assert _allocator.mmap_threshold() == 128 * 1024
+    with pytest.raises(ValueError, match="malloc_mmap_threshold_bytes=.* between 1 byte and 32 MiB"):
+        ts.StoreConfig(malloc_mmap_threshold_bytes="64MiB")
+    assert ts.StoreConfig(malloc_mmap_threshold_bytes=None).malloc_mmap_threshold_bytes is None
+    assert ts.StoreConfig(grad_tier="host").to_dict()["grad_tier"] == "host"
+
+
+def test_stepping_in_backward_keeps_no_gradient_in_the_store(make_store):
+    ref, model = _pair()
+    store = make_store()
+    off = offload_model(model, store)
+    opt = OffloadedAdamW(off, lr=1e-2, step_in_backward=True)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    for step in range(2):
+        for m, o in ((ref, ropt), (model, opt)):
+            _backward(m, step)
+            o.step()
+            o.zero_grad()
+        assert not [k for k in store.keys() if k.startswith("grad/")]
+    opt.close()
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), name
+    x = torch.randn(2, 64)
+    assert torch.equal(model(x), ref(x))
+    assert F.mse_loss(model(x), ref(x)).item() == 0.0
