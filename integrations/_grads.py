@@ -195,7 +195,7 @@ class GradientStore:
                 rec.scales.append(args[1].detach().clone() if isinstance(args[1], torch.Tensor) else args[1])
                 rec.norm = None
                 rec.generation += 1
-                return rec.handle
+                return args[0]
             if func is _NORM and not rec.scales and rec.norm is not None and _is_plain_2_norm(args, kwargs):
                 return rec.norm.clone()
             writes = _writes_grad(func, args, kwargs)
@@ -203,8 +203,8 @@ class GradientStore:
                 out = func(*_swap(args, rec, t), **_swap(kwargs, rec, t))
                 if writes:
                     rec.norm = torch.linalg.vector_norm(t, 2.0)
-                if out is t:
-                    return rec.handle
+                if out is t:  # an in-place op returns the tensor it was called on
+                    return next(g for g in tree_leaves((args, kwargs)) if isinstance(g, StoredGrad))
                 return tree_map_only(torch.Tensor, lambda o: _copy_if_shares(o, t), out)
 
     def read(self, rec: _Record) -> torch.Tensor:
@@ -303,10 +303,20 @@ def _copy_if_shares(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# What torch refuses on a tensor subclass outright: answered from a copy of the values.
+_ON_A_COPY = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__})
+
+
 class StoredGrad(torch.Tensor):
     """``param.grad`` of an offloaded parameter (see [Note: A stored gradient read from outside])."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _ON_A_COPY and isinstance(args[0], StoredGrad):
+            return func(args[0].clone(), *args[1:], **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
     _grads: GradientStore
     _record: _Record
 
@@ -324,15 +334,22 @@ class StoredGrad(torch.Tensor):
             g = args[0]
             return StoredGrad.of(g._grads, g._record)
         mine = [g for g in tree_leaves((args, kwargs)) if isinstance(g, StoredGrad)]
-        if len({id(g._record) for g in mine}) > 1:  # two at once: each read in turn, none written
-            if _writes_grad(func, args, kwargs):
-                raise RuntimeError(f"{func.overloadpacket.__name__} of one stored gradient with another: read "
-                                   f"the other first (.clone() makes an ordinary tensor of it)")
-            values = {id(g._record): g._grads.read(g._record) for g in mine}
-            return func(*tree_map_only(StoredGrad, lambda g: values[id(g._record)], args),
-                        **tree_map_only(StoredGrad, lambda g: values[id(g._record)], kwargs))
         g = mine[0]
+        if len({id(x._record) for x in mine}) > 1:  # several: the others are read first, one at a time
+            first = args[0] if isinstance(args[0], StoredGrad) and _writes_grad(func, args[:1], {}) else None
+            values = {id(x._record): x._grads.read(x._record) for x in mine if first is None or x._record is not
+                      first._record}
+            args, kwargs = tree_map_only(StoredGrad, lambda x: values.get(id(x._record), x), (args, kwargs))
+            if first is None:
+                return func(*args, **kwargs)
+            g = first
         return g._grads.apply(g._record, func, args, kwargs)
+
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        return self.clone()  # its values, as an ordinary tensor
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # torch.save / pickle: its values, as an ordinary tensor
+        return self.clone().__reduce_ex__(protocol)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         with values_of(self) as t:

@@ -4,10 +4,12 @@ optimizer mode."""
 import os
 
 import bench_capacity
+import pytest
 
 
-def test_bench_capacity_tiny(tmp_path, capsys):
-    res = bench_capacity.main(["--layers", "10", "--width", "512", "--state-per-budget", "10", "--steps", "2",
+@pytest.mark.parametrize("width", [512, 1024])  # 4x the parameters: the bound holds whatever the model's size
+def test_bench_capacity_tiny(tmp_path, capsys, width):
+    res = bench_capacity.main(["--layers", "10", "--width", str(width), "--state-per-budget", "10", "--steps", "2",
                                "--pretrained", "--nvme-path", str(tmp_path)])
     assert [r["mode"] for r in res["results"]] == ["accumulate", "after", "in-backward"]
     for r in res["results"]:

@@ -170,3 +170,19 @@ def test_stepping_in_backward_keeps_no_gradient_in_the_store(make_store):
     x = torch.randn(2, 64)
     assert torch.equal(model(x), ref(x))
     assert F.mse_loss(model(x), ref(x)).item() == 0.0
+
+
+def test_a_stored_gradient_behaves_as_a_tensor_of_its_values(make_store, tmp_path):
+    ref, model = _pair()
+    offload_model(model, make_store())
+    for m in (ref, model):
+        _backward(m, 0)
+    g, r = model[0].weight.grad, ref[0].weight.grad
+    assert torch.equal(copy.deepcopy(g), r) and type(copy.deepcopy(g)) is torch.Tensor
+    torch.save(g, tmp_path / "g.pt")  # its values, never the store's bookkeeping
+    assert torch.equal(torch.load(tmp_path / "g.pt"), r)
+    assert g.tolist() == r.tolist() and (g.numpy() == r.numpy()).all()
+    assert torch.equal(g.to(torch.float64), r.to(torch.float64)) and g.cpu() is g
+    g.add_(model[1].weight.grad)  # one stored gradient into another
+    r.add_(ref[1].weight.grad)
+    assert torch.equal(g, r) and torch.equal(g + model[1].weight.grad, r + ref[1].weight.grad)
