@@ -470,3 +470,55 @@ def test_writing_waits_for_a_write_back_in_flight_without_starting_one(make_stor
     store.write_back("x")
     store.writing("x").wait()
     assert store.info("x")["copies"]["host"]["state"] == "clean"
+
+
+def test_flush_racing_drops_skips_the_dropped_keys_and_flushes_the_rest(make_store):
+    """One thread flushes while others change, drop and put keys again: a key dropped during a flush is skipped
+    (never a KeyError), and every key left is on the drive with its last value."""
+    n = 16 * 1024
+    store = make_store(host_budget_bytes=4 * n, device_budget_bytes=16 * n)  # device copies wait for host room
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    last: dict[str, float] = {}
+    lock = threading.Lock()
+
+    def churn(seed: int) -> None:
+        rng = random.Random(seed)
+        mine = [f"t{seed}k{i}" for i in range(6)]
+        try:
+            for i in range(150):
+                k = rng.choice(mine)
+                with lock:
+                    if k in last:
+                        store.drop(k)
+                        del last[k]
+                        continue
+                store.put(k, torch.zeros(n // 4), home="nvme").wait()
+                tier = "device" if rng.random() < 0.8 else "host"  # a device copy is written home through the host
+                t = store.get(k, tier)
+                t.fill_(float(i))
+                store.mark_dirty(k, tier)
+                store.release(k, tier)
+                with lock:
+                    last[k] = float(i)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def flusher(_: int) -> None:
+        try:
+            while not stop.is_set():
+                store.flush()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    watcher = threading.Thread(target=flusher, args=(0,))
+    watcher.start()
+    try:
+        _run_threads(churn, 3)
+    finally:
+        stop.set()
+        watcher.join()
+    assert not errors, errors
+    store.flush()
+    for k, value in last.items():
+        assert store.info(k)["copies"]["nvme"]["state"] == "clean" and float(store.read(k)[0]) == value, k

@@ -306,19 +306,27 @@ class TierStore:
         return reported
 
     def flush(self) -> None:
-        """Write every dirty copy back to its home tier and wait; raises the first failure."""
+        """Write every dirty copy back to its home tier and wait; raises the first failure. A key another thread
+        drops meanwhile is skipped."""
         state = self._state
         state.check_open()
         with state.lock:
             while True:
-                # None when home is current; the one in flight if any
-                pending = [(e, f) for e in list(state.entries.values())
-                           if (f := self._transfers.start_writeback(e)) is not None]
+                pending = []
+                for e in list(state.entries.values()):
+                    try:
+                        fut = self._transfers.start_writeback(e)  # None when home is current
+                    except KeyError:
+                        if e.dropped:  # by another thread, while this one waited: nothing of it to write
+                            continue
+                        raise
+                    if fut is not None:
+                        pending.append((e, fut))
                 if not pending:
                     return
                 for entry, fut in pending:
                     state.wait_for(fut)
-                    if (err := fut.exception()) is not None:
+                    if (err := fut.exception()) is not None and not entry.dropped:
                         entry.reported(err)  # here, not again by the key's next get()
                         raise err
 
