@@ -360,7 +360,11 @@ def _load_optimizer(opt: OffloadedAdamW, directory: str, entries: dict[str, Any]
     """Apply optimizer state that :func:`_check_optimizer` has checked."""
     opt.wait()  # surface a failed write-behind before overwriting
     opt.load_group_states(meta["param_groups"] if "param_groups" in meta else [meta["hyperparameters"]])
-    opt.steps = {k: float(v) for k, v in meta["steps"].items()}
+    saved = {k: float(v) for k, v in meta["steps"].items()}
+    # The whole state is replaced: a parameter that had no state when saved starts afresh (masters from the
+    # weights just loaded), as torch's load_state_dict leaves nothing of the steps after the save.
+    opt.reset_state({name for name, _, _ in opt.named_items()} - set(saved))
+    opt.steps = saved
     for name, what, key in opt.state_tensors():
         _load_into_store(opt.store, key, directory, f"{name}/{what}", entries[f"{name}/{what}"])
 

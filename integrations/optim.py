@@ -411,6 +411,31 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 finally:
                     self.store.release(optimizer_key(name, "master"), Tier.HOST)
 
+    def named_items(self) -> list[tuple[str, str | None, torch.nn.Parameter]]:
+        """(name, store key or None for a resident parameter, parameter) of each parameter this optimizer steps."""
+        return list(self._items)
+
+    def reset_state(self, names: list[str] | set[str]) -> None:
+        """Start these parameters' state afresh, as a new optimizer would: zero moments, no step, masters made
+        from the parameters' current values. What a load does for the parameters its saved state does not
+        hold (torch's ``load_state_dict`` replaces the whole state: nothing of a later step may survive)."""
+        self.wait()
+        chosen = set(names)
+        for name, key, p in self._items:
+            if name not in chosen:
+                continue
+            self.steps.pop(name, None)
+            self._applied.pop(name, None)
+            for what in ("exp_avg", "exp_avg_sq"):
+                k = optimizer_key(name, what)
+                t = self.store.get(k, Tier.HOST)
+                try:
+                    t.zero_()
+                    self.store.mark_dirty(k, Tier.HOST)
+                finally:
+                    self.store.release(k, Tier.HOST)
+        self._remake_masters(list(chosen))
+
     def _param_shape(self, key: str) -> torch.Size:
         return torch.Size(self.store.info(key)["shape"])
 
@@ -614,9 +639,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.wait()
         self.load_group_states(sd["param_groups"])
         names = {n for n, _, _ in self._items}
+        unknown = [name for name in sd["state"] if name not in names]
+        if unknown:
+            raise KeyError(f"optimizer state for unknown parameter {unknown[0]!r}")
+        # The whole state is replaced, as torch's is: a parameter with no saved state starts afresh.
+        self.reset_state(names - set(sd["state"]))
         for name, entry in sd["state"].items():
-            if name not in names:
-                raise KeyError(f"optimizer state for unknown parameter {name!r}")
             self.steps[name] = float(entry["step"])
             for what, value in entry.items():
                 if what == "step":

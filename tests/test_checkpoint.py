@@ -543,3 +543,45 @@ def test_channels_last_parameters_save_and_load_in_their_values_order(make_store
         for k, v in sd.items():  # the fp32 checkpoint, or the pretrained file converted as torch converts it
             assert torch.equal(dst.state_dict()[k], v if how == "checkpoint" else v.to(dtype).float()), (how, k)
         assert dst[1].weight.stride() == src[1].weight.stride()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("how", ["checkpoint", "state_dict"])
+def test_resuming_from_an_older_checkpoint_replaces_the_whole_state(make_store, tmp_path, dtype, how):
+    """Saved at step 0 with one layer frozen (no state yet), trained 3 steps with it unfrozen, then loaded: the
+    next steps are those of a fresh resume from the same checkpoint, bit for bit; nothing of the 3 steps (moments,
+    masters, step counts) survives, and the layer that had no state starts afresh."""
+    data = SyntheticImages(PRESETS["tiny"])
+    frozen = "blocks.1.fc1.weight"
+
+    def run(model, off, opt, load):
+        path = str(tmp_path / "ckpt")
+        if load:
+            if how == "checkpoint":
+                load_checkpoint(path, off, opt)
+            else:
+                model.load_state_dict(torch.load(tmp_path / "model.pt"))
+                opt.load_state_dict(torch.load(tmp_path / "opt.pt"))
+        return _steps(model, opt, data, 10, 2)
+
+    model, off, opt = _offloaded(make_store, 0, dtype)
+    dict(model.named_parameters())[frozen].requires_grad_(False)  # no gradient: no state until unfrozen
+    _steps(model, opt, data, 0, 1)
+    assert frozen not in opt.steps and opt.steps
+    save_checkpoint(str(tmp_path / "ckpt"), off, opt)
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    dict(model.named_parameters())[frozen].requires_grad_(True)
+    _steps(model, opt, data, 1, 3)  # later steps, the frozen layer trained too
+    late = run(model, off, opt, load=True)
+
+    fresh, foff, fopt = _offloaded(make_store, 123, dtype)
+    fresh_late = run(fresh, foff, fopt, load=True)
+    assert late == fresh_late
+    for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(a, b), name
+    ours, theirs = opt.state_dict()["state"], fopt.state_dict()["state"]
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        for what in ours[name]:
+            assert torch.equal(ours[name][what], theirs[name][what]), (name, what)
