@@ -25,6 +25,7 @@ from torch import nn
 from tierstore import CheckpointError, Tier, TierStore, TierStoreError
 from tierstore._checkpoint import (
     MANIFEST,
+    PinnedCheckpoint,
     TensorSource,
     commit,
     discard,
@@ -235,7 +236,13 @@ def load_checkpoint(path: str, model: nn.Module | Offloaded, optimizer: Offloade
             raise CheckpointError(f"checkpoint {path} not loaded: " + "; ".join(failed))
     if error is not None:
         raise error
-    directory, manifest, tensors, entries = load
+    with load[0]:  # its files stay open until the load is done (see [Note: A load reads what it checked])
+        return _apply_load(model, off, optimizer, *load)
+
+
+def _apply_load(model: nn.Module, off: Offloaded | None, optimizer: OffloadedAdamW | None, directory: str,
+                manifest: dict[str, Any], tensors: dict[str, Any], entries: dict[str, Any]) -> dict[str, Any]:
+    """Write what :func:`_check_load` checked into the model, the store and the optimizer."""
     meta = manifest["metadata"]
     placement = meta.get("placement", {})
     moved = [n for n, v in tensors.items() if n in placement and placement[n] != _placement(off, v)]
@@ -268,7 +275,8 @@ def _check_load(path: str, model: nn.Module, off: Offloaded | None, optimizer: O
     if isinstance(off, FSDPOffload):
         import torch.distributed as dist
 
-        _, top = read_manifest(path)
+        pinned, top = read_manifest(path)
+        pinned.close()
         saved, world = top["metadata"].get("world_size"), dist.get_world_size()
         if saved != world:
             raise CheckpointError(f"checkpoint {path} was saved by {saved} ranks, this job has {world}; "
@@ -276,6 +284,16 @@ def _check_load(path: str, model: nn.Module, off: Offloaded | None, optimizer: O
         directory, manifest = read_manifest(path, _part(dist.get_rank()))
     else:
         directory, manifest = read_manifest(path)
+    try:
+        return _check_pinned(model, off, optimizer, strict, directory, manifest)
+    except BaseException:
+        directory.close()
+        raise
+
+
+def _check_pinned(model: nn.Module, off: Offloaded | None, optimizer: OffloadedAdamW | None, strict: bool,
+                  directory: PinnedCheckpoint, manifest: dict[str, Any]
+                  ) -> tuple[PinnedCheckpoint, dict[str, Any], dict[str, Any], dict[str, Any]]:
     where = os.path.join(directory, MANIFEST)
     meta = manifest["metadata"]
     if not isinstance(meta.get("extra", {}), dict) or not isinstance(meta.get("trace") or [], list):
@@ -437,10 +455,19 @@ def consolidate_checkpoint(path: str, out_file: str) -> list[str]:
     Returns the names written.
     """
     directory, top = read_manifest(path)
+    directory.close()
     parts = top["metadata"].get("parts")
     if not parts:
         raise TierStoreError(f"{directory} is not a sharded (FSDP2) checkpoint; its {MODEL_FILE} is already whole")
     manifests = [read_manifest(path, part) for part in parts]
+    try:
+        return _consolidate(manifests, out_file)
+    finally:
+        for pinned, _ in manifests:
+            pinned.close()
+
+
+def _consolidate(manifests: list[tuple[PinnedCheckpoint, dict[str, Any]]], out_file: str) -> list[str]:
     first = manifests[0][1]
     sharded = first["metadata"].get("sharded", {})
     sources = []
@@ -478,7 +505,8 @@ def load_parameters(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint's model file, checksums verified, tied names included (CPU tensors)."""
     directory, manifest = read_manifest(path)
     entries = manifest["tensors"].get(MODEL_FILE, {})
-    out = {name: read_tensor(directory, name, e) for name, e in entries.items()}
+    with directory:
+        out = {name: read_tensor(directory, name, e) for name, e in entries.items()}
     for alias, name in manifest["metadata"].get("aliases", {}).items():
         out[alias] = out[name]
     return out

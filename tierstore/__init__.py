@@ -12,6 +12,7 @@ from ._timeline import Timeline
 from ._types import (
     CheckpointError,
     CheckpointIntegrityError,
+    CheckpointNotFoundError,
     CopyState,
     IntegrityError,
     StoreClosedError,
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "CheckpointIntegrityError",
+    "CheckpointNotFoundError",
     "CopyState",
     "Handle",
     "IntegrityError",

@@ -39,11 +39,16 @@ from typing import Any
 import torch
 
 from ._ownership import describe, lock, reclaim, unlock
-from ._types import CheckpointError, CheckpointIntegrityError, TierIOError, TierStoreError
+from ._types import CheckpointError, CheckpointIntegrityError, CheckpointNotFoundError, TierIOError, TierStoreError
 
 FORMAT = "tierstore-checkpoint"
-FORMAT_VERSION = 2
-_READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+_READABLE_VERSIONS = (1, 2, 3)
+# [Note: Every byte covered] Each tensor's bytes carry a CRC32 in the
+# manifest; from version 3 each file's safetensors header (its length and
+# JSON, up to the first tensor) carries a SHA-256 there too (``headers``), so
+# every byte of a checkpoint is checked before anything loads, and a reader of
+# the plain files, which trusts the header, gets the names and tensors saved.
 _HEAD = b'{"sha256": "'
 MANIFEST = "manifest.json"
 
@@ -113,8 +118,9 @@ def _fsync_dir(path: str) -> None:
 
 
 def _write_safetensors(path: str, sources: list[TensorSource], file_label: str,
-                       metadata: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """Write one safetensors file, borrowing one tensor at a time; returns the manifest entries."""
+                       metadata: dict[str, str]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Write one safetensors file, borrowing one tensor at a time; returns the manifest entries and the header's
+    size and checksum."""
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for s in sources:
@@ -127,7 +133,9 @@ def _write_safetensors(path: str, sources: list[TensorSource], file_label: str,
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     base = 8 + len(raw)
     try:
-        return _write_body(path, sources, file_label, header, raw, base)
+        entries = _write_body(path, sources, file_label, header, raw, base)
+        # See [Note: Every byte covered]: the header's checksum, beside the tensors' own.
+        return entries, {"nbytes": base, "sha256": hashlib.sha256(struct.pack("<Q", len(raw)) + raw).hexdigest()}
     except OSError as e:  # a full disk, a lost mount: name the file and what to do (nothing was committed)
         raise TierIOError(f"writing checkpoint file {path} failed: {e.strerror or e}; the previous checkpoint at "
                           f"that path is untouched. Free space there (or choose another path) and save again") from e
@@ -211,10 +219,10 @@ def write_files(directory: str, files: dict[str, Iterable[TensorSource]], *, met
             raise ValueError(f"bad checkpoint file name {name!r}")
     os.makedirs(directory, exist_ok=True)
     manifest: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION, "metadata": metadata or {},
-                                "tensors": {}}
+                                "tensors": {}, "headers": {}}
     for name, sources in files.items():
-        manifest["tensors"][name] = _write_safetensors(os.path.join(directory, name), list(sources), name,
-                                                       (file_metadata or {}).get(name, {}))
+        manifest["tensors"][name], manifest["headers"][name] = _write_safetensors(
+            os.path.join(directory, name), list(sources), name, (file_metadata or {}).get(name, {}))
     with open(os.path.join(directory, MANIFEST), "xb") as f:
         f.write(encode_manifest(manifest))
         f.flush()
@@ -276,7 +284,7 @@ def resolve(path: str | os.PathLike) -> str:
     for candidate in (path, path + ".prev"):
         if os.path.isfile(os.path.join(candidate, MANIFEST)):
             return candidate
-    raise FileNotFoundError(f"no checkpoint at {path} (no {MANIFEST} there or in {path}.prev)")
+    raise CheckpointNotFoundError(f"no checkpoint at {path} (no {MANIFEST} there or in {path}.prev)")
 
 
 def encode_manifest(manifest: dict[str, Any]) -> bytes:
@@ -296,7 +304,7 @@ def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
                                   f"after it was written. Load the previous checkpoint or save a new one")
     try:
         manifest = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f"{where}: not a readable manifest ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{where} is not a {FORMAT} manifest")
@@ -319,6 +327,10 @@ def _check_manifest(manifest: dict[str, Any], where: str) -> None:
     for file, entries in manifest["tensors"].items():
         if not isinstance(entries, dict) or os.sep in file or file in (MANIFEST, "", ".", ".."):
             raise bad(f"bad file entry {file!r}")
+        head = manifest.get("headers", {}).get(file) if isinstance(manifest.get("headers"), dict) else None
+        if manifest.get("version", 1) >= 3 and (not isinstance(head, dict) or type(head.get("nbytes")) is not int
+                                                 or head["nbytes"] < 8 or not isinstance(head.get("sha256"), str)):
+            raise bad(f"no header checksum for {file}")
         for name, e in entries.items():
             ints = ("offset", "nbytes", "crc32")
             if (not isinstance(e, dict) or e.get("file") != file or e.get("dtype") not in _BY_NAME
@@ -333,35 +345,154 @@ def _check_manifest(manifest: dict[str, Any], where: str) -> None:
                 raise bad(f"entry {name!r} of {file}: {e['nbytes']} bytes for shape {e['shape']} {e['dtype']}")
 
 
-def read_manifest(path: str | os.PathLike, subdirectory: str | None = None) -> tuple[str, dict[str, Any]]:
-    """(directory, manifest) of the checkpoint at ``path`` (of its part in ``subdirectory``, if given)."""
-    directory = resolve(path)
-    if subdirectory is not None:
-        directory = os.path.join(directory, subdirectory)
-        if not os.path.isfile(os.path.join(directory, MANIFEST)):
-            raise FileNotFoundError(f"checkpoint {path} has no part {subdirectory!r}")
+class PinnedCheckpoint(str):
+    """A checkpoint's directory (the str) with its files held open (see [Note: A load reads what it checked])."""
+
+    fds: dict[str, int]
+
+    def __new__(cls, directory: str, fds: dict[str, int]) -> PinnedCheckpoint:
+        pinned = super().__new__(cls, directory)
+        pinned.fds = fds
+        return pinned
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+    def __enter__(self) -> PinnedCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# How often a load opens a checkpoint again when a save replaced it while it was being opened.
+_PIN_ATTEMPTS = 5
+
+
+def read_manifest(path: str | os.PathLike, subdirectory: str | None = None) -> tuple[PinnedCheckpoint, dict[str, Any]]:
+    """(directory, manifest) of the checkpoint at ``path`` (of its part in ``subdirectory``, if given), with its
+    files held open and their headers checked.
+
+    [Note: A load reads what it checked] A save replaces a checkpoint by
+    renaming directories and removing the old one (see [Note: Atomic
+    checkpoint commit]), so files opened by name at two moments may belong to
+    two checkpoints. The directory is opened once, its manifest and every file
+    it names are opened through that handle and held open: every check and
+    every read of a load goes through those handles, so a rename or a removal
+    by a concurrent save changes nothing of what this load reads (the old
+    checkpoint, whole). A save that replaced the directory while it was being
+    opened is met by opening the checkpoint at ``path`` again.
+    """
+    for _ in range(_PIN_ATTEMPTS):
+        directory = resolve(path)
+        if subdirectory is not None:
+            directory = os.path.join(directory, subdirectory)
+            if not os.path.isfile(os.path.join(directory, MANIFEST)) and os.path.isdir(os.path.dirname(directory)):
+                raise CheckpointNotFoundError(f"checkpoint {path} has no part {subdirectory!r}")
+        try:
+            return _pin(directory)
+        except _Vanished as gone:
+            if gone.file is not None and not _replaced(path, subdirectory, directory, gone.inode):
+                raise CheckpointError(f"checkpoint {path}: cannot open {os.path.join(directory, gone.file)}: it "
+                                      f"is missing; the checkpoint is incomplete. Load the previous checkpoint "
+                                      f"or save a new one") from None
+            continue  # renamed or removed by a save meanwhile: the checkpoint now at ``path`` is whole
+    raise CheckpointError(f"checkpoint {path}: a save to this path replaced it {_PIN_ATTEMPTS} times while it was "
+                          f"being opened; load again once the save is done")
+
+
+class _Vanished(Exception):
+    """A file of a checkpoint being opened was not there (``file`` None: the directory or its manifest)."""
+
+    def __init__(self, file: str | None, inode: tuple[int, int] | None) -> None:
+        super().__init__(file)
+        self.file, self.inode = file, inode
+
+
+def _replaced(path: str | os.PathLike, subdirectory: str | None, directory: str, inode: tuple[int, int] | None
+              ) -> bool:
+    """Whether the checkpoint at ``path`` is no longer the directory (of ``inode``) that was being opened."""
+    try:
+        now = resolve(path)
+        if subdirectory is not None:
+            now = os.path.join(now, subdirectory)
+        st = os.stat(now)
+    except FileNotFoundError:
+        return True
+    return now != directory or (st.st_dev, st.st_ino) != inode
+
+
+def _pin(directory: str) -> tuple[PinnedCheckpoint, dict[str, Any]]:
     where = os.path.join(directory, MANIFEST)
-    with open(where, "rb") as f:
-        return directory, decode_manifest(f.read(), where)
+    try:
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except NotADirectoryError:
+        raise CheckpointError(f"{directory} is not a checkpoint directory") from None
+    except FileNotFoundError:
+        raise _Vanished(None, None) from None
+    st = os.fstat(dfd)
+    fds: dict[str, int] = {}
+    opening: str | None = None
+    try:
+        mfd = os.open(MANIFEST, os.O_RDONLY, dir_fd=dfd)
+        try:
+            raw = b"".join(iter(lambda: os.read(mfd, 1 << 20), b""))
+        finally:
+            os.close(mfd)
+        manifest = decode_manifest(raw, where)
+        for opening in manifest["tensors"]:
+            fds[opening] = os.open(opening, os.O_RDONLY, dir_fd=dfd)
+        pinned = PinnedCheckpoint(directory, fds)
+    except BaseException as e:
+        for fd in fds.values():
+            os.close(fd)
+        if isinstance(e, FileNotFoundError):
+            raise _Vanished(opening, (st.st_dev, st.st_ino)) from None
+        raise
+    finally:
+        os.close(dfd)
+    for file, head in manifest.get("headers", {}).items():  # see [Note: Every byte covered]
+        got = os.pread(pinned.fds[file], head["nbytes"], 0)
+        if len(got) != head["nbytes"] or hashlib.sha256(got).hexdigest() != head["sha256"]:
+            pinned.close()
+            raise CheckpointIntegrityError(f"{os.path.join(directory, file)}: its safetensors header does not match "
+                                           f"the checksum the manifest records; the file is corrupt")
+    return pinned, manifest
+
+
+def _file_fd(directory: str, file: str, what: str) -> tuple[int, bool]:
+    """(fd, whether the caller closes it) of ``file`` of a checkpoint ``directory``: the pinned one if any."""
+    if isinstance(directory, PinnedCheckpoint) and file in directory.fds:
+        return directory.fds[file], False
+    path = os.path.join(directory, file)
+    try:
+        return os.open(path, os.O_RDONLY), True
+    except OSError as e:
+        raise CheckpointError(f"{what}: cannot open {path}: {e.strerror}") from None
 
 
 def verify_tensor(directory: str, name: str, entry: dict[str, Any], *, chunk_bytes: int = 16 * 1024**2) -> None:
     """Check that tensor ``name``'s bytes are in their file and match their CRC, reading them in chunks."""
     file = os.path.join(directory, entry["file"])
+    fd, owned = _file_fd(directory, entry["file"], f"checkpoint tensor {name!r}")
     try:
-        f = open(file, "rb")
-    except OSError as e:
-        raise CheckpointError(f"checkpoint tensor {name!r}: cannot open {file}: {e.strerror}") from None
-    with f:
-        f.seek(entry["offset"])
-        crc, left = 0, entry["nbytes"]
+        crc, done, left = 0, 0, entry["nbytes"]
         while left:
-            block = f.read(min(left, chunk_bytes))
+            block = os.pread(fd, min(left, chunk_bytes), entry["offset"] + done)
             if not block:
                 raise CheckpointIntegrityError(f"checkpoint tensor {name!r}: {file} is truncated "
-                                               f"({entry['nbytes'] - left} of {entry['nbytes']} bytes)")
+                                               f"({done} of {entry['nbytes']} bytes)")
             crc = zlib.crc32(block, crc)
+            done += len(block)
             left -= len(block)
+    finally:
+        if owned:
+            os.close(fd)
     if crc != entry["crc32"]:
         raise CheckpointIntegrityError(f"checkpoint tensor {name!r}: checksum mismatch in {file} at byte "
                                        f"{entry['offset']}; the file is corrupt")
@@ -373,7 +504,13 @@ def read_into(directory: str, name: str, entry: dict[str, Any], out: torch.Tenso
         raise CheckpointError(f"checkpoint tensor {name!r} is {entry['shape']} {entry['dtype']}, but the "
                              f"model expects {list(out.shape)} {dtype_name(out.dtype)}: wrong model or config")
     file = os.path.join(directory, entry["file"])
-    mv = _read_exact(file, entry["offset"], out, f"checkpoint tensor {name!r}")
+    what = f"checkpoint tensor {name!r}"
+    fd, owned = _file_fd(directory, entry["file"], what)
+    try:
+        mv = _read_exact(file, entry["offset"], out, what, fd=fd)
+    finally:
+        if owned:
+            os.close(fd)
     if zlib.crc32(mv) != entry["crc32"]:
         raise CheckpointIntegrityError(f"checkpoint tensor {name!r}: checksum mismatch in {file} at byte "
                              f"{entry['offset']}; the file is corrupt")
@@ -472,18 +609,27 @@ def read_raw(name: str, entry: dict[str, Any]) -> torch.Tensor:
     return out
 
 
-def _read_exact(file: str, offset: int, out: torch.Tensor, what: str) -> memoryview:
-    """Fill ``out`` (a CPU tensor) with its bytes from ``file`` at ``offset``, in the file's (row-major) order
-    whatever ``out``'s layout (a channels_last store copy); the bytes read, as a memoryview."""
+def _read_exact(file: str, offset: int, out: torch.Tensor, what: str, fd: int | None = None) -> memoryview:
+    """Fill ``out`` (a CPU tensor) with its bytes from ``file`` (through ``fd`` if given) at ``offset``, in the
+    file's (row-major) order whatever ``out``'s layout (a channels_last store copy); the bytes read, as a
+    memoryview."""
     if not out.is_contiguous():
         tmp = torch.empty(out.shape, dtype=out.dtype)
-        mv = _read_exact(file, offset, tmp, what)
+        mv = _read_exact(file, offset, tmp, what, fd)
         out.copy_(tmp)
         return mv
     mv = _bytes_of(out)
-    with open(file, "rb") as f:
-        f.seek(offset)
-        got = f.readinto(mv) if len(mv) else 0
+    if fd is None:
+        with open(file, "rb") as f:
+            f.seek(offset)
+            got = f.readinto(mv) if len(mv) else 0
+    else:
+        got = 0
+        while got < len(mv):
+            n = os.preadv(fd, [mv[got:]], offset + got)
+            if n == 0:
+                break
+            got += n
     if got != len(mv):
         raise CheckpointIntegrityError(f"{what}: {file} is truncated ({got} of {len(mv)} bytes)")
     return mv
@@ -495,7 +641,7 @@ def read_tensor(directory: str, name: str, entry: dict[str, Any]) -> torch.Tenso
     return out
 
 
-__all__ = ["TensorSource", "commit", "decode_manifest", "discard", "dtype_from_name", "dtype_name",
+__all__ = ["PinnedCheckpoint", "TensorSource", "commit", "decode_manifest", "discard", "dtype_from_name", "dtype_name",
            "encode_manifest", "new_directory", "read_into", "read_manifest", "read_raw", "read_safetensors",
            "read_tensor", "resolve", "safetensors_entries", "verify_tensor", "write_checkpoint", "write_files",
            "write_safetensors_file"]

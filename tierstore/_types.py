@@ -67,5 +67,9 @@ class CheckpointError(TierStoreError):
     not match the model); names the file and the entry. Raised before anything is loaded."""
 
 
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint (no manifest) where one was asked for."""
+
+
 class CheckpointIntegrityError(CheckpointError, IntegrityError):
     """A checkpoint's bytes do not match the checksum its manifest records."""
