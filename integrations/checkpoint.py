@@ -356,13 +356,30 @@ def _load_into_store(store: TierStore, key: str, directory: str, name: str, entr
 
 
 def _write_into_store(store: TierStore, key: str, fill: Callable[[torch.Tensor], Any]) -> None:
-    """``fill`` the host copy of ``key`` in place, then write it back to its home."""
+    """``fill`` the host copy of ``key`` in place, then write it back to its home.
+
+    A fill that raises (a read that fails its checksum) has left other bytes in the copy: a clean cached copy
+    is dropped, so that the key reads its home's value again; where the host copy is the only one with the
+    key's value (its home, or changed since it was written), the fill goes through a scratch tensor instead."""
     t = store.get(key, Tier.HOST)
+    info = store.info(key)
+    droppable = info["home"] != Tier.HOST.label and info["copies"][Tier.HOST.label]["state"] == "clean"
+    failed = False
     try:
-        fill(t)
+        if droppable:
+            fill(t)
+        else:
+            scratch = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+            fill(scratch)
+            t.copy_(scratch)
         store.mark_dirty(key, Tier.HOST)
+    except BaseException:
+        failed = droppable
+        raise
     finally:
         store.release(key, Tier.HOST)
+        if failed:
+            store.evict(key, Tier.HOST)
     store.write_back(key)
 
 

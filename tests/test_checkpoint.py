@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -585,3 +586,82 @@ def test_resuming_from_an_older_checkpoint_replaces_the_whole_state(make_store, 
     for name in ours:
         for what in ours[name]:
             assert torch.equal(ours[name][what], theirs[name][what]), (name, what)
+
+
+def _assert_everything_holds(off, opt, store, value):
+    """Every parameter, moment and step count is ``value``, and so is every key's home copy: a cached copy that
+    differed from its home would show once dropped."""
+    for name, _, _ in off.named_offloaded():
+        assert torch.equal(off.read_param(name), torch.full_like(off.read_param(name), value)), name
+    assert set(opt.steps.values()) == {value}
+    for k in store.keys():
+        assert bool((store.read(k) == value).all()), k
+        if store.info(k)["copies"].get("host", {}).get("state") == "clean":
+            store.evict(k, "host")
+            assert bool((store.read(k) == value).all()), f"{k}: the cached copy was not the home's value"
+
+
+@pytest.mark.slow
+def test_loads_racing_saves_to_one_path_are_whole_or_change_nothing(make_store, tmp_path):
+    """A process saves to a path as fast as it can (checkpoint i: i in every tensor) while this one loads from it
+    a few hundred times: each load gives one checkpoint whole, or raises with the model, the optimizer and every
+    cached copy in the store as they were."""
+    from _ckpt_models import constant_state, race_model
+
+    path, stop = str(tmp_path / "ckpt"), tmp_path / "stop"
+    (tmp_path / "saver").mkdir()
+    saver = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "ckpt_saver_child.py"),
+                              str(tmp_path / "saver"), path, str(stop)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    store = make_store(host_budget_bytes="96KiB")  # some copies cached in the host tier, the rest on the drive
+    model = race_model()
+    off = offload_model(model, store)
+    opt = OffloadedAdamW(off, lr=1e-3)
+    model_sd, opt_sd = constant_state(model, 0.0)
+    model.load_state_dict(model_sd)
+    opt.load_state_dict(opt_sd)
+    current, seen, failed = 0.0, set(), []
+    deadline = time.monotonic() + 120
+    try:
+        while len(seen) + len(failed) < 300 and time.monotonic() < deadline and saver.poll() is None:
+            try:
+                current = float(load_checkpoint(path, off, opt)["i"])
+                seen.add(current)
+            except ts.CheckpointError as e:
+                failed.append(str(e))
+            _assert_everything_holds(off, opt, store, current)
+    finally:
+        stop.touch()
+        out, err = saver.communicate(timeout=60)
+        opt.close()
+    assert saver.returncode == 0, err
+    saves = len(out.split())
+    assert saves >= 20 and len(seen) >= 20, (saves, len(seen), failed[:3])  # they did overlap
+    assert all("no checkpoint at" in e or "save to this path" in e for e in failed), failed[:3]
+
+
+def test_a_read_that_fails_after_the_check_leaves_no_copy_with_other_bytes(make_store, tmp_path, monkeypatch):
+    """A tensor's bytes that change between the check and the read (the drive gave back other bytes) fail their
+    checksum with the copy they were read into half written: that copy is dropped, never left as the key's value."""
+    import tierstore.integrations.checkpoint as ckpt
+
+    model, off, opt = _offloaded(make_store, 0)
+    path = str(tmp_path / "ckpt")
+    save_checkpoint(path, off, opt)
+    name = "blocks.0.fc1.weight"
+    key = f"param/{name}"
+    before = off.read_param(name)
+    off.store.prefetch(key, "host").wait()  # cached, clean: the copy a load writes into
+    real = ckpt.read_into
+
+    def flipping(directory, tname, entry, out):
+        if tname == name:
+            out.fill_(7.0)
+            raise ts.CheckpointIntegrityError(f"checkpoint tensor {tname!r}: checksum mismatch")
+        real(directory, tname, entry, out)
+
+    monkeypatch.setattr(ckpt, "read_into", flipping)
+    with pytest.raises(ts.CheckpointIntegrityError):
+        load_checkpoint(path, off, opt)
+    assert "host" not in off.store.info(key)["copies"]  # the half-written copy was dropped
+    assert torch.equal(off.read_param(name), before)  # the home's value, not the 7s
