@@ -622,6 +622,8 @@ def test_loads_racing_saves_to_one_path_are_whole_or_change_nothing(make_store, 
     opt.load_state_dict(opt_sd)
     current, seen, failed = 0.0, set(), []
     deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(path, "manifest.json")) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the first save
     try:
         while len(seen) + len(failed) < 300 and time.monotonic() < deadline and saver.poll() is None:
             try:
@@ -637,7 +639,7 @@ def test_loads_racing_saves_to_one_path_are_whole_or_change_nothing(make_store, 
     assert saver.returncode == 0, err
     saves = len(out.split())
     assert saves >= 20 and len(seen) >= 20, (saves, len(seen), failed[:3])  # they did overlap
-    assert all("no checkpoint at" in e or "save to this path" in e for e in failed), failed[:3]
+    assert all("save to this path" in e for e in failed), failed[:3]
 
 
 def test_a_read_that_fails_after_the_check_leaves_no_copy_with_other_bytes(make_store, tmp_path, monkeypatch):
