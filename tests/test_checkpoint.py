@@ -363,11 +363,69 @@ def test_a_save_onto_a_full_disk_names_the_file_and_keeps_the_old_checkpoint(mak
         return f
 
     monkeypatch.setattr("builtins.open", full_disk)
-    with pytest.raises(ts.TierIOError, match=r"optimizer.safetensors failed: No space left on device.*untouched"):
+    with pytest.raises(ts.CheckpointWriteError, match=r"optimizer.safetensors \(\d+ bytes\) failed: No space left "
+                                                      r"on device.*untouched"):
         save_checkpoint(path, off, opt, extra={"step": 2})
     monkeypatch.undo()
     assert load_checkpoint(path, off, opt) == {"step": 1}
     assert [n for n in os.listdir(tmp_path) if n.startswith("c.")] == []  # the staging directory went
+
+
+@pytest.mark.parametrize("where", ["manifest", "staging directory"])
+def test_a_full_disk_anywhere_in_a_save_is_a_checkpoint_error_naming_the_path(make_store, tmp_path, monkeypatch,
+                                                                               where):
+    import errno
+    import tempfile
+
+    model, off, opt = _small(make_store, 0)
+    path = str(tmp_path / "c")
+    save_checkpoint(path, off, opt, extra={"step": 1})
+    real_open = open
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_manifest(file, mode="r", *args, **kwargs):
+        if "x" in mode and str(file).endswith("manifest.json"):
+            full()
+        return real_open(file, mode, *args, **kwargs)
+
+    if where == "manifest":
+        monkeypatch.setattr("builtins.open", full_manifest)
+    else:
+        monkeypatch.setattr(tempfile, "mkdtemp", full)
+    with pytest.raises(ts.CheckpointWriteError, match=r"writing checkpoint file .*c\.tmp-.* failed: No space left"):
+        save_checkpoint(path, off, opt, extra={"step": 2})
+    monkeypatch.undo()
+    assert load_checkpoint(path, off, opt) == {"step": 1}
+    assert [n for n in os.listdir(tmp_path) if n.startswith("c.")] == []
+
+
+def test_a_missing_or_deeply_nested_manifest_is_a_checkpoint_error(make_store, tmp_path):
+    model, off, opt = _small(make_store, 0)
+    with pytest.raises(ts.CheckpointNotFoundError, match="no checkpoint at"):
+        load_checkpoint(str(tmp_path / "nowhere"), off, opt)
+    d = tmp_path / "deep"
+    d.mkdir()
+    (d / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ts.CheckpointError, match="not a readable manifest"):
+        load_checkpoint(str(d), off, opt)
+
+
+def test_a_flipped_bit_in_a_safetensors_header_is_refused(make_store, tmp_path):
+    model, off, opt = _small(make_store, 0)
+    path = tmp_path / "c"
+    save_checkpoint(str(path), off, opt)
+    before = _everything(model, opt)
+    raw = bytearray((path / MODEL_FILE).read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    for at in (3, 8 + n // 2, 8 + n - 2):  # the length, a name or offset, the padding
+        flipped = bytearray(raw)
+        flipped[at] ^= 0x04
+        (path / MODEL_FILE).write_bytes(bytes(flipped))
+        with pytest.raises(ts.CheckpointIntegrityError, match="safetensors header does not match"):
+            load_checkpoint(str(path), off, opt)
+        assert _same_everything(_everything(model, opt), before)
 
 
 def _pretrained(tmp_path, dtype, sharded):

@@ -39,7 +39,14 @@ from typing import Any
 import torch
 
 from ._ownership import describe, lock, reclaim, unlock
-from ._types import CheckpointError, CheckpointIntegrityError, CheckpointNotFoundError, TierIOError, TierStoreError
+from ._types import (
+    CheckpointError,
+    CheckpointIntegrityError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    TierIOError,
+    TierStoreError,
+)
 
 FORMAT = "tierstore-checkpoint"
 FORMAT_VERSION = 3
@@ -137,8 +144,13 @@ def _write_safetensors(path: str, sources: list[TensorSource], file_label: str,
         # See [Note: Every byte covered]: the header's checksum, beside the tensors' own.
         return entries, {"nbytes": base, "sha256": hashlib.sha256(struct.pack("<Q", len(raw)) + raw).hexdigest()}
     except OSError as e:  # a full disk, a lost mount: name the file and what to do (nothing was committed)
-        raise TierIOError(f"writing checkpoint file {path} failed: {e.strerror or e}; the previous checkpoint at "
-                          f"that path is untouched. Free space there (or choose another path) and save again") from e
+        raise _write_error(path, base + offset, e) from e
+
+
+def _write_error(path: str, nbytes: int, e: OSError) -> CheckpointWriteError:
+    return CheckpointWriteError(f"writing checkpoint file {path} ({nbytes} bytes) failed: {e.strerror or e}; the "
+                                f"previous checkpoint at that path is untouched. Free space there (or choose another "
+                                f"path) and save again")
 
 
 def _write_body(path: str, sources: list[TensorSource], file_label: str, header: dict[str, Any], raw: bytes,
@@ -189,13 +201,21 @@ def new_directory(path: str | os.PathLike) -> str:
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
-        raise FileNotFoundError(f"cannot write checkpoint {path}: directory {parent} does not exist; create it first")
+        raise CheckpointNotFoundError(f"cannot write checkpoint {path}: directory {parent} does not exist; create "
+                                      f"it first")
     prefix = os.path.basename(path) + ".tmp-"
     reclaimed = reclaim(parent, (prefix,), beside=True)
     if reclaimed:
         warnings.warn(f"checkpoint {path}: {describe(reclaimed)}", stacklevel=3)
-    tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
-    _staging_locks[tmp] = lock(tmp, beside=True)
+    try:
+        tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    except OSError as e:
+        raise _write_error(os.path.join(parent, prefix + "*"), 0, e) from e
+    try:
+        _staging_locks[tmp] = lock(tmp, beside=True)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_error(tmp, 0, e) from e
     return tmp
 
 
@@ -223,11 +243,16 @@ def write_files(directory: str, files: dict[str, Iterable[TensorSource]], *, met
     for name, sources in files.items():
         manifest["tensors"][name], manifest["headers"][name] = _write_safetensors(
             os.path.join(directory, name), list(sources), name, (file_metadata or {}).get(name, {}))
-    with open(os.path.join(directory, MANIFEST), "xb") as f:
-        f.write(encode_manifest(manifest))
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(directory)
+    raw = encode_manifest(manifest)
+    where = os.path.join(directory, MANIFEST)
+    try:
+        with open(where, "xb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(directory)
+    except OSError as e:
+        raise _write_error(where, len(raw), e) from e
     _stage("manifest")
     return manifest
 

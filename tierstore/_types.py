@@ -71,5 +71,10 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No checkpoint (no manifest) where one was asked for."""
 
 
+class CheckpointWriteError(CheckpointError, TierIOError):
+    """A checkpoint could not be written (a full disk, a lost mount); names the file and the bytes it needed. The
+    previous checkpoint at that path is untouched."""
+
+
 class CheckpointIntegrityError(CheckpointError, IntegrityError):
     """A checkpoint's bytes do not match the checksum its manifest records."""
