@@ -248,16 +248,22 @@ def _apply_load(model: nn.Module, off: Offloaded | None, optimizer: OffloadedAda
     moved = [n for n, v in tensors.items() if n in placement and placement[n] != _placement(off, v)]
     if moved:
         warnings.warn(f"{len(moved)} tensors (e.g. {moved[0]!r}) were saved from another tier than the one the "
-                      f"model now keeps them in; they are loaded where the model keeps them", stacklevel=2)
+                      f"model now keeps them in; they are loaded where the model keeps them", stacklevel=3)
     store = off.store if off is not None else None
+    done = 0
     for name, v in tensors.items():
         if name not in entries:
             continue
-        if isinstance(v, str) and store is not None:
-            _load_into_store(store, v, directory, name, entries[name])
-        else:
-            with torch.no_grad():
-                v.copy_(read_tensor(directory, name, entries[name]))
+        try:
+            if isinstance(v, str) and store is not None:
+                _load_into_store(store, v, directory, name, entries[name])
+            else:
+                with torch.no_grad():
+                    v.copy_(read_tensor(directory, name, entries[name]))
+        except CheckpointError as e:  # checked a moment ago: the drive gave back other bytes this time
+            raise type(e)(f"{e}. The load stopped part-way, after {done} tensors of the model: it holds a mix of "
+                          f"its values and the checkpoint's (no copy holds other bytes). Load again") from e
+        done += 1
     if off is not None:
         off.zero_grad()
         if meta.get("trace") is not None:
@@ -363,7 +369,8 @@ def _write_into_store(store: TierStore, key: str, fill: Callable[[torch.Tensor],
     key's value (its home, or changed since it was written), the fill goes through a scratch tensor instead."""
     t = store.get(key, Tier.HOST)
     info = store.info(key)
-    droppable = info["home"] != Tier.HOST.label and info["copies"][Tier.HOST.label]["state"] == "clean"
+    droppable = (info["home"] != Tier.HOST.label
+                 and info["copies"].get(Tier.HOST.label, {}).get("state") == "clean")  # none for an empty tensor
     failed = False
     try:
         if droppable:
