@@ -96,3 +96,23 @@ def test_deepspeed_mapping_reports_unhonoured_keys(tmp_path):
 def test_deepspeed_bad_device():
     with pytest.raises(ValueError, match="must be 'nvme', 'cpu' or 'none'"):
         ts.from_deepspeed({"zero_optimization": {"offload_param": {"device": "tape"}}})
+
+
+def test_deepspeed_config_as_transformers_writes_it_loads_with_auto_values():
+    """transformers' DeepSpeed integration writes "auto" for values it fills in: tierstore keeps its own default
+    for those, and lists them with the keys not honoured; a value that cannot be read names its key."""
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"},
+                                "offload_param": {"device": "cpu", "pin_memory": True, "buffer_count": "auto"},
+                                "stage3_param_persistence_threshold": "auto", "stage3_prefetch_bucket_size": "auto"}}
+    with pytest.warns(UserWarning, match=r"stage3_param_persistence_threshold=auto \(tierstore's default\)"):
+        cfg, ignored = ts.from_deepspeed(ds)
+    default = ts.StoreConfig()
+    assert cfg.resident_threshold_bytes == default.resident_threshold_bytes
+    assert cfg.prefetch_depth == default.prefetch_depth and cfg.optimizer_tier is Tier.NVME
+    assert "zero_optimization.offload_param.buffer_count=auto (tierstore's default)" in ignored
+    bad = {"zero_optimization": {"stage3_param_persistence_threshold": "1e4x"}}
+    with pytest.raises(ValueError, match=r"stage3_param_persistence_threshold='1e4x' cannot be read"):
+        ts.from_deepspeed(bad)
+    with pytest.raises(ValueError, match=r"aio.queue_depth=2.5 cannot be read"):
+        ts.from_deepspeed({"aio": {"queue_depth": 2.5}})

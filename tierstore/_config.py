@@ -7,7 +7,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ._types import Tier
@@ -217,33 +217,64 @@ def check_prefetch_depth(depth: object) -> None:
         raise ValueError(f"prefetch_depth={depth!r} must be \"auto\" or an integer >= 0 (0 turns prefetch off)")
 
 
+_AUTO = object()
+
+
+def _ds_read(dotted: str, value: Any, convert: Callable[[Any], Any], ignored: list[str]) -> Any:
+    """``convert(value)`` of DeepSpeed key ``dotted``; ``_AUTO`` for ``"auto"`` (as transformers' integration
+    writes values it fills in itself: tierstore's default is kept, and said); an unreadable value names the key."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        ignored.append(f"{dotted}=auto (tierstore's default)")
+        return _AUTO
+    try:
+        return convert(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"DeepSpeed config key {dotted}={value!r} cannot be read ({e}); give a number, or "
+                         f"\"auto\" for tierstore's default") from None
+
+
+def _ds_int(value: Any) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError("not an integer")
+    return int(value)
+
+
 def from_deepspeed(ds: Mapping[str, Any]) -> tuple[StoreConfig, list[str]]:
     """Map a DeepSpeed config (dict) onto a StoreConfig.
 
     Returns the config and the dotted names of the keys that tierstore does not
     honour; those are also reported in one warning, never dropped silently.
+    ``"auto"`` values (transformers' DeepSpeed integration writes them) keep
+    tierstore's default and are listed with the keys not honoured; a value that
+    cannot be read is a ValueError naming its key.
     """
     ours: dict[str, Any] = {}
     ignored: list[str] = []
+
+    def put(ours_key: str, dotted: str, value: Any, convert: Callable[[Any], Any]) -> None:
+        got = _ds_read(dotted, value, convert, ignored)
+        if got is not _AUTO:
+            ours[ours_key] = got
+
     zero = ds.get("zero_optimization", {}) or {}
     for section, tier_key in (("offload_param", "param_tier"), ("offload_optimizer", "optimizer_tier")):
         sec = zero.get(section) or {}
         for key, value in sec.items():
             dotted = f"zero_optimization.{section}.{key}"
             if key == "device":
-                ours[tier_key] = _ds_tier(value)
+                put(tier_key, dotted, value, _ds_tier)
             elif key == "nvme_path":
                 if "nvme_path" in ours and ours["nvme_path"] != value:
                     ignored.append(f"{dotted} (one nvme_path is used: {ours['nvme_path']!r})")
                 else:
-                    ours["nvme_path"] = value
+                    put("nvme_path", dotted, value, str)
             elif key == "pin_memory":
-                ours["pin_host_memory"] = bool(value)
+                put("pin_host_memory", dotted, value, bool)
             elif key == "buffer_count" and section == "offload_param":
                 # DeepSpeed's swap buffers bound how far ahead parameters are read.
-                ours["prefetch_depth"] = max(int(value) - 1, 0)
+                put("prefetch_depth", dotted, value, lambda v: max(_ds_int(v) - 1, 0))
             elif key == "max_in_cpu" and section == "offload_param":
-                ours["host_budget_bytes"] = int(value) * 2  # elements of fp16/bf16
+                put("host_budget_bytes", dotted, value, lambda v: _ds_int(v) * 2)  # elements of fp16/bf16
             else:
                 ignored.append(dotted)
     for key, value in zero.items():
@@ -251,17 +282,18 @@ def from_deepspeed(ds: Mapping[str, Any]) -> tuple[StoreConfig, list[str]]:
             continue
         dotted = f"zero_optimization.{key}"
         if key == "stage":
-            if int(value) != 3:
+            stage = _ds_read(dotted, value, _ds_int, ignored)
+            if stage is not _AUTO and stage != 3:
                 ignored.append(f"{dotted}={value} (tierstore offloads ZeRO-3-style sharded state)")
         elif key == "stage3_param_persistence_threshold":
-            ours["resident_threshold_bytes"] = int(value) * 2  # elements of fp16/bf16
+            put("resident_threshold_bytes", dotted, value, lambda v: _ds_int(v) * 2)  # elements of fp16/bf16
         else:
             ignored.append(dotted)
     aio_map = {"block_size": "block_size_bytes", "queue_depth": "queue_depth", "thread_count": "io_threads",
                "intra_op_parallelism": "io_threads"}
     for key, value in (ds.get("aio") or {}).items():
         if key in aio_map:
-            ours[aio_map[key]] = value
+            put(aio_map[key], f"aio.{key}", value, _ds_int)
         else:
             ignored.append(f"aio.{key}")
     for key in ds:
