@@ -94,8 +94,10 @@ def test_gc_command_reports_what_it_freed(nvme_dir, capsys):
     _stop(proc)
     assert cli_main(["gc", nvme_dir]) == 0
     assert "removed 1 directory" in capsys.readouterr().out and not os.path.exists(directory)
-    assert cli_main(["gc", nvme_dir]) == 0
+    assert cli_main(["gc", "--nvme-path", nvme_dir]) == 0  # as every command that touches the drive takes it
     assert "nothing to reclaim" in capsys.readouterr().out
+    assert cli_main(["gc", nvme_dir, "--nvme-path", nvme_dir + "x"]) == 2
+    assert "two paths given" in capsys.readouterr().err
 
 
 def test_a_directory_that_goes_while_being_looked_at_is_not_reclaimed(nvme_dir):

@@ -37,8 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tierstore", description=__doc__)
     parser.add_argument("--version", action="version", version=f"tierstore {__version__}")
     cmds = parser.add_subparsers(dest="cmd", required=True)
-    gc = cmds.add_parser("gc", help="remove swap directories left under PATH by stores whose process is gone")
-    gc.add_argument("path", help="the nvme_path the stores used")
+    gc = cmds.add_parser("gc", help="remove swap directories left under the nvme path by stores whose process is "
+                                    "gone")
+    gc.add_argument("path", nargs="?", help="the nvme_path the stores used (the same as --nvme-path)")
+    gc.add_argument("--nvme-path", "--path", dest="nvme_path", default=None, help=_NVME_PATH_HELP)
     bench = cmds.add_parser("bench", help="benchmarks that print ours, the reference and their ratio")
     bsub = bench.add_subparsers(dest="bench", required=True)
     _add_drive(bsub)
@@ -112,10 +114,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "gc":
             from tierstore._ownership import describe, reclaim_swap
 
-            if not os.path.isdir(args.path):
-                raise ValueError(f"{args.path!r} is not a directory")
-            reclaimed = reclaim_swap(args.path)
-            print(f"{args.path}: {describe(reclaimed)}" if reclaimed else f"{args.path}: nothing to reclaim")
+            if args.path and args.nvme_path and args.path != args.nvme_path:
+                raise ValueError(f"two paths given ({args.path!r} and --nvme-path {args.nvme_path!r}): give one")
+            path = args.path or _nvme_path(args)
+            if not os.path.isdir(path):
+                raise ValueError(f"{path!r} is not a directory")
+            reclaimed = reclaim_swap(path)
+            print(f"{path}: {describe(reclaimed)}" if reclaimed else f"{path}: nothing to reclaim")
             return 0
         if args.cmd == "plan":
             from .plan import PlanConfig, format_plan, make_plan
