@@ -39,3 +39,21 @@ def test_bench_drive_tiny(tmp_path, capsys, integrity):
 def test_bench_drive_bad_path(tmp_path, capsys):
     assert _cli.main(["bench", "drive", "--nvme-path", str(tmp_path / "missing")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_the_drive_table_says_when_the_spread_is_wider_than_the_difference():
+    from tierstore.tools.bench_drive import format_drive_table
+
+    res = {"size_mib": 8, "tensor_mib": 2, "block_size_bytes": 65536, "queue_depth": 4, "io_threads": 2,
+           "fio_iodepth": 4, "direct_io": True, "rounds": 3, "fio": True,
+           "samples_gbps": {"store_write": [3.4, 3.5, 3.4], "fio_write": [2.4, 2.5, 2.6],
+                            "store_read": [2.4, 2.3, 2.4], "fio_read": [0.71, 2.07, 1.5], "crc_read": [],
+                            "crc_write": []},
+           "store_write_gbps": 3.4, "fio_write_gbps": 2.5, "store_read_gbps": 2.4, "fio_read_gbps": 1.5,
+           "write_ratio": 3.4 / 2.5, "read_ratio": 2.4 / 1.5, "bare_write_gbps": 3.0, "bare_read_gbps": 2.0,
+           "store_write_cpu_s_per_gb": 0.01, "bare_write_cpu_s_per_gb": 0.01, "cpu_write_ratio": 1.0,
+           "store_read_cpu_s_per_gb": 0.01, "bare_read_cpu_s_per_gb": 0.01, "cpu_read_ratio": 1.0}
+    table = format_drive_table(res)
+    assert "fio_read 0.71-2.07" in table
+    assert "read: the rounds of one side spread wider than the medians differ (0.90 GB/s)" in table
+    assert "write: the rounds" not in table  # 0.2 GB/s of spread against 0.9 of difference

@@ -128,6 +128,11 @@ def test_bench_step_tiny(tmp_path, capsys):
                                     + rss["overhead_bytes"])
     printed = capsys.readouterr().out
     assert "overlap" in printed and "peak RSS (fresh process, depth 2)" in printed
+    # Sizes and counts never read 0, each verdict is printed once, and nothing points into the source.
+    assert "host budget 1.0 MiB, device 320.0 KiB" in printed and " 0M params" not in printed
+    assert "[Note:" not in printed
+    verdicts = [line.partition(": ")[2] for line in printed.splitlines() if line.startswith("depth")]
+    assert len(verdicts) == len(set(verdicts))
     assert "higher is better" in printed and "lower bound" in printed and "   auto=" in printed
     if HAVE_MATPLOTLIB:
         assert f"plot written to {tmp_path / 'p.png'}" in printed and (tmp_path / "p.png").stat().st_size > 0

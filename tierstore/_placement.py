@@ -185,6 +185,14 @@ def size_text(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def count_text(n: float) -> str:
+    """A count for people, never read as 0: '1.20B', '85.6M', '213.5K', '512'."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.{2 if unit == 'B' else 1}f}{unit}"
+    return f"{n:.0f}"
+
+
 def moved_bytes(trace: StepTrace, streamed: set[str] | frozenset[str], room_bytes: int) -> dict[str, int]:
     """Key -> bytes a step reads and writes of it when the keys of ``streamed`` stream (see [Note: Placement
     from the trace]); keys not streamed move nothing."""

@@ -251,6 +251,11 @@ def run_drive_bench(cfg: DriveBenchConfig, *, log=print) -> dict[str, Any]:
     return result
 
 
+def spread_text(samples: list[float]) -> str:
+    """The range of one side's rounds: '1.21-2.07'."""
+    return f"{min(samples):.2f}-{max(samples):.2f}"
+
+
 def format_drive_table(res: dict[str, Any]) -> str:
     def f(x: float | None) -> str:
         return f"{x:8.2f}" if x is not None else "       -"
@@ -270,8 +275,18 @@ def format_drive_table(res: dict[str, Any]) -> str:
     lines.append(f"median      {f(res['store_write_gbps'])}  {f(res['fio_write_gbps'])}   "
                  f"{f(res['store_read_gbps'])} {f(res['fio_read_gbps'])}"
                  + (f"   {f(res['checksum_write_gbps'])} {f(res['checksum_read_gbps'])}" if s["crc_read"] else ""))
+    lines.append("spread (max-min)" + "".join(
+        f"  {name} {spread_text(s[name])}" for name in ("store_write", "fio_write", "store_read", "fio_read")
+        if s[name]))
     if res["fio"]:
         lines.append(f"ratio store/fio: write {res['write_ratio']:.2f}  read {res['read_ratio']:.2f}")
+        for kind in ("write", "read"):
+            ours, theirs = s[f"store_{kind}"], s[f"fio_{kind}"]
+            gap = abs(res[f"store_{kind}_gbps"] - res[f"fio_{kind}_gbps"])
+            if max(max(ours) - min(ours), max(theirs) - min(theirs)) > gap:
+                lines.append(f"  {kind}: the rounds of one side spread wider than the medians differ "
+                             f"({gap:.2f} GB/s): the drive moved between rounds, so that ratio is within the noise; "
+                             f"run more --rounds")
     lines.append(f"bare preadv/pwritev pool (same run): write {f(res['bare_write_gbps']).strip()} GB/s, read "
                  f"{f(res['bare_read_gbps']).strip()} GB/s")
     def cpu(kind: str) -> str:

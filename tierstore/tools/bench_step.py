@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from tierstore import StoreConfig, TierStore
+from tierstore._placement import count_text, size_text
 from tierstore.integrations import OffloadedAdamW, offload_model
 
 from .bench_drive import measure_drive
@@ -207,9 +208,8 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
                               "state_bytes": state_bytes, "step_in_backward": step_in_backward, "dtype": dtype,
                               "fused": fused, "depths": {}}
     precision = "fp32" if torch_dtype == torch.float32 else f"{dtype} weights with fp32 masters, resident too"
-    log(f"bench step: ViT-{preset} ({n / 1e6:.1f}M params, {precision}, {state_bytes / MIB:.0f} MiB state), "
-        f"batch {batch_size}, "
-        f"host budget {host / MIB:.0f} MiB, device {device / MIB:.0f} MiB")
+    log(f"bench step: ViT-{preset} ({count_text(n)} params, {precision}, {size_text(state_bytes)} state), "
+        f"batch {batch_size}, host budget {size_text(host)}, device {size_text(device)}")
     seen = ", ".join(f"{m['mixed_gbps']:.2f}" for m in drives)
     log(f"drive (store, same run, fastest of {len(drives)}: {seen}): {drive['read_fraction']:.0%} reads mixed with "
         f"writes {drive['mixed_gbps']:.2f} GB/s (reads alone {drive['read_gbps']:.2f}, writes alone "
@@ -223,9 +223,12 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
         "'serial': that, with the optimizer after backward and its writes waited for")
     # The placement printed: the automatic depth's (a fixed depth leaves its own units room, so plans differ).
     plan = plans.get("auto") or next((p for p in plans.values() if p is not None), None)
+    verdicts: dict[str, list[str]] = {}  # each verdict once, with the depths it was reached at
     for key, off in offloads.items():
         if off.placement_verdict:
-            log(f"depth {key}: {off.placement_verdict}")
+            verdicts.setdefault(off.placement_verdict, []).append(str(key))
+    for verdict, keys in verdicts.items():
+        log(f"depth{'s' if len(keys) > 1 else ''} {', '.join(keys)}: {verdict}")
     result["placement_verdicts"] = {str(key): off.placement_verdict for key, off in offloads.items()}
     if plan is not None:
         log(plan.summary(compute_s, drive_gbps * 1e9, forward_s))
@@ -235,7 +238,8 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
                                "forward_bytes": plan.forward_bytes, "predicted_step_s":
                                plan.predicted_step_seconds(compute_s, drive_gbps * 1e9, forward_s)}
     log("overlap = bound / step (1.00 is the best a step can do); 'plan MiB' and 'plan s': what the placement "
-        "predicts a step moves and takes (its forward, then the rest: see [Note: The predicted step]); the last two "
+        "predicts a step moves and takes (its forward, then the rest of the step, each bound by its compute or its "
+        "bytes over the drive's rate); the last two "
         "columns: how many times faster than the first depth and than 'serial' (higher is better); 'auto' shows the "
         "depth it chose")
     log(f"{'depth':>10} {'step s':>8} {'stall s':>8} {'MiB/step':>9} {'plan MiB':>9} {'plan s':>7} {'bound s':>8} "
@@ -317,7 +321,7 @@ def run_budget_sweep(*, preset: str, batch_size: int, depths: list[int], nvme_pa
                      "resident_step_s": res["resident_step_s"],
                      "resident_compute_s": res["resident_compute_s"], "drive_gbps": res["drive_gbps"],
                      "placement_verdict": res["placement_verdicts"].get(depth), **best})
-    log(f"bench step, budget sweep: ViT-{preset}, {dtype}, {state / MIB:.0f} MiB of state, batch {batch_size}; per "
+    log(f"bench step, budget sweep: ViT-{preset}, {dtype}, {size_text(state)} of state, batch {batch_size}; per "
         f"host budget the best of depths {','.join(map(str, depths))}; bound = max(resident forward and "
         f"backward, bytes / drive)")
     log("'bound MiB': the planner's lower bound on bytes per step at that budget; 'plan s': the step its placement "
