@@ -132,11 +132,13 @@ class Placer:
 
     def __init__(self, store: TierStore, policy: PrefetchPolicy, later: LaterUses, *,
                  group_keys: Callable[[], Mapping[str, Sequence[tuple[str, int]]]], place: bool,
-                 auto_depth: bool) -> None:
+                 auto_depth: bool, grad_of: Callable[[str], tuple[str, int] | None] = lambda key: None) -> None:
         self.store = store
         self.policy = policy
         self.later = later
         self.group_keys = group_keys  # unit name -> (store key, bytes) of the parameters its uses hold
+        # parameter key -> (store key, bytes) of the gradient kept for an optimizer stepping after backward, or None
+        self.grad_of = grad_of
         self.place = place
         self.auto_depth = auto_depth
         self.placement: Placement | None = None
@@ -269,8 +271,15 @@ class Placer:
             nbytes[k] = self._size(k)
         last = {k: i for i, event in enumerate(events) for k in event}
         updates: dict[int, list[tuple[str, ...]]] = {}
+        transient: set[str] = set()
         for param_key, keys in states.items():
             at = last.get(param_key, len(events)) if self.later.in_backward else len(events)
+            grad = None if self.later.in_backward else self.grad_of(param_key)
+            if grad is not None and param_key in last:  # made by its last backward use, read by its update
+                transient.add(grad[0])
+                nbytes[grad[0]] = grad[1]
+                events[last[param_key]] += (grad[0],)
+                keys = [*keys, grad[0]]
             updates.setdefault(at, []).append((param_key, *keys))
         ordered: list[tuple[str, ...]] = []
         forward_uses = self.policy.forward_uses
@@ -283,10 +292,11 @@ class Placer:
         ordered.extend(updates.get(len(events), ()))
         for k in states:
             nbytes.setdefault(k, self._size(k))
-        changed = frozenset(states) | frozenset(self.later.after)
-        kinds = {k: k.rsplit("/", 1)[-1] if k.startswith(OPTIMIZER_PREFIX) else "weights" for k in nbytes}
+        changed = frozenset(states) | frozenset(self.later.after) | frozenset(transient)
+        kinds = {k: "gradients" if k in transient else k.rsplit("/", 1)[-1] if k.startswith(OPTIMIZER_PREFIX)
+                 else "weights" for k in nbytes}
         return StepTrace(events=tuple(ordered), nbytes=nbytes, changed=changed, kinds=kinds,
-                         forward_events=forward_events)
+                         forward_events=forward_events, transient=frozenset(transient))
 
     def budget(self) -> int:
         """The host budget less what other models' placements keep in it (models offloaded into one store share

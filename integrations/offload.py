@@ -137,7 +137,7 @@ from tierstore._placement import Placement
 from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
 from ._contract import OffloadedParameters, zero_grads
-from ._grads import GRAD_DTYPES, GradientStore, StoredGrad
+from ._grads import GRAD_DTYPES, GradientStore, StoredGrad, grad_key
 from ._meta import check_meta, materialize, unmaterialize
 from ._placing import AUTO_START_DEPTH, Placer, StepStarts, check_options
 
@@ -594,6 +594,7 @@ class OffloadedModel(OffloadedParameters):
                                      group_bytes={g.name: g.nbytes for g in self.groups.values()},
                                      trace=[g.name for g in self.groups.values() if g.params])
         self.stats.prefetch_depth = self.policy.depth
+        self._param_of_key = {sp.key: sp for sp in self.params.values()}
         self._key_groups: dict[str, tuple[str, ...]] = {}
         for g in self.groups.values():
             for sp in g.params:
@@ -604,7 +605,7 @@ class OffloadedModel(OffloadedParameters):
             self.victim_order, owns=lambda k: k in self._key_groups or k in self.later_uses.after)
         # What stays in the host tier for the whole run, and the depth with "auto" (see integrations/_placing.py).
         self.placer = Placer(store, self.policy, self.later_uses, group_keys=self._group_keys,
-                             place=placement, auto_depth=auto)
+                             place=placement, auto_depth=auto, grad_of=self._grad_of)
         global _optimizer_hook
         if _optimizer_hook is None:
             _optimizer_hook = register_optimizer_step_pre_hook(_refuse_other_optimizers)
@@ -843,6 +844,14 @@ class OffloadedModel(OffloadedParameters):
     def _group_keys(self) -> dict[str, list[tuple[str, int]]]:
         return {g.name: [(sp.key, TierPool.capacity_for(sp.nbytes)) for sp in g.params]
                 for g in self.groups.values() if g.params}
+
+    def _grad_of(self, param_key: str) -> tuple[str, int] | None:
+        """The store key and bytes of the gradient kept for ``param_key`` (see [Note: Gradients in the tiers])."""
+        sp = self._param_of_key.get(param_key)
+        if sp is None:
+            return None
+        nbytes = sp.param.numel() * self.grads.dtype_of(sp.param).itemsize
+        return grad_key(param_key), TierPool.capacity_for(nbytes)
 
     def _unit_of(self, sp: _Param) -> _Group:
         return self.groups[self._key_groups[sp.key][0]]

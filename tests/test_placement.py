@@ -142,3 +142,23 @@ def test_predicted_stall_serves_reads_in_order_as_they_are_issued():
     # a read longer than the compute before it: use 1 ready at 1, its read (issued at 0, behind nothing) at 3.
     assert predicted_stall([0.0, 3.0, 0.0], compute, 1) == 2.0
     assert predicted_stall([0.0, 3.0, 0.0], compute, 2) == 2.0  # issued at the step's start either way
+
+
+def test_a_transient_key_moves_only_when_the_room_between_its_uses_is_too_small():
+    """A gradient (made by its backward use, read by its update, never carried to the next step) is never kept,
+    reads nothing at its first use, and costs a write and a read when what is used between its two uses leaves it
+    no room (see [Note: Transient keys])."""
+    from tierstore._placement import StepTrace, lower_bound_bytes, moved_bytes, plan_placement
+
+    trace = StepTrace(events=(("w",), ("w", "g"), ("x",), ("y",), ("m", "g")),
+                      nbytes={"w": 10, "g": 10, "x": 30, "y": 30, "m": 10}, changed=frozenset({"m", "g"}),
+                      transient=frozenset({"g"}))
+    assert moved_bytes(trace, frozenset({"x", "y"}), room_bytes=100)["g"] == 0  # 30 + 30 + 10 + 10 fit beside it
+    assert moved_bytes(trace, frozenset({"x", "y"}), room_bytes=50)["g"] == 20  # written and read back
+    assert "g" not in plan_placement(trace, budget_bytes=200, room_bytes=50).resident  # never kept, even with room
+    tight = plan_placement(trace, budget_bytes=60, room_bytes=50)  # x and y stream: g goes to the drive and back
+    assert "g" not in tight.resident and tight.bytes_per_step >= 20 + moved_bytes(trace, frozenset({"x", "y"}),
+                                                                                  room_bytes=50)["x"]
+    assert lower_bound_bytes(trace, 0) == lower_bound_bytes(
+        StepTrace(events=(("w",), ("w",), ("x",), ("y",), ("m",)), nbytes={"w": 10, "x": 30, "y": 30, "m": 10},
+                  changed=frozenset({"m"})), 0)

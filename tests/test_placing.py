@@ -7,21 +7,23 @@ import torch
 import torch.nn.functional as F
 from _training import _assert_same_parameters, _tiny_pair, _train, train_offloaded, train_resident
 
-from tierstore.integrations import offload_model
+from tierstore.integrations import OffloadedAdamW, offload_model
 from tierstore.integrations._placing import AUTO_START_DEPTH
 from tierstore.testing import SlowSyscalls
 from tierstore.tools.vit import num_params
 
 
-def _bytes_of_one_more_step(model, data, store, opt) -> int:
+def _bytes_of_one_more_step(model, data, store, opt, steps: int = 1) -> int:
+    """Drive bytes a step moves (the mean of ``steps`` steps)."""
     before = store.stats_dict()
-    x, y = data.batch(99, 8)
-    F.cross_entropy(model(x), y).backward()
-    opt.step()
-    opt.zero_grad()
+    for i in range(steps):
+        x, y = data.batch(99 + i, 8)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
     opt.wait()
     after = store.stats_dict()
-    return sum(after[k] - before[k] for k in ("bytes_read_nvme", "bytes_written_nvme"))
+    return sum(after[k] - before[k] for k in ("bytes_read_nvme", "bytes_written_nvme")) // steps
 
 
 @pytest.mark.parametrize("in_backward", [False, True])
@@ -29,13 +31,16 @@ def test_a_placement_keeps_training_bit_identical_and_moves_fewer_bytes(make_sto
     moved = {}
     for placement in (True, False):
         ref, model, data = _tiny_pair()
-        store = make_store(host_budget_bytes=num_params(ref) * 8)  # two thirds of the fp32 AdamW state
+        # Two thirds of the fp32 AdamW state; stepping after backward, the gradients kept till the step share it
+        # (4 bytes a parameter, see [Note: Transient keys]): the whole state.
+        store = make_store(host_budget_bytes=num_params(ref) * (8 if in_backward else 12 + 4))
         ref_losses, _ = train_resident(ref, data, 5)
-        losses, off, opt = train_offloaded(model, data, 5, store, step_in_backward=in_backward, prefetch_depth=0,
-                                           placement=placement)
-        assert losses == ref_losses
+        off = offload_model(model, store, prefetch_depth=0, placement=placement)
+        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=in_backward)
+        assert _train(model, data, 5, opt) == ref_losses
         _assert_same_parameters(model, ref)
-        moved[placement] = _bytes_of_one_more_step(model, data, store, opt)
+        moved[placement] = _bytes_of_one_more_step(model, data, store, opt, steps=3)
+        opt.close()
         if placement:
             plan = off.placement
             assert plan is not None and plan.resident and store.kept("host") == plan.resident
@@ -48,7 +53,8 @@ def test_a_placement_keeps_training_bit_identical_and_moves_fewer_bytes(make_sto
             assert store.kept("host") == frozenset()
         else:
             assert off.placement is None
-    assert moved[True] < 0.9 * moved[False], moved  # measured here: 0.80-0.85
+    # measured here (means of 3 steps): 0.77-0.84 in backward, 0.57-0.60 after it
+    assert moved[True] < 0.9 * moved[False], moved
 
 
 def test_the_trace_knows_where_its_backward_starts(make_store):

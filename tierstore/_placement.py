@@ -80,6 +80,9 @@ class StepTrace:
     """Key -> what it is ("weights", "exp_avg", ...), for the summary; 'other' when missing."""
     forward_events: int | None = None
     """How many of the first events are the forward (the rest: backward and the optimizer); None if not known."""
+    transient: frozenset[str] = frozenset()
+    """Keys made at their first use and dropped after their last (gradients kept for the optimizer): never kept
+    resident, read nothing at their first use, carried to no next step (see [Note: Transient keys])."""
 
     def __post_init__(self) -> None:
         if self.forward_events is not None and not 0 <= self.forward_events <= len(self.events):
@@ -200,7 +203,16 @@ def moved_bytes(trace: StepTrace, streamed: set[str] | frozenset[str], room_byte
 
 
 def _moves(trace: StepTrace, streamed: set[str] | frozenset[str], room_bytes: int) -> tuple[dict[str, int], int]:
-    """:func:`moved_bytes`, and the bytes of it read by the forward's events (0 when not known)."""
+    """:func:`moved_bytes`, and the bytes of it read by the forward's events (0 when not known).
+
+    [Note: Transient keys] A gradient kept for an optimizer that steps after
+    backward exists from the backward that makes it to the step: it takes room
+    as any streamed copy does, but its first use reads nothing and nothing of
+    it is carried to the next step. Between two of its uses it goes to the
+    drive and back (written, then read) when what else the room holds in
+    between does not leave it room, as a streamed key's copy would be dropped.
+    """
+    streamed = frozenset(streamed) | trace.transient  # never kept: always in the room
     # before[i]: streamed bytes used in events 0 .. i-1
     before = [0]
     for event in trace.events:
@@ -213,6 +225,10 @@ def _moves(trace: StepTrace, streamed: set[str] | frozenset[str], room_bytes: in
         if k not in streamed:
             continue
         n = trace.nbytes[k]
+        if k in trace.transient:
+            spills = sum(1 for prev, i in zip(at, at[1:]) if before[i + 1] - before[prev] - n > room_bytes)
+            out[k] = 2 * n * spills
+            continue
         reads = 0
         for j, i in enumerate(at):
             # What else the room holds from the previous use to this one: the streamed bytes of both uses' events
@@ -234,7 +250,8 @@ def _moves(trace: StepTrace, streamed: set[str] | frozenset[str], room_bytes: in
 
 def lower_bound_bytes(trace: StepTrace, budget_bytes: int) -> int:
     """See [Note: The lower bound]."""
-    least = {k: trace.nbytes[k] * (2 if k in trace.changed else 1) for k in trace.uses()}
+    # A transient key may cost nothing (it fits beside the rest): left out, the bound stays a bound.
+    least = {k: trace.nbytes[k] * (2 if k in trace.changed else 1) for k in trace.uses() if k not in trace.transient}
     left, saved = budget_bytes, 0.0
     for k in sorted(least, key=lambda k: -least[k] / max(trace.nbytes[k], 1)):
         n = trace.nbytes[k]
@@ -251,7 +268,7 @@ def plan_placement(trace: StepTrace, *, budget_bytes: int, room_bytes: int) -> P
     if budget_bytes < 0 or room_bytes < 0:
         raise ValueError(f"budget_bytes={budget_bytes} and room_bytes={room_bytes} must be >= 0")
     room_bytes = min(room_bytes, budget_bytes)  # the room is part of the budget
-    keys = list(trace.uses())
+    keys = [k for k in trace.uses() if k not in trace.transient]  # a transient key is never kept
     alone = moved_bytes(trace, frozenset(keys), room_bytes)  # each key's cost with everything streaming
     capacity = max(0, budget_bytes - room_bytes)
     resident: set[str] = set()
@@ -265,7 +282,7 @@ def plan_placement(trace: StepTrace, *, budget_bytes: int, room_bytes: int) -> P
     moved, forward = _moves(trace, streamed, room_bytes)
     resident_by_kind: dict[str, int] = {}
     moved_by_kind: dict[str, int] = {}
-    for k in keys:
+    for k in [*keys, *(k for k in trace.uses() if k in trace.transient)]:
         kind = trace.kinds.get(k, "other")
         if k in resident:
             resident_by_kind[kind] = resident_by_kind.get(kind, 0) + trace.nbytes[k]
