@@ -63,7 +63,10 @@ def _child(args: argparse.Namespace) -> dict:
     baseline = rss_bytes()
     if not reset_peak_rss():
         baseline = 0
-    with ts.TierStore(nvme_path=args.nvme_path, host_budget_bytes=host, device_budget_bytes="1MiB") as store:
+    threshold = {} if args.malloc_mmap_threshold is None else {"malloc_mmap_threshold_bytes": (
+        None if args.malloc_mmap_threshold == "none" else args.malloc_mmap_threshold)}
+    with ts.TierStore(nvme_path=args.nvme_path, host_budget_bytes=host, device_budget_bytes="1MiB",
+                      **threshold) as store:
         t0 = time.perf_counter()
         with torch.device("meta"):
             model = build()
@@ -125,6 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--state-per-budget", type=int, default=10, help="fp32 state / host budget (default 10)")
     p.add_argument("--host-budget", help="host budget (a size such as 512MiB; default: the state over "
                                          "--state-per-budget)")
+    p.add_argument("--malloc-mmap-threshold", help="the store's malloc_mmap_threshold_bytes ('none': leave the "
+                                                   "allocator alone; default: the store's default)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--nvme-path", default=None, help="directory on the drive (default: a temporary one in /var/tmp)")
@@ -149,7 +154,9 @@ def main(argv: list[str] | None = None) -> dict:
         for mode in modes:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode, "--layers", str(args.layers),
                    "--width", str(args.width), "--state-per-budget", str(args.state_per_budget),
-                   *(["--host-budget", args.host_budget] if args.host_budget else []), "--steps",
+                   *(["--host-budget", args.host_budget] if args.host_budget else []),
+                   *(["--malloc-mmap-threshold", args.malloc_mmap_threshold] if args.malloc_mmap_threshold else []),
+                   "--steps",
                    str(args.steps), "--batch-size", str(args.batch_size), "--nvme-path", d, *load]
             env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # the store sets it
             r = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)

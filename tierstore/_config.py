@@ -85,8 +85,8 @@ class StoreConfig:
     only when the room is needed."""
     malloc_mmap_threshold_bytes: int | None = 128 * 1024
     """Fix the C allocator's mmap threshold at this size when a store is created, so that memory freed by tensors
-    goes back to the system and RSS does not grow with the model (glibc only; a setting of the whole process).
-    None leaves the allocator alone."""
+    goes back to the system and RSS does not grow with the model (glibc only; a setting of the whole process; see
+    [Note: Giving freed memory back]). None leaves the allocator alone."""
 
     def __post_init__(self) -> None:
         for name in ("device_budget_bytes", "host_budget_bytes", "nvme_budget_bytes",

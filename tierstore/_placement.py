@@ -142,7 +142,8 @@ class Placement:
         kinds = sorted(set(self.resident_by_kind) | set(self.moved_by_kind))
         lines = [f"placement: {mib(self.resident_bytes)} resident of a {mib(self.budget_bytes)} host budget "
                  f"({mib(self.room_bytes)} left for copies in flight)",
-                 "  resident: " + ", ".join(f"{k} {mib(self.resident_by_kind.get(k, 0))}" for k in kinds),
+                 "  resident: " + ", ".join(f"{k} {mib(self.resident_by_kind[k])}" for k in kinds
+                                            if k in self.resident_by_kind),
                  "  moved per step: " + ", ".join(f"{k} {mib(self.moved_by_kind.get(k, 0))}" for k in kinds),
                  f"  bytes per step: {mib(self.bytes_per_step)} predicted, {mib(self.lower_bound_bytes)} lower bound "
                  f"({self.bytes_per_step / max(self.lower_bound_bytes, 1):.2f}x)"]
