@@ -92,7 +92,7 @@ class GradientStore:
     """The gradients of one offloaded model, by parameter key (see [Note: Gradients in the tiers]).
 
     ``get``/``pop``/``[key] = tensor``/``clear``/``zero``: the ``GradientSource`` the optimizer reads; ``accumulate``
-    adds a backward's gradient; ``held`` gives the gradient's values in the host tier for the length of a ``with``.
+    adds a backward's gradient; :func:`values_of` gives a gradient's values for the length of a ``with``.
     """
 
     def __init__(self, store: TierStore, home: Tier, grad_dtype: str = "float32") -> None:
@@ -234,6 +234,7 @@ class GradientStore:
                 for s in rec.scales:
                     t.mul_(s)
                 rec.scales.clear()
+                rec.norm = torch.linalg.vector_norm(t, 2.0)
                 st.mark_dirty(rec.key, Tier.HOST)
             yield t
             if write:
