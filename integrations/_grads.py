@@ -63,6 +63,13 @@ _SCALINGS = frozenset({_aten.mul_.Tensor, _aten.mul_.Scalar})
 GRAD_DTYPES = ("float32", "param")
 
 
+def check_grad_dtype(grad_dtype: object) -> None:
+    """``grad_dtype`` is one of GRAD_DTYPES, else a ValueError that says which to choose."""
+    if grad_dtype not in GRAD_DTYPES:
+        raise ValueError(f"grad_dtype={grad_dtype!r}: choose 'float32' (bf16/fp16 gradients kept and accumulated in "
+                         f"fp32) or 'param' (in the parameter's dtype, as torch keeps them)")
+
+
 def grad_key(param_key: str) -> str:
     """The store key of an offloaded parameter's gradient (``param/<name>`` -> ``grad/<name>``)."""
     return GRAD_PREFIX + param_key.partition("/")[2]
@@ -96,9 +103,7 @@ class GradientStore:
     """
 
     def __init__(self, store: TierStore, home: Tier, grad_dtype: str = "float32") -> None:
-        if grad_dtype not in GRAD_DTYPES:
-            raise ValueError(f"grad_dtype={grad_dtype!r}: choose 'float32' (bf16/fp16 gradients accumulated in fp32) "
-                             f"or 'param' (in the parameter's dtype, as torch keeps them)")
+        check_grad_dtype(grad_dtype)
         self.store = store
         self.home = home
         self.grad_dtype = grad_dtype
@@ -157,13 +162,6 @@ class GradientStore:
 
     def __len__(self) -> int:
         return len(self._records) + len(self._direct)
-
-    def keys(self) -> list[str]:
-        with self._lock:
-            return [*self._direct, *self._records]
-
-    def values(self) -> list[Any]:
-        return [self.get(k) for k in self.keys()]
 
     def clear(self) -> None:
         """Drop every gradient (``zero_grad()``)."""
@@ -278,14 +276,20 @@ def _is_plain_2_norm(args: Any, kwargs: Any) -> bool:
     return ord_ == 2 and all(v in (None, False, []) for v in rest)
 
 
-def _writes_grad(func: Any, args: Any, kwargs: Any) -> bool:
-    """Whether ``func`` writes a stored gradient among its arguments (``mul_``, ``zero_``, ``copy_``, ``out=``)."""
+def _writes(func: Any, args: Any, kwargs: Any, cls: type) -> bool:
+    """Whether ``func`` writes an argument of class ``cls`` (in place: ``mul_``, ``zero_``, ``copy_``; ``out=``), as
+    passed or in a list of tensors."""
     for i, arg in enumerate(func._schema.arguments):
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        if arg.alias_info is not None and arg.alias_info.is_write and any(
-                isinstance(v, StoredGrad) for v in tree_leaves(value)):
-            return True
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if any(isinstance(v, cls) for v in tree_leaves(value)):
+                return True
     return False
+
+
+def _writes_grad(func: Any, args: Any, kwargs: Any) -> bool:
+    """Whether ``func`` writes a stored gradient among its arguments."""
+    return _writes(func, args, kwargs, StoredGrad)
 
 
 def _swap(tree: Any, rec: _Record, t: torch.Tensor) -> Any:
@@ -373,13 +377,11 @@ class _ReadOnlyView(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        for i, arg in enumerate(func._schema.arguments):
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            if isinstance(value, _ReadOnlyView) and arg.alias_info is not None and arg.alias_info.is_write:
-                raise RuntimeError(
-                    f"{func.overloadpacket.__name__} would write into a view of an offloaded parameter's gradient "
-                    f"(p.grad[...] or p.grad.view(...)), which is a copy: the gradient lives in the store and would "
-                    f"not change. Write the gradient itself (p.grad.mul_(...), p.grad.copy_(new), p.grad = new)")
+        if _writes(func, args, kwargs, _ReadOnlyView):
+            raise RuntimeError(
+                f"{func.overloadpacket.__name__} would write into a view of an offloaded parameter's gradient "
+                f"(p.grad[...] or p.grad.view(...)), which is a copy: the gradient lives in the store and would "
+                f"not change. Write the gradient itself (p.grad.mul_(...), p.grad.copy_(new), p.grad = new)")
         unwrap = tree_map_only(_ReadOnlyView, lambda v: v._value, (args, kwargs))
         out = func(*unwrap[0], **unwrap[1])
         if any(r.alias_info is not None for r in func._schema.returns):
@@ -387,5 +389,5 @@ class _ReadOnlyView(torch.Tensor):
         return out
 
 
-__all__ = ["GRAD_DTYPES", "GradientStore", "StoredGrad", "generation", "grad_key", "store_key_of", "stored_dtype",
-           "values_of"]
+__all__ = ["GRAD_DTYPES", "GradientStore", "StoredGrad", "check_grad_dtype", "generation", "grad_key", "store_key_of",
+           "stored_dtype", "values_of"]

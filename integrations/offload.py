@@ -137,7 +137,7 @@ from tierstore._placement import Placement
 from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
 
 from ._contract import OffloadedParameters, zero_grads
-from ._grads import GRAD_DTYPES, GradientStore, StoredGrad, grad_key
+from ._grads import GradientStore, StoredGrad, check_grad_dtype, grad_key
 from ._meta import check_meta, materialize, unmaterialize
 from ._placing import AUTO_START_DEPTH, Placer, StepStarts, check_options
 
@@ -1374,9 +1374,7 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | s
     if compute_tier is not None and Tier.parse(compute_tier) is Tier.NVME:
         raise ValueError("compute_tier='nvme': modules run on memory; choose 'device' or 'host'")
     check_options(prefetch_depth, placement)
-    if grad_dtype not in GRAD_DTYPES:
-        raise ValueError(f"grad_dtype={grad_dtype!r}: choose 'float32' (bf16/fp16 gradients kept and accumulated in "
-                         f"fp32) or 'param' (in the parameter's dtype, as torch keeps them)")
+    check_grad_dtype(grad_dtype)  # before anything is written
     scripted = [name or "the model" for name, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
     if scripted:
         raise TypeError(

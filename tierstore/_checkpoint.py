@@ -31,8 +31,8 @@ import struct
 import tempfile
 import warnings
 import zlib
-from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -490,22 +490,28 @@ def _pin(directory: str) -> tuple[PinnedCheckpoint, dict[str, Any]]:
     return pinned, manifest
 
 
-def _file_fd(directory: str, file: str, what: str) -> tuple[int, bool]:
-    """(fd, whether the caller closes it) of ``file`` of a checkpoint ``directory``: the pinned one if any."""
+@contextmanager
+def _file_fd(directory: str, file: str, what: str) -> Iterator[int]:
+    """An fd of ``file`` of a checkpoint ``directory`` for the block: the pinned one if any, else one opened and
+    closed here."""
     if isinstance(directory, PinnedCheckpoint) and file in directory.fds:
-        return directory.fds[file], False
+        yield directory.fds[file]
+        return
     path = os.path.join(directory, file)
     try:
-        return os.open(path, os.O_RDONLY), True
+        fd = os.open(path, os.O_RDONLY)
     except OSError as e:
         raise CheckpointError(f"{what}: cannot open {path}: {e.strerror}") from None
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def verify_tensor(directory: str, name: str, entry: dict[str, Any], *, chunk_bytes: int = 16 * 1024**2) -> None:
     """Check that tensor ``name``'s bytes are in their file and match their CRC, reading them in chunks."""
     file = os.path.join(directory, entry["file"])
-    fd, owned = _file_fd(directory, entry["file"], f"checkpoint tensor {name!r}")
-    try:
+    with _file_fd(directory, entry["file"], f"checkpoint tensor {name!r}") as fd:
         crc, done, left = 0, 0, entry["nbytes"]
         while left:
             block = os.pread(fd, min(left, chunk_bytes), entry["offset"] + done)
@@ -515,9 +521,6 @@ def verify_tensor(directory: str, name: str, entry: dict[str, Any], *, chunk_byt
             crc = zlib.crc32(block, crc)
             done += len(block)
             left -= len(block)
-    finally:
-        if owned:
-            os.close(fd)
     if crc != entry["crc32"]:
         raise CheckpointIntegrityError(f"checkpoint tensor {name!r}: checksum mismatch in {file} at byte "
                                        f"{entry['offset']}; the file is corrupt")
@@ -530,12 +533,8 @@ def read_into(directory: str, name: str, entry: dict[str, Any], out: torch.Tenso
                              f"model expects {list(out.shape)} {dtype_name(out.dtype)}: wrong model or config")
     file = os.path.join(directory, entry["file"])
     what = f"checkpoint tensor {name!r}"
-    fd, owned = _file_fd(directory, entry["file"], what)
-    try:
+    with _file_fd(directory, entry["file"], what) as fd:
         mv = _read_exact(file, entry["offset"], out, what, fd=fd)
-    finally:
-        if owned:
-            os.close(fd)
     if zlib.crc32(mv) != entry["crc32"]:
         raise CheckpointIntegrityError(f"checkpoint tensor {name!r}: checksum mismatch in {file} at byte "
                              f"{entry['offset']}; the file is corrupt")
