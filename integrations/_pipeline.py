@@ -11,19 +11,26 @@ import torch
 from tierstore import Handle, Tier, TierStore
 
 from . import _adamw
-from ._contract import has_master, optimizer_key
+from ._contract import optimizer_key
 from ._grads import store_key_of
+from ._layouts import StateLayout, compressed_update, seed_of
 
 # (parameter name, its store key or None for a resident parameter, the parameter, its gradient)
 Item = tuple[str, "str | None", torch.nn.Parameter, "torch.Tensor | None"]
 
 
-def state_keys(name: str, key: str | None, p: torch.nn.Parameter) -> list[str]:
-    """The store keys one update reads and writes: both moments, and the fp32 master of an offloaded parameter
-    (its own store copy when the parameter is fp32)."""
+PLAIN = StateLayout()
+
+
+def state_keys(name: str, key: str | None, p: torch.nn.Parameter, layout: StateLayout = PLAIN) -> list[str]:
+    """The store keys one update reads and writes: both moments, then what the update steps of an offloaded
+    parameter: its fp32 master (for a bf16/fp16 weight under ``master="fp32"``), the master's low half and the
+    weight (``"split"``), or the weight's own store copy (an fp32 weight, or ``"none"``)."""
     keys = [optimizer_key(name, "exp_avg"), optimizer_key(name, "exp_avg_sq")]
     if key is not None:
-        keys.append(optimizer_key(name, "master") if has_master(key, p) else key)
+        master = layout.master_of(key, p)
+        keys += [optimizer_key(name, "master")] if master == "fp32" else [optimizer_key(name, "master"), key] \
+            if master == "split" else [key]
     return keys
 
 
@@ -35,9 +42,10 @@ class StatePipeline:
     """Read-ahead, update, write-behind over one store."""
 
     def __init__(self, store: TierStore, *, readahead: int, readahead_bytes: Callable[[], int],
-                 impl: str = "single") -> None:
+                 impl: str = "single", layout: StateLayout = PLAIN) -> None:
         self.store = store
         self.impl = impl  # which of torch's AdamW implementations (see [Note: Which AdamW])
+        self.layout = layout  # how the state is stored (see [Note: Compressed optimizer state])
         self.readahead = readahead
         self.readahead_bytes = readahead_bytes  # asked at each read-ahead: the room may change with the placement
         self.state_bytes: dict[str, int] = {}  # name -> bytes of its state (what read-ahead counts)
@@ -53,7 +61,7 @@ class StatePipeline:
             if total > limit and item is not items[i]:
                 break
             name, key, p, grad = item
-            for k in state_keys(name, key, p):
+            for k in state_keys(name, key, p, self.layout):
                 self.store.prefetch(k, Tier.HOST)
             if (k := store_key_of(grad)) is not None:  # a gradient kept in the store is read ahead with the state
                 self.store.prefetch(k, Tier.HOST)
@@ -65,8 +73,9 @@ class StatePipeline:
         failure nothing of the update persists, or (state kept in the host tier and changed since it was last
         written home) UnrestorableUpdateError says so."""
         st = self.store
-        keys = state_keys(name, key, p)
-        master_key = keys[2] if key is not None else None
+        layout = self.layout
+        keys = state_keys(name, key, p, layout)
+        master = layout.master_of(key, p)
         kept = st.kept(Tier.HOST)  # written home when they go, not behind each update (see [Note: Kept copies])
         held: dict[str, torch.Tensor] = {}
         try:
@@ -79,9 +88,15 @@ class StatePipeline:
                 st.release(k, Tier.HOST)
             raise
         exp_avg, exp_avg_sq = held[keys[0]], held[keys[1]]
-        param = p.data if master_key is None else held[master_key]
+        param = p.data if key is None else held[keys[2]] if master == "fp32" else held[keys[-1]]
         try:
-            _adamw.adamw_update(param, exp_avg, exp_avg_sq, grad, step, hyper(), self.impl)
+            if layout.is_plain(key, p, param.numel()):
+                _adamw.adamw_update(param, exp_avg, exp_avg_sq, grad, step, hyper(), self.impl)
+            else:
+                compressed_update(moments=layout.moments_of(key, p, param.numel()), master=master, weight=param,
+                                  low=held[keys[2]] if master == "split" else None, exp_avg=exp_avg,
+                                  exp_avg_sq=exp_avg_sq, grad=grad, step=step, hyper=hyper(), impl="fused",
+                                  seed=seed_of(name, step))
         except BaseException as e:
             # The error's frames keep their views of the state alive, which keeps that memory from being reused
             # (see [Note: A freed buffer still viewed]): nothing reads them again.
@@ -113,13 +128,13 @@ class StatePipeline:
             st.release(k, Tier.HOST)
             if k not in kept:
                 self.current.append(st.write_back(k))  # write-behind
-        if master_key is not None and master_key != key:
+        if master == "fp32":  # the weight is rounded from its updated master
             assert key is not None
             low = st.get(key, Tier.HOST)
-            master = st.get(master_key, Tier.HOST)
+            master_copy = st.get(keys[2], Tier.HOST)
             (st.writing(key) if key in kept else st.write_back(key)).wait()  # its last write reads it
-            low.copy_(master)
-            st.release(master_key, Tier.HOST)
+            low.copy_(master_copy)
+            st.release(keys[2], Tier.HOST)
             st.mark_dirty(key, Tier.HOST)
             st.release(key, Tier.HOST)
             if key not in kept:

@@ -43,6 +43,7 @@ from tierstore._checkpoint import (
     write_safetensors_file,
 )
 
+from ._layouts import StateLayout
 from .fsdp import _STATE_KEY as _FSDP_STATE_KEY
 from .fsdp import FSDPOffload
 from .offload import _STATE_KEY, OffloadedModel
@@ -146,7 +147,8 @@ def save_checkpoint(path: str, model: nn.Module | Offloaded, optimizer: Offloade
             raise ValueError("the optimizer belongs to a different model")
         files[OPTIMIZER_FILE] = [_store_source(optimizer.store, key, f"{name}/{what}")
                                  for name, what, key in optimizer.state_tensors()]
-        metadata["optimizer"] = {"param_groups": optimizer.group_states(), "steps": dict(optimizer.steps)}
+        metadata["optimizer"] = {"param_groups": optimizer.group_states(), "steps": dict(optimizer.steps),
+                                 "state_layout": optimizer.layout.as_dict()}
     file_metadata = {MODEL_FILE: {"format": "pt"}}
     if not isinstance(off, FSDPOffload):
         return write_checkpoint(path, files, metadata=metadata, file_metadata=file_metadata)
@@ -343,6 +345,16 @@ def _check_optimizer(opt: OffloadedAdamW, directory: str, manifest: dict[str, An
     steps = meta.get("steps")
     if not isinstance(steps, dict) or not all(type(v) in (int, float) and v >= 1 for v in steps.values()):
         raise CheckpointError(f"{where}: malformed optimizer step counts")
+    saved = meta.get("state_layout", {})  # checkpoints of before compressed state name none: the fp32 layout
+    if saved != opt.layout.as_dict() and not (saved == {} and opt.layout.as_dict() == StateLayout().as_dict()):
+        try:
+            what = StateLayout(**saved).describe()
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{where}: unreadable optimizer state_layout {saved!r}") from None
+        raise CheckpointError(
+            f"checkpoint {directory} holds optimizer state stored with {what}, and this OffloadedAdamW stores "
+            f"{opt.layout.describe()}: build the optimizer with the saved layout to resume; to change layout, "
+            f"save its state_dict() and pass it to the new optimizer's load_state_dict(sd, convert=True)")
     unknown = sorted(set(steps) - {name for name, _, _ in opt.state_tensors(dict.fromkeys(steps, 1.0))})
     if unknown:
         raise CheckpointError(f"checkpoint {directory} has optimizer state for unknown parameters {unknown[:5]}")

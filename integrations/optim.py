@@ -49,11 +49,11 @@ from ._contract import (
     OPTIMIZER_STATE,
     STEPPED_DTYPES,
     OffloadedParameters,
-    has_master,
     moment_dtype,
     optimizer_key,
 )
 from ._grads import generation, store_key_of, values_of
+from ._layouts import StateLayout, decode_state, encode_state, join_master, split_master
 from ._pipeline import StatePipeline, UnrestorableUpdateError, state_keys
 
 
@@ -89,7 +89,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                  home: Tier | str | None = None, step_in_backward: bool = False,
                  max_grad_backlog_bytes: int | str | None = None, maximize: bool = False, amsgrad: bool = False,
                  foreach: bool | None = None, fused: bool | None = None, capturable: bool = False,
-                 differentiable: bool = False) -> None:
+                 differentiable: bool = False, moments: str | None = None, master: str | None = None) -> None:
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         check_hyper(defaults, "")
         unsupported = [f"{k}=True" for k, v in (("amsgrad", amsgrad), ("capturable", capturable),
@@ -102,6 +102,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if not isinstance(offloaded, OffloadedParameters):
             raise TypeError(f"OffloadedAdamW steps offloaded parameters: pass what offload_model or offload_fsdp "
                             f"returned, not {type(offloaded).__name__}")
+        config = offloaded.store.config
+        self.layout = StateLayout(moments if moments is not None else config.optimizer_moments,
+                                  master if master is not None else config.optimizer_master)
         if readahead is None:  # prefetch depth 0 turns off reading ahead, the optimizer's as well
             readahead = 0 if offloaded.policy.depth == 0 else sys.maxsize  # bytes bound it
         if readahead < 0:
@@ -118,7 +121,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         fixed = None if readahead_bytes is None else self._positive_bytes(readahead_bytes, 1, "readahead_bytes")
         self._pipeline = StatePipeline(self.store, readahead=readahead, readahead_bytes=(
             (lambda: fixed) if fixed is not None else (lambda: offloaded.readahead_room() or max(1, host // 2))),
-            impl=impl)
+            impl=impl, layout=self.layout)
         home = Tier.parse(home if home is not None else self.store.config.optimizer_tier)
         self.steps: dict[str, float] = {}
         # (name, param key or None for a resident one, param): frozen parameters (requires_grad=False) get no
@@ -132,6 +135,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             raise TypeError(f"OffloadedAdamW steps fp32, fp64, bf16 and fp16 parameters, not {', '.join(odd[:4])}"
                             f"{', ...' if len(odd) > 4 else ''}: freeze them (requires_grad_(False)) or convert "
                             f"them before offload_model")
+        self.layout.check(self._items)
         handles = []
         self._name_of = {id(p): name for name, _, p in everything}
         sparse = [n for n, m in offloaded.model.named_modules()
@@ -155,28 +159,32 @@ class OffloadedAdamW(torch.optim.Optimizer):
         # name -> its group, the very dict a scheduler changes: each update reads its hyper-parameters from it.
         self._group_of = {self._name_of[id(p)]: g for g in self.param_groups for p in g["params"]}
         if home is Tier.NVME:  # room for every moment (and master) is checked before the first is written
-            self.store.require_nvme_room(
-                sum((p.numel() if key is None else self._param_shape(key).numel())
-                    * moment_dtype(key, p).itemsize * (3 if has_master(key, p) else 2) for _, key, p in self._items),
-                "AdamW state of {size}")
+            self.store.require_nvme_room(sum(self._state_bytes(key, p) for _, key, p in self._items),
+                                         "AdamW state of {size}")
         try:
             for name, key, p in self._items:
                 # In the parameter's layout, as torch's AdamW makes them (zeros_like): see [Note: The fused
                 # kernel and layouts].
                 shape, stride = (p.shape, dense_strides(p)) if key is None else self._param_layout(key)
-                zeros = (torch.zeros(shape, dtype=moment_dtype(key, p)) if stride is None else
-                         torch.empty_strided(shape, stride, dtype=moment_dtype(key, p)).zero_())
+                zeros = self.layout.moment_tensor(self.layout.moments_of(key, p, shape.numel()),
+                                                  moment_dtype(key, p), shape, stride)
                 handles.append(self.store.put(optimizer_key(name, "exp_avg"), zeros, home=home))
                 handles.append(self.store.put(optimizer_key(name, "exp_avg_sq"), zeros, home=home))
-                if has_master(key, p):
-                    master = self.offloaded.read_param(name).float()
-                    handles.append(self.store.put(optimizer_key(name, "master"), master, home=home))
+                how = self.layout.master_of(key, p)
+                if how == "fp32":
+                    master_value = self.offloaded.read_param(name).float()
+                    handles.append(self.store.put(optimizer_key(name, "master"), master_value, home=home))
+                elif how == "split":  # the weight's bf16 value is the master's top half: its low half is 0
+                    low = (torch.zeros(shape, dtype=torch.int16) if stride is None else
+                           torch.empty_strided(shape, stride, dtype=torch.int16).zero_())
+                    handles.append(self.store.put(optimizer_key(name, "master"), low, home=home))
             for h in handles:
                 h.wait()
         except BaseException:  # a failed constructor leaves nothing in the store (a retry must not see it)
             self.store.undo_puts(handles)
             raise
-        self._pipeline.state_bytes = {name: sum(self.store.info(k)["nbytes"] for k in state_keys(name, key, p))
+        self._pipeline.state_bytes = {name: sum(self.store.info(k)["nbytes"]
+                                                for k in state_keys(name, key, p, self.layout))
                                       for name, key, p in self._items}
         self.step_in_backward = step_in_backward
         self._early: dict[str, Future] = {}  # key -> update started in backward
@@ -200,12 +208,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 offloaded.grad_read_guards.append(self._gradients_taken)
         # Every store key an update of an offloaded parameter uses, built once: eviction asks for the
         # queue's keys on each allocation.
-        self._use_keys = {name: tuple(dict.fromkeys((key, *state_keys(name, key, p))))
+        self._use_keys = {name: tuple(dict.fromkeys((key, *state_keys(name, key, p, self.layout))))
                           for name, key, p in self._items if key is not None}
         # Eviction then knows when this state is used (see [Note: Who uses a copy next]).
         for name, key, p in self._items:
             if key is not None:
-                for k in state_keys(name, key, p):
+                for k in state_keys(name, key, p, self.layout):
                     if k != key:
                         offloaded.later_uses.after[k] = key
         offloaded.later_uses.queues.append(self._queued)
@@ -219,9 +227,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
         backward, beside what backward holds there): a budget below that for the largest parameter could never
         step it, or only by luck, so say so now, before any state exists."""
         def one_update(name: str, key: str | None, p: torch.nn.Parameter) -> int:
-            n = (p.numel() if key is None else self._param_shape(key).numel()) * moment_dtype(key, p).itemsize
-            # after backward, an offloaded parameter's gradient is held too (see [Note: Gradients in the tiers])
-            return TierPool.capacity_for(n) * (2 if key is None else 3 if step_in_backward else 4)
+            numel = p.numel() if key is None else self._param_shape(key).numel()
+            n = numel * moment_dtype(key, p).itemsize
+            if self.layout.is_plain(key, p, numel):
+                # after backward, an offloaded parameter's gradient is held too (see [Note: Gradients in the tiers])
+                return TierPool.capacity_for(n) * (2 if key is None else 3 if step_in_backward else 4)
+            # the stored state and the weight it steps; a kept gradient after backward
+            return (sum(TierPool.capacity_for(b) for b in self._state_pieces(key, p))
+                    + TierPool.capacity_for(numel * p.dtype.itemsize)
+                    + (0 if step_in_backward else TierPool.capacity_for(n)))
 
         # name -> what backward may hold in the host tier while it is updated
         beside = self.offloaded.held_beside_updates() if step_in_backward else {}
@@ -285,6 +299,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
             raise RuntimeError("OffloadedAdamW steps the parameters of the model it was given; pass param_groups= "
                                "when constructing it")
         self.param_groups.append({**self.defaults, **param_group, "params": list(param_group["params"])})
+
+    def _state_pieces(self, key: str | None, p: torch.nn.Parameter) -> list[int]:
+        """Bytes of each stored piece of this parameter's optimizer state under the layout."""
+        numel = p.numel() if key is None else self._param_shape(key).numel()
+        return self.layout.piece_bytes(key, p, numel, moment_dtype(key, p))
+
+    def _state_bytes(self, key: str | None, p: torch.nn.Parameter) -> int:
+        return sum(self._state_pieces(key, p))
 
     @staticmethod
     def _positive_bytes(value: int | str | None, default: int, name: str) -> int:
@@ -389,7 +411,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         with contextlib.suppress(BaseException):
             self.wait()
         for name, key, p in self._items:
-            for k in state_keys(name, key, p):
+            for k in state_keys(name, key, p, self.layout):
                 if k != key and self.store.contains(k):
                     self.store.drop(k)
         self._items = []
@@ -402,14 +424,34 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.wait()
         loaded = set(names)
         for name, key, p in self._items:
-            if name in loaded and has_master(key, p):
-                value = self.offloaded.read_param(name)
-                master = self.store.get(optimizer_key(name, "master"), Tier.HOST)
+            if name in loaded and self.layout.master_of(key, p) is not None:
+                self._write_master(name, key, p, None)
+
+    def _write_master(self, name: str, key: str | None, p: torch.nn.Parameter, value: torch.Tensor | None) -> None:
+        """Set a parameter's master to ``value`` (fp32), or to its weight's value (None). Under
+        ``master="split"`` a value sets the weight too: it is the master's top half."""
+        k = optimizer_key(name, "master")
+        how = self.layout.master_of(key, p)
+        held = self.store.get(k, Tier.HOST)
+        try:
+            if how == "fp32":
+                held.copy_(self.offloaded.read_param(name) if value is None else value)
+            elif value is None:
+                held.zero_()  # the weight's own value: a low half of 0
+            else:
+                assert key is not None
+                weight = self.store.get(key, Tier.HOST)
                 try:
-                    master.copy_(value)
-                    self.store.mark_dirty(optimizer_key(name, "master"), Tier.HOST)
+                    self.store.writing(key).wait()  # its last write reads it
+                    master = torch.empty_like(weight, dtype=torch.float32).copy_(value)
+                    split_master(master, weight, held)
+                    self.store.mark_dirty(key, Tier.HOST)
                 finally:
-                    self.store.release(optimizer_key(name, "master"), Tier.HOST)
+                    self.store.release(key, Tier.HOST)
+                self.store.write_back(key)
+            self.store.mark_dirty(k, Tier.HOST)
+        finally:
+            self.store.release(k, Tier.HOST)
 
     def named_items(self) -> list[tuple[str, str | None, torch.nn.Parameter]]:
         """(name, store key or None for a resident parameter, parameter) of each parameter this optimizer steps."""
@@ -583,7 +625,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for name, key, p in self._items:
             if name not in stepped:
                 continue
-            for what in OPTIMIZER_STATE[:2] + (("master",) if has_master(key, p) else ()):
+            for what in OPTIMIZER_STATE[:2] + (("master",) if self.layout.master_of(key, p) is not None else ()):
                 out.append((name, what, optimizer_key(name, what)))
         return out
 
@@ -629,14 +671,43 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     target[k] = v
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain tensors (read from the store), like torch.optim's state_dict, keyed by parameter name."""
+        """Plain tensors (read from the store), like torch.optim's state_dict, keyed by parameter name: each piece
+        of state as the layout stores it (an 8-bit moment is its packed bytes: nothing is inflated, and a load
+        into the same layout gives back the same bits), with ``"state_layout"`` naming the layout."""
         state: dict[str, dict[str, torch.Tensor]] = {}
         for name, what, k in self.state_tensors():
             state.setdefault(name, {"step": torch.tensor(self.steps[name])})[what] = self.store.read(k)
-        return {"state": state, "param_groups": self.group_states()}
+        return {"state": state, "param_groups": self.group_states(), "state_layout": self.layout.as_dict()}
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def decoded(self, name: str, what: str, stored: torch.Tensor, layout: StateLayout | None = None) -> torch.Tensor:
+        """The values of one piece of ``name``'s state stored under ``layout`` (this optimizer's by default), as
+        the fp32 layout holds them: fp32 moments, an fp32 master (a split one joined with the weight now in the
+        model)."""
+        layout = layout or self.layout
+        key, p = self._item(name)
+        shape, stride = (p.shape, dense_strides(p)) if key is None else self._param_layout(key)
+        if what == "master":
+            return stored if layout.master_of(key, p) == "fp32" else join_master(
+                self.offloaded.read_param(name), stored)
+        return decode_state(layout.moments_of(key, p, shape.numel()), stored, what == "exp_avg", shape, stride)
+
+    def _item(self, name: str) -> tuple[str | None, torch.nn.Parameter]:
+        for n, key, p in self._items:
+            if n == name:
+                return key, p
+        raise KeyError(f"optimizer state for unknown parameter {name!r}")
+
+    def load_state_dict(self, sd: dict[str, Any], *, convert: bool = False) -> None:
+        """Load what :meth:`state_dict` gave. State saved under another layout (``"state_layout"``; the fp32
+        one where it names none, as torch.optim's state dicts) is refused unless ``convert=True``, which decodes
+        each piece and encodes it into this layout: converting to fewer bits rounds, a master the layout keeps
+        none of (``master="none"``) is dropped, and one the saved state lacks is made from the weight."""
         self.wait()
+        saved = StateLayout(**sd.get("state_layout", {}))
+        if saved != self.layout and not convert:
+            raise ValueError(f"this optimizer state was saved with {saved.describe()}, and this OffloadedAdamW "
+                             f"stores {self.layout.describe()}: build it with the saved layout, or pass convert=True "
+                             f"to convert the state (rounded where the new layout has fewer bits)")
         self.load_group_states(sd["param_groups"])
         names = {n for n, _, _ in self._items}
         unknown = [name for name in sd["state"] if name not in names]
@@ -645,16 +716,44 @@ class OffloadedAdamW(torch.optim.Optimizer):
         # The whole state is replaced, as torch's is: a parameter with no saved state starts afresh.
         self.reset_state(names - set(sd["state"]))
         for name, entry in sd["state"].items():
+            pieces = {what: v for what, v in entry.items() if what != "step"}
+            if saved == self.layout:
+                for what, value in pieces.items():
+                    k = optimizer_key(name, what)
+                    info = self.store.info(k)
+                    if tuple(value.shape) != tuple(info["shape"]) or value.dtype != info["dtype"]:
+                        raise ValueError(f"optimizer state {name}/{what} is {list(value.shape)} {value.dtype}, but "
+                                         f"this optimizer stores {info['shape']} {info['dtype']}: wrong model")
+                    t = self.store.get(k, Tier.HOST)
+                    try:
+                        t.copy_(value)
+                        self.store.mark_dirty(k, Tier.HOST)
+                    finally:
+                        self.store.release(k, Tier.HOST)
+            else:
+                self.load_values(name, {what: self.decoded(name, what, v, saved) for what, v in pieces.items()})
             self.steps[name] = float(entry["step"])
-            for what, value in entry.items():
-                if what == "step":
-                    continue
-                k = optimizer_key(name, what)
-                t = self.store.get(k, Tier.HOST)
-                t.copy_(value)
-                self.store.mark_dirty(k, Tier.HOST)
-                self.store.release(k, Tier.HOST)
+            self._applied.pop(name, None)
         self.store.flush()
+
+    def load_values(self, name: str, values: dict[str, torch.Tensor]) -> None:
+        """Set one parameter's ``exp_avg``, ``exp_avg_sq`` and ``master`` from values of the fp32 layout
+        (encoded into this one)."""
+        key, p = self._item(name)
+        shape, stride = (p.shape, dense_strides(p)) if key is None else self._param_layout(key)
+        for what in ("exp_avg", "exp_avg_sq"):
+            if what not in values:
+                continue
+            k = optimizer_key(name, what)
+            t = self.store.get(k, Tier.HOST)
+            try:
+                encode_state(self.layout.moments_of(key, p, shape.numel()), values[what], t, what == "exp_avg",
+                             stride)
+                self.store.mark_dirty(k, Tier.HOST)
+            finally:
+                self.store.release(k, Tier.HOST)
+        if self.layout.master_of(key, p) is not None:
+            self._write_master(name, key, p, values.get("master"))
 
     def __repr__(self) -> str:
         groups = ", ".join(f"({len(g['params'])} params: " + ", ".join(f"{k}={g[k]}" for k in HYPER) + ")"

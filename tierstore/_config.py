@@ -77,6 +77,12 @@ class StoreConfig:
     """Home tier of offloaded parameters."""
     optimizer_tier: Tier = Tier.NVME
     """Home tier of offloaded optimizer state (fp32 master weights and moments)."""
+    optimizer_moments: str = "fp32"
+    """How OffloadedAdamW stores the AdamW moments: "fp32" (as torch keeps them), "bf16" or "8bit" (block-wise
+    dynamic quantization); see [Note: Compressed optimizer state]."""
+    optimizer_master: str = "fp32"
+    """How OffloadedAdamW keeps the master of a bf16 weight: "fp32" (a copy beside it), "split" (the weight is
+    its top half, the low half is stored apart: exact, 2 bytes more) or "none" (stochastic rounding)."""
     resident_threshold_bytes: int = 0
     """Parameters smaller than this stay resident in the device tier and are never offloaded."""
     grad_tier: Tier | None = None
@@ -118,6 +124,10 @@ class StoreConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
         check_prefetch_depth(self.prefetch_depth)
+        for name, choices in (("optimizer_moments", ("fp32", "bf16", "8bit")),
+                              ("optimizer_master", ("fp32", "split", "none"))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(map(repr, choices))}")
         for name in ("direct_io", "verify_checksums", "pin_host_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be true or false, not {getattr(self, name)!r}")

@@ -1,0 +1,325 @@
+"""How OffloadedAdamW lays out a parameter's state in the store: moments in fp32, bf16 or 8 bits a value, and the
+master of a bf16 weight in fp32, split into 16+16 bits, or none.
+
+[Note: Compressed optimizer state] The store keeps what it is given; the
+layout decides what that is, so the drive and the host tier see only the
+compressed bytes (4-16 a parameter instead of 12-16):
+
+- moments ``"fp32"``: the parameter's dtype (fp32 for a bf16/fp16 weight), as
+  torch.optim.AdamW keeps them, updated by torch's own AdamW (bit-identical);
+- ``"bf16"``: each moment rounded to bf16 (nearest, ties to even) after the
+  update;
+- ``"8bit"``: block-wise dynamic quantization, the semantics of
+  bitsandbytes' and torchao's AdamW8bit: blocks of 256 values in the
+  parameter's memory order, each stored as its absolute maximum (fp32) and
+  one byte a value, the index of the nearest value of the dynamic tree map
+  (signed for ``exp_avg``, unsigned for ``exp_avg_sq``; the map of
+  "8-bit Optimizers via Block-wise Quantization"), a tie to the larger
+  code; a block whose maximum is 0 stores zeros. Blocks of 256 (not 2048,
+  that paper's) keep an outlier from flattening more than 255 neighbours, as
+  both libraries chose for their CPU/GPU 8-bit Adam. Both moments cost
+  2 + 8/256 bytes a value instead of 8. Nearest-code search runs on a
+  65,536-entry table indexed by the top 16 bits of the normalised value plus
+  one comparison with the midpoint inside that bucket (every bucket holds at
+  most one: the map's gaps are wider than a bucket everywhere), the same
+  codes as a binary search over all 255 midpoints (tested), about 3x faster
+  here.
+
+Tensors of fewer than ``MIN_COMPRESSED`` elements (biases, norms: well
+under 1% of a transformer's state) keep fp32 moments in every layout, as
+both libraries do: compressing them saves nothing and costs accuracy.
+
+Masters of bf16 weights (fp16 weights need ``"fp32"``: an fp16 value is not
+the top half of an fp32 one):
+
+- ``"fp32"``: an fp32 master beside the bf16 weight (mixed precision; 6
+  bytes a parameter);
+- ``"split"``: the master's top 16 bits are the weight the forward reads and
+  its low 16 bits are stored apart (key ``master``, int16), 4 bytes in all:
+  the master is exact (the update joins the halves, steps the fp32 value and
+  splits it again), and the forward reads a bf16 weight truncated from it
+  (toward zero: up to one bf16 unit in the last place from the master,
+  where rounding gives half of one; rounding could not be undone exactly
+  from 16 stored bits);
+- ``"none"``: the bf16 weight alone (2 bytes): the update runs in fp32 and is
+  stochastically rounded back (away from zero with probability equal to the
+  dropped fraction, from a generator seeded by the parameter's name and the
+  step, so a run repeats exactly), which keeps small updates from vanishing
+  on average as bf16's rounding to nearest would.
+
+A compressed update runs in slices of ``CHUNK`` elements: decode into fp32
+temporaries, torch's AdamW on them (the same implementation choice as the
+fp32 layout), encode back; the temporaries stay in the CPU's cache.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import _adamw
+from ._contract import MASTERED_DTYPES
+
+MOMENTS = ("fp32", "bf16", "8bit")
+MASTERS = ("fp32", "split", "none")
+BLOCK = 256  # values per 8-bit block
+MIN_COMPRESSED = 4096  # elements: smaller tensors keep fp32 moments
+CHUNK = 1 << 18  # elements per slice of a compressed update; a multiple of BLOCK (fastest here of 2^14-2^20)
+
+
+def dynamic_map(signed: bool) -> torch.Tensor:
+    """The 256 values of the dynamic tree quantization map, ascending: 0, 1 and, for each of seven decades
+    (10^-6 ... 1), the midpoints of an even split of [0.1, 1] scaled to it, finer in larger decades
+    (2^k intervals in decade k, 2^(k+1) unsigned), negated as well where ``signed``."""
+    values = [0.0, 1.0]
+    for decade in range(7):
+        edges = torch.linspace(0.1, 1.0, (2 ** decade if signed else 2 ** (decade + 1)) + 1)
+        mids = ((edges[:-1] + edges[1:]) / 2.0 * 10.0 ** (decade - 6)).tolist()
+        values += mids + ([-v for v in mids] if signed else [])
+    assert len(values) == 256
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
+class _Quantizer:
+    """Block-wise 8-bit encoding with one map: codes are the index of the nearest map value."""
+
+    def __init__(self, signed: bool) -> None:
+        self.map = dynamic_map(signed)
+        self.midpoints = (self.map[:-1] + self.map[1:]) / 2
+        # midpoint above code c, +inf above the last: a value at or above it takes code c + 1
+        self._above = torch.cat([self.midpoints, torch.tensor([float("inf")])])
+        # For each bf16-sized bucket of fp32 bit patterns (the top 16 bits), the code of its lowest value.
+        top = np.arange(1 << 16, dtype=np.uint32)
+        lowest = np.where(top >= 0x8000, (top << 16) | 0xFFFF, top << 16).view(np.float32)
+        lowest = torch.nan_to_num(torch.from_numpy(lowest.copy()), nan=0.0)
+        self._table = torch.bucketize(lowest, self.midpoints, right=True).to(torch.int32)
+
+    def encode(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Write ``x`` (fp32, contiguous, len(codes) values) as ``codes`` (uint8) and per-block ``scales``."""
+        n = x.numel()
+        full = n - n % BLOCK
+        if full:
+            self._encode_blocks(x[:full].view(-1, BLOCK), codes[:full], scales[:full // BLOCK])
+        if full < n:
+            self._encode_blocks(x[full:].view(1, -1), codes[full:], scales[full // BLOCK:])
+
+    def _encode_blocks(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        absmax = x.abs().amax(1, keepdim=True)  # NaN stays NaN: the whole block decodes to NaN
+        scales.copy_(absmax.view(-1))
+        y = (x / absmax.clamp(min=torch.finfo(torch.float32).tiny)).view(-1)
+        code = self._table.index_select(0, (y.view(torch.int32) >> 16) & 0xFFFF)
+        code += y >= self._above.index_select(0, code)
+        codes.copy_(code)
+
+    def decode(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """The fp32 values of ``codes`` (a multiple of BLOCK, or ending in the tensor's last partial block)."""
+        n = codes.numel()
+        out = self.map.index_select(0, codes.to(torch.int32))
+        full = n - n % BLOCK
+        if full:
+            out[:full].view(-1, BLOCK).mul_(scales[:full // BLOCK].view(-1, 1))
+        if full < n:
+            out[full:].mul_(scales[full // BLOCK:])
+        return out
+
+
+SIGNED = _Quantizer(signed=True)
+UNSIGNED = _Quantizer(signed=False)
+
+
+def packed_size(n: int) -> int:
+    """Bytes of an 8-bit moment of ``n`` values: fp32 scales of its blocks, then one code a value."""
+    return 4 * -(-n // BLOCK) + n
+
+
+def unpack(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) views of a packed 8-bit moment of ``n`` values."""
+    head = 4 * -(-n // BLOCK)
+    return packed[head:], packed[:head].view(torch.float32)
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """A view of a dense tensor's elements in memory order (a contiguous one's are in index order)."""
+    if t.is_contiguous():
+        return t.view(-1)
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def join_master(weight: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The fp32 master whose top 16 bits are the bf16 ``weight`` and low 16 bits ``low`` (int16)."""
+    # hi * 2^16 + unsigned low is within int32 for every pair: no shift of a negative value, no overflow
+    return (weight.view(torch.int16).to(torch.int32) * 65536 + (low.to(torch.int32) & 0xFFFF)).view(torch.float32)
+
+
+def split_master(master: torch.Tensor, weight: torch.Tensor, low: torch.Tensor) -> None:
+    """Store an fp32 ``master`` as its top 16 bits (``weight``, bf16) and low 16 bits (``low``, int16)."""
+    bits = master.view(torch.int32)
+    weight.view(torch.int16).copy_(bits >> 16)
+    low.copy_((bits & 0xFFFF) - ((bits & 0x8000) << 1))  # the low half as a signed 16-bit value
+
+
+def stochastic_round(value: torch.Tensor, out: torch.Tensor, generator: torch.Generator) -> None:
+    """Round fp32 ``value`` into bf16 ``out``: away from zero with probability (dropped low 16 bits) / 2^16."""
+    bits = value.view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, generator=generator)
+    rounded = ((bits + noise) >> 16).to(torch.int16).view(torch.bfloat16)
+    out.copy_(torch.where(torch.isnan(value), value.to(torch.bfloat16), rounded))  # a NaN stays NaN
+
+
+def seed_of(name: str, step: float) -> int:
+    """The stochastic rounding seed of one parameter's update at one step: a rerun rounds the same way."""
+    return (zlib.crc32(name.encode()) << 20) ^ int(step)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """What an OffloadedAdamW stores per parameter (see [Note: Compressed optimizer state])."""
+
+    moments: str = "fp32"
+    master: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.moments not in MOMENTS:
+            raise ValueError(f"moments={self.moments!r}: choose one of {', '.join(map(repr, MOMENTS))}")
+        if self.master not in MASTERS:
+            raise ValueError(f"master={self.master!r}: choose one of {', '.join(map(repr, MASTERS))}")
+
+    def as_dict(self) -> dict[str, str]:
+        return {"moments": self.moments, "master": self.master}
+
+    def describe(self) -> str:
+        return f"moments={self.moments!r}, master={self.master!r}"
+
+    def moments_of(self, key: str | None, p: torch.Tensor, numel: int) -> str:
+        """How this parameter's moments are stored: "plain" (the moment dtype, today's), "bf16" or "8bit"."""
+        if key is None or p.dtype == torch.float64 or numel < MIN_COMPRESSED:
+            return "plain"
+        return {"fp32": "plain", "bf16": "bf16", "8bit": "8bit"}[self.moments]
+
+    def master_of(self, key: str | None, p: torch.Tensor) -> str | None:
+        """How this parameter's master is stored: None (it has none: fp32, fp64 or resident, or ``"none"``),
+        "fp32" or "split"."""
+        if key is None or p.dtype not in MASTERED_DTYPES or self.master == "none":
+            return None
+        return self.master
+
+    def is_plain(self, key: str | None, p: torch.Tensor, numel: int) -> bool:
+        """Whether this parameter's state is stored as torch keeps it (updated by torch's AdamW on it directly)."""
+        return (self.moments_of(key, p, numel) == "plain"
+                and (key is None or p.dtype not in MASTERED_DTYPES or self.master == "fp32"))
+
+    def check(self, items: list[tuple[str, str | None, torch.Tensor]]) -> None:
+        """Refuse a master layout these parameters cannot have."""
+        if self.master == "fp32":
+            return
+        half = [name for name, key, p in items if key is not None and p.dtype == torch.float16]
+        if half:
+            raise ValueError(f"master={self.master!r} needs bf16 weights (an fp16 value is not the top half of an "
+                             f"fp32 one), but {', '.join(half[:4])} {'are' if len(half) > 1 else 'is'} fp16: use "
+                             f"master='fp32', or make the model bf16")
+
+    def moment_tensor(self, how: str, moment_dtype: torch.dtype, shape: torch.Size,
+                      stride: tuple[int, ...] | None) -> torch.Tensor:
+        """A zero moment stored ``how`` (see :meth:`moments_of`), in the parameter's layout where it has one."""
+        if how == "8bit":
+            return torch.zeros(packed_size(shape.numel()), dtype=torch.uint8)
+        dtype = torch.bfloat16 if how == "bf16" else moment_dtype
+        return torch.zeros(shape, dtype=dtype) if stride is None else torch.empty_strided(
+            shape, stride, dtype=dtype).zero_()
+
+    def piece_bytes(self, key: str | None, p: torch.Tensor, numel: int, moment_dtype: torch.dtype) -> list[int]:
+        """Bytes of each stored piece of this parameter's state: both moments, and its master (the low half
+        under ``"split"``) where it has one; not the weight itself."""
+        how = self.moments_of(key, p, numel)
+        one = (packed_size(numel) if how == "8bit" else numel * (2 if how == "bf16" else moment_dtype.itemsize))
+        master = self.master_of(key, p)
+        return [one, one] + ([numel * 4] if master == "fp32" else [numel * 2] if master == "split" else [])
+
+
+def _decode(how: str, stored: torch.Tensor, quantizer: _Quantizer, n: int, start: int, stop: int) -> torch.Tensor:
+    """Values start:stop of a stored moment in fp32: a view of a plain one (updated in place)."""
+    if how == "plain":
+        return stored[start:stop]
+    if how == "bf16":
+        return stored[start:stop].float()
+    codes, scales = unpack(stored, n)
+    return quantizer.decode(codes[start:stop], scales[start // BLOCK:-(-stop // BLOCK)])
+
+
+def _encode(how: str, value: torch.Tensor, stored: torch.Tensor, quantizer: _Quantizer, n: int, start: int,
+            stop: int) -> None:
+    if how == "bf16":
+        stored[start:stop].copy_(value)
+    elif how == "8bit":
+        codes, scales = unpack(stored, n)
+        quantizer.encode(value, codes[start:stop], scales[start // BLOCK:-(-stop // BLOCK)])
+
+
+def compressed_update(*, moments: str, master: str | None, weight: torch.Tensor, low: torch.Tensor | None,
+                      exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, step: float,
+                      hyper: tuple, impl: str, seed: int) -> None:
+    """One AdamW update of a parameter whose state is stored compressed, slice by slice.
+
+    ``weight`` is what the update steps: the fp32 master (``master="fp32"``), the bf16 weight (``"split"``,
+    with ``low`` its master's low bits; or None: the weight alone, rounded stochastically), or an fp32/bf16-free
+    parameter's own values. ``exp_avg``/``exp_avg_sq`` are stored ``moments`` (see StateLayout.moments_of)."""
+    n = weight.numel()
+    if grad.stride() != weight.stride() or grad.dtype != torch.float32:  # elements paired in memory order
+        grad = torch.empty_strided(weight.shape, weight.stride(), dtype=torch.float32).copy_(grad)
+    w, g = flat(weight), flat(grad)
+    lo = flat(low) if low is not None else None
+    m_flat = flat(exp_avg) if moments != "8bit" else exp_avg
+    v_flat = flat(exp_avg_sq) if moments != "8bit" else exp_avg_sq
+    stepped_in_place = weight.dtype == torch.float32
+    generator = None
+    if not stepped_in_place and master is None:
+        generator = torch.Generator().manual_seed(seed)
+    for start in range(0, n, CHUNK):
+        stop = min(n, start + CHUNK)
+        m = _decode(moments, m_flat, SIGNED, n, start, stop)
+        v = _decode(moments, v_flat, UNSIGNED, n, start, stop)
+        if stepped_in_place:
+            value = w[start:stop]
+        elif master == "split":
+            assert lo is not None
+            value = join_master(w[start:stop], lo[start:stop])
+        else:
+            value = w[start:stop].float()
+        _adamw.adamw_slice(value, m, v, g[start:stop], step, hyper, impl)
+        _encode(moments, m, m_flat, SIGNED, n, start, stop)
+        _encode(moments, v, v_flat, UNSIGNED, n, start, stop)
+        if master == "split":
+            assert lo is not None
+            split_master(value, w[start:stop], lo[start:stop])
+        elif not stepped_in_place:
+            assert generator is not None
+            stochastic_round(value, w[start:stop], generator)
+
+
+def decode_state(how: str, stored: torch.Tensor, signed: bool, shape: torch.Size,
+                 stride: tuple[int, ...] | None) -> torch.Tensor:
+    """A stored moment as fp32 values of the parameter's shape (what state_dict() gives)."""
+    if how == "plain":
+        return stored.clone()
+    out = torch.empty(shape, dtype=torch.float32) if stride is None else torch.empty_strided(
+        shape, stride, dtype=torch.float32)
+    flat(out).copy_(_decode(how, stored if how == "8bit" else flat(stored), SIGNED if signed else UNSIGNED,
+                            out.numel(), 0, out.numel()))
+    return out
+
+
+def encode_state(how: str, value: torch.Tensor, stored: torch.Tensor, signed: bool,
+                 stride: tuple[int, ...] | None) -> None:
+    """Store moment values ``value`` (of the parameter's shape) into ``stored``: the inverse of
+    :func:`decode_state`, up to the rounding of the encoding."""
+    if how != "8bit":
+        stored.copy_(value)
+        return
+    n = value.numel()
+    source = torch.empty(value.shape, dtype=torch.float32) if stride is None else torch.empty_strided(
+        value.shape, stride, dtype=torch.float32)
+    source.copy_(value)
+    _encode(how, flat(source), stored, SIGNED if signed else UNSIGNED, n, 0, n)

@@ -1,0 +1,286 @@
+"""Compressed optimizer state (see [Note: Compressed optimizer state]): each layout's update against a plain
+reference to the last bit, the bytes the store keeps, checkpoints and state dicts, training against fp32."""
+
+import copy
+import itertools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from tierstore.integrations import OffloadedAdamW, load_checkpoint, offload_model, save_checkpoint
+from tierstore.integrations import _layouts as L
+
+from tierstore import CheckpointError
+from torch.optim.adamw import adamw as torch_adamw
+
+HYPER = (1e-2, (0.9, 0.999), 1e-8, 0.01, False)
+
+
+def _ref_decode(codes, scales, qmap):
+    per_value = scales.repeat_interleave(L.BLOCK)[:codes.numel()]
+    return qmap[codes.long()] * per_value
+
+
+def _ref_encode(x, qmap):
+    """Plain block-wise quantization: each block's absolute maximum, then per value the number of midpoints
+    between neighbouring map values at or below it (the index of the nearest, a tie to the larger)."""
+    n = x.numel()
+    padded = torch.zeros(-(-n // L.BLOCK) * L.BLOCK)
+    padded[:n] = x
+    scales = padded.view(-1, L.BLOCK).abs().amax(1)
+    safe = scales.clamp(min=torch.finfo(torch.float32).tiny)
+    y = (padded.view(-1, L.BLOCK) / safe[:, None]).view(-1)[:n]
+    midpoints = (qmap[:-1] + qmap[1:]) / 2
+    codes = (y.unsqueeze(1) >= midpoints).sum(1).to(torch.uint8)
+    return codes, scales
+
+
+def _ref_bits(weight_bf16, low):
+    hi = weight_bf16.view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
+    lo = low.numpy().astype(np.uint32) & 0xFFFF
+    return torch.from_numpy(((hi << 16) | lo).view(np.float32).copy())
+
+
+def _random_moments(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randn(n, generator=g) * 1e-3
+    v = torch.rand(n, generator=g) * 1e-6
+    m[:7] = 0.0  # a block's zeros, and exact ties come from the map's own values below
+    return m, v
+
+
+@pytest.mark.parametrize("moments,master", list(itertools.product(("bf16", "8bit"), ("split", "none", "fp32"))))
+def test_one_compressed_update_matches_a_plain_reference_to_the_last_bit(moments, master):
+    n = L.CHUNK + 3 * L.BLOCK + 37  # two slices, the last block partial
+    g = torch.Generator().manual_seed(1)
+    grad = torch.randn(n, generator=g) * 1e-2
+    m0, v0 = _random_moments(n, 2)
+    fp32_weight = torch.randn(n, generator=g)
+    # the stored state before the update, and its values as the reference reads them
+    if moments == "8bit":
+        stored_m = torch.zeros(L.packed_size(n), dtype=torch.uint8)
+        stored_v = torch.zeros(L.packed_size(n), dtype=torch.uint8)
+        for stored, value, q in ((stored_m, m0, L.SIGNED), (stored_v, v0, L.UNSIGNED)):
+            codes, scales = _ref_encode(value, q.map)
+            c, s = L.unpack(stored, n)
+            c.copy_(codes)
+            s.copy_(scales)
+        m_ref = _ref_decode(*_ref_encode(m0, L.SIGNED.map), L.SIGNED.map)
+        v_ref = _ref_decode(*_ref_encode(v0, L.UNSIGNED.map), L.UNSIGNED.map)
+    else:
+        stored_m, stored_v = m0.to(torch.bfloat16), v0.to(torch.bfloat16)
+        m_ref, v_ref = stored_m.float(), stored_v.float()
+    low = None
+    if master == "split":
+        weight = torch.empty(n, dtype=torch.bfloat16)
+        low = torch.empty(n, dtype=torch.int16)
+        L.split_master(fp32_weight, weight, low)
+        w_ref = _ref_bits(weight, low)
+        assert torch.equal(w_ref, fp32_weight)  # the split is exact
+    elif master == "none":
+        weight = fp32_weight.to(torch.bfloat16)
+        w_ref = weight.float()
+    else:  # an fp32 master (or an fp32 weight): stepped in place
+        weight = fp32_weight.clone()
+        w_ref = fp32_weight.clone()
+
+    L.compressed_update(moments=moments, master=None if master == "none" else master, weight=weight, low=low,
+                        exp_avg=stored_m, exp_avg_sq=stored_v, grad=grad, step=3.0, hyper=HYPER, impl="fused",
+                        seed=L.seed_of("w", 3.0))
+
+    torch_adamw([w_ref], [grad.clone()], [m_ref], [v_ref], [], [torch.tensor(2.0)], foreach=False,
+                            fused=True, amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-2, weight_decay=0.01, eps=1e-8,
+                            maximize=False)
+    if moments == "8bit":
+        for stored, value, q in ((stored_m, m_ref, L.SIGNED), (stored_v, v_ref, L.UNSIGNED)):
+            codes, scales = _ref_encode(value, q.map)
+            c, s = L.unpack(stored, n)
+            assert torch.equal(c, codes) and torch.equal(s, scales)
+    else:
+        assert torch.equal(stored_m, m_ref.to(torch.bfloat16)) and torch.equal(stored_v, v_ref.to(torch.bfloat16))
+    if master == "split":
+        assert torch.equal(_ref_bits(weight, low).view(torch.int32), w_ref.view(torch.int32))
+        truncated = torch.from_numpy((w_ref.numpy().view(np.uint32) >> 16).astype(np.uint16).view(np.int16))
+        assert torch.equal(weight.view(torch.int16), truncated)
+    elif master == "none":  # rounded to one of the two bf16 neighbours, each often
+        down = torch.from_numpy((w_ref.numpy().view(np.uint32) >> 16).astype(np.uint16).view(np.int16))
+        up = (down.to(torch.int32) + 1).to(torch.int16)
+        got = weight.view(torch.int16)
+        assert bool(((got == down) | (got == up)).all())
+        assert 0.2 < (got == up).float().mean().item() < 0.8
+    else:
+        assert torch.equal(weight, w_ref)
+
+
+def test_the_8bit_codes_are_the_nearest_map_values_also_at_midpoints_and_map_values():
+    for q in (L.SIGNED, L.UNSIGNED):
+        mids = q.midpoints
+        values = torch.cat([mids, torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0)),
+                            q.map, torch.linspace(-1, 1, 10001), torch.randn(5000) * 1e-6])
+        values = values[(values >= 0) | bool(q is L.SIGNED)].clamp(-1, 1)
+        n = values.numel()
+        x = torch.cat([values, torch.ones(-n % L.BLOCK)])
+        x[::L.BLOCK] = 1.0  # every block's scale is 1: the values are quantized as they are
+        codes = torch.empty(x.numel(), dtype=torch.uint8)
+        scales = torch.empty(x.numel() // L.BLOCK)
+        q.encode(x, codes, scales)
+        assert torch.equal(codes, _ref_encode(x, q.map)[0])
+        assert torch.equal(codes.long(), torch.bucketize(x, mids, right=True))
+
+
+def test_the_dynamic_maps_hold_256_sorted_values_with_zero_and_one():
+    for q, low in ((L.SIGNED, -0.99297), (L.UNSIGNED, 0.0)):
+        assert q.map.numel() == 256 and bool((q.map[1:] > q.map[:-1]).all())
+        assert q.map[-1].item() == 1.0 and 0.0 in q.map.tolist()
+        assert q.map[0].item() == pytest.approx(low, abs=1e-5)
+    assert L.SIGNED.map[L.SIGNED.map > 0].min().item() == pytest.approx(5.5e-7)
+
+
+def test_a_nan_in_a_block_decodes_as_nan_and_stochastic_rounding_keeps_nan():
+    x = torch.randn(2 * L.BLOCK)
+    x[3] = float("nan")
+    codes = torch.empty(x.numel(), dtype=torch.uint8)
+    scales = torch.empty(2)
+    L.SIGNED.encode(x, codes, scales)
+    out = L.SIGNED.decode(codes, scales)
+    assert bool(out[:L.BLOCK].isnan().all()) and bool(out[L.BLOCK:].isfinite().all())
+    value = torch.tensor([float("nan"), 1.0, float("inf"), -float("inf")])
+    rounded = torch.empty(4, dtype=torch.bfloat16)
+    L.stochastic_round(value, rounded, torch.Generator().manual_seed(0))
+    assert rounded[0].isnan() and rounded[1] == 1.0 and rounded[2] == float("inf") and rounded[3] == -float("inf")
+
+
+def _model(dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64),
+                               torch.nn.GELU(), torch.nn.Linear(64, 8)).to(dtype)
+
+
+def _train(model, opt, steps, start=0):
+    losses = []
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(32, 64, generator=g).to(next(model.parameters()).dtype)
+        loss = F.mse_loss(model(x).float(), torch.tanh(x[:, :8].float()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_the_store_keeps_compressed_bytes_and_the_drive_sees_only_them(make_store):
+    store = make_store()
+    model = _model()
+    off = offload_model(model, store)
+    opt = OffloadedAdamW(off, moments="8bit", master="split")
+    for name, key, p in off.named_offloaded():
+        n = p.numel()
+        infos = {what: store.info(f"adam/{name}/{what}") for what in ("exp_avg", "exp_avg_sq", "master")}
+        if n >= L.MIN_COMPRESSED:
+            assert infos["exp_avg"]["nbytes"] == infos["exp_avg_sq"]["nbytes"] == L.packed_size(n)
+        else:  # small tensors keep fp32 moments
+            assert infos["exp_avg"]["nbytes"] == 4 * n
+        assert infos["master"]["nbytes"] == 2 * n and infos["master"]["dtype"] == torch.int16
+        assert store.info(key)["dtype"] == torch.bfloat16
+    state = sum(opt._state_bytes(key, p) for _, key, p in off.named_offloaded())
+    params = sum(p.numel() for _, _, p in off.named_offloaded())
+    assert state < 0.55 * params * 8  # against the fp32 layout's 8 bytes of moments and 4 of master a parameter
+    store.flush()
+    written = store.stats.snapshot()["bytes_written_nvme"]
+    # the drive was written each tensor once as the store keeps it (in 4 KiB-aligned extents): compressed state
+    kept = sum(-(-store.info(k)["nbytes"] // 4096) * 4096 for k in store.keys())
+    assert written == kept
+
+
+def test_fp32_layout_is_unchanged_and_the_config_chooses_the_layout(make_store):
+    ref, model = _model(torch.float32), _model(torch.float32)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    off = offload_model(model, make_store())
+    opt = OffloadedAdamW(off, lr=1e-2)
+    assert opt.layout == L.StateLayout("fp32", "fp32")
+    assert _train(model, opt, 3) == _train(ref, ref_opt, 3)
+    off2 = offload_model(_model(), make_store(optimizer_moments="bf16", optimizer_master="split"))
+    assert OffloadedAdamW(off2).layout == L.StateLayout("bf16", "split")
+    with pytest.raises(ValueError, match="optimizer_moments='4bit': choose one of"):
+        make_store(optimizer_moments="4bit")
+
+
+def test_fp16_weights_refuse_a_split_master(make_store):
+    off = offload_model(_model(torch.float16), make_store())
+    with pytest.raises(ValueError, match="master='split' needs bf16 weights"):
+        OffloadedAdamW(off, master="split")
+
+
+@pytest.mark.parametrize("moments,master", [("8bit", "split"), ("bf16", "none"), ("8bit", "fp32")])
+def test_short_training_stays_within_two_percent_of_fp32_adamw(make_store, moments, master):
+    """bf16 weights with each layout against resident fp32 AdamW on the same model in fp32 (40 steps)."""
+    ref = _model(torch.float32)
+    ref_losses = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False), 40)
+    model = _model()
+    opt = OffloadedAdamW(offload_model(model, make_store()), lr=1e-2, moments=moments, master=master)
+    losses = _train(model, opt, 40)
+    assert losses[-1] < 0.5 * losses[0]
+    assert abs(np.mean(losses[-10:]) - np.mean(ref_losses[-10:])) <= 0.02 * np.mean(ref_losses[-10:])
+
+
+def test_stochastic_rounding_repeats_exactly(make_store):
+    runs = []
+    for _ in range(2):
+        model = _model()
+        opt = OffloadedAdamW(offload_model(model, make_store()), lr=1e-2, moments="8bit", master="none")
+        runs.append(_train(model, opt, 4))
+        opt.close()
+    assert runs[0] == runs[1]
+
+
+def test_a_checkpoint_keeps_compressed_state_as_it_is_and_resumes_bit_identically(make_store, tmp_path):
+    model = _model()
+    off = offload_model(model, make_store())
+    opt = OffloadedAdamW(off, lr=1e-2, moments="8bit", master="split")
+    _train(model, opt, 3)
+    save_checkpoint(str(tmp_path / "ck"), model, opt)
+    stored = opt.state_dict()
+    expected = _train(model, opt, 3, start=3)
+    load_checkpoint(str(tmp_path / "ck"), model, opt)
+    for name, entry in opt.state_dict()["state"].items():
+        for what, value in entry.items():
+            assert torch.equal(value, stored["state"][name][what]), (name, what)
+    assert _train(model, opt, 3, start=3) == expected
+    # the optimizer file holds the packed bytes: about a quarter of the fp32 layout's moments
+    params = sum(p.numel() for _, _, p in off.named_offloaded())
+    assert (tmp_path / "ck" / "optimizer.safetensors").stat().st_size < params * 5
+
+    other = _model()
+    opt2 = OffloadedAdamW(offload_model(other, make_store()), lr=1e-2, moments="bf16", master="split")
+    with pytest.raises(CheckpointError, match="stored with moments='8bit'.*load_state_dict\\(sd, convert=True\\)"):
+        load_checkpoint(str(tmp_path / "ck"), other, opt2)
+
+
+def test_a_state_dict_loads_into_its_own_layout_bit_identically_and_into_another_with_convert(make_store):
+    model = _model()
+    opt = OffloadedAdamW(offload_model(model, make_store()), lr=1e-2, moments="8bit", master="split")
+    _train(model, opt, 3)
+    sd = copy.deepcopy(opt.state_dict())
+    weights = copy.deepcopy(model.state_dict())
+    assert sd["state_layout"] == {"moments": "8bit", "master": "split"}
+    opt.load_state_dict(sd)
+    for name, entry in opt.state_dict()["state"].items():
+        for what, value in entry.items():
+            assert torch.equal(value, sd["state"][name][what])
+
+    other = _model()
+    off2 = offload_model(other, make_store())
+    other.load_state_dict(weights)
+    opt2 = OffloadedAdamW(off2, lr=1e-2, moments="fp32", master="fp32")
+    with pytest.raises(ValueError, match="saved with moments='8bit', master='split'.*convert=True"):
+        opt2.load_state_dict(sd)
+    opt2.load_state_dict(sd, convert=True)
+    name = "0.weight"
+    converted = opt2.state_dict()["state"][name]
+    assert torch.equal(converted["exp_avg"], opt.decoded(name, "exp_avg", sd["state"][name]["exp_avg"]))
+    assert torch.equal(converted["master"], opt.decoded(name, "master", sd["state"][name]["master"]))
+    # both continue the same way up to the moments' quantization
+    a, b = _train(model, opt, 5, start=3), _train(other, opt2, 5, start=3)
+    assert np.allclose(a, b, rtol=0.02)
