@@ -17,6 +17,17 @@ printed ratio (measured / allowed) at or below 1, with no environment variable s
 allocator's mmap threshold itself (see [Note: Giving freed memory back] in tierstore/_allocator.py). Kept
 gradients live in the store under the host budget (see [Note: Gradients in the tiers]); eager construction
 alone would add the model's fp32 weights to the peak.
+
+With ``--preset`` the model is a Llama of transformers (``LlamaConfig``, built on meta, bf16 weights computed in
+fp32: see tierstore/tools/upcast.py) trained on one repeated batch of token ids, with the optimizer state layout
+``--moments``/``--master`` (8-bit moments and split masters by default; see [Note: Compressed optimizer state]):
+
+    python perf/bench_capacity.py --preset llama-7b --steps 3 --nvme-path DIR --json OUT
+
+It prints the bytes on the drive per parameter (the most the drive held at once), the bytes moved per step, the
+drive's mixed read+write rate measured in the same process after training, and each step's share of that rate;
+the JSON holds ``params``, ``drive_bytes``, ``peak_rss_bytes`` (the whole process, construction included),
+``step_seconds``, ``losses``, ``bytes_moved`` (per step) and ``drive_mixed_gbps``.
 """
 
 from __future__ import annotations
@@ -29,9 +40,102 @@ import sys
 import tempfile
 
 MIB = 1024**2
+# Llama shapes: (hidden, layers, heads, intermediate, vocab), the host budget they run under by default
+LLAMA = {
+    "llama-7b": ((4096, 32, 32, 11008, 32000), "1536MiB"),
+    "llama-3b": ((3200, 26, 32, 8640, 32000), "1GiB"),
+    "llama-1b": ((2048, 16, 16, 5504, 32000), "512MiB"),
+    "llama-tiny": ((256, 2, 4, 704, 4096), "32MiB"),
+}
 # The allocator, thread stacks, torch's kernels' first buffers, autograd's bookkeeping: measured 50-65 MiB here in
 # every mode, at 2.6M and 10.5M parameters alike.
 OVERHEAD_BYTES = 96 * MIB
+
+
+def _llama_child(args: argparse.Namespace) -> dict:
+    import time
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    import tierstore as ts
+    from tierstore.integrations import OffloadedAdamW, offload_model
+    from tierstore.tools.bench_drive import measure_drive
+    from tierstore.tools.rss import peak_rss_bytes, reset_peak_rss, rss_bytes
+    from tierstore.tools.upcast import compute_in_fp32
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    (hidden, layers, heads, inter, vocab), default_host = LLAMA[args.preset]
+    host = ts.parse_bytes(args.host_budget or default_host, name="--host-budget")
+    baseline = rss_bytes()
+    if not reset_peak_rss():
+        baseline = 0
+    config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=heads, intermediate_size=inter, vocab_size=vocab,
+                         tie_word_embeddings=False, max_position_embeddings=256)
+    config._attn_implementation = "sdpa"
+    ids = torch.randint(0, vocab, (args.batch_size, args.tokens), generator=torch.Generator().manual_seed(0))
+    with ts.TierStore(nvme_path=args.nvme_path, host_budget_bytes=host, device_budget_bytes="1MiB") as store:
+        t0 = time.perf_counter()
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config).to(torch.bfloat16)
+        compute_in_fp32(model)
+        off = offload_model(model, store, units=[LlamaDecoderLayer], init_fn=model._init_weights)
+        params = sum(p.numel() for p in model.parameters())
+        opt = OffloadedAdamW(off, lr=1e-4, step_in_backward=args.mode == "in-backward", moments=args.moments,
+                             master=args.master)
+        built_s = time.perf_counter() - t0
+        micro = 2 if args.mode == "accumulate" else 1
+        losses, steps_s, moved = [], [], []
+        for _ in range(args.steps):
+            before = store.stats_dict()
+            t0 = time.perf_counter()
+            for i in range(micro):
+                rows = ids[i * args.batch_size // micro:(i + 1) * args.batch_size // micro]
+                loss = model(input_ids=rows, labels=rows).loss / micro
+                loss.backward()
+                losses.append(loss.item() * micro)
+            if args.mode == "accumulate":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            opt.wait()  # the step's write-behind belongs to it
+            steps_s.append(time.perf_counter() - t0)
+            after = store.stats_dict()
+            moved.append({k: after[k] - before[k] for k in ("bytes_read_nvme", "bytes_written_nvme")})
+        opt.close()
+        drive_bytes = store.memory()["nvme"]["peak_bytes"]
+        peak = peak_rss_bytes()
+        off.remove()
+    share = moved[-1]["bytes_read_nvme"] / max(1, moved[-1]["bytes_read_nvme"] + moved[-1]["bytes_written_nvme"])
+    drive = measure_drive(args.nvme_path, size_mib=args.drive_mib, read_fraction=round(share, 2))
+    return {"preset": args.preset, "mode": args.mode, "moments": args.moments, "master": args.master,
+            "params": params, "host_budget_bytes": host, "drive_bytes": drive_bytes, "peak_rss_bytes": peak,
+            "peak_rss_above_baseline": peak - baseline, "build_s": built_s, "step_seconds": steps_s,
+            "losses": losses, "bytes_moved": moved, "drive_mixed_gbps": drive["mixed_gbps"],
+            "drive_read_gbps": drive["read_gbps"], "drive_write_gbps": drive["write_gbps"]}
+
+
+def _print_llama(results: list[dict]) -> None:
+    for r in results:
+        last = r["bytes_moved"][-1]
+        step = r["step_seconds"][-1]
+        total = last["bytes_read_nvme"] + last["bytes_written_nvme"]
+        rate = total / step / 1e9
+        print(f"{r['preset']} ({r['params'] / 1e9:.2f}B parameters, bf16 weights computed in fp32), mode "
+              f"{r['mode']}, moments={r['moments']}, master={r['master']}, host budget "
+              f"{r['host_budget_bytes'] / MIB:.0f} MiB")
+        print(f"  drive: {r['drive_bytes'] / 1e9:.1f} GB at most = {r['drive_bytes'] / r['params']:.2f} B/param; "
+              f"peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB (whole process, construction included)")
+        print(f"  steps: {' '.join(f'{s:.1f}' for s in r['step_seconds'])} s; losses "
+              f"{' '.join(f'{x:.4f}' for x in r['losses'])}; built in {r['build_s']:.0f} s")
+        print(f"  last step moved {last['bytes_read_nvme'] / 1e9:.1f} GB read + {last['bytes_written_nvme'] / 1e9:.1f} "
+              f"GB written = {total / r['params']:.1f} B/param, at {rate:.2f} GB/s; the drive's mixed rate "
+              f"(measured after, in the same process) {r['drive_mixed_gbps']:.2f} GB/s (read "
+              f"{r['drive_read_gbps']:.2f}, write {r['drive_write_gbps']:.2f}): the step ran at "
+              f"{rate / r['drive_mixed_gbps']:.2f}x of it")
 
 
 def _child(args: argparse.Namespace) -> dict:
@@ -123,6 +227,13 @@ def _write_pretrained(args: argparse.Namespace, directory: str) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(LLAMA), help="a Llama of transformers instead of the Linear stack")
+    p.add_argument("--moments", default=None, help="optimizer moments: fp32, bf16, 8bit (default: 8bit with "
+                                                   "--preset, else fp32)")
+    p.add_argument("--master", default=None, help="masters of bf16 weights: fp32, split, none (default: split "
+                                                  "with --preset)")
+    p.add_argument("--tokens", type=int, default=8, help="tokens per sequence (--preset)")
+    p.add_argument("--drive-mib", type=int, default=2048, help="MiB the drive measurement moves (--preset)")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--state-per-budget", type=int, default=10, help="fp32 state / host budget (default 10)")
@@ -141,8 +252,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--mode", choices=MODES, default="accumulate", help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.preset:
+        args.moments = args.moments or "8bit"
+        args.master = args.master or "split"
+        if args.modes == ",".join(MODES):
+            args.modes = "in-backward"  # kept gradients would take 4 more bytes a parameter on the drive
+        if args.batch_size == 8:
+            args.batch_size = 1
     if args.child:
-        print(json.dumps(_child(args)))
+        print(json.dumps(_llama_child(args) if args.preset else _child(args)))
         return {}
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
@@ -152,7 +270,10 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-capacity-", dir=args.nvme_path or "/var/tmp") as d:
         load = ["--load", _write_pretrained(args, d)] if args.pretrained else []
         for mode in modes:
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode, "--layers", str(args.layers),
+            preset = ["--preset", args.preset, "--moments", args.moments, "--master", args.master, "--tokens",
+                      str(args.tokens), "--drive-mib", str(args.drive_mib)] if args.preset else []
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", *preset, "--mode", mode, "--layers",
+                   str(args.layers),
                    "--width", str(args.width), "--state-per-budget", str(args.state_per_budget),
                    *(["--host-budget", args.host_budget] if args.host_budget else []),
                    *(["--malloc-mmap-threshold", args.malloc_mmap_threshold] if args.malloc_mmap_threshold else []),
@@ -163,6 +284,12 @@ def main(argv: list[str] | None = None) -> dict:
             if r.returncode != 0:
                 raise SystemExit(f"the measured process ({mode}) failed:\n{r.stderr}")
             results.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    if args.preset:
+        _print_llama(results)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return {"results": results, **results[0]}
     res = results[0]
     print(f"capacity: {res['params'] / 1e6:.1f}M parameters, fp32 state {res['state_bytes'] / MIB:.0f} MiB = "
           f"{res['state_bytes'] / res['host_budget_bytes']:.1f}x the host budget of "
