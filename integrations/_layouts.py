@@ -18,12 +18,15 @@ compressed bytes (4-16 a parameter instead of 12-16):
   code; a block whose maximum is 0 stores zeros. Blocks of 256 (not 2048,
   that paper's) keep an outlier from flattening more than 255 neighbours, as
   both libraries chose for their CPU/GPU 8-bit Adam. Both moments cost
-  2 + 8/256 bytes a value instead of 8. Nearest-code search runs on a
-  65,536-entry table indexed by the top 16 bits of the normalised value plus
-  one comparison with the midpoint inside that bucket (every bucket holds at
-  most one: the map's gaps are wider than a bucket everywhere), the same
-  codes as a binary search over all 255 midpoints (tested), about 3x faster
-  here.
+  2 + 8/256 bytes a value instead of 8. The nearest code is that of the
+  normalised value rounded to bf16 first (8 significant bits), read from a
+  65,536-entry table indexed by those bits: one gather a value, 2.5x faster
+  here than the exact search (a binary search over the 255 midpoints, or
+  a table plus a comparison with the midpoint inside its bucket: two
+  gathers), and it differs from the exact nearest code only for values
+  within half a bf16 step of a midpoint (3% of normal values, each then one
+  code off: at most 0.2% of the block's maximum more error than the
+  nearest, against the map's own steps of up to 1.4%).
 
 Tensors of fewer than ``MIN_COMPRESSED`` elements (biases, norms: well
 under 1% of a transformer's state) keep fp32 moments in every layout, as
@@ -57,7 +60,6 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from . import _adamw
@@ -84,18 +86,15 @@ def dynamic_map(signed: bool) -> torch.Tensor:
 
 
 class _Quantizer:
-    """Block-wise 8-bit encoding with one map: codes are the index of the nearest map value."""
+    """Block-wise 8-bit encoding with one map: see [Note: Compressed optimizer state]."""
 
     def __init__(self, signed: bool) -> None:
         self.map = dynamic_map(signed)
         self.midpoints = (self.map[:-1] + self.map[1:]) / 2
-        # midpoint above code c, +inf above the last: a value at or above it takes code c + 1
-        self._above = torch.cat([self.midpoints, torch.tensor([float("inf")])])
-        # For each bf16-sized bucket of fp32 bit patterns (the top 16 bits), the code of its lowest value.
-        top = np.arange(1 << 16, dtype=np.uint32)
-        lowest = np.where(top >= 0x8000, (top << 16) | 0xFFFF, top << 16).view(np.float32)
-        lowest = torch.nan_to_num(torch.from_numpy(lowest.copy()), nan=0.0)
-        self._table = torch.bucketize(lowest, self.midpoints, right=True).to(torch.int32)
+        # The code of every bf16 value in [-1, 1] (indexed by its bit pattern as an int16, plus 2^15): the number
+        # of midpoints at or below it, so the nearest map value, a tie to the larger.
+        values = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        self._table = torch.bucketize(values.float().clamp(-1, 1), self.midpoints, right=True).to(torch.uint8)
 
     def encode(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """Write ``x`` (fp32, contiguous, len(codes) values) as ``codes`` (uint8) and per-block ``scales``."""
@@ -109,10 +108,9 @@ class _Quantizer:
     def _encode_blocks(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
         absmax = x.abs().amax(1, keepdim=True)  # NaN stays NaN: the whole block decodes to NaN
         scales.copy_(absmax.view(-1))
-        y = (x / absmax.clamp(min=torch.finfo(torch.float32).tiny)).view(-1)
-        code = self._table.index_select(0, (y.view(torch.int32) >> 16) & 0xFFFF)
-        code += y >= self._above.index_select(0, code)
-        codes.copy_(code)
+        normal = (x / absmax.clamp(min=torch.finfo(torch.float32).tiny)).to(torch.bfloat16)
+        index = normal.view(torch.int16).view(-1).to(torch.int32).add_(1 << 15)
+        torch.index_select(self._table, 0, index, out=codes)
 
     def decode(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """The fp32 values of ``codes`` (a multiple of BLOCK, or ending in the tensor's last partial block)."""

@@ -83,7 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     peers.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     demo = cmds.add_parser("demo", help="train a ViT with parameters and AdamW state offloaded to NVMe")
     demo.add_argument("--preset", default="small", help="model size: tiny, small, base, large, 1b, 3b (default small)")
-    demo.add_argument("--dtype", default="fp32", help="weights: fp32, or bf16 with fp32 masters (default fp32)")
+    demo.add_argument("--dtype", default="fp32", help="weights: fp32, or bf16 with masters (default fp32)")
+    demo.add_argument("--moments", default="fp32", help="how AdamW's moments are stored: fp32, bf16 or 8bit "
+                      "(default fp32)")
+    demo.add_argument("--master", default="fp32", help="masters of bf16 weights: fp32, split (exact, 2 bytes) or "
+                      "none (stochastic rounding) (default fp32)")
+    demo.add_argument("--compute", default="param", choices=("param", "fp32"),
+                      help="compute in the weights' dtype (param, the default) or in fp32 (bf16 weights cast up in "
+                      "each Linear and LayerNorm: for CPUs whose bf16 matrix product is slow)")
     demo.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
     demo.add_argument("--batch-size", type=int, default=32, help="images per step (default 32)")
     demo.add_argument("--nvme-path", "--path", dest="nvme_path", default=None, help=_NVME_PATH_HELP)
@@ -141,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_demo(
                 preset=args.preset, steps=args.steps, batch_size=args.batch_size, nvme_path=_nvme_path(args),
                 prefetch_depth=args.prefetch_depth, step_in_backward=not args.step_after_backward, lr=args.lr,
-                dtype=args.dtype, **_budgets(args))
+                dtype=args.dtype, moments=args.moments, master=args.master, compute=args.compute,
+                **_budgets(args))
             _write_json(args.json, result)
             return 0
         if args.cmd == "bench" and args.bench == "step":

@@ -60,7 +60,8 @@ def measure_step(model, store: TierStore, opt, data: SyntheticImages, batch_size
 
 def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefetch_depth: int | str,
              host_budget_bytes: int | None, device_budget_bytes: int | None, lr: float | None = None,
-             step_in_backward: bool = True, dtype: str = "fp32", log=print) -> dict[str, Any]:
+             step_in_backward: bool = True, dtype: str = "fp32", moments: str = "fp32", master: str = "fp32",
+             compute: str = "param", log=print) -> dict[str, Any]:
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
@@ -73,22 +74,36 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     torch_dtype = DTYPES[dtype]
+    if compute not in ("param", "fp32"):
+        raise ValueError(f"--compute {compute!r}: choose param (the weights' dtype) or fp32")
+    from tierstore.integrations._layouts import StateLayout, packed_size
+
+    layout = StateLayout(moments, master)  # checks the names
     rss_start = rss_bytes()  # the whole process from here, the model's construction included
     start_resettable = reset_peak_rss()
     cfg = PRESETS[preset]
     with torch.device("meta"):  # no memory: offload_model builds it module by module into the store
         model = ViT(cfg).to(torch_dtype)
+    if compute == "fp32" and torch_dtype != torch.float32:
+        from .upcast import compute_in_fp32
+
+        compute_in_fp32(model)
     torch.manual_seed(0)
     n = num_params(model)
     state_bytes, host, device = default_budgets(n, host_budget_bytes, device_budget_bytes)
     config = StoreConfig(nvme_path=nvme_path, host_budget_bytes=host, device_budget_bytes=device,
                          prefetch_depth=prefetch_depth)
     cuda = torch.cuda.is_available()
-    # On the drive: the weights, their fp32 masters unless they are fp32, and two fp32 moments.
-    on_drive = n * (torch.empty((), dtype=torch_dtype).element_size() + (0 if torch_dtype == torch.float32 else 4) + 8)
-    what = "weights" if torch_dtype == torch.float32 else "weights, fp32 masters"
-    log(f"tierstore demo: ViT-{preset}, {n / 1e6:.1f}M parameters, {dtype}; {on_drive / MIB:.0f} MiB of {what} and "
-        f"AdamW moments on NVMe under {nvme_path!r}, built on the meta device")
+    # On the drive: the weights, their masters (bf16 weights: fp32, or the low half when split) and two moments.
+    half = torch_dtype != torch.float32
+    moment_bytes = {"fp32": 8 * n, "bf16": 4 * n, "8bit": 2 * packed_size(n)}[moments]
+    master_bytes = 0 if not half else {"fp32": 4 * n, "split": 2 * n, "none": 0}[master]
+    on_drive = n * torch.empty((), dtype=torch_dtype).element_size() + master_bytes + moment_bytes
+    what = "weights" + (f", {master} masters" if half and master != "none" else "")
+    log(f"tierstore demo: ViT-{preset}, {n / 1e6:.1f}M parameters, {dtype}"
+        + (" computed in fp32" if compute == "fp32" and half else "")
+        + f"; {on_drive / MIB:.0f} MiB of {what} and {moments} AdamW moments on NVMe under {nvme_path!r}, built on "
+        f"the meta device")
     log(f"data: synthetic {cfg.image_size}x{cfg.image_size} images ({cfg.num_classes} random templates plus noise, "
         f"made in-process), batch {batch_size}; AdamW (torch's fused kernel) lr {lr:g} after {warmup} warm-up "
         f"step(s)")
@@ -105,7 +120,8 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
         off = offload_model(model, store)
         log(f"built into the store in {time.perf_counter() - t0:.1f} s")
         # torch's fused AdamW: one pass over each parameter's state (see [Note: Which AdamW])
-        opt = OffloadedAdamW(off, lr=lr, step_in_backward=step_in_backward, fused=True)
+        opt = OffloadedAdamW(off, lr=lr, step_in_backward=step_in_backward, fused=True, moments=layout.moments,
+                             master=layout.master)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
         store.flush()
         built_peak = peak_rss_bytes() - rss_start if start_resettable else None  # construction's own peak

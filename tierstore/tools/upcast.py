@@ -3,8 +3,8 @@
 On a CPU without bf16 matrix instructions (AVX2 only, say) torch's bf16 matrix product is hundreds of times slower
 than its fp32 one (measured on one such machine: 0.29 against 94 GFLOPS at 2048 x 2048). A model kept in bf16 to
 halve its bytes on the drive and in memory can still compute in fp32: :func:`compute_in_fp32` makes each
-``nn.Linear`` and ``nn.Embedding`` whose weight is bf16/fp16 cast that weight (and its input) to fp32 in its
-forward. The gradient flows back through the cast and reaches the weight in its own dtype, as under autocast.
+``nn.Linear``, ``nn.LayerNorm`` and ``nn.Embedding`` whose weight is bf16/fp16 cast that weight (and its input) to fp32 in its
+forward (LayerNorm too). The gradient flows back through the cast and reaches the weight in its own dtype, as under autocast.
 Call it before ``offload_model``: the offloaded forward then runs the patched one.
 """
 
@@ -29,12 +29,23 @@ def _embedding(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
                        self.scale_grad_by_freq, self.sparse)
 
 
+def _layer_norm(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    weight = None if self.weight is None else self.weight.float()
+    bias = None if self.bias is None else self.bias.float()
+    return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps)
+
+
 def compute_in_fp32(model: nn.Module) -> int:
-    """Make every Linear and Embedding of ``model`` with a bf16/fp16 weight compute in fp32; returns how many."""
+    """Make every Linear, LayerNorm and Embedding of ``model`` with a bf16/fp16 weight compute in fp32; returns
+    how many. Other modules compute as they are; where their parameters meet fp32 activations, torch's type
+    promotion computes in fp32 (a bf16 parameter added to an fp32 tensor gives fp32)."""
     n = 0
     for m in model.modules():
         if type(m) is nn.Linear and m.weight.dtype in _HALF:
             m.forward = types.MethodType(_linear, m)
+            n += 1
+        elif type(m) is nn.LayerNorm and m.weight is not None and m.weight.dtype in _HALF:
+            m.forward = types.MethodType(_layer_norm, m)
             n += 1
         elif type(m) is nn.Embedding and m.weight.dtype in _HALF:
             if m.max_norm is not None:  # renormalizes the weight in place: the cast copy would be renormalized
