@@ -1,4 +1,5 @@
-"""Every python block of the README runs as written, in order, in one namespace (so they cannot drift).
+"""Every python block of the README and of each page of docs/ runs as written, in order, in one namespace per
+file (so they cannot drift).
 
 What the text leaves to the reader is given here: ``model`` (a fresh tiny ViT before each block that
 wraps one), ``loader``, ``loss_fn``, ``x``/``y``, ``steps``/``step``, the config files block 1 reads, a
@@ -13,6 +14,7 @@ import os
 import re
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -22,11 +24,13 @@ from tierstore.integrations.optim import OffloadedAdamW
 import tierstore as ts
 from tierstore.tools.vit import PRESETS, SyntheticImages, ViT
 
-README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+PAGES = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
+                               if f.endswith(".md"))
 
 
-def _blocks() -> list[str]:
-    with open(README) as f:
+def _blocks(page: str) -> list[str]:
+    with open(os.path.join(ROOT, page)) as f:
         return re.findall(r"```python\n(.*?)```", f.read(), re.S)
 
 
@@ -48,9 +52,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_readme_python_blocks_run_as_written(tmp_path, monkeypatch):
-    blocks = _blocks()
-    assert len(blocks) >= 7
+def test_the_docs_have_python_blocks_to_run():
+    assert sum(len(_blocks(p)) for p in PAGES) >= 10 and _blocks("README.md")
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if _blocks(p)])
+def test_python_blocks_run_as_written(tmp_path, monkeypatch, page):
+    blocks = _blocks(page)
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     monkeypatch.chdir(tmp_path)
@@ -74,12 +82,34 @@ def test_readme_python_blocks_run_as_written(tmp_path, monkeypatch):
             if "fully_shard(" in code and not dist.is_initialized():
                 dist.init_process_group("gloo", rank=0, world_size=1)
             try:
-                exec(compile(code, f"README.md python block {i}", "exec"), ns)
+                exec(compile(code, f"{page} python block {i}", "exec"), ns)
             except Exception as e:
-                raise AssertionError(f"README python block {i} fails as written:\n{block}") from e
-        assert (tmp_path / "runs" / "ckpt" / "manifest.json").is_file() and (tmp_path / "step.json").is_file()
+                raise AssertionError(f"{page} python block {i} fails as written:\n{block}") from e
+        code = "".join(blocks)
+        if "save_checkpoint(" in code:
+            assert (tmp_path / "runs" / "ckpt" / "manifest.json").is_file()
+        if "write_chrome_trace(" in code:
+            assert (tmp_path / "step.json").is_file()
     finally:
         for thing in reversed(made):
             thing.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_the_design_notes_index_is_current_and_every_reference_names_a_note():
+    from tierstore.tools import notes
+
+    with open(os.path.join(ROOT, "docs", "design-notes.md")) as f:
+        assert f.read() == notes.index(ROOT), "regenerate: python -m tierstore.tools.notes > docs/design-notes.md"
+    defined = {title for title, _ in notes.definitions(ROOT)}
+    assert notes.references(ROOT) - defined == set()
+
+
+def test_every_link_between_pages_names_a_page_that_exists():
+    for page in PAGES:
+        with open(os.path.join(ROOT, page)) as f:
+            text = f.read()
+        for target in re.findall(r"\]\(([^)#]+\.md)(?:#[^)]*)?\)", text):
+            if not target.startswith("http"):
+                assert os.path.isfile(os.path.join(ROOT, os.path.dirname(page), target)), (page, target)
