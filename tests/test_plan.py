@@ -23,8 +23,8 @@ def test_seed_example_7b_on_8_ranks(capsys, tmp_path):
     assert tr["host_to_device"] == 2 * 1.75e9 and tr["device_to_host"] == 1.75e9
     out = capsys.readouterr().out
     assert "all gather 24.50  reduce scatter 12.25" in out
-    assert "Adam moments (fp32 m, v)       56.00         7.00" in out
-    assert "optimizer state, all           84.00        10.50" in out
+    assert "Adam moments (fp32 m, v)           56.00          7.00" in out
+    assert "optimizer state, all               84.00         10.50" in out
 
 
 def test_placement_follows_budgets():
@@ -69,7 +69,7 @@ def test_parameter_counts_as_people_write_them(tmp_path, text, count):
 
 def test_preset_and_bad_input(capsys):
     assert _cli.main(["plan", "--preset", "base", "--ranks", "2", "--dtype", "fp32"]) == 0
-    assert "M parameters, fp32 compute" in capsys.readouterr().out
+    assert "M parameters, fp32 weights" in capsys.readouterr().out
     assert _cli.main(["plan", "--params", "7e9", "--dtype", "int8"]) == 2
     assert "choose one of fp32, bf16, fp16" in capsys.readouterr().err
     assert _cli.main(["plan", "--preset", "huge"]) == 2
@@ -77,3 +77,59 @@ def test_preset_and_bad_input(capsys):
     assert "give a count such as 7e9, 7B or 350M" in capsys.readouterr().err
     with pytest.raises(ValueError, match="ranks=0 must be >= 1"):
         PlanConfig(params=1, ranks=0)
+
+
+def test_a_transformers_config_is_counted_exactly_and_the_plan_says_first_whether_it_fits(capsys, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    for tied in (True, False):
+        config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176,
+                                          num_hidden_layers=3, num_attention_heads=4, tie_word_embeddings=tied,
+                                          architectures=["LlamaForCausalLM"])
+        config.save_pretrained(str(tmp_path / str(tied)))
+        with torch.device("meta"):
+            want = sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
+        assert _cli.main(["plan", "--hf-config", str(tmp_path / str(tied) / "config.json"), "--host-budget", "16GiB",
+                          "--nvme-path", str(tmp_path), "--json", str(tmp_path / "p.json")]) == 0
+        plan = json.loads((tmp_path / "p.json").read_text())
+        assert plan["config"]["params"] == want and plan["config"]["layers"] == 3
+        out = capsys.readouterr().out
+        first = out.splitlines()[0]
+        assert first.startswith("fits: ") and "free" in first
+        assert "LlamaForCausalLM from" in out and "host 16.00 GiB of" in out  # GiB in, GiB out
+    # the same model against a drive too small and a host budget larger than RAM: why, in the first line
+    plan = make_plan(PlanConfig(params=7 * 10**9, host_budget_bytes=64 * 2**30, nvme_path=str(tmp_path),
+                                free_bytes=78 * 10**9, ram_bytes=24 * 2**30, unit="GiB"))
+    assert not plan["fits"]
+    problems = " ".join(plan["checks"]["problems"])
+    assert "has 72.64 GiB free and this plan puts" in problems and "more than this machine's RAM" in problems
+
+
+def test_compressed_layouts_and_stepping_in_backward_shrink_the_drive_need():
+    gb = 10**9
+    base = make_plan(PlanConfig(params=7 * gb, host_budget_bytes=16 * gb, free_bytes=10**15, ram_bytes=10**12))
+    small = make_plan(PlanConfig(params=7 * gb, host_budget_bytes=16 * gb, free_bytes=10**15, ram_bytes=10**12,
+                                 moments="8bit", master="split", step_in_backward=True))
+    # bf16 weights + fp32 master + fp32 moments + fp32 kept gradients: 2 + 4 + 8 + 4 bytes a parameter
+    assert base["checks"]["drive_need"] == pytest.approx(18 * 7 * gb)
+    assert small["checks"]["drive_need"] == pytest.approx((2 + 2 + 2 + 8 / 256) * 7 * gb)
+
+
+@pytest.mark.slow
+def test_the_predicted_step_is_within_a_quarter_of_a_measured_one(tmp_path, capsys):
+    from tierstore.tools.bench_step import run_step_bench
+    from tierstore.tools.vit import PRESETS, ViT, num_params
+    import torch
+
+    with torch.device("meta"):
+        n = num_params(ViT(PRESETS["small"]))
+    host = n * 12 // 3  # a third of the fp32 state, as bench step's default
+    bench = run_step_bench(preset="small", batch_size=16, depths=["auto"], nvme_path=str(tmp_path), rounds=2,
+                           host_budget_bytes=host, device_budget_bytes=None, rss=False, log=lambda *a: None)
+    measured = bench["depths"]["auto"]["step_s"]
+    assert _cli.main(["plan", "--preset", "small", "--dtype", "fp32", "--host-budget", str(host),
+                      "--step-in-backward", "--tokens", "16", "--measure", "--drive-gbps",
+                      str(bench["drive_gbps"]), "--json", str(tmp_path / "p.json")]) == 0
+    predicted = json.loads((tmp_path / "p.json").read_text())["predicted_step"]["seconds"]
+    assert abs(predicted - measured) <= 0.25 * measured, (predicted, measured)

@@ -107,8 +107,23 @@ def main(argv: list[str] | None = None) -> int:
     what = plan.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", help="parameter count: 7e9, 7B, 350M, 1.5b")
     what.add_argument("--preset", help="a ViT preset: tiny, small, base, large, 1b")
+    what.add_argument("--hf-config", help="a transformers config.json (or its directory): parameters counted "
+                      "exactly, embeddings and tied weights included")
     plan.add_argument("--ranks", type=int, default=1, help="data-parallel ranks sharding the model (default 1)")
-    plan.add_argument("--dtype", default="bf16", help="compute dtype: bf16, fp16, fp32 (default bf16)")
+    plan.add_argument("--dtype", default="bf16", help="weights: bf16, fp16, fp32 (default bf16)")
+    plan.add_argument("--moments", default="fp32", help="OffloadedAdamW's moments: fp32, bf16, 8bit (default fp32)")
+    plan.add_argument("--master", default="fp32", help="masters of bf16 weights: fp32, split, none (default fp32)")
+    plan.add_argument("--step-in-backward", action="store_true",
+                      help="the optimizer steps in backward (no gradients kept until the step)")
+    plan.add_argument("--nvme-path", "--path", dest="nvme_path", default=None,
+                      help="check the drive's free space there (and measure it with --measure)")
+    plan.add_argument("--drive-gbps", type=float, help="the drive's mixed read+write rate, for the predicted step")
+    plan.add_argument("--tflops", type=float, help="compute rate, for the predicted step")
+    plan.add_argument("--tokens", type=int, help="tokens (or, with --preset, images) a step computes, per rank "
+                      "(default: 2048 tokens; 32 images)")
+    plan.add_argument("--measure", action="store_true",
+                      help="measure what is not given: the drive's rate at --nvme-path (a few seconds) and the "
+                      "compute (with --preset, one resident step of the model; else a matrix product's rate)")
     plan.add_argument("--optimizer", default="adamw", help="adamw, sgd or none (default adamw)")
     plan.add_argument("--device-budget", help="device budget per rank, e.g. 40GB (default none)")
     plan.add_argument("--host-budget", help="host budget per rank (default none)")
@@ -132,13 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "plan":
             from .plan import PlanConfig, format_plan, make_plan
 
-            result = make_plan(PlanConfig(
-                params=_count(args.params) if args.params is not None else _preset_params(args.preset),
-                ranks=args.ranks, dtype=args.dtype, optimizer=args.optimizer,
-                layers=args.layers or (_preset_depth(args.preset) if args.preset is not None else 24),
-                **{f"{t}_budget_bytes": parse_bytes(v, name=f"--{t}-budget") if v else None
-                   for t, v in (("device", args.device_budget), ("host", args.host_budget),
-                                ("nvme", args.nvme_budget))}))
+            result = make_plan(PlanConfig(**_plan_inputs(args)))
             print(format_plan(result))
             _write_json(args.json, result)
             return 0
@@ -248,6 +257,75 @@ def _preset_params(preset: str) -> int:
         raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
     with torch.device("meta"):
         return num_params(ViT(PRESETS[preset]))
+
+
+def _plan_inputs(args: argparse.Namespace) -> dict:
+    """PlanConfig's keywords from `tierstore plan`'s arguments, measuring what --measure asks for."""
+    from .plan import UNITS, hf_model_size, measure_compute_tflops
+
+    source = None
+    if args.hf_config is not None:
+        params, layers, source = hf_model_size(args.hf_config)
+    elif args.params is not None:
+        params, layers = _count(args.params), 24
+    else:
+        params, layers = _preset_params(args.preset), _preset_depth(args.preset)
+    budgets = {f"{t}_budget_bytes": parse_bytes(v, name=f"--{t}-budget") if v else None
+               for t, v in (("device", args.device_budget), ("host", args.host_budget), ("nvme", args.nvme_budget))}
+    typed = [v for v in (args.host_budget, args.device_budget, args.nvme_budget) if v]
+    unit = next((u for v in typed for u in sorted(UNITS, key=len, reverse=True)
+                 if v.strip().lower().endswith(u.lower())), "GB")
+    drive = args.drive_gbps
+    if drive is None and args.measure:
+        from .bench_drive import measure_drive
+
+        if args.nvme_path is None:
+            raise ValueError("--measure measures the drive at --nvme-path: give it (or give --drive-gbps)")
+        drive = measure_drive(args.nvme_path, size_mib=256, read_fraction=0.5)["mixed_gbps"]
+    compute = None
+    if args.preset is not None and args.tflops is None and args.measure:
+        compute = _measured_preset_step(args.preset, args.dtype, args.tokens or 32)
+    elif args.tflops is not None or args.measure:
+        tflops = args.tflops if args.tflops is not None else measure_compute_tflops(args.dtype)
+        tokens = args.tokens or (32 * _preset_tokens(args.preset) if args.preset else 2048)
+        if args.preset is not None and args.tokens:
+            tokens = args.tokens * _preset_tokens(args.preset)
+        compute = 6 * params * tokens / (tflops * 1e12)  # forward 2, backward 4 FLOPs a parameter and token
+    return {"params": params, "ranks": args.ranks, "dtype": args.dtype, "optimizer": args.optimizer,
+            "layers": args.layers or layers, "moments": args.moments, "master": args.master,
+            "step_in_backward": args.step_in_backward, "nvme_path": args.nvme_path, "drive_gbps": drive,
+            "compute_seconds": compute, "unit": unit, "source": source, **budgets}
+
+
+def _preset_tokens(preset: str) -> int:
+    from .vit import PRESETS
+
+    cfg = PRESETS[preset]
+    return (cfg.image_size // cfg.patch_size) ** 2 + 1
+
+
+def _measured_preset_step(preset: str, dtype: str, batch_size: int) -> float:
+    """One resident forward and backward of the preset's ViT at ``batch_size`` (the median of 3, after 2)."""
+    import statistics
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from .vit import PRESETS, SyntheticImages, ViT
+
+    t = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    torch.manual_seed(0)
+    model = ViT(PRESETS[preset]).to(t)
+    data = SyntheticImages(PRESETS[preset])
+    times = []
+    for i in range(5):
+        x, y = data.batch(i, batch_size)
+        t0 = time.perf_counter()
+        F.cross_entropy(model(x.to(t)).float(), y).backward()
+        times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times[2:])
 
 
 def _preset_depth(preset: str) -> int:

@@ -22,6 +22,7 @@ bound; ``bench step`` prints the same two figures from the real trace.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,11 @@ from tierstore._placement import layered_trace, plan_placement, room_bytes
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _OPTIMIZERS = ("adamw", "sgd", "none")
+# bytes a parameter of both moments, and of the master of a bf16/fp16 weight, per OffloadedAdamW layout
+_MOMENT_BYTES = {"fp32": 8.0, "bf16": 4.0, "8bit": 2.0 + 8 / 256}
+_MASTER_BYTES = {"fp32": 4.0, "split": 2.0, "none": 0.0}
 GB = 1e9
+UNITS = {"GiB": 2**30, "GB": 1e9, "MiB": 2**20, "MB": 1e6, "TiB": 2**40, "TB": 1e12}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,8 +49,18 @@ class PlanConfig:
     device_budget_bytes: int | None = None
     host_budget_bytes: int | None = None
     nvme_budget_bytes: int | None = None
-    prefetch_reserve: float = 0.25  # share of the host budget kept for reads in flight
+    prefetch_reserve: float = 0.25  # share of the host budget kept for reads in flight where no placement says
     layers: int = 24  # equal blocks, for the placement (see [Note: The plan's placement])
+    moments: str = "fp32"  # OffloadedAdamW's state layout (see [Note: Compressed optimizer state])
+    master: str = "fp32"
+    step_in_backward: bool = False  # else gradients are kept (in the store) from backward to the step
+    nvme_path: str | None = None  # where the drive's free space is checked
+    free_bytes: int | None = None  # the drive's free space (None: read at nvme_path)
+    ram_bytes: int | None = None  # this machine's RAM (None: read from the system)
+    drive_gbps: float | None = None  # the drive's mixed read+write rate, for the predicted step
+    compute_seconds: float | None = None  # one step's forward and backward, for the predicted step
+    unit: str = "GB"  # what sizes print in
+    source: str | None = None  # where the parameter count came from, for the first line
 
     def __post_init__(self) -> None:
         if self.params <= 0:
@@ -60,15 +75,23 @@ class PlanConfig:
             raise ValueError(f"layers={self.layers} must be >= 1")
         if not 0 <= self.prefetch_reserve < 1:
             raise ValueError(f"prefetch_reserve={self.prefetch_reserve} must be in [0, 1)")
+        if self.moments not in _MOMENT_BYTES:
+            raise ValueError(f"moments={self.moments!r}: choose one of {', '.join(_MOMENT_BYTES)}")
+        if self.master not in _MASTER_BYTES:
+            raise ValueError(f"master={self.master!r}: choose one of {', '.join(_MASTER_BYTES)}")
+        if self.unit not in UNITS:
+            raise ValueError(f"unit={self.unit!r}: choose one of {', '.join(UNITS)}")
 
 
 def make_plan(cfg: PlanConfig) -> dict[str, Any]:
     """Totals, per-rank holdings, homes per tier and per-step traffic, all in bytes."""
     p, n, b = cfg.params, cfg.ranks, _DTYPE_BYTES[cfg.dtype]
-    moments = 8 * p if cfg.optimizer == "adamw" else 0
-    master = 4 * p if cfg.optimizer == "adamw" and cfg.dtype != "fp32" else 0
+    moments = int(_MOMENT_BYTES[cfg.moments] * p) if cfg.optimizer == "adamw" else 0
+    master = int(_MASTER_BYTES[cfg.master] * p) if cfg.optimizer == "adamw" and cfg.dtype != "fp32" else 0
+    # gradients as the offloaded model keeps them from backward to the step: fp32 for bf16/fp16 weights
+    kept_grads = 0 if cfg.step_in_backward or cfg.optimizer == "none" else 4 * p
     totals = {"weights": p * b, "grads": p * b, "moments": moments, "master": master,
-              "optimizer_state": moments + master}
+              "optimizer_state": moments + master, "kept_grads": kept_grads}
     per_rank = {k: v / n for k, v in totals.items()}
     free = {
         Tier.DEVICE: float(cfg.device_budget_bytes or 0),
@@ -104,17 +127,69 @@ def make_plan(cfg: PlanConfig) -> dict[str, Any]:
                                                                      else 0.0),
         "device_to_host": per_rank["grads"] if stepped_on_cpu else 0.0,
     }
-    fits = all(h is not None for h in homes.values())
-    return {"config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "totals": totals,
+    placement, placed = _placement(cfg, per_rank, homes)
+    checks = _checks(cfg, homes, by_tier, per_rank)
+    plan = {"config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "totals": totals,
             "per_rank": per_rank, "homes": homes, "per_rank_by_tier": by_tier, "traffic_per_step": traffic,
-            "fits": fits, "placement": _placement(cfg, per_rank, homes)}
+            "fits": not checks["problems"], "checks": checks, "placement": placement}
+    plan["predicted_step"] = _predicted_step(cfg, plan, placed)
+    return plan
 
 
-def _placement(cfg: PlanConfig, per_rank: dict[str, float], homes: dict[str, str | None]) -> dict[str, Any] | None:
-    """What the offloaded model's placement predicts for one rank (see [Note: The plan's placement]); None
-    where nothing streams from the drive or there is no host budget or optimizer."""
-    if cfg.optimizer != "adamw" or not cfg.host_budget_bytes or "nvme" not in homes.values():
+def _checks(cfg: PlanConfig, homes: dict[str, str | None], by_tier: dict[str, float],
+            per_rank: dict[str, float]) -> dict[str, Any]:
+    """Why the plan does not fit (``problems``), against the budgets, this machine's RAM and the drive's free
+    space; ``drive_need``, ``drive_free``, ``ram`` as found."""
+    import psutil
+
+    problems = []
+    for what, home in homes.items():
+        if home is None:
+            problems.append(f"the {what.replace('_', ' ')} ({per_rank[what] / UNITS[cfg.unit]:.2f} {cfg.unit} a "
+                            f"rank) fit in no tier's budget: raise a budget or add ranks")
+    ram = cfg.ram_bytes if cfg.ram_bytes is not None else psutil.virtual_memory().total
+    if cfg.host_budget_bytes and cfg.host_budget_bytes > ram:
+        problems.append(f"the host budget ({cfg.host_budget_bytes / UNITS[cfg.unit]:.2f} {cfg.unit}) is more than "
+                        f"this machine's RAM ({ram / UNITS[cfg.unit]:.2f} {cfg.unit})")
+    # on the drive: what is homed there, and the gradients kept from backward (they reserve their bytes there)
+    drive_need = by_tier["nvme"] + (per_rank["kept_grads"] if "nvme" in homes.values() else 0.0)
+    free = cfg.free_bytes
+    if free is None and cfg.nvme_path is not None:
+        probe = cfg.nvme_path
+        while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        free = psutil.disk_usage(probe).free
+    local = drive_need * cfg.ranks  # every rank's share, on this machine's drive
+    if free is not None and local > free:
+        problems.append(f"the drive at {cfg.nvme_path or 'the nvme path'} has {free / UNITS[cfg.unit]:.2f} "
+                        f"{cfg.unit} free and this plan puts {local / UNITS[cfg.unit]:.2f} {cfg.unit} there"
+                        + (f" ({cfg.ranks} ranks)" if cfg.ranks > 1 else ""))
+    return {"problems": problems, "drive_need": local, "drive_free": free, "ram": ram}
+
+
+def _predicted_step(cfg: PlanConfig, plan: dict[str, Any], placed: Any) -> dict[str, Any] | None:
+    """The step's time from the compute time and the drive's rate, with the placement's bytes and the model the
+    offloaded model uses (see [Note: The predicted step] in tierstore/_placement.py: the forward, a third of the
+    compute, then the rest); None without both figures."""
+    if cfg.compute_seconds is None or not cfg.drive_gbps:
         return None
+    rate = cfg.drive_gbps * 1e9
+    compute = cfg.compute_seconds
+    if placed is not None:
+        moved = placed.bytes_per_step
+        step = placed.predicted_step_seconds(compute, rate, compute / 3)
+    else:  # everything in memory, or no host budget to plan in
+        moved = plan["traffic_per_step"]["nvme_read"] + plan["traffic_per_step"]["nvme_write"]
+        step = max(compute, moved / rate)
+    return {"seconds": step, "compute_seconds": compute, "drive_gbps": cfg.drive_gbps, "bytes_moved": moved}
+
+
+def _placement(cfg: PlanConfig, per_rank: dict[str, float],
+               homes: dict[str, str | None]) -> tuple[dict[str, Any] | None, Any]:
+    """What the offloaded model's placement predicts for one rank (see [Note: The plan's placement]), and the
+    placement; None where nothing streams from the drive or there is no host budget or optimizer."""
+    if cfg.optimizer != "adamw" or not cfg.host_budget_bytes or "nvme" not in homes.values():
+        return None, None
     per_layer = {k: int(v / cfg.layers) for k, v in per_rank.items()}
     state = {"exp_avg": per_layer["moments"] // 2, "exp_avg_sq": per_layer["moments"] // 2}
     if per_layer["master"]:
@@ -127,51 +202,113 @@ def _placement(cfg: PlanConfig, per_rank: dict[str, float], homes: dict[str, str
     return {"layers": cfg.layers, "host_budget_bytes": host, "room_bytes": p.room_bytes,
             "resident_by_kind": p.resident_by_kind, "moved_by_kind": p.moved_by_kind,
             "bytes_per_step": p.bytes_per_step, "lower_bound_bytes": p.lower_bound_bytes,
-            "forward_bytes": p.forward_bytes}
+            "forward_bytes": p.forward_bytes}, p
 
 
 def format_plan(plan: dict[str, Any]) -> str:
     cfg, t, r = plan["config"], plan["totals"], plan["per_rank"]
     n, p = cfg["ranks"], cfg["params"]
-    unit, scale = next((u, s) for u, s in (("GB", GB), ("MB", 1e6), ("KB", 1e3), ("B", 1)) if t["weights"] >= s)
+    unit = cfg["unit"]
+    scale = UNITS[unit]
+    checks = plan["checks"]
+    lines = ["fits: " + ", ".join(_fit_reasons(plan)) if plan["fits"]
+             else "does not fit: " + "; ".join(checks["problems"])]
     count = f"{p / 1e9:.3g}B" if p >= 1e9 else f"{p / 1e6:.3g}M"
-    lines = [f"plan: {count} parameters, {cfg['dtype']} compute, {cfg['optimizer']}, {n} rank(s)",
-             f"{'':26}{'total ' + unit:>10}{'per rank ' + unit:>13}"]
-    rows = [("weights (" + cfg["dtype"] + ")", "weights"), ("gradients (" + cfg["dtype"] + ")", "grads")]
+    layout = (f" (moments {cfg['moments']}" + (f", master {cfg['master']}" if cfg["dtype"] != "fp32" else "") + ")"
+              if cfg["optimizer"] == "adamw" else "")
+    lines += [f"plan: {count} parameters{' (' + cfg['source'] + ')' if cfg.get('source') else ''}, "
+              f"{cfg['dtype']} weights, {cfg['optimizer']}{layout}, {n} rank(s)",
+              f"{'':28}{'total ' + unit:>12}{'per rank ' + unit:>14}"]
+    rows = [(f"weights ({cfg['dtype']})", "weights"), (f"gradients ({cfg['dtype']})", "grads")]
     if cfg["optimizer"] == "adamw":
-        rows += [("Adam moments (fp32 m, v)", "moments")]
+        rows += [(f"Adam moments ({cfg['moments']} m, v)", "moments")]
         if t["master"]:
-            rows += [("fp32 master copy", "master"), ("optimizer state, all", "optimizer_state")]
+            rows += [(f"master copy ({cfg['master']})", "master"), ("optimizer state, all", "optimizer_state")]
+        if t["kept_grads"]:
+            rows += [("gradients kept (fp32)", "kept_grads")]
     for label, k in rows:
-        lines.append(f"{label:<26}{t[k] / scale:>10.2f}{r[k] / scale:>13.2f}")
+        lines.append(f"{label:<28}{t[k] / scale:>12.2f}{r[k] / scale:>14.2f}")
 
-    def budget(key: str) -> str:
-        v = cfg[key]
+    def size(v: float | None) -> str:
         return "none" if v is None else f"{v / scale:.2f} {unit}"
 
-    lines.append(f"budgets per rank: device {budget('device_budget_bytes')}, host {budget('host_budget_bytes')} "
-                 f"({cfg['prefetch_reserve']:.0%} kept for prefetch), nvme "
-                 + ("unlimited" if cfg["nvme_budget_bytes"] is None else budget("nvme_budget_bytes")))
+    host = (f"host {size(cfg['host_budget_bytes'])} of {size(checks['ram'])} RAM" if cfg["host_budget_bytes"]
+            else "host none")
+    drive = ("drive unlimited" if cfg["nvme_budget_bytes"] is None else f"drive {size(cfg['nvme_budget_bytes'])}")
+    if checks["drive_free"] is not None:
+        drive += f" ({size(checks['drive_free'])} free at {cfg['nvme_path']})"
+    lines.append(f"budgets per rank: device {size(cfg['device_budget_bytes'])}, {host}, {drive}")
     homes = plan["homes"]
-    for what, label in (("weights", "weights"), ("optimizer_state", "optimizer state")):
-        lines.append(f"home of {label}: " + (homes[what] or "DOES NOT FIT: raise a budget or add ranks"))
-    lines.append(f"per rank by tier ({unit}): " + "  ".join(f"{k} {v / scale:.2f}" for k, v in
-                                                      plan["per_rank_by_tier"].items()))
-    if plan["fits"]:
-        lines.append(f"config: param_tier = \"{homes['weights']}\", optimizer_tier = \"{homes['optimizer_state']}\"")
+    lines.append("homes: " + ", ".join(f"{what.replace('_', ' ')} {home or 'NONE'}" for what, home in homes.items())
+                 + (f" (config: param_tier = \"{homes['weights']}\", optimizer_tier = "
+                    f"\"{homes['optimizer_state']}\")" if plan["fits"] else ""))
+    lines.append(f"on the drive: {size(checks['drive_need'])}" + (" (the gradients kept from backward included)"
+                                                                  if t["kept_grads"] and checks["drive_need"] else ""))
     tr = plan["traffic_per_step"]
     lines.append(f"bytes per step per rank ({unit}): " + "  ".join(
         f"{k.replace('_', ' ')} {v / scale:.2f}" for k, v in tr.items()))
     pl = plan.get("placement")
     if pl is not None:
-        lines.append(f"placement per rank (the offloaded model's, over {pl['layers']} equal layers; host budget "
-                     f"{pl['host_budget_bytes'] / scale:.2f} {unit}, {pl['room_bytes'] / scale:.2f} of it for "
-                     "copies in flight): resident "
-                     + ", ".join(f"{k} {v / scale:.2f}" for k, v in pl["resident_by_kind"].items()))
-        lines.append(f"  nvme bytes per step ({unit}): {pl['bytes_per_step'] / scale:.2f} predicted "
+        lines.append(f"placement per rank (the offloaded model's, over {pl['layers']} equal layers; "
+                     f"{pl['room_bytes'] / scale:.2f} {unit} of the host budget for copies in flight): kept in the "
+                     "host tier " + ", ".join(f"{k} {v / scale:.2f}" for k, v in pl["resident_by_kind"].items()))
+        lines.append(f"  drive bytes per step ({unit}): {pl['bytes_per_step'] / scale:.2f} predicted "
                      f"({pl['forward_bytes'] / scale:.2f} read by the forward, the rest from the first backward use "
                      f"on), {pl['lower_bound_bytes'] / scale:.2f} lower bound")
+    step = plan.get("predicted_step")
+    if step is not None:
+        lines.append(f"predicted step: {step['seconds']:.2f} s (compute {step['compute_seconds']:.2f} s; "
+                     f"{step['bytes_moved'] / scale:.2f} {unit} over the drive at {step['drive_gbps']:.2f} GB/s)")
+    else:
+        lines.append("predicted step: give --drive-gbps and --tflops (or --measure) to predict it")
     return "\n".join(lines)
 
 
-__all__ = ["PlanConfig", "format_plan", "make_plan"]
+def _fit_reasons(plan: dict[str, Any]) -> list[str]:
+    cfg, checks = plan["config"], plan["checks"]
+    scale, unit = UNITS[cfg["unit"]], cfg["unit"]
+    out = ["every tensor has a home within the budgets"]
+    if cfg["host_budget_bytes"]:
+        out.append(f"the host budget is within this machine's {checks['ram'] / scale:.2f} {unit} of RAM")
+    if checks["drive_free"] is not None:
+        out.append(f"the drive needs {checks['drive_need'] / scale:.2f} of its {checks['drive_free'] / scale:.2f} "
+                   f"{unit} free")
+    return out
+
+
+def hf_model_size(path: str) -> tuple[int, int, str]:
+    """(parameters, layers, description) of a transformers model from its ``config.json`` (a file or the
+    directory holding it), counted exactly on the meta device: embeddings included, a tied weight once."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    archs = getattr(config, "architectures", None) or []
+    auto = (transformers.AutoModelForCausalLM if any(a.endswith("ForCausalLM") for a in archs)
+            else transformers.AutoModel)
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    params = sum(p.numel() for p in model.parameters())  # a tied weight is one parameter
+    layers = next((getattr(config, k) for k in ("num_hidden_layers", "n_layer", "num_layers")
+                   if isinstance(getattr(config, k, None), int)), 24)
+    return params, layers, f"{type(model).__name__} from {path}"
+
+
+def measure_compute_tflops(dtype: str) -> float:
+    """This machine's matrix-product rate in ``dtype`` (TFLOPS; 1024 x 1024, the best of a few)."""
+    import time
+
+    import torch
+
+    t = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    a = torch.randn(1024, 1024).to(t)
+    a @ a
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 1024**3 / best / 1e12
+
+
+__all__ = ["PlanConfig", "format_plan", "hf_model_size", "make_plan", "measure_compute_tflops"]
