@@ -90,14 +90,16 @@ def test_demo_bad_preset(tmp_path, capsys):
 def test_bench_step_tiny(tmp_path, capsys):
     out = tmp_path / "step.json"
     rc = _cli.main(["bench", "step", "--preset", "tiny", "--batch-size", "8", "--depths", "0,2,auto", "--rounds", "2",
-                    "--placement-ab", "--nvme-path", str(tmp_path), "--host-budget", "1MiB",
+                    "--placement-ab", "--layouts", "8bit", "--nvme-path", str(tmp_path), "--host-budget", "1MiB",
                     "--device-budget", "320KiB",
                     "--json", str(out), "--trace", str(tmp_path / "trace.json"),
                     *(["--plot", str(tmp_path / "p.png")] if HAVE_MATPLOTLIB else [])])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["resident_step_s"] > 0 and res["drive_gbps"] > 0
-    assert set(res["depths"]) == {"0", "2", "auto", "2 w/o plan"}
+    assert set(res["depths"]) == {"0", "2", "auto", "2 w/o plan", "auto 8bit/fp32"}
+    # 8-bit moments move fewer bytes a step than fp32 ones, in the same rounds
+    assert res["depths"]["auto 8bit/fp32"]["bytes_per_step"] < res["depths"]["auto"]["bytes_per_step"]
     assert 1 <= res["depths"]["auto"]["chosen_depth"] and res["depths"]["2"]["chosen_depth"] == 2
     # Each setup planned its placement from its first step (the one without prints none); the bound is a bound.
     assert res["depths"]["2 w/o plan"]["predicted_bytes_per_step"] is None

@@ -36,7 +36,10 @@ model in a row and the wait for its last writes, divided by their number.
 from __future__ import annotations
 
 import copy
+import json
 import statistics
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -99,8 +102,9 @@ def _resident_step(model, data, batch_size: int, step: int, opt,
 def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvme_path: str, rounds: int,
                    host_budget_bytes: int | None, device_budget_bytes: int | None, trace_path: str | None = None,
                    step_in_backward: bool = True, rss: bool = True, dtype: str = "fp32", placement_ab: bool = False,
-                   fused: bool = False, log=print) -> dict[str, Any]:
-
+                   fused: bool = False, layouts: list[str] | None = None, log=print) -> dict[str, Any]:
+    """``layouts``: optimizer state layouts ("moments/master", e.g. "8bit/split") also run at the last depth, in
+    the same rounds (see [Note: Compressed optimizer state])."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
     if dtype not in DTYPES:
@@ -116,12 +120,6 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
                                       device_budget_bytes)
     data = SyntheticImages(cfg)
 
-    resident = copy.deepcopy(base)
-    # Both sides run the same implementation of torch's AdamW: fused=True, or its CPU default.
-    ropt = (torch.optim.AdamW(resident.parameters(), lr=1e-3, foreach=False, fused=fused)
-            if torch_dtype == torch.float32 else _MasterAdamW(resident, fused))
-    for i in range(2):  # warm-up: the first two steps fault in Adam's state and temporaries (4.2 and 3.1 s
-        _resident_step(resident, data, batch_size, i, ropt, torch_dtype)  # on ViT-large, against 2.2-2.6 after)
     setups: dict[Any, tuple] = {}
 
     offloads: dict[Any, Any] = {}
@@ -150,13 +148,21 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
     # With placement_ab, the deepest numeric depth again without a placement (same run, alternating).
     numeric = [d for d in depths if isinstance(d, int)]
     unplanned = f"{max(numeric)} w/o plan" if placement_ab and numeric else None
-    rows_keys: list[Any] = [*depths, *([unplanned] if unplanned else [])]
-    samples: dict[Any, list] = {"resident": [], "serial": [], **{d: [] for d in rows_keys}}
+    last = depths[-1]
+    layout_keys = {f"{last} {lay}": tuple(lay.split("/")) for lay in layouts or []}
+    rows_keys: list[Any] = [*depths, *([unplanned] if unplanned else []), *layout_keys]
+    samples: dict[Any, list] = {"serial": [], **{d: [] for d in rows_keys}}
+    # The resident reference in a process of its own: in this one, the allocator's state after the offloaded
+    # setups would change its time.
+    resident_samples = _resident_in_fresh_process(preset, batch_size, dtype, fused, steps=2 + max(3, rounds))
     try:
         for d in depths:
             first = setup(d, d, lambda off: adamw(off, step_in_backward=step_in_backward))
         if unplanned:
             setup(unplanned, max(numeric), lambda off: adamw(off, step_in_backward=step_in_backward), placement=False)
+        for key, (moments, master) in layout_keys.items():
+            setup(key, last, lambda off, mo=moments, ma=master: adamw(off, step_in_backward=step_in_backward,
+                                                                      moments=mo, master=ma))
         # The reference without any overlap: no prefetch, the optimizer after backward with no read-ahead, its
         # writes finished inside the step.
         setup("serial", 0, lambda off: _NoOverlap(adamw(off, readahead=0)))
@@ -171,7 +177,6 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
         drive_once()
         for r in range(rounds):
             order = ["serial", *rows_keys] if r % 2 == 0 else [*reversed(rows_keys), "serial"]
-            samples["resident"].append(_resident_step(resident, data, batch_size, r + 2, ropt, torch_dtype))
             for d in order:
                 samples[d].append(_offloaded_sample(*setups[d], data, batch_size,
                                                     WARMUP_STEPS + r * STEPS_PER_SAMPLE, torch_dtype))
@@ -192,9 +197,9 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
         for _, store, opt in setups.values():
             opt.close()
             store.close()
-    resident_s = statistics.median(s[0] for s in samples["resident"])
-    compute_s = statistics.median(s[1] for s in samples["resident"])  # see [Note: The compute in the bound]
-    forward_s = statistics.median(s[2] for s in samples["resident"])
+    resident_s = statistics.median(s[0] for s in resident_samples)
+    compute_s = statistics.median(s[1] for s in resident_samples)  # see [Note: The compute in the bound]
+    forward_s = statistics.median(s[2] for s in resident_samples)
     drive = max(drives, key=lambda m: m["mixed_gbps"])
     drive_gbps = drive["mixed_gbps"]
     stepped_gbps = max(s[2] / s[0] / 1e9 for key in ["serial", *rows_keys] for s in samples[key])
@@ -217,8 +222,8 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
                                          if raised else "") +
         f"; optimizer steps {'in' if step_in_backward else 'after'} backward"
         f"{' (torch AdamW fused kernel, resident too)' if fused else ''}")
-    log(f"resident step: {resident_s:.3f} s, its forward and backward {compute_s:.3f} s (the bound's compute; "
-        f"the forward {forward_s:.3f} s); "
+    log(f"resident step (a process of its own): {resident_s:.3f} s, its forward and backward {compute_s:.3f} s "
+        f"(the bound's compute; the forward {forward_s:.3f} s); "
         f"depth 0: nothing read ahead (parameters or optimizer state); "
         "'serial': that, with the optimizer after backward and its writes waited for")
     # The placement printed: the automatic depth's (a fixed depth leaves its own units room, so plans differ).
@@ -242,7 +247,7 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
         "bytes over the drive's rate); the last two "
         "columns: how many times faster than the first depth and than 'serial' (higher is better); 'auto' shows the "
         "depth it chose")
-    log(f"{'depth':>10} {'step s':>8} {'stall s':>8} {'MiB/step':>9} {'plan MiB':>9} {'plan s':>7} {'bound s':>8} "
+    log(f"{'depth':>16} {'step s':>8} {'stall s':>8} {'MiB/step':>9} {'plan MiB':>9} {'plan s':>7} {'bound s':>8} "
         f"{'overlap':>8} {'vs first':>9} {'vs serial':>9}")
 
     def row_of(key: Any) -> dict[str, Any]:
@@ -263,10 +268,11 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
             result["depths"][str(key)] = row
         base0 = result["depths"].get(str(depths[0]), row)["step_s"]
         vs_first = "" if key == "serial" else f"{base0 / row['step_s']:.2f}x"
-        label = f"auto={row['chosen_depth']}" if key == "auto" else str(key)
+        label = (f"auto={row['chosen_depth']}" if key == "auto" else
+                 f"auto={row['chosen_depth']} {key.split(' ', 1)[1]}" if str(key).startswith("auto ") else str(key))
         planned = f"{row['predicted_bytes_per_step'] / MIB:.1f}" if row["predicted_bytes_per_step"] else "-"
         planned_s = f"{row['predicted_step_s']:.3f}" if row["predicted_step_s"] else "-"
-        log(f"{label:>10} {row['step_s']:>8.3f} {row['stall_s']:>8.3f} {row['bytes_per_step'] / MIB:>9.1f} "
+        log(f"{label:>16} {row['step_s']:>8.3f} {row['stall_s']:>8.3f} {row['bytes_per_step'] / MIB:>9.1f} "
             f"{planned:>9} {planned_s:>7} {row['bound_s']:>8.3f} {row['overlap_efficiency']:>8.2f} {vs_first:>9} "
             f"{serial['step_s'] / row['step_s']:>8.2f}x")
     deepest = max(numeric) if numeric else "auto"
@@ -373,6 +379,31 @@ def plot_budget_sweep(result: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def _resident_in_fresh_process(preset: str, batch_size: int, dtype: str, fused: bool,
+                               steps: int) -> list[tuple[float, float, float]]:
+    """``steps`` resident steps (torch's AdamW) in a fresh process: each one's (seconds, forward and backward,
+    forward), the first two (which fault in Adam's state and temporaries) left out."""
+    args = json.dumps({"preset": preset, "batch_size": batch_size, "dtype": dtype, "fused": fused, "steps": steps})
+    proc = subprocess.run([sys.executable, "-m", "tierstore.tools.bench_step", args], capture_output=True,
+                          text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the resident reference's process failed:\n{proc.stderr[-2000:]}")
+    return [tuple(s) for s in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+
+def _resident_child(args: dict[str, Any]) -> list[tuple[float, float, float]]:
+    torch_dtype = DTYPES[args["dtype"]]
+    cfg = PRESETS[args["preset"]]
+    torch.manual_seed(0)
+    model = ViT(cfg).to(torch_dtype)
+    data = SyntheticImages(cfg)
+    # Both sides run the same implementation of torch's AdamW: fused=True, or its CPU default.
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False, fused=args["fused"])
+           if torch_dtype == torch.float32 else _MasterAdamW(model, args["fused"]))
+    out = [_resident_step(model, data, args["batch_size"], i, opt, torch_dtype) for i in range(args["steps"])]
+    return out[2:]
+
+
 class _NoOverlap:
     """An OffloadedAdamW whose step also waits for its writes."""
 
@@ -452,3 +483,7 @@ def plot_step_bench(result: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_resident_child(json.loads(sys.argv[1]))))

@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     step.add_argument("--fused", action="store_true",
                       help="torch's fused AdamW kernel (fused=True) on both sides, resident and offloaded, instead "
                            "of its CPU default")
+    step.add_argument("--layouts", metavar="MOMENTS/MASTER,...",
+                      help="also run these optimizer state layouts at the last depth, in the same rounds (e.g. "
+                           "8bit/split,bf16/fp32; see the optimizer's docs)")
     step.add_argument("--trace", metavar="FILE", help="write a Chrome trace (Perfetto) of one step at the deepest depth")
     step.add_argument("--no-rss", action="store_true",
                       help="skip the peak-RSS check (a fresh process training a few steps at the deepest depth)")
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=_nvme_path(args),
                 depths=args.depths, trace_path=args.trace, placement_ab=args.placement_ab,
                 step_in_backward=not args.step_after_backward, rss=not args.no_rss, dtype=args.dtype,
-                fused=args.fused, **_budgets(args))
+                fused=args.fused, layouts=_layouts(args.layouts), **_budgets(args))
             _write_json(args.json, result)
             if args.plot:
                 from .bench_step import plot_step_bench
@@ -229,6 +232,19 @@ def _depth(text: str) -> int | str:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r}: give a depth >= 0 or 'auto'")
     return int(text)
+
+
+def _layouts(text: str | None) -> list[str]:
+    """'8bit/split,bf16' -> ['8bit/split', 'bf16/fp32'], each checked."""
+    from tierstore.integrations._layouts import StateLayout
+
+    out = []
+    for part in (text or "").split(","):
+        if part.strip():
+            moments, _, master = part.strip().partition("/")
+            layout = StateLayout(moments, master or "fp32")
+            out.append(f"{layout.moments}/{layout.master}")
+    return out
 
 
 def _depths(text: str) -> list[int | str]:
