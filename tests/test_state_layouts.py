@@ -290,3 +290,34 @@ def test_a_state_dict_loads_into_its_own_layout_bit_identically_and_into_another
     # both continue the same way up to the moments' quantization
     a, b = _train(model, opt, 5, start=3), _train(other, opt2, 5, start=3)
     assert np.allclose(a, b, rtol=0.02)
+
+
+def test_bf16_weights_computed_in_fp32_train_offloaded_as_resident_and_keep_no_fp32_copies(make_store):
+    from tierstore.tools.upcast import compute_in_fp32
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.GELU(),
+                              torch.nn.Linear(128, 8)).to(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    assert compute_in_fp32(ref) == compute_in_fp32(model) == 3
+    ref_opt = OffloadedAdamW(offload_model(ref, make_store(host_budget_bytes="64MiB")), lr=1e-2)
+    opt = OffloadedAdamW(offload_model(model, make_store(host_budget_bytes="1MiB")), lr=1e-2)
+    for step in range(3):
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step))
+        losses = []
+        for m, o in ((ref, ref_opt), (model, opt)):
+            out = m(x)
+            assert out.dtype == torch.float32
+            loss = out.pow(2).mean()
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == losses[1]
+    # what autograd keeps from forward to backward: the input and the weight itself, not an fp32 copy of it
+    lin = torch.nn.Linear(256, 256).to(torch.bfloat16)
+    compute_in_fp32(lin)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        lin(torch.randn(2, 256))
+    assert not any(t.dtype == torch.float32 and t.shape == (256, 256) for t in saved)

@@ -19,9 +19,34 @@ from torch import nn
 _HALF = (torch.bfloat16, torch.float16)
 
 
+class _LinearInFp32(torch.autograd.Function):
+    """``F.linear`` of fp32 copies of its input, weight and bias, keeping for backward the weight itself, not its
+    fp32 copy: autograd would otherwise hold every layer's fp32 copy from forward to backward (4 bytes a parameter
+    of the whole model at once; an offloaded weight is kept as a view the offload rebuilds from the store). The
+    backward runs the products torch's own linear backward runs, in fp32, each gradient returned in its input's
+    dtype."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)  # type: ignore[attr-defined]
+        ctx.has_bias = bias is not None  # type: ignore[attr-defined]
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors  # type: ignore[attr-defined]
+        need = ctx.needs_input_grad  # type: ignore[attr-defined]
+        grad = grad.float()
+        grad_x = grad.matmul(weight.float()).to(x.dtype) if need[0] else None
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_w = flat.t().mm(x.reshape(-1, x.shape[-1]).float()).to(weight.dtype) if need[1] else None
+        grad_b = flat.sum(0) if ctx.has_bias and need[2] else None  # type: ignore[attr-defined]
+        return grad_x, grad_w, grad_b
+
+
 def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    bias = None if self.bias is None else self.bias.float()
-    return F.linear(x.float(), self.weight.float(), bias)
+    out = _LinearInFp32.apply(x, self.weight, self.bias)
+    return out
 
 
 def _embedding(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
