@@ -57,6 +57,7 @@ fp32 layout), encode back; the temporaries stay in the CPU's cache.
 
 from __future__ import annotations
 
+import sys
 import zlib
 from dataclasses import dataclass
 
@@ -69,6 +70,7 @@ MOMENTS = ("fp32", "bf16", "8bit")
 MASTERS = ("fp32", "split", "none")
 BLOCK = 256  # values per 8-bit block
 MIN_COMPRESSED = 4096  # elements: smaller tensors keep fp32 moments
+_LITTLE_ENDIAN = sys.byteorder == "little"
 CHUNK = 1 << 18  # elements per slice of a compressed update; a multiple of BLOCK (fastest here of 2^14-2^20)
 
 
@@ -147,16 +149,27 @@ def flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def join_master(weight: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """The fp32 master whose top 16 bits are the bf16 ``weight`` and low 16 bits ``low`` (int16)."""
-    # hi * 2^16 + unsigned low is within int32 for every pair: no shift of a negative value, no overflow
-    return (weight.view(torch.int16).to(torch.int32) * 65536 + (low.to(torch.int32) & 0xFFFF)).view(torch.float32)
+    """The fp32 master whose top 16 bits are the bf16 ``weight`` and low 16 bits ``low`` (int16): the two halves
+    copied into place (little-endian: the low half first), where arithmetic on the bits would take five passes."""
+    if not _LITTLE_ENDIAN:
+        return (weight.view(torch.int16).to(torch.int32) * 65536 + (low.to(torch.int32) & 0xFFFF)).view(
+            torch.float32)
+    halves = torch.empty(*weight.shape, 2, dtype=torch.int16)
+    halves[..., 0] = low
+    halves[..., 1] = weight.view(torch.int16)
+    return halves.view(torch.float32).view(weight.shape)
 
 
 def split_master(master: torch.Tensor, weight: torch.Tensor, low: torch.Tensor) -> None:
     """Store an fp32 ``master`` as its top 16 bits (``weight``, bf16) and low 16 bits (``low``, int16)."""
-    bits = master.view(torch.int32)
-    weight.view(torch.int16).copy_(bits >> 16)
-    low.copy_((bits & 0xFFFF) - ((bits & 0x8000) << 1))  # the low half as a signed 16-bit value
+    if not _LITTLE_ENDIAN:
+        bits = master.view(torch.int32)
+        weight.view(torch.int16).copy_(bits >> 16)
+        low.copy_((bits & 0xFFFF) - ((bits & 0x8000) << 1))  # the low half as a signed 16-bit value
+        return
+    halves = master.contiguous().view(torch.int16).view(*master.shape, 2)
+    weight.view(torch.int16).copy_(halves[..., 1])
+    low.copy_(halves[..., 0])
 
 
 def stochastic_round(value: torch.Tensor, out: torch.Tensor, generator: torch.Generator) -> None:
