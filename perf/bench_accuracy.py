@@ -172,7 +172,11 @@ def main(argv: list[str] | None = None) -> dict:
         r = run_layout(args, layout, probs)
         if r is not None:
             results.append(r)
-            print(f"  {layout:16s} done in {r['seconds']:.0f} s", flush=True)
+            print(f"  {layout:16s} done in {r['seconds']:.0f} s: final {r['final_loss']:.4f}, mean "
+                  f"{r['mean_loss']:.4f}, held-out {r['held_out_loss']:.4f}", flush=True)
+            if args.json:  # as each layout ends: a long run stopped part-way keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump({"entropy_rate": floor, "steps": args.steps, "results": results}, f, indent=1)
     ref = next((r for r in results if r["layout"] == "torch"), None)
     print(f"\n{'layout (weights/moments/master)':32s} {'B/param':>8s} {'final':>8s} {'mean':>8s} {'held-out':>9s} "
           f"{'vs torch (final, held-out)':>28s}")
