@@ -275,7 +275,7 @@ def compressed_update(*, moments: str, master: str | None, weight: torch.Tensor,
     """One AdamW update of a parameter whose state is stored compressed, slice by slice.
 
     ``weight`` is what the update steps: the fp32 master (``master="fp32"``), the bf16 weight (``"split"``,
-    with ``low`` its master's low bits; or None: the weight alone, rounded stochastically), or an fp32/bf16-free
+    with ``low`` its master's low bits; or None: the weight alone, rounded stochastically), or an fp32
     parameter's own values. ``exp_avg``/``exp_avg_sq`` are stored ``moments`` (see StateLayout.moments_of)."""
     n = weight.numel()
     if grad.stride() != weight.stride() or grad.dtype != torch.float32:  # elements paired in memory order
