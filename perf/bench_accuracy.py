@@ -138,6 +138,7 @@ def run_layout(args: argparse.Namespace, layout: str, probs) -> dict | None:
         opt.close()
         off.remove()
         store.close()
+        os.rmdir(tmp)  # the store removed its own directory in it
     tail = losses[-min(50, len(losses)):]
     return {"layout": layout, "params": params, "bytes_per_param": None if at_rest is None else at_rest / params,
             "final_loss": sum(tail) / len(tail), "mean_loss": sum(losses) / len(losses), "held_out_loss": held_out,

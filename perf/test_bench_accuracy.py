@@ -14,5 +14,6 @@ def test_bench_accuracy_tiny(tmp_path, capsys):
     assert by["bf16/8bit/split"]["bytes_per_param"] < by["fp32/fp32/-"]["bytes_per_param"] / 1.9
     for r in res["results"]:
         assert all(x == x for x in r["losses"]) and r["held_out_loss"] > res["entropy_rate"] * 0.5
+    assert list(tmp_path.iterdir()) == []  # nothing left on the drive
     out = capsys.readouterr().out
     assert "entropy rate" in out and "vs torch" in out
