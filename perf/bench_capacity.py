@@ -52,6 +52,24 @@ LLAMA = {
 OVERHEAD_BYTES = 96 * MIB
 
 
+def _train_step(model, opt, mode: str, loss_of, batch_size: int) -> list[float]:
+    """One optimizer step in ``mode`` (2 micro-batches and clipping for "accumulate"); ``loss_of(rows)`` is the
+    loss of a slice of the batch. Returns each micro-batch's loss."""
+    import torch
+
+    micro = 2 if mode == "accumulate" else 1
+    losses = []
+    for i in range(micro):
+        loss = loss_of(slice(i * batch_size // micro, (i + 1) * batch_size // micro)) / micro
+        loss.backward()
+        losses.append(loss.item() * micro)
+    if mode == "accumulate":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    return losses
+
+
 def _llama_child(args: argparse.Namespace) -> dict:
     import time
 
@@ -87,20 +105,12 @@ def _llama_child(args: argparse.Namespace) -> dict:
         opt = OffloadedAdamW(off, lr=args.lr, step_in_backward=args.mode == "in-backward", moments=args.moments,
                              master=args.master)
         built_s = time.perf_counter() - t0
-        micro = 2 if args.mode == "accumulate" else 1
         losses, steps_s, moved = [], [], []
         for _ in range(args.steps):
             before = store.stats_dict()
             t0 = time.perf_counter()
-            for i in range(micro):
-                rows = ids[i * args.batch_size // micro:(i + 1) * args.batch_size // micro]
-                loss = model(input_ids=rows, labels=rows).loss / micro
-                loss.backward()
-                losses.append(loss.item() * micro)
-            if args.mode == "accumulate":
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
+            losses += _train_step(model, opt, args.mode, lambda rows: model(input_ids=ids[rows], labels=ids[rows]).loss,
+                                  args.batch_size)
             opt.wait()  # the step's write-behind belongs to it
             steps_s.append(time.perf_counter() - t0)
             after = store.stats_dict()
@@ -180,19 +190,11 @@ def _child(args: argparse.Namespace) -> dict:
         built_s = time.perf_counter() - t0
         built_peak = peak_rss_bytes() - baseline
         opt = OffloadedAdamW(off, lr=1e-4, step_in_backward=args.mode == "in-backward")
-        micro = 2 if args.mode == "accumulate" else 1
         losses, steps_s = [], []
         for _ in range(args.steps):
             t0 = time.perf_counter()
-            for i in range(micro):
-                rows = slice(i * args.batch_size // micro, (i + 1) * args.batch_size // micro)
-                loss = F.mse_loss(model(batch[rows]), target[rows]) / micro
-                loss.backward()
-                losses.append(loss.item() * micro)
-            if args.mode == "accumulate":
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
+            losses += _train_step(model, opt, args.mode, lambda rows: F.mse_loss(model(batch[rows]), target[rows]),
+                                  args.batch_size)
             steps_s.append(time.perf_counter() - t0)
         opt.close()
         stats = store.stats_dict()
@@ -268,6 +270,9 @@ def main(argv: list[str] | None = None) -> dict:
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         p.error(f"--modes: {', '.join(bad) or 'none given'}; choose from {', '.join(MODES)}")
+    if "accumulate" in modes and args.batch_size < 2:
+        p.error(f"--modes accumulate splits each batch into 2 micro-batches: give --batch-size 2 or more (it is "
+                f"{args.batch_size})")
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-capacity-", dir=args.nvme_path or "/var/tmp") as d:
         load = ["--load", _write_pretrained(args, d)] if args.pretrained else []
