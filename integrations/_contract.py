@@ -2,7 +2,8 @@
 
 :class:`OffloadedParameters` is what :class:`~tierstore.integrations.optim.OffloadedAdamW` and the checkpoint
 functions use of a model's offloaded parameters; ``OffloadedModel`` (one process) and ``FSDPOffload`` (one
-rank's FSDP2 shards) implement it. The optimizer's store keys are spelt here and nowhere else.
+rank's FSDP2 shards) implement it once, in ``_base.OffloadBase``, so neither user asks what a wrapper has.
+The optimizer's store keys are spelt here and nowhere else.
 """
 
 from __future__ import annotations
@@ -73,10 +74,15 @@ class OffloadedParameters(Protocol):
     - ``named_offloaded()``: (name, store key, parameter) of each offloaded parameter; ``resident``: name ->
       parameter of those kept in memory (stepped in memory too);
     - ``grads``: the gradient of a store key (``get``; ``pop`` also lets it go), as backward left it;
+    - ``keeps_grads``: whether gradients are kept by the offload (read through ``grads``; ``grads_in_order()``
+      lists them in ``model.parameters()`` order) rather than left in ``param.grad``;
     - ``grad_ready_callbacks``: called with a store key once that gradient is complete for this backward
-      (an optimizer stepping in backward registers here);
+      (an optimizer stepping in backward registers here); ``grad_read_guards``: each says why no gradient may
+      be read now, or None; ``backwards_failed``: how many backward passes raised;
     - ``later_uses`` and ``policy``: what eviction weighs (an optimizer adds its queue), the prefetch trace;
-    - ``on_remove``: called when the offload is removed (an optimizer drops its state);
+    - ``on_remove``: called when the offload is removed (an optimizer drops its state); ``on_load``: called with
+      the names of the parameters a load wrote (an optimizer remakes their masters), or None where the wrapper
+      cannot tell of a load (weights are then loaded before an optimizer is made);
     - ``in_forward_or_backward()``: whether a forward or backward of the model is running now;
     - ``held_beside_updates()``: offloaded parameter name -> bytes of the host tier that backward may hold while
       that parameter's update runs in backward (what the optimizer's host budget must leave room for);
@@ -92,9 +98,13 @@ class OffloadedParameters(Protocol):
     policy: PrefetchPolicy
     resident: dict[str, nn.Parameter]
     grads: GradientSource
+    keeps_grads: bool
     grad_ready_callbacks: list[Callable[[str], None]]
+    grad_read_guards: list[Callable[[], str | None]]
+    backwards_failed: int
     later_uses: LaterUses
     on_remove: list[Callable[[], None]]
+    on_load: list[Callable[[list[str]], None]] | None
     broken: str | None
 
     def named_offloaded(self) -> Iterator[tuple[str, str, nn.Parameter]]: ...
@@ -102,6 +112,8 @@ class OffloadedParameters(Protocol):
     def read_param(self, name: str) -> torch.Tensor: ...
 
     def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def grads_in_order(self) -> list[torch.Tensor]: ...
 
     def in_forward_or_backward(self) -> bool: ...
 

@@ -131,12 +131,12 @@ class Placer:
     """The placement and the prefetch depth of one offloaded model (see the notes above)."""
 
     def __init__(self, store: TierStore, policy: PrefetchPolicy, later: LaterUses, *,
-                 group_keys: Callable[[], Mapping[str, Sequence[tuple[str, int]]]], place: bool,
+                 unit_keys: Callable[[], Mapping[str, Sequence[tuple[str, int]]]], place: bool,
                  auto_depth: bool, grad_of: Callable[[str], tuple[str, int] | None] = lambda key: None) -> None:
         self.store = store
         self.policy = policy
         self.later = later
-        self.group_keys = group_keys  # unit name -> (store key, bytes) of the parameters its uses hold
+        self.unit_keys = unit_keys  # unit name -> (store key, bytes) of the parameters its uses hold
         # parameter key -> (store key, bytes) of the gradient kept for an optimizer stepping after backward, or None
         self.grad_of = grad_of
         self.place = place
@@ -244,8 +244,8 @@ class Placer:
         resident = placement.resident if placement is not None else frozenset()
         self.store.keep(self, resident, Tier.HOST)
         # Reads ahead count only what streams, within their share of the room.
-        self.policy.group_bytes.update({g: sum(n for k, n in keys if k not in resident)
-                                        for g, keys in self.group_keys().items()})
+        self.policy.unit_bytes.update({g: sum(n for k, n in keys if k not in resident)
+                                        for g, keys in self.unit_keys().items()})
         if self._fixed_max_bytes is None:
             self.policy.max_bytes = self._params_readahead()
 
@@ -258,11 +258,11 @@ class Placer:
         """The last recorded step as uses of store keys: each unit's parameters where the trace uses it, each
         optimizer update (a parameter with its state) after its parameter's last use when the optimizer steps
         in backward, else after the whole trace."""
-        groups = self.group_keys()
+        units = self.unit_keys()
         events: list[tuple[str, ...]] = []
         nbytes: dict[str, int] = {}
-        for g in self.policy.trace or []:
-            keys = groups.get(g, ())
+        for u in self.policy.trace or []:
+            keys = units.get(u, ())
             events.append(tuple(k for k, _ in keys))
             nbytes.update(keys)
         states: dict[str, list[str]] = {}
@@ -316,7 +316,7 @@ class Placer:
                           largest_update_bytes=max(by_param.values(), default=0))
 
     def _largest_unit(self) -> int:
-        return max((sum(n for _, n in keys) for keys in self.group_keys().values()), default=0)
+        return max((sum(n for _, n in keys) for keys in self.unit_keys().values()), default=0)
 
     def _units_in_flight(self) -> int:
         """Units in the host tier at once for compute and read-ahead at a depth the user fixed: the one
@@ -342,8 +342,8 @@ class Placer:
         if not uses or uses != self.policy.trace:
             return self.policy.depth
         kept = self.store.kept(Tier.HOST)
-        groups = self.group_keys()
-        streamed = [sum(n for k, n in groups.get(g, ()) if k not in kept) for g in uses]
+        units = self.unit_keys()
+        streamed = [sum(n for k, n in units.get(g, ()) if k not in kept) for g in uses]
         reads = [n / drive_bytes_per_second for n in streamed]
         compute = [max(0.0, b - a) for a, b in zip(clock, clock[1:])] + [0.0]
         # As many of the largest streamed unit as the room holds beside the one computing.

@@ -44,23 +44,22 @@ from tierstore._checkpoint import (
 )
 
 from ._layouts import StateLayout
-from .fsdp import _STATE_KEY as _FSDP_STATE_KEY
+from ._base import OffloadBase, offloaded_of
 from .fsdp import FSDPOffload
-from .offload import _STATE_KEY, OffloadedModel
 from .optim import OffloadedAdamW
 
-Offloaded = OffloadedModel | FSDPOffload
+Offloaded = OffloadBase
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 
 
 def _offloaded(model: nn.Module | Offloaded) -> tuple[nn.Module, Offloaded | None]:
-    if isinstance(model, (OffloadedModel, FSDPOffload)):
+    if isinstance(model, OffloadBase):
         return model.model, model
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, an OffloadedModel or an FSDPOffload, not {type(model).__name__}")
-    return model, getattr(model, _STATE_KEY, None) or getattr(model, _FSDP_STATE_KEY, None)
+    return model, offloaded_of(model)
 
 
 def _store_source(store: TierStore, key: str, name: str) -> TensorSource:
@@ -444,7 +443,7 @@ def _load_tensors(model: nn.Module | Offloaded, entries: dict[str, tuple[list[in
     """Write ``entries`` (name -> (shape, a function reading the tensor)) into the model's tensors, wherever
     they live, after checking names and shapes; one tensor read at a time."""
     model, off = _offloaded(model)
-    on_load = getattr(off, "on_load", None)  # where an optimizer's masters are remade from loaded values
+    on_load = off.on_load if off is not None else None  # where an optimizer's masters are remade from loaded values
     if off is not None and off.on_remove and on_load is None:
         raise CheckpointError("load weights before creating the model's OffloadedAdamW: its fp32 masters and "
                               "moments were made from the parameters as they are now")

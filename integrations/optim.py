@@ -1,16 +1,5 @@
 """AdamW whose fp32 master weights and moments live in a TierStore, stepped with read-ahead and write-behind.
 
-[Note: Stepping in backward] With ``step_in_backward=True`` a parameter is
-stepped as soon as its gradient is complete, on a worker thread, while
-backward goes on with the layers below: the optimizer's reads and writes
-overlap backward compute instead of following it (ZeRO-Infinity's overlap of
-the optimizer with backward). ``step()`` then only waits for those updates
-(and steps parameters that stay resident). Gradients must be complete after
-one backward: no accumulation over several backward passes and no clipping
-by the global norm (use the default mode for those). Gradients queued for
-the worker are memory that no tier budget counts, so backward waits (counted
-as stall time) while more than ``max_grad_backlog_bytes`` of them are queued.
-
 [Note: Pipelined step] Parameters are stepped one at a time in a fixed order.
 Before parameter i is computed, the state of the next parameters (up to
 ``readahead_bytes`` of it, by default half the host budget, or half the room a
@@ -22,38 +11,46 @@ parameter i while the CPU computes i+1. The arithmetic is torch.optim.AdamW's
 own, with the implementation its ``foreach``/``fused`` flags choose (see
 [Note: Which AdamW] in _adamw.py), so fp32 training is bit-identical to it
 given the same flags.
+
+[Note: A step that stops part-way] An update that fails (a read of
+its state, say) leaves that parameter as it was, but those updated
+before it stay updated: the model is part of a step ahead, which no
+resident training ever is. A gradient whose update succeeded is marked
+as applied (the tensor and its version), so calling step() again with
+the same gradients updates only the rest, and the step ends as if it
+had not failed; step() twice with the same gradients is refused. Until
+it is finished, forward, zero_grad() and checkpoints refuse (through
+the model's ``broken``), since their values would mix two steps.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
 import torch
-from torch import nn
 
-from tierstore import Tier, TierStore, parse_bytes
-from tierstore._copies import dense_strides
-from tierstore._memory import TierPool
+from tierstore import Tier, TierStore
 
 from . import _adamw
 from ._adamw import HYPER, check_hyper
-from ._contract import (
-    OPTIMIZER_STATE,
-    STEPPED_DTYPES,
-    OffloadedParameters,
-    moment_dtype,
-    optimizer_key,
-)
+from ._contract import OffloadedParameters, optimizer_key
 from ._grads import generation, store_key_of, values_of
-from ._layouts import StateLayout, decode_state, encode_state, join_master, split_master
+from ._in_backward import BackwardSteps
+from ._layouts import StateLayout
+from ._optim_params import (
+    check_flags,
+    check_group_states,
+    group_states,
+    positive_bytes,
+    stepped_items,
+    torch_groups,
+)
+from ._optim_state import AdamWState
 from ._pipeline import StatePipeline, UnrestorableUpdateError, state_keys
 
 
@@ -92,16 +89,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                  differentiable: bool = False, moments: str | None = None, master: str | None = None) -> None:
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         check_hyper(defaults, "")
-        unsupported = [f"{k}=True" for k, v in (("amsgrad", amsgrad), ("capturable", capturable),
-                                                  ("differentiable", differentiable)) if v]
-        if unsupported:
-            raise ValueError(f"OffloadedAdamW does not support {', '.join(unsupported)} (torch.optim.AdamW's "
-                             f"amsgrad would keep a third state tensor per parameter; capturable and differentiable "
-                             f"are for CUDA graphs and higher-order optimization): leave them False")
+        check_flags(offloaded, amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
         impl = _adamw.impl_of(foreach, fused)
-        if not isinstance(offloaded, OffloadedParameters):
-            raise TypeError(f"OffloadedAdamW steps offloaded parameters: pass what offload_model or offload_fsdp "
-                            f"returned, not {type(offloaded).__name__}")
         config = offloaded.store.config
         self.layout = StateLayout(moments if moments is not None else config.optimizer_moments,
                                   master if master is not None else config.optimizer_master)
@@ -113,185 +102,55 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.store: TierStore = offloaded.store
         host = self.store.config.host_budget_bytes
         # Gradients waiting for their update are memory no tier budgets (see [Note: Stepping in backward]).
-        self.max_grad_backlog_bytes = self._positive_bytes(max_grad_backlog_bytes, max(1, host // 4),
+        self.max_grad_backlog_bytes = positive_bytes(max_grad_backlog_bytes, max(1, host // 4),
                                                            "max_grad_backlog_bytes")
         # Reads in flight keep the drive busy (measured: half the host tier beat a quarter and 16 parameters
         # by 5-9% a step on ViT-large); the other half is left to the parameters. Under a placement, what it
         # leaves for copies in flight bounds them instead (see integrations/_placing.py).
-        fixed = None if readahead_bytes is None else self._positive_bytes(readahead_bytes, 1, "readahead_bytes")
+        fixed = None if readahead_bytes is None else positive_bytes(readahead_bytes, 1, "readahead_bytes")
         self._pipeline = StatePipeline(self.store, readahead=readahead, readahead_bytes=(
             (lambda: fixed) if fixed is not None else (lambda: offloaded.readahead_room() or max(1, host // 2))),
             impl=impl, layout=self.layout)
         home = Tier.parse(home if home is not None else self.store.config.optimizer_tier)
         self.steps: dict[str, float] = {}
-        # (name, param key or None for a resident one, param): frozen parameters (requires_grad=False) get no
-        # state, as torch's optimizers create none for a parameter that never has a gradient.
-        everything = [*offloaded.named_offloaded(), *((name, None, p) for name, p in offloaded.resident.items())]
-        self._items: list[tuple[str, str | None, torch.nn.Parameter]] = [
-            it for it in everything if it[2].requires_grad]
-        self._frozen = [it for it in everything if not it[2].requires_grad]
-        odd = [f"{name} ({p.dtype})" for name, _, p in self._items if p.dtype not in STEPPED_DTYPES]
-        if odd:
-            raise TypeError(f"OffloadedAdamW steps fp32, fp64, bf16 and fp16 parameters, not {', '.join(odd[:4])}"
-                            f"{', ...' if len(odd) > 4 else ''}: freeze them (requires_grad_(False)) or convert "
-                            f"them before offload_model")
+        self._items, self._frozen = stepped_items(offloaded)
+        self._name_of = {id(p): name for name, _, p in (*self._items, *self._frozen)}
+        self._state = AdamWState(offloaded, self.layout, self._items)
         self.layout.check(self._items)
-        handles = []
-        self._name_of = {id(p): name for name, _, p in everything}
-        sparse = [n for n, m in offloaded.model.named_modules()
-                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
-        if sparse:  # torch's AdamW refuses sparse gradients at its step too
-            raise ValueError(f"{', '.join(sparse[:4])}: sparse=True gives sparse gradients, which AdamW does not "
-                             f"step; build the embedding with sparse=False (the default)")
-        added = [n for n, p in offloaded.model.named_parameters() if id(p) not in self._name_of and p.requires_grad]
-        if added:  # they would never be stepped, and the model would train without them, silently
-            raise ValueError(f"{', '.join(added[:4])}{', ...' if len(added) > 4 else ''}: trainable parameters of "
-                             f"the model that offload_model did not take (modules added or replaced after it): "
-                             f"OffloadedAdamW steps only what it took. Build the whole model (heads, adapters) "
-                             f"before offload_model, or freeze these (requires_grad_(False))")
-        self._check_host_budget(host, step_in_backward)
+        self._state.check_host_budget(host, step_in_backward)
         if any(optimizer_key(name, "exp_avg") in self.store for name, _, _ in self._items):
             raise ValueError("this model already has an OffloadedAdamW (its state is in the store); keep using that "
                              "one (opt.load_state_dict() replaces its state), or offload a fresh model")
         self._building = True
-        super().__init__(self._torch_groups(param_groups, defaults), defaults)
+        super().__init__(torch_groups(param_groups, defaults, self._items, self._frozen, self._name_of), defaults)
         self._building = False
         # name -> its group, the very dict a scheduler changes: each update reads its hyper-parameters from it.
         self._group_of = {self._name_of[id(p)]: g for g in self.param_groups for p in g["params"]}
-        if home is Tier.NVME:  # room for every moment (and master) is checked before the first is written
-            self.store.require_nvme_room(sum(self._state_bytes(key, p) for _, key, p in self._items),
-                                         "AdamW state of {size}")
-        try:
-            for name, key, p in self._items:
-                # In the parameter's layout, as torch's AdamW makes them (zeros_like): see [Note: The fused
-                # kernel and layouts].
-                shape, stride = (p.shape, dense_strides(p)) if key is None else self._param_layout(key)
-                zeros = self.layout.moment_tensor(self.layout.moments_of(key, p, shape.numel()),
-                                                  moment_dtype(key, p), shape, stride)
-                handles.append(self.store.put(optimizer_key(name, "exp_avg"), zeros, home=home))
-                handles.append(self.store.put(optimizer_key(name, "exp_avg_sq"), zeros, home=home))
-                how = self.layout.master_of(key, p)
-                if how == "fp32":
-                    master_value = self.offloaded.read_param(name).float()
-                    handles.append(self.store.put(optimizer_key(name, "master"), master_value, home=home))
-                elif how == "split":  # the weight's bf16 value is the master's top half: its low half is 0
-                    low = (torch.zeros(shape, dtype=torch.int16) if stride is None else
-                           torch.empty_strided(shape, stride, dtype=torch.int16).zero_())
-                    handles.append(self.store.put(optimizer_key(name, "master"), low, home=home))
-            for h in handles:
-                h.wait()
-        except BaseException:  # a failed constructor leaves nothing in the store (a retry must not see it)
-            self.store.undo_puts(handles)
-            raise
-        self._pipeline.state_bytes = {name: sum(self.store.info(k)["nbytes"]
-                                                for k in state_keys(name, key, p, self.layout))
-                                      for name, key, p in self._items}
+        self._pipeline.state_bytes = self._state.create(home)
         self.step_in_backward = step_in_backward
-        self._early: dict[str, Future] = {}  # key -> update started in backward
         self._queue: list[tuple] = []  # (name, key, param, grad) in the order they are stepped
         self._done = 0  # how many of the queue are stepped
-        self._futures: list[Future] = []  # of the queue's updates started in backward
-        self._backlog_bytes = 0  # of gradients queued and not yet consumed
-        self._backlog_lock = threading.Lock()
         # name -> (the gradient its last update applied, that gradient's version), and why the last step()
         # stopped part-way: see [Note: A step that stops part-way].
         self._applied: dict[str, tuple[weakref.ref, int]] = {}
         self._unfinished: str | None = None
-        self._backwards_failed = getattr(offloaded, "backwards_failed", 0)  # as of the last step()
-        self._worker: ThreadPoolExecutor | None = None
-        self._worker_ident: int | None = None
-        if step_in_backward:
-            self._by_key = {key: (name, key, p) for name, key, p in self._items if key is not None}
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="tierstore-adamw")
-            offloaded.grad_ready_callbacks.append(self._on_grad_ready)
-            if hasattr(offloaded, "grad_read_guards"):  # param.grad of an offloaded parameter asks it
-                offloaded.grad_read_guards.append(self._gradients_taken)
-        # Every store key an update of an offloaded parameter uses, built once: eviction asks for the
-        # queue's keys on each allocation.
-        self._use_keys = {name: tuple(dict.fromkeys((key, *state_keys(name, key, p, self.layout))))
-                          for name, key, p in self._items if key is not None}
-        # Eviction then knows when this state is used (see [Note: Who uses a copy next]).
-        for name, key, p in self._items:
-            if key is not None:
-                for k in state_keys(name, key, p, self.layout):
-                    if k != key:
-                        offloaded.later_uses.after[k] = key
+        self._backwards_failed = offloaded.backwards_failed  # as of the last step()
+        # See [Note: Stepping in backward].
+        self._in_backward = BackwardSteps(self) if step_in_backward else None
+        self._attach(offloaded, step_in_backward)
+
+    def _attach(self, offloaded: OffloadedParameters, step_in_backward: bool) -> None:
+        """Tell the model's offload when this state is used (eviction weighs it), and what to do on its removal
+        and on a load of its weights."""
+        self._state.attach(offloaded.later_uses)
         offloaded.later_uses.queues.append(self._queued)
         offloaded.later_uses.in_backward = step_in_backward
         offloaded.on_remove.append(self._drop_state)  # the state goes with the offload: a later one may reuse names
-        if hasattr(offloaded, "on_load"):
+        if offloaded.on_load is not None:
             offloaded.on_load.append(self._remake_masters)
 
-    def _check_host_budget(self, host_budget: int, step_in_backward: bool) -> None:
-        """One update holds its parameter's fp32 master and both moments in the host tier at once (stepping in
-        backward, beside what backward holds there): a budget below that for the largest parameter could never
-        step it, or only by luck, so say so now, before any state exists."""
-        def one_update(name: str, key: str | None, p: torch.nn.Parameter) -> int:
-            numel = p.numel() if key is None else self._param_shape(key).numel()
-            n = numel * moment_dtype(key, p).itemsize
-            if self.layout.is_plain(key, p, numel):
-                # after backward, an offloaded parameter's gradient is held too (see [Note: Gradients in the tiers])
-                return TierPool.capacity_for(n) * (2 if key is None else 3 if step_in_backward else 4)
-            # the stored state and the weight it steps; a kept gradient after backward
-            return (sum(TierPool.capacity_for(b) for b in self._state_pieces(key, p))
-                    + TierPool.capacity_for(numel * p.dtype.itemsize)
-                    + (0 if step_in_backward else TierPool.capacity_for(n)))
-
-        # name -> what backward may hold in the host tier while it is updated
-        beside = self.offloaded.held_beside_updates() if step_in_backward else {}
-        need, name = max(((one_update(n, k, p) + beside.get(n, 0), n) for n, k, p in self._items),
-                         default=(0, ""))
-        what = "its master weight and two moments" + ("" if step_in_backward else ", and its gradient")
-        if beside.get(name):
-            what += f", beside the largest unit backward may hold meanwhile ({beside[name]} bytes)"
-        if need > host_budget:
-            raise ValueError(f"host_budget_bytes={host_budget} ({host_budget / 2**20:.1f} MiB) is below what one "
-                             f"AdamW update of {name!r} needs at once: {need} bytes ({need / 2**20:.1f} MiB) for "
-                             f"{what}. Raise host_budget_bytes to at least that (a few times more lets the "
-                             f"optimizer read ahead)")
-
-    def _torch_groups(self, param_groups: list[dict[str, Any]] | None,
-                      defaults: dict[str, Any]) -> list[dict[str, Any]]:
-        """``param_groups`` with parameters for names, and the parameters in no group as a last group."""
-        by_name = {name: p for name, _, p in self._items}
-        frozen = {name for name, _, _ in self._frozen}
-        seen: dict[str, int] = {}
-        groups = []
-        for i, group in enumerate(param_groups or []):
-            if not isinstance(group, dict) or "params" not in group:
-                raise TypeError(f"param_groups[{i}] must be a dict with a 'params' list")
-            unknown = sorted(set(group) - {"params", *HYPER})
-            if unknown:
-                raise ValueError(f"param_groups[{i}] has unknown keys {unknown}; valid: 'params', {', '.join(HYPER)}")
-            params = [group["params"]] if isinstance(group["params"], (str, torch.Tensor)) else list(group["params"])
-            names, named_frozen = [], False
-            for p in params:
-                name = p if isinstance(p, str) else self._name_of.get(id(p))
-                if name in frozen:
-                    named_frozen = True
-                    continue  # never has a gradient: nothing to step
-                if name not in by_name:
-                    what = repr(p) if isinstance(p, str) else f"a tensor of shape {tuple(p.shape)}"
-                    raise ValueError(f"param_groups[{i}]: {what} is not a parameter of the offloaded model "
-                                     f"(give parameter names, as in model.named_parameters(), or the parameters)")
-                if name in seen:
-                    raise ValueError(f"param_groups[{i}]: parameter {name!r} is already in param_groups[{seen[name]}]")
-                seen[name] = i
-                names.append(name)
-            if not names and not named_frozen:
-                raise ValueError(f"param_groups[{i}] has no parameters")
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            if "betas" in hyper:
-                hyper["betas"] = tuple(hyper["betas"])
-            check_hyper({**defaults, **hyper}, f"param_groups[{i}]: ")
-            groups.append({"params": [by_name[n] for n in names], **hyper})
-        rest = [p for name, _, p in self._items if name not in seen]
-        if rest or not groups:
-            groups.append({"params": rest})
-        return groups
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Called by ``Optimizer.__init__`` with the groups :meth:`_torch_groups` checked; refused after it.
+        """Called by ``Optimizer.__init__`` with the groups ``_optim_params.torch_groups`` checked; refused after it.
 
         Not torch's own, which imports torch._dynamo on its first call: 68 MiB of RSS here.
         """
@@ -300,28 +159,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
                                "when constructing it")
         self.param_groups.append({**self.defaults, **param_group, "params": list(param_group["params"])})
 
-    def _state_pieces(self, key: str | None, p: torch.nn.Parameter) -> list[int]:
-        """Bytes of each stored piece of this parameter's optimizer state under the layout."""
-        numel = p.numel() if key is None else self._param_shape(key).numel()
-        return self.layout.piece_bytes(key, p, numel, moment_dtype(key, p))
-
-    def _state_bytes(self, key: str | None, p: torch.nn.Parameter) -> int:
-        return sum(self._state_pieces(key, p))
-
-    @staticmethod
-    def _positive_bytes(value: int | str | None, default: int, name: str) -> int:
-        """A byte count given as an int or a size such as '64MiB'; ``default`` when None."""
-        n = default if value is None else parse_bytes(value, name=name)
-        if n < 1:
-            raise ValueError(f"{name}={value!r} must be at least 1 byte")
-        return n
-
     def _queued(self) -> dict[str, int]:
         """Store keys of the parameters still to be stepped -> their place in the queue."""
         queue, done = self._queue, self._done
         out: dict[str, int] = {}
         for pos, item in enumerate(queue[done:]):
-            out.update(dict.fromkeys(self._use_keys.get(item[0], ()), pos))
+            out.update(dict.fromkeys(self._state.use_keys.get(item[0], ()), pos))
         return out
 
     def _thawed_message(self, names: list[str]) -> str:
@@ -329,79 +172,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 f"OffloadedAdamW was created, so it keeps no state for them: {', '.join(names[:4])}"
                 f"{', ...' if len(names) > 4 else ''}. Create the optimizer after unfreezing them")
 
-    def _on_grad_ready(self, key: str) -> None:
-        if key not in self._by_key:
-            raise RuntimeError(self._thawed_message([n for n, k, _ in self._frozen if k == key]))
-        name, key_, p = self._by_key[key]
-        if key in self._early:
-            if getattr(self.offloaded, "backwards_failed", 0) != self._backwards_failed:
-                self.offloaded.broken = (
-                    f"a backward raised after stepping in backward had updated some parameters ({name} among them): "
-                    f"their updates stand and the rest never came, so the model is part of a step ahead and no "
-                    f"step can finish it; load a checkpoint to go on")
-                raise UnrestorableUpdateError(self.offloaded.broken)
-            raise RuntimeError(f"{name}: a second backward before step(); step_in_backward=True steps each "
-                               "parameter after one backward, so gradient accumulation needs step_in_backward=False")
-        grad = self.offloaded.grads.get(key)
-        assert self._worker is not None
-        # Backward waits while the gradients queued before this one exceed the backlog bound.
-        if self._backlog_bytes > self.max_grad_backlog_bytes:
-            t0 = time.perf_counter()
-            while self._backlog_bytes > self.max_grad_backlog_bytes and self._done < len(self._futures):
-                try:
-                    self._futures[self._done].exception(timeout=0.05)
-                except FutureTimeoutError:
-                    # The worker waits for host memory that backward holds: backward goes on (and releases
-                    # it), the backlog over its bound for a while, rather than both waiting for each other.
-                    if self._worker_ident is not None and self.store.is_waiting_for_room(self._worker_ident):
-                        break
-            self.store.stats.add_wait(t0, time.perf_counter(), key="gradient backlog")
-        nbytes = grad.numel() * grad.element_size() if grad is not None else 0
-        with self._backlog_lock:
-            self._backlog_bytes += nbytes
-        self._queue.append((name, key_, p, grad))
-        future = self._worker.submit(self._step_ready, len(self._queue) - 1, nbytes)
-        self._futures.append(future)
-        self._early[key] = future
-
-    def _gradients_taken(self) -> str | None:
-        """Why no gradient may be read now: since the last step() a backward has handed its gradients to the
-        updates, which consume them as they go (a clip then would race them, or find none and clip nothing)."""
-        if not self._early:
-            return None
-        return ("OffloadedAdamW(step_in_backward=True) applies each gradient as backward produces it, and this "
-                "backward's are being applied now, so none is there to read or clip (torch's clip_grad_norm_ "
-                "would clip nothing). Clip with step_in_backward=False (off.clip_grad_norm_), or read gradients "
-                "after opt.step() with step_in_backward=False")
-
-    def _step_ready(self, i: int, nbytes: int) -> None:
-        self._worker_ident = threading.get_ident()
-        # Read ahead in the worker's order, within readahead_bytes: reads issued for every gradient as
-        # it arrives would overflow the host tier and evict each other before use.
-        ready = self._queue
-        try:
-            with self.store.stats.background():
-                self._pipeline.read_ahead(ready, i)
-                name, key, p, grad = ready[i]
-                self._timed_step(name, key, p, grad)
-            ready[i] = (name, key, p, None)
-            self.offloaded.grads.pop(key, None)  # consumed: its memory goes now, not at zero_grad()
-        finally:
-            with self._backlog_lock:
-                self._backlog_bytes -= nbytes
-            self._done = i + 1
-
     def close(self) -> None:
         """Stop the worker of ``step_in_backward`` (after the updates in flight) and detach from the model."""
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
-            callbacks = self.offloaded.grad_ready_callbacks
-            if self._on_grad_ready in callbacks:
-                callbacks.remove(self._on_grad_ready)
-            guards = getattr(self.offloaded, "grad_read_guards", [])
-            if self._gradients_taken in guards:
-                guards.remove(self._gradients_taken)
+        if self._in_backward is not None:
+            self._in_backward.close()
         if self._queued in self.offloaded.later_uses.queues:
             self.offloaded.later_uses.queues.remove(self._queued)
 
@@ -410,10 +184,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.close()
         with contextlib.suppress(BaseException):
             self.wait()
-        for name, key, p in self._items:
-            for k in state_keys(name, key, p, self.layout):
-                if k != key and self.store.contains(k):
-                    self.store.drop(k)
+        self._state.drop()
         self._items = []
         self.steps = {}
 
@@ -422,36 +193,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         optimizer made them when it was created (a bf16 master left as it was would overwrite the loaded value
         at the next step)."""
         self.wait()
-        loaded = set(names)
-        for name, key, p in self._items:
-            if name in loaded and self.layout.master_of(key, p) is not None:
-                self._write_master(name, key, p, None)
-
-    def _write_master(self, name: str, key: str | None, p: torch.nn.Parameter, value: torch.Tensor | None) -> None:
-        """Set a parameter's master to ``value`` (fp32), or to its weight's value (None). Under
-        ``master="split"`` a value sets the weight too: it is the master's top half."""
-        k = optimizer_key(name, "master")
-        how = self.layout.master_of(key, p)
-        held = self.store.get(k, Tier.HOST)
-        try:
-            if how == "fp32":
-                held.copy_(self.offloaded.read_param(name) if value is None else value)
-            elif value is None:
-                held.zero_()  # the weight's own value: a low half of 0
-            else:
-                assert key is not None
-                weight = self.store.get(key, Tier.HOST)
-                try:
-                    self.store.writing(key).wait()  # its last write reads it
-                    master = torch.empty_like(weight, dtype=torch.float32).copy_(value)
-                    split_master(master, weight, held)
-                    self.store.mark_dirty(key, Tier.HOST)
-                finally:
-                    self.store.release(key, Tier.HOST)
-                self.store.write_back(key)
-            self.store.mark_dirty(k, Tier.HOST)
-        finally:
-            self.store.release(k, Tier.HOST)
+        self._state.remake_masters(names)
 
     def named_items(self) -> list[tuple[str, str | None, torch.nn.Parameter]]:
         """(name, store key or None for a resident parameter, parameter) of each parameter this optimizer steps."""
@@ -463,28 +205,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         hold (torch's ``load_state_dict`` replaces the whole state: nothing of a later step may survive)."""
         self.wait()
         chosen = set(names)
-        for name, key, p in self._items:
-            if name not in chosen:
-                continue
+        for name in chosen:
             self.steps.pop(name, None)
             self._applied.pop(name, None)
-            for what in ("exp_avg", "exp_avg_sq"):
-                k = optimizer_key(name, what)
-                t = self.store.get(k, Tier.HOST)
-                try:
-                    t.zero_()
-                    self.store.mark_dirty(k, Tier.HOST)
-                finally:
-                    self.store.release(k, Tier.HOST)
-        self._remake_masters(list(chosen))
-
-    def _param_shape(self, key: str) -> torch.Size:
-        return torch.Size(self.store.info(key)["shape"])
-
-    def _param_layout(self, key: str) -> tuple[torch.Size, tuple[int, ...] | None]:
-        """The stored parameter's shape, and its strides where it is not contiguous."""
-        info = self.store.info(key)
-        return torch.Size(info["shape"]), info["stride"]
+        self._state.reset(chosen)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient, or zero each in place (``set_to_none=False``), as torch's optimizers do: then a
@@ -530,11 +254,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _step(self) -> None:
         if self.offloaded.broken and self.offloaded.broken != self._unfinished:
             raise UnrestorableUpdateError(self.offloaded.broken)
-        early, self._early = self._early, {}
-        self._backwards_failed = getattr(self.offloaded, "backwards_failed", 0)
+        early = self._in_backward.take() if self._in_backward is not None else {}
+        self._backwards_failed = self.offloaded.backwards_failed
         t0 = time.perf_counter()  # the training loop waits here for I/O-bound work: stall time
         errors = [f.exception() for f in early.values()]  # waits for the updates started in backward
-        self._queue, self._done, self._futures = [], 0, []
+        self._queue, self._done = [], 0
         updated = sum(err is None for err in errors)  # by this step so far
         try:
             previous = self._pipeline.take_previous()
@@ -572,15 +296,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._pipeline.end_step()
 
     def _stopped_part_way(self, updated: int, error: BaseException) -> None:
-        """[Note: A step that stops part-way] An update that fails (a read of
-        its state, say) leaves that parameter as it was, but those updated
-        before it stay updated: the model is part of a step ahead, which no
-        resident training ever is. A gradient whose update succeeded is marked
-        as applied (the tensor and its version), so calling step() again with
-        the same gradients updates only the rest, and the step ends as if it
-        had not failed; step() twice with the same gradients is refused. Until
-        it is finished, forward, zero_grad() and checkpoints refuse (through
-        the model's ``broken``), since their values would mix two steps."""
+        """An update failed after others succeeded: see [Note: A step that stops part-way]."""
         left = sum(1 for n, k, p in self._items
                    if (g := self._grad(n, k, p)) is not None and not self._was_applied(n, g))
         if not left:
@@ -620,48 +336,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def state_tensors(self, steps: dict[str, float] | None = None) -> list[tuple[str, str, str]]:
         """(parameter name, state name, store key) of every state tensor of parameters stepped so far (or,
         given ``steps``, of those it names)."""
-        stepped = self.steps if steps is None else steps
-        out = []
-        for name, key, p in self._items:
-            if name not in stepped:
-                continue
-            for what in OPTIMIZER_STATE[:2] + (("master",) if self.layout.master_of(key, p) is not None else ()):
-                out.append((name, what, optimizer_key(name, what)))
-        return out
+        return self._state.tensors(self.steps if steps is None else steps)
 
     def group_states(self) -> list[dict[str, Any]]:
         """Each parameter group's hyper-parameters (and what a scheduler added, such as ``initial_lr``), with
         ``"params"`` as parameter names: what state_dict() and checkpoints keep."""
-        return [{**{k: v for k, v in g.items() if k != "params"}, "params": [self._name_of[id(p)] for p in g["params"]]}
-                for g in self.param_groups]
+        return group_states(self.param_groups, self._name_of)
 
     def check_group_states(self, groups: Any) -> list[dict[str, Any]]:
-        """``groups`` as :meth:`load_group_states` would apply them, checked without changing anything: the same
-        groups of the same parameters (one group without ``"params"``, as older state dicts have, applies to
-        every group), each with valid hyper-parameters. Raises ValueError."""
-        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-            raise ValueError("parameter groups must be a list of dicts")
-        mine = self.group_states()
-        if any(isinstance(n, int) for g in groups for n in g.get("params", ())):
-            raise ValueError("these parameter groups name parameters by index, as torch.optim's state_dict() does: "
-                             "OffloadedAdamW's state_dict() names them (which an index cannot be matched to "
-                             "safely). Load state saved by an OffloadedAdamW (or a checkpoint), or start its "
-                             "moments afresh")
-        if len(groups) == 1 and "params" not in groups[0]:
-            groups = [{**groups[0], "params": g["params"]} for g in mine]
-        if [g.get("params") for g in groups] != [g["params"] for g in mine]:
-            raise ValueError(f"the saved parameter groups ({len(groups)}) do not hold the same parameters as this "
-                             f"optimizer's ({len(mine)}); build it with the param_groups it was saved with")
-        out = []
-        for i, (saved, current) in enumerate(zip(groups, mine)):
-            group = {**current, **{k: (tuple(v) if k == "betas" and isinstance(v, list) else v)
-                                   for k, v in saved.items()}}
-            try:
-                check_hyper(group, f"group {i}: ")
-            except TypeError:
-                raise ValueError(f"group {i}: hyper-parameters of the wrong type: {saved}") from None
-            out.append(group)
-        return out
+        """``groups`` as :meth:`load_group_states` would apply them, checked without changing anything (see
+        ``_optim_params.check_group_states``). Raises ValueError."""
+        return check_group_states(groups, self.group_states())
 
     def load_group_states(self, groups: list[dict[str, Any]]) -> None:
         """Restore :meth:`group_states` (checked by :meth:`check_group_states` first)."""
@@ -683,19 +368,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """The values of one piece of ``name``'s state stored under ``layout`` (this optimizer's by default), as
         the fp32 layout holds them: fp32 moments, an fp32 master (a split one joined with the weight now in the
         model)."""
-        layout = layout or self.layout
-        key, p = self._item(name)
-        shape, stride = (p.shape, dense_strides(p)) if key is None else self._param_layout(key)
-        if what == "master":
-            return stored if layout.master_of(key, p) == "fp32" else join_master(
-                self.offloaded.read_param(name), stored)
-        return decode_state(layout.moments_of(key, p, shape.numel()), stored, what == "exp_avg", shape, stride)
-
-    def _item(self, name: str) -> tuple[str | None, torch.nn.Parameter]:
-        for n, key, p in self._items:
-            if n == name:
-                return key, p
-        raise KeyError(f"optimizer state for unknown parameter {name!r}")
+        return self._state.decoded(name, what, stored, layout)
 
     def load_state_dict(self, sd: dict[str, Any], *, convert: bool = False) -> None:
         """Load what :meth:`state_dict` gave. State saved under another layout (``"state_layout"``; the fp32
@@ -716,22 +389,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         # The whole state is replaced, as torch's is: a parameter with no saved state starts afresh.
         self.reset_state(names - set(sd["state"]))
         for name, entry in sd["state"].items():
-            pieces = {what: v for what, v in entry.items() if what != "step"}
-            if saved == self.layout:
-                for what, value in pieces.items():
-                    k = optimizer_key(name, what)
-                    info = self.store.info(k)
-                    if tuple(value.shape) != tuple(info["shape"]) or value.dtype != info["dtype"]:
-                        raise ValueError(f"optimizer state {name}/{what} is {list(value.shape)} {value.dtype}, but "
-                                         f"this optimizer stores {info['shape']} {info['dtype']}: wrong model")
-                    t = self.store.get(k, Tier.HOST)
-                    try:
-                        t.copy_(value)
-                        self.store.mark_dirty(k, Tier.HOST)
-                    finally:
-                        self.store.release(k, Tier.HOST)
-            else:
-                self.load_values(name, {what: self.decoded(name, what, v, saved) for what, v in pieces.items()})
+            self._state.load(name, {what: v for what, v in entry.items() if what != "step"}, saved)
             self.steps[name] = float(entry["step"])
             self._applied.pop(name, None)
         self.store.flush()
@@ -739,21 +397,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def load_values(self, name: str, values: dict[str, torch.Tensor]) -> None:
         """Set one parameter's ``exp_avg``, ``exp_avg_sq`` and ``master`` from values of the fp32 layout
         (encoded into this one)."""
-        key, p = self._item(name)
-        shape, stride = (p.shape, dense_strides(p)) if key is None else self._param_layout(key)
-        for what in ("exp_avg", "exp_avg_sq"):
-            if what not in values:
-                continue
-            k = optimizer_key(name, what)
-            t = self.store.get(k, Tier.HOST)
-            try:
-                encode_state(self.layout.moments_of(key, p, shape.numel()), values[what], t, what == "exp_avg",
-                             stride)
-                self.store.mark_dirty(k, Tier.HOST)
-            finally:
-                self.store.release(k, Tier.HOST)
-        if self.layout.master_of(key, p) is not None:
-            self._write_master(name, key, p, values.get("master"))
+        self._state.load_values(name, values)
 
     def __repr__(self) -> str:
         groups = ", ".join(f"({len(g['params'])} params: " + ", ".join(f"{k}={g[k]}" for k in HYPER) + ")"
@@ -778,14 +422,13 @@ class OffloadedGradScaler(torch.amp.GradScaler):
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                         allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
-        grads_in_order = getattr(getattr(optimizer, "offloaded", None), "grads_in_order", None)
-        if grads_in_order is None:  # not an offloaded model: its gradients are in param.grad
-            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        if getattr(optimizer, "step_in_backward", False):
+        if not isinstance(optimizer, OffloadedAdamW) or not optimizer.offloaded.keeps_grads:
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)  # they are in param.grad
+        if optimizer.step_in_backward:
             raise RuntimeError("loss scaling needs every gradient checked before any update, but this optimizer "
                                "steps them during backward: use OffloadedAdamW(..., step_in_backward=False)")
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for grad in grads_in_order():
+        for grad in optimizer.offloaded.grads_in_order():
             if not allow_fp16 and grad.dtype == torch.float16:
                 raise ValueError("Attempting to unscale FP16 gradients: keep the parameters fp32 and compute in "
                                  "fp16 under torch.autocast")

@@ -64,7 +64,7 @@ def main(name: str, nvme_path: str, views: int, fused: bool) -> None:
                            for n, p in ref.named_parameters() for m in ("exp_avg", "exp_avg_sq"))
         read = store.stats_dict()["bytes_read_nvme"]
         # A layer: its uses in the step's trace.
-        first = next(g for g in off.groups if "layers" in g or ".h." in g or "layer_groups" in g)
+        first = next(g for g in off.units() if "layers" in g or ".h." in g or "layer_groups" in g)
         uses = off.policy.trace.count(first)
         forward = off.policy.trace[:off.policy.forward_uses or 0]
     print(json.dumps({"rank": rank, "ref": ref_losses, "ours": losses, "same_parameters": same,

@@ -81,7 +81,7 @@ def main(nvme_path: str, tied: bool) -> None:
         except RuntimeError:
             pass
         undone = (len(seen) == 6 and not store.keys() and all(p.is_meta for p in model.parameters())
-                  and not hasattr(model, "_tierstore_fsdp"))
+                  and not hasattr(model, "_tierstore_offload"))
         torch.manual_seed(0)
         off = offload_fsdp(model, store)
         in_memory = sum(p.to_local().untyped_storage().nbytes() for p in model.parameters())

@@ -215,7 +215,7 @@ def test_groups_know_their_bytes(make_store):
     model = ViT(PRESETS["tiny"])
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     off = offload_model(model, make_store(), prefetch_depth=2)
-    assert sum(off.policy.group_bytes.values()) == total  # what prefetch_bytes is counted against
+    assert sum(off.policy.unit_bytes.values()) == total  # what prefetch_bytes is counted against
 
 
 def test_eviction_keeps_what_the_optimizer_still_needs(make_store):

@@ -1,4 +1,4 @@
-from tierstore._schedule import LaterUses, PrefetchPolicy, group_victim_order
+from tierstore._schedule import LaterUses, PrefetchPolicy, unit_victim_order
 
 
 def run_step(policy, uses):
@@ -24,7 +24,7 @@ def test_depth_zero_never_prefetches():
 
 
 def test_bytes_bound():
-    p = PrefetchPolicy(depth=8, max_bytes=8, group_bytes={"a": 6, "b": 6, "c": 3, "d": 1})
+    p = PrefetchPolicy(depth=8, max_bytes=8, unit_bytes={"a": 6, "b": 6, "c": 3, "d": 1})
     run_step(p, "abcd")
     assert run_step(p, "abcd")[0] == ["b"]  # b alone: b+c would be 9 > 8
 
@@ -71,7 +71,7 @@ def test_victim_order_weighs_optimizer_uses():
     later = LaterUses(after={"adam/a": "param/a", "adam/b": "param/b", "adam/c": "param/c"})
     queue = {"param/c": 0, "adam/c": 0}  # c's gradient is complete and waits for its update
     later.queues.append(lambda: queue)
-    order = group_victim_order(p, key_group, later)
+    order = unit_victim_order(p, key_group, later)
     keys = ["param/a", "param/b", "param/c", "adam/a", "adam/b", "adam/c", "adam/stale"]
     # never used again first; then farthest first: a's state after a's last use, a, b's state, b, c's queue
     assert order(None, keys) == ["adam/stale", "adam/a", "param/a", "adam/b", "param/b", "param/c", "adam/c"]
@@ -85,7 +85,7 @@ def test_victim_order_takes_the_nearest_use_of_a_shared_key():
     p.start_step()
     p.on_use("a")
     # "param/t" is read by a (now) and d; "param/x" only by c: a shared key counts from its nearest use.
-    order = group_victim_order(p, {"param/t": ("d", "b"), "param/x": ("c",), "param/y": ("d",)})
+    order = unit_victim_order(p, {"param/t": ("d", "b"), "param/x": ("c",), "param/y": ("d",)})
     assert order(None, ["param/t", "param/x", "param/y"]) == ["param/y", "param/x", "param/t"]
 
 

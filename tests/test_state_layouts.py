@@ -190,7 +190,7 @@ def test_the_store_keeps_compressed_bytes_and_the_drive_sees_only_them(make_stor
             assert infos["exp_avg"]["nbytes"] == 4 * n
         assert infos["master"]["nbytes"] == 2 * n and infos["master"]["dtype"] == torch.int16
         assert store.info(key)["dtype"] == torch.bfloat16
-    state = sum(opt._state_bytes(key, p) for _, key, p in off.named_offloaded())
+    state = sum(opt._state.nbytes(key, p) for _, key, p in off.named_offloaded())
     params = sum(p.numel() for _, _, p in off.named_offloaded())
     assert state < 0.55 * params * 8  # against the fp32 layout's 8 bytes of moments and 4 of master a parameter
     store.flush()

@@ -1,20 +1,20 @@
-"""The prefetch scheduler: a pure policy over a recorded trace of group uses.
+"""The prefetch scheduler: a pure policy over a recorded trace of unit uses.
 
 It knows nothing of torch modules or files. The integration tells it when a
-step starts and which group is about to be used; it answers which groups to
+step starts and which unit is about to be used; it answers which units to
 prefetch now, and, knowing the future order, which copy to evict (the one
 whose next use is farthest: Belady's choice).
 
-[Note: Trace then replay] The first step records the order in which groups are
+[Note: Trace then replay] The first step records the order in which units are
 used (forward, then backward in its real order, recomputation included). A
-later step that follows the trace keeps the next ``depth`` groups (or the next
+later step that follows the trace keeps the next ``depth`` units (or the next
 ``max_bytes``) in flight. A use that departs from the trace switches to
 on-demand fetching for the rest of the step and records a new trace, used from
 the next step on; nothing fails or waits because of a departure.
 
 [Note: Who uses a copy next] Eviction ranks every copy by its next use in one
-order: a parameter's next use is its group's next place in the trace; its
-optimizer state is used right after the group's last place in the step (its
+order: a parameter's next use is its unit's next place in the trace; its
+optimizer state is used right after the unit's last place in the step (its
 backward); once backward is past it, a parameter and its state wait in the
 optimizer's queue, whose position counts as the distance. Without the queue
 those copies would look unused and go first, and the optimizer, which runs
@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 @dataclass
 class PrefetchPolicy:
-    """Decides what to prefetch and what to evict from a trace of group uses."""
+    """Decides what to prefetch and what to evict from a trace of unit uses."""
 
     depth: int
     max_bytes: int | None = None
-    group_bytes: dict[Hashable, int] = field(default_factory=dict)
+    unit_bytes: dict[Hashable, int] = field(default_factory=dict)
     trace: list[Hashable] | None = None
     last_step: tuple[list[Hashable], list[float]] = field(default_factory=lambda: ([], []))
     """The uses of the last step that started and the clock at each (what ``on_use`` was given)."""
@@ -63,15 +63,15 @@ class PrefetchPolicy:
         self._on_trace = self.trace is not None
         self.steps += 1
 
-    def on_use(self, group: Hashable, clock: float = 0.0) -> list[Hashable]:
-        """``group`` is about to be used (at ``clock``: seconds of compute so far); returns the groups to prefetch
+    def on_use(self, unit: Hashable, clock: float = 0.0) -> list[Hashable]:
+        """``unit`` is about to be used (at ``clock``: seconds of compute so far); returns the units to prefetch
         now (in use order)."""
-        self._recording.append(group)
+        self._recording.append(unit)
         self._clock.append(clock)
         if not self._on_trace:
             return []
         assert self.trace is not None
-        if self._pos < len(self.trace) and self.trace[self._pos] == group:
+        if self._pos < len(self.trace) and self.trace[self._pos] == unit:
             self._pos += 1
             return self.lookahead()
         self._on_trace = False  # departed: on-demand for the rest of this step
@@ -88,7 +88,7 @@ class PrefetchPolicy:
         return self._on_trace
 
     def lookahead(self) -> list[Hashable]:
-        """The next groups the trace says will be used, bounded by depth and bytes."""
+        """The next units the trace says will be used, bounded by depth and bytes."""
         if not self._on_trace or self.trace is None or self.depth == 0:
             return []
         out: list[Hashable] = []
@@ -96,7 +96,7 @@ class PrefetchPolicy:
         for g in self.trace[self._pos:]:
             if len(out) >= self.depth:
                 break
-            nbytes = self.group_bytes.get(g, 0)
+            nbytes = self.unit_bytes.get(g, 0)
             if self.max_bytes is not None and out and total + nbytes > self.max_bytes:
                 break
             if g not in out:
@@ -108,28 +108,28 @@ class PrefetchPolicy:
         """The trace index distances count from: that of the latest :meth:`on_use` (see next_use_distance)."""
         return max(self._pos - 1, 0)
 
-    def next_use_distance(self, group: Hashable) -> float:
-        """How many uses from now ``group`` is next needed (inf if not in the rest of the trace).
+    def next_use_distance(self, unit: Hashable) -> float:
+        """How many uses from now ``unit`` is next needed (inf if not in the rest of the trace).
 
-        The group of the latest :meth:`on_use` is at distance 0: it is being fetched for use now, and
+        The unit of the latest :meth:`on_use` is at distance 0: it is being fetched for use now, and
         must not look unused to an eviction that runs before it is held.
         """
         if not self._on_trace or self.trace is None:
             return float("inf")
         now = self._now()
         try:
-            return self.trace.index(group, now) - now
+            return self.trace.index(unit, now) - now
         except ValueError:
             return float("inf")
 
-    def last_use_distance(self, group: Hashable) -> float:
-        """How many uses from now ``group`` is used for the last time in this step (inf if no more)."""
+    def last_use_distance(self, unit: Hashable) -> float:
+        """How many uses from now ``unit`` is used for the last time in this step (inf if no more)."""
         if not self._on_trace or self.trace is None:
             return float("inf")
         if self._last_index[0] is not self.trace:
             self._last_index = (self.trace, {g: i for i, g in enumerate(self.trace)})
         now = self._now()
-        last = self._last_index[1].get(group, -1)
+        last = self._last_index[1].get(unit, -1)
         return last - now if last >= now else float("inf")
 
     def victim_order(self, candidates: Sequence[Hashable]) -> list[Hashable]:
@@ -156,15 +156,15 @@ class LaterUses:
         return out
 
 
-def group_victim_order(policy: PrefetchPolicy, key_groups: Mapping[str, Sequence[Hashable]],
+def unit_victim_order(policy: PrefetchPolicy, key_units: Mapping[str, Sequence[Hashable]],
                        later: LaterUses | None = None) -> Callable[[object, list[str]], list[str]]:
     """A store victim order (see ``TierStore.set_victim_order``) from ``policy``: keys whose next use is
     farthest from now go first (Belady).
 
-    The next use of a key is the nearest next use in the trace of the groups that use it (``key_groups``:
+    The next use of a key is the nearest next use in the trace of the units that use it (``key_units``:
     parameters; a tied or shared parameter is used by several); else, for a key of ``later.after``, the
-    last use in this step of its parameter's groups, plus a half; else its position in a ``later`` queue;
-    else never (inf), and those go first of all. ``key_groups`` may grow while it is installed.
+    last use in this step of its parameter's units, plus a half; else its position in a ``later`` queue;
+    else never (inf), and those go first of all. ``key_units`` may grow while it is installed.
     """
     inf = float("inf")
 
@@ -173,14 +173,14 @@ def group_victim_order(policy: PrefetchPolicy, key_groups: Mapping[str, Sequence
         after = later.after if later is not None else {}
         memo: dict[tuple[str, Hashable], float] = {}
 
-        def group_distance(how: str, g: Hashable) -> float:
+        def unit_distance(how: str, g: Hashable) -> float:
             if (how, g) not in memo:
                 memo[how, g] = (policy.next_use_distance(g) if how == "next" else policy.last_use_distance(g))
             return memo[how, g]
 
         def nearest(how: str, k: str | None) -> float:
-            groups = key_groups.get(k, ()) if k is not None else ()
-            return min((group_distance(how, g) for g in groups), default=inf)
+            units = key_units.get(k, ()) if k is not None else ()
+            return min((unit_distance(how, g) for g in units), default=inf)
 
         def distance(k: str) -> float:
             if (d := nearest("next", k)) != inf:

@@ -1,0 +1,132 @@
+"""The worker of ``OffloadedAdamW(step_in_backward=True)``: each parameter stepped as its gradient completes.
+
+[Note: Stepping in backward] With ``step_in_backward=True`` a parameter is
+stepped as soon as its gradient is complete, on a worker thread, while
+backward goes on with the layers below: the optimizer's reads and writes
+overlap backward compute instead of following it (ZeRO-Infinity's overlap of
+the optimizer with backward). ``step()`` then only waits for those updates
+(and steps parameters that stay resident). Gradients must be complete after
+one backward: no accumulation over several backward passes and no clipping
+by the global norm (use the default mode for those). Gradients queued for
+the worker are memory that no tier budget counts, so backward waits (counted
+as stall time) while more than ``max_grad_backlog_bytes`` of them are queued.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from typing import TYPE_CHECKING
+
+from ._pipeline import UnrestorableUpdateError
+
+if TYPE_CHECKING:
+    from .optim import OffloadedAdamW
+
+
+class BackwardSteps:
+    """The updates one optimizer starts during backward, on its one worker thread."""
+
+    def __init__(self, opt: OffloadedAdamW) -> None:
+        self.opt = opt
+        self.by_key = {key: (name, key, p) for name, key, p in opt._items if key is not None}
+        self.early: dict[str, Future] = {}  # key -> update started in this backward
+        self.futures: list[Future] = []  # of the optimizer's queue's updates, in order
+        self.backlog_bytes = 0  # of gradients queued and not yet consumed
+        self._backlog_lock = threading.Lock()
+        self._worker: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="tierstore-adamw")
+        self._worker_ident: int | None = None
+        opt.offloaded.grad_ready_callbacks.append(self.on_grad_ready)
+        opt.offloaded.grad_read_guards.append(self.gradients_taken)  # param.grad of an offloaded parameter asks
+
+    def on_grad_ready(self, key: str) -> None:
+        """The model's backward completed this parameter's gradient: queue its update."""
+        opt = self.opt
+        if key not in self.by_key:
+            raise RuntimeError(opt._thawed_message([n for n, k, _ in opt._frozen if k == key]))
+        name, key_, p = self.by_key[key]
+        if key in self.early:
+            if opt.offloaded.backwards_failed != opt._backwards_failed:
+                opt.offloaded.broken = (
+                    f"a backward raised after stepping in backward had updated some parameters ({name} among them): "
+                    f"their updates stand and the rest never came, so the model is part of a step ahead and no "
+                    f"step can finish it; load a checkpoint to go on")
+                raise UnrestorableUpdateError(opt.offloaded.broken)
+            raise RuntimeError(f"{name}: a second backward before step(); step_in_backward=True steps each "
+                               "parameter after one backward, so gradient accumulation needs step_in_backward=False")
+        grad = opt.offloaded.grads.get(key)
+        assert self._worker is not None
+        self._wait_for_backlog()
+        nbytes = grad.numel() * grad.element_size() if grad is not None else 0
+        with self._backlog_lock:
+            self.backlog_bytes += nbytes
+        opt._queue.append((name, key_, p, grad))
+        future = self._worker.submit(self._step_ready, len(opt._queue) - 1, nbytes)
+        self.futures.append(future)
+        self.early[key] = future
+
+    def _wait_for_backlog(self) -> None:
+        """Backward waits while the gradients queued before this one exceed the backlog bound."""
+        opt = self.opt
+        if self.backlog_bytes <= opt.max_grad_backlog_bytes:
+            return
+        t0 = time.perf_counter()
+        while self.backlog_bytes > opt.max_grad_backlog_bytes and opt._done < len(self.futures):
+            try:
+                self.futures[opt._done].exception(timeout=0.05)
+            except FutureTimeoutError:
+                # The worker waits for host memory that backward holds: backward goes on (and releases
+                # it), the backlog over its bound for a while, rather than both waiting for each other.
+                if self._worker_ident is not None and opt.store.is_waiting_for_room(self._worker_ident):
+                    break
+        opt.store.stats.add_wait(t0, time.perf_counter(), key="gradient backlog")
+
+    def gradients_taken(self) -> str | None:
+        """Why no gradient may be read now: since the last step() a backward has handed its gradients to the
+        updates, which consume them as they go (a clip then would race them, or find none and clip nothing)."""
+        if not self.early:
+            return None
+        return ("OffloadedAdamW(step_in_backward=True) applies each gradient as backward produces it, and this "
+                "backward's are being applied now, so none is there to read or clip (torch's clip_grad_norm_ "
+                "would clip nothing). Clip with step_in_backward=False (off.clip_grad_norm_), or read gradients "
+                "after opt.step() with step_in_backward=False")
+
+    def _step_ready(self, i: int, nbytes: int) -> None:
+        opt = self.opt
+        self._worker_ident = threading.get_ident()
+        # Read ahead in the worker's order, within readahead_bytes: reads issued for every gradient as
+        # it arrives would overflow the host tier and evict each other before use.
+        ready = opt._queue
+        try:
+            with opt.store.stats.background():
+                opt._pipeline.read_ahead(ready, i)
+                name, key, p, grad = ready[i]
+                opt._timed_step(name, key, p, grad)
+            ready[i] = (name, key, p, None)
+            opt.offloaded.grads.pop(key, None)  # consumed: its memory goes now, not at zero_grad()
+        finally:
+            with self._backlog_lock:
+                self.backlog_bytes -= nbytes
+            opt._done = i + 1
+
+    def take(self) -> dict[str, Future]:
+        """The updates this backward started (``step()`` waits for them); the next backward starts afresh."""
+        early, self.early, self.futures = self.early, {}, []
+        return early
+
+    def close(self) -> None:
+        """Stop the worker (after the updates in flight) and detach from the model."""
+        if self._worker is None:
+            return
+        self._worker.shutdown(wait=True)
+        self._worker = None
+        off = self.opt.offloaded
+        if self.on_grad_ready in off.grad_ready_callbacks:
+            off.grad_ready_callbacks.remove(self.on_grad_ready)
+        if self.gradients_taken in off.grad_read_guards:
+            off.grad_read_guards.remove(self.gradients_taken)
+
+
+__all__ = ["BackwardSteps"]

@@ -1,0 +1,248 @@
+"""One unit of an offloaded model: what its forward pre-hook fetches and its post-hook lets go, its backward
+fetch, and how the model's modules are split into units.
+
+[Note: Units] A unit is what one forward pre-hook fetches and one forward
+post-hook releases. By default every module is a unit of the parameters it
+owns directly, except instances of ``units`` (``nn.MultiheadAttention`` by
+default), which own their whole subtree, as FSDP2's ``fully_shard`` of a
+module does. What a forward *reads* is learned on top of that: see
+[Note: Reads of an offloaded parameter].
+
+[Note: Backward without module backward hooks] A module full-backward hook
+makes torch wrap the module's inputs and outputs in a ``BackwardHookFunction``,
+so tensors that were the same object (query, key and value of self-attention)
+arrive as distinct tensors: ``nn.MultiheadAttention`` then leaves its packed
+in-projection path and its gradients round differently. As FSDP2 does, the
+backward fetch is a hook on the forward's output tensors (``register_hook``),
+which adds nothing to the graph torch builds.
+
+[Note: A forward output that is a view of a parameter] A module may return a
+view of its own parameter (``self.latents.expand(batch, -1, -1)``, as
+Perceiver's latent embeddings do) for a later module to compute with. Once the
+module's hold ends, the store reuses that memory, so the later module would
+read another tensor's bytes. Such a parameter stays held until the model's
+forward returns (the later modules run inside it); a view of a parameter
+returned from the model's forward itself (or from a module called on its own)
+would outlive every hold, so it raises instead.
+
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tierstore import Tier, TierStore
+from tierstore._memory import PAGE_BYTES, TierPool
+
+from ._base import OffloadedParameterError
+from ._param import OffloadedParameter, StoredParam, leaves
+
+if TYPE_CHECKING:
+    from .offload import OffloadedModel
+
+DEFAULT_UNITS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention, nn.TransformerEncoderLayer,
+                                               nn.TransformerDecoderLayer)
+# Modules whose forward takes its fused inference path only when no forward hook is attached to it or to any module
+# inside it: as units, their forward is wrapped instead of hooked (see [Note: A held parameter is an ordinary one]).
+HOOK_SHY: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer,)
+
+
+@dataclass(eq=False)
+class Unit:
+    """A unit (see [Note: Units]): the parameters its forward holds, its own and those it was seen to read."""
+
+    name: str
+    params: list[StoredParam]
+    nbytes: int
+    owner: OffloadedModel
+    forward_started: list[float] = field(default_factory=list)  # a stack: a module may be re-entered
+    backward_started: float | None = None
+
+    def learn(self, sp: StoredParam) -> bool:
+        """``sp`` was read in this unit's forward: its pre-hook fetches it from now on."""
+        if any(q is sp for q in self.params):
+            return False
+        self.params.append(sp)
+        self.nbytes += sp.nbytes
+        return True
+
+    def _use(self) -> None:
+        if self.params:
+            self.owner._prefetch_after(self, self.owner.compute_tier)
+
+    def pre_forward(self, module: nn.Module, args: Any) -> None:
+        passes = self.owner.pass_state
+        in_backward = passes.enter_forward(self)
+        self._use()
+        for sp in self.params:
+            if in_backward:
+                passes.hold_in_backward(sp, self)
+            else:
+                sp.hold(self)
+            if in_backward and not sp.backward_hold and torch.is_grad_enabled():
+                passes.backward_hold(sp, self)  # a forward rerun inside backward (checkpointing)
+        if self.owner.store.timeline is not None:
+            self.forward_started.append(time.perf_counter())
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        passes = self.owner.pass_state
+        viewed = passes.viewed_by(output) if passes.storage_owner and not passes.in_backward() else []
+        outermost = bool(passes.running) and passes.running[0][0] is self
+        for sp in self.params:
+            if sp.holds:
+                if sp in viewed and not outermost:
+                    passes.held_for_outputs.append(sp)
+                else:
+                    sp.unhold()
+        if self.params and torch.is_grad_enabled() and not passes.in_backward():
+            for t in leaves(output, torch.Tensor):
+                if t.requires_grad:
+                    t.register_hook(self.pre_backward)
+        passes.exit_forward(self)
+        timeline = self.owner.store.timeline
+        if timeline is not None and self.forward_started:
+            timeline.add(f"forward {self.name or '<root>'}", "compute", self.forward_started.pop(),
+                         time.perf_counter())
+        if viewed and outermost:  # its holds are let go above: nothing is left held by the raise
+            name = self.name or "the model"
+            raise OffloadedParameterError(
+                f"the forward of {name} returned a view of the offloaded parameter {viewed[0].name!r}; its memory is "
+                f"reused once that forward returns, so the view would read other values. Return a copy "
+                f"(.clone()), or call {name} inside the forward of a module that computes with its output")
+
+    def pre_backward(self, grad: torch.Tensor) -> None:
+        """A hook on a forward output of this unit: its gradient is about to be computed, so the unit's
+        backward is next (see [Note: Backward without module backward hooks])."""
+        passes = self.owner.pass_state
+        if self.name in passes.backward_used:
+            return
+        passes.queue_end_backward()
+        if not passes.backward_used:
+            self.owner.policy.backward_starts()
+        passes.backward_used.add(self.name)
+        self._use()
+        for sp in self.params:
+            if not sp.backward_hold:
+                passes.backward_hold(sp, self)
+        if self.owner.store.timeline is not None:
+            self.backward_started = time.perf_counter()
+
+    def backward_done(self) -> None:
+        """A gradient of this unit is complete: its backward ends with its last one (on the timeline)."""
+        timeline = self.owner.store.timeline
+        if (timeline is not None and self.backward_started is not None
+                and not any(p.backward_hold for p in self.params)):
+            timeline.add(f"backward {self.name or '<root>'}", "compute", self.backward_started,
+                         time.perf_counter())
+            self.backward_started = None
+
+
+class WrappedForward:
+    """A unit's pre- and post-forward around its module's ``forward`` instead of as hooks (for ``HOOK_SHY``
+    modules), or with no unit the model's forward, which clears a pass stopped by Ctrl-C (see [Note: A forward
+    stopped by Ctrl-C]); ``remove()`` undoes it, as a hook's handle does."""
+
+    def __init__(self, module: nn.Module, owner: OffloadedModel, unit: Unit | None) -> None:
+        self.module, self.previous = module, module.__dict__.get("forward")
+        forward = module.forward
+
+        @functools.wraps(forward)
+        def held_forward(*args: Any, **kwargs: Any) -> Any:
+            if unit is not None:
+                unit.pre_forward(module, args)
+            output = None
+            try:
+                output = forward(*args, **kwargs)
+            except BaseException as e:
+                if unit is None and not isinstance(e, Exception):  # the model's own: a unit's ends in finally
+                    owner.pass_state.stopped_by_interrupt()
+                raise
+            finally:
+                if unit is not None:
+                    unit.post_forward(module, args, output)
+            return output
+
+        module.forward = held_forward
+
+    def remove(self) -> None:
+        if self.previous is None:
+            self.module.__dict__.pop("forward", None)
+        else:
+            self.module.forward = self.previous
+
+
+def present_ordinary(params: list[StoredParam], start: bool, module: nn.Module, *_: Any) -> None:
+    """A forward pre-hook (``start``) and post-hook of an ``nn.TransformerEncoder`` whose first layer is a wrapped
+    unit (see [Note: A held parameter is an ordinary one])."""
+    for sp in params:
+        if not sp.holds:
+            sp.param.__class__ = sp.original_class if start else OffloadedParameter
+
+
+def unit_modules(model: nn.Module, units: Sequence[type[nn.Module] | nn.Module | str]) -> dict[str, bool]:
+    """Module name -> True for a unit's root, False for a module inside a unit (see [Note: Units])."""
+    classes, ids, names = [], set(), set()
+    modules = dict(model.named_modules())
+    for u in units:
+        if isinstance(u, type) and issubclass(u, nn.Module):
+            classes.append(u)
+        elif isinstance(u, nn.Module):
+            if not any(m is u for m in modules.values()):
+                raise ValueError(f"units: the {type(u).__name__} given is not a module of this model")
+            ids.add(id(u))
+        elif isinstance(u, str):
+            if u not in modules:
+                raise ValueError(f"units: the model has no module named {u!r} (names as in model.named_modules())")
+            names.add(u)
+        else:
+            raise TypeError(f"units: each unit is an nn.Module class, a module of the model or a module name, "
+                            f"not {type(u).__name__}")
+    out: dict[str, bool] = {}
+    inside: list[str] = []
+    for mname, module in modules.items():
+        if any(p == "" or mname.startswith(p + ".") for p in inside):
+            out[mname] = False
+        elif isinstance(module, tuple(classes)) or id(module) in ids or mname in names:
+            out[mname] = True
+            inside.append(mname)
+    return out
+
+
+
+
+def plan_units(model: nn.Module, units: Sequence[type[nn.Module] | nn.Module | str], resident_threshold_bytes: int,
+               store: TierStore, compute_tier: Tier) -> tuple[dict[int, tuple[str, int]], dict[str, tuple]]:
+    """(id -> (name, bytes) of each parameter to offload, unit name -> (module, ids it holds)); a unit that
+    cannot fit the compute tier is an error here, before anything is written."""
+    offloaded: dict[int, tuple[str, int]] = {}
+    for name, p in model.named_parameters():  # shared parameters appear once
+        nbytes = p.numel() * p.element_size()
+        if nbytes >= resident_threshold_bytes:
+            offloaded[id(p)] = (name, nbytes)
+    roots = unit_modules(model, units)
+    owned_by = {}
+    for mname, module in model.named_modules():
+        if roots.get(mname) is False:
+            continue  # inside a unit: its unit holds its parameters
+        tensors = module.parameters() if roots.get(mname) else module._parameters.values()
+        ids = dict.fromkeys(id(p) for p in tensors if p is not None and id(p) in offloaded)
+        owned_by[mname] = (module, list(ids))
+    budget = (store.config.device_budget_bytes if compute_tier is Tier.DEVICE
+              else store.config.host_budget_bytes)
+    for mname, (_, ids) in owned_by.items():
+        need = sum(TierPool.capacity_for(offloaded[i][1]) for i in ids)  # whole pages, as the pool hands out
+        if need > budget:
+            raise ValueError(
+                f"unit {mname or '<root>'!r} holds {need} bytes ({need / 2**20:.2f} MiB, each parameter in whole "
+                f"{PAGE_BYTES // 1024} KiB pages) of parameters at once, "
+                f"more than the {compute_tier.label} budget ({budget} bytes) it computes in: raise "
+                f"{compute_tier.label}_budget_bytes, or split the unit (units=... names the modules whose "
+                f"whole subtree is fetched at once)")
+    return offloaded, owned_by
