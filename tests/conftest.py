@@ -7,6 +7,14 @@ import torch
 import tierstore as ts
 
 
+CHILDREN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "children")
+
+
+def child_script(name: str) -> str:
+    """The path of a script a test runs in a process of its own (``tests/children/``)."""
+    return os.path.join(CHILDREN, name)
+
+
 def open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 

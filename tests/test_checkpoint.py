@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import child_script
 from tierstore.integrations.checkpoint import (
     MODEL_FILE,
     OPTIMIZER_FILE,
@@ -148,7 +149,7 @@ def test_failed_overwrite_keeps_the_previous_checkpoint(make_store, tmp_path, mo
 
 def _child(*args):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    return subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "ckpt_child.py"), *args],
+    return subprocess.run([sys.executable, child_script("ckpt_child.py"), *args],
                           capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -664,11 +665,11 @@ def test_loads_racing_saves_to_one_path_are_whole_or_change_nothing(make_store, 
     """A process saves to a path as fast as it can (checkpoint i: i in every tensor) while this one loads from it
     a few hundred times: each load gives one checkpoint whole, or raises with the model, the optimizer and every
     cached copy in the store as they were."""
-    from _ckpt_models import constant_state, race_model
+    from _models import constant_state, race_model
 
     path, stop = str(tmp_path / "ckpt"), tmp_path / "stop"
     (tmp_path / "saver").mkdir()
-    saver = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "ckpt_saver_child.py"),
+    saver = subprocess.Popen([sys.executable, child_script("ckpt_saver_child.py"),
                               str(tmp_path / "saver"), path, str(stop)], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     store = make_store(host_budget_bytes="96KiB")  # some copies cached in the host tier, the rest on the drive

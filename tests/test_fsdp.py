@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from conftest import child_script
 from tierstore.integrations import _fsdp_internals
 
 from tierstore.tools.plan import PlanConfig, make_plan
@@ -87,7 +88,7 @@ def test_models_we_did_not_write_are_bit_identical_under_fsdp(tmp_path, name, vi
     """With two views a step is both forwards and the backward (see [Note: Several forwards, one backward]): the
     trace repeats, and a placement is tried."""
     pytest.importorskip("transformers")
-    child = os.path.join(os.path.dirname(__file__), "fsdp_conformance_child.py")
+    child = child_script("fsdp_conformance_child.py")
     lines = _rows(_launch(2, child, name, str(tmp_path), str(views)))
     assert sorted(r["rank"] for r in lines) == [0, 1]
     for r in lines:
@@ -105,7 +106,7 @@ def test_models_we_did_not_write_are_bit_identical_under_fsdp(tmp_path, name, vi
 def test_fused_adamw_under_fsdp_is_torchs_fused_adamw(tmp_path):
     """OffloadedAdamW(fused=True) over FSDP2 shards against torch.optim.AdamW(fused=True) over FSDP2 alone."""
     pytest.importorskip("transformers")
-    child = os.path.join(os.path.dirname(__file__), "fsdp_conformance_child.py")
+    child = child_script("fsdp_conformance_child.py")
     lines = _rows(_launch(2, child, "llama-tied", str(tmp_path), "1", "fused"))
     assert sorted(r["rank"] for r in lines) == [0, 1]
     for r in lines:
@@ -115,7 +116,7 @@ def test_fused_adamw_under_fsdp_is_torchs_fused_adamw(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", ["tied", "untied"])
 def test_a_model_built_on_meta_is_sharded_into_the_store_as_fsdps_recipe_initializes_it(tmp_path, tied):
-    child = os.path.join(os.path.dirname(__file__), "fsdp_meta_child.py")
+    child = child_script("fsdp_meta_child.py")
     lines = _rows(_launch(2, child, str(tmp_path), tied))
     assert sorted(r["rank"] for r in lines) == [0, 1]
     for r in lines:
@@ -155,7 +156,7 @@ def test_fsdp_checkpoint_resumes_bit_identically_and_consolidates(tmp_path):
 @pytest.mark.slow
 def test_fsdp_loss_scaling_matches_fsdp2_alone(tmp_path):
     """fp16 autocast under FSDP2: an overflow on one rank skips the step on every rank, as with FSDP2 alone."""
-    out = _launch(2, os.path.join(os.path.dirname(__file__), "fsdp_amp_child.py"), str(tmp_path))
+    out = _launch(2, child_script("fsdp_amp_child.py"), str(tmp_path))
     rows = _rows(out)
     assert sorted(row["rank"] for row in rows) == [0, 1]
     for row in rows:

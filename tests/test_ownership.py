@@ -9,12 +9,13 @@ import sys
 import time
 
 import pytest
+from conftest import child_script
 
 import tierstore as ts
 from tierstore import _ownership
 from tierstore.tools.cli import main as cli_main
 
-CHILD = os.path.join(os.path.dirname(__file__), "owner_child.py")
+CHILD = child_script("owner_child.py")
 
 
 def _start(path: str, steps: int) -> tuple[subprocess.Popen, str]:

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from conformance import CASES
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the tests' shared modules
+from conformance import CASES  # noqa: E402
 from tierstore import StoreConfig, TierStore
 from tierstore.integrations.fsdp import offload_fsdp
 from tierstore.integrations.optim import OffloadedAdamW

@@ -8,7 +8,9 @@ import os
 import sys
 
 import torch
-from _ckpt_models import constant_state, race_model
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the tests' shared modules
+from _models import constant_state, race_model  # noqa: E402
 from tierstore.integrations.checkpoint import save_checkpoint
 from tierstore.integrations.offload import offload_model
 from tierstore.integrations.optim import OffloadedAdamW
