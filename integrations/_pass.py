@@ -58,6 +58,7 @@ from tierstore import TierBudgetError
 
 from ._base import OffloadedParameterError
 from ._param import StoredParam, call_weakly, leaves
+from ._unit import WHOLE_MODEL
 
 if TYPE_CHECKING:
     from .offload import OffloadedModel
@@ -182,12 +183,11 @@ class PassState:
     def enter_forward(self, unit: Unit) -> bool:
         """Push ``unit`` on the running units; True when the forward runs inside backward."""
         # Traced by dynamo, or run eagerly inside a compiled region (where dynamo falls back to eager on this
-        # hook's raise): either way parameters would be traced as graph constants or inputs, not fetched.
+        # hook's raise): either way parameters would be traced as graph constants or inputs, not fetched. A
+        # compiled unit's hooks run outside its compiled code (see [Note: Compiled units]), so this is a whole
+        # model compiled after offload_model.
         if torch.compiler.is_compiling() or torch._C._dynamo.eval_frame.get_eval_frame_callback():
-            raise OffloadedParameterError(
-                f"torch.compile of an offloaded model, or of any of its modules ({unit.name or 'the root'} "
-                f"here), is not supported: its parameters are fetched by hooks as its modules run. Run it "
-                f"eagerly; compile only code that takes no offloaded parameter (a loss function, say)")
+            raise OffloadedParameterError(f"{WHOLE_MODEL} ({unit.name or 'the root'} ran inside compiled code)")
         in_backward = self.in_backward()
         if not self.running and not in_backward and torch.is_grad_enabled() and self._saved_hooks is None:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)

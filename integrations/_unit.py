@@ -25,13 +25,27 @@ forward returns (the later modules run inside it); a view of a parameter
 returned from the model's forward itself (or from a module called on its own)
 would outlive every hold, so it raises instead.
 
+[Note: Compiled units] A compiled module is a unit of its whole subtree, so
+the compiled code holds no hook: its pre-hook fetches every parameter of it,
+the compiled code computes with them as the plain tensors it was traced with
+(graph inputs, held for the whole call), and its post-hook lets them go. With
+``torch.compile(block)`` the hooks are on the ``OptimizedModule`` wrapper,
+whose own call runs them before the compiled forward; with ``block.compile()``
+its call is compiled hooks and all, so its hooks are registered disabled for
+dynamo (``torch._dynamo.disable``): dynamo runs them eagerly, breaking the
+graph only there. A module compiled after ``offload_model`` is found when the
+next step starts and made a unit then, if it holds no other unit; one that
+does (a block whose layers are units) is refused, saying to pass it in
+``units=``. A compiled model root is refused: its whole forward would be one
+graph over parameters that are fetched module by module.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,8 +76,30 @@ class Unit:
     params: list[StoredParam]
     nbytes: int
     owner: OffloadedModel
+    module: nn.Module | None = None  # whose forward it hooks
     forward_started: list[float] = field(default_factory=list)  # a stack: a module may be re-entered
     backward_started: float | None = None
+    hooks: list[Any] = field(default_factory=list)  # handles of its hooks
+    shy: bool = False  # its module's forward is wrapped, not hooked (``HOOK_SHY``)
+    eager: bool = False  # its hooks are disabled for dynamo (see [Note: Compiled units])
+
+    def hook(self, module: nn.Module, *, shy: bool) -> None:
+        """Register the forward pre- and post-hook on ``module`` (its forward wrapped with ``shy``), disabled for
+        dynamo where the module's call is compiled with its hooks (see [Note: Compiled units])."""
+        self.module, self.shy = module, shy
+        pre, post = self.pre_forward, self.post_forward
+        self.eager = compiled(module) == "in place"
+        if self.eager:
+            pre, post = eager(pre), eager(post)
+        if shy:
+            self.hooks = [WrappedForward(module, self.owner, pre, post)]
+        else:
+            self.hooks = [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
+
+    def unhook(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
 
     def learn(self, sp: StoredParam) -> bool:
         """``sp`` was read in this unit's forward: its pre-hook fetches it from now on."""
@@ -146,27 +182,28 @@ class Unit:
 
 class WrappedForward:
     """A unit's pre- and post-forward around its module's ``forward`` instead of as hooks (for ``HOOK_SHY``
-    modules), or with no unit the model's forward, which clears a pass stopped by Ctrl-C (see [Note: A forward
+    modules), or without them the model's forward, which clears a pass stopped by Ctrl-C (see [Note: A forward
     stopped by Ctrl-C]); ``remove()`` undoes it, as a hook's handle does."""
 
-    def __init__(self, module: nn.Module, owner: OffloadedModel, unit: Unit | None) -> None:
+    def __init__(self, module: nn.Module, owner: OffloadedModel, pre: Callable[..., Any] | None = None,
+                 post: Callable[..., Any] | None = None) -> None:
         self.module, self.previous = module, module.__dict__.get("forward")
         forward = module.forward
 
         @functools.wraps(forward)
         def held_forward(*args: Any, **kwargs: Any) -> Any:
-            if unit is not None:
-                unit.pre_forward(module, args)
+            if pre is not None:
+                pre(module, args)
             output = None
             try:
                 output = forward(*args, **kwargs)
             except BaseException as e:
-                if unit is None and not isinstance(e, Exception):  # the model's own: a unit's ends in finally
+                if pre is None and not isinstance(e, Exception):  # the model's own: a unit's ends in finally
                     owner.pass_state.stopped_by_interrupt()
                 raise
             finally:
-                if unit is not None:
-                    unit.post_forward(module, args, output)
+                if post is not None:
+                    post(module, args, output)
             return output
 
         module.forward = held_forward
@@ -209,10 +246,41 @@ def unit_modules(model: nn.Module, units: Sequence[type[nn.Module] | nn.Module |
     for mname, module in modules.items():
         if any(p == "" or mname.startswith(p + ".") for p in inside):
             out[mname] = False
-        elif isinstance(module, tuple(classes)) or id(module) in ids or mname in names:
-            out[mname] = True
+        elif isinstance(module, tuple(classes)) or id(module) in ids or mname in names or compiled(module):
+            out[mname] = True  # a compiled module is a unit: see [Note: Compiled units]
             inside.append(mname)
     return out
+
+
+def compiled(module: nn.Module) -> str | None:
+    """How ``module`` was compiled: ``"in place"`` (``module.compile()``: its hooks run inside the compiled
+    code), ``"wrapped"`` (``torch.compile(module)``: an ``OptimizedModule``, whose own hooks run outside), or
+    None."""
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return "in place"
+    frame = sys.modules.get("torch._dynamo.eval_frame")  # loaded by any torch.compile: nothing is imported here
+    if frame is not None and isinstance(module, frame.OptimizedModule):
+        return "wrapped"
+    return None
+
+
+def eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` run outside compiled code where the module it hooks runs inside it (see [Note: Compiled
+    units])."""
+    return torch._dynamo.disable(hook, recursive=True)
+
+
+def refuse_whole_model(model: nn.Module) -> None:
+    """A compiled root: every parameter of the model would be fetched at once, and traced unheld (see [Note:
+    Compiled units])."""
+    if compiled(model):
+        raise OffloadedParameterError(WHOLE_MODEL)
+
+
+WHOLE_MODEL = ("torch.compile of a whole offloaded model is not supported: its parameters are fetched unit by unit "
+               "as its modules run, outside any compiled code. Compile its units instead, as FSDP2 users compile "
+               "each block: block.compile() (or torch.compile(block)) for each transformer block, before or after "
+               "offload_model; a compiled module is fetched as one unit")
 
 
 

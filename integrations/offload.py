@@ -29,6 +29,7 @@ state). Not with ``assign=True``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -49,7 +50,18 @@ from ._meta import check_meta
 from ._param import OffloadedParameter, StoredParam, refuse_other_optimizers_from_now
 from ._pass import PassState
 from ._placing import check_options
-from ._unit import DEFAULT_UNITS, HOOK_SHY, Unit, WrappedForward, plan_units, present_ordinary, unit_modules
+from ._unit import (
+    DEFAULT_UNITS,
+    HOOK_SHY,
+    WHOLE_MODEL,
+    Unit,
+    WrappedForward,
+    compiled,
+    plan_units,
+    present_ordinary,
+    refuse_whole_model,
+    unit_modules,
+)
 
 
 @dataclass
@@ -112,12 +124,9 @@ class OffloadedModel(OffloadBase):
         for mname, (module, ids) in owned_by.items():
             owned = [self.params[i] for i in ids]
             unit = self._units[mname] = Unit(mname, owned, sum(sp.nbytes for sp in owned), self)
-            if isinstance(module, HOOK_SHY) and mname and roots.get(mname):
-                self._handles.append(WrappedForward(module, self, unit))
+            unit.hook(module, shy=bool(isinstance(module, HOOK_SHY) and mname and roots.get(mname)))
+            if unit.shy:
                 wrapped.add(id(module))
-                continue
-            self._handles.append(module.register_forward_pre_hook(unit.pre_forward))
-            self._handles.append(module.register_forward_hook(unit.post_forward, always_call=True))
         for module in self.model.modules():
             if isinstance(module, nn.TransformerEncoder) and len(module.layers) and id(module.layers[0]) in wrapped:
                 first = [self.params[id(p)] for p in module.layers[0].parameters() if id(p) in self.params]
@@ -126,7 +135,8 @@ class OffloadedModel(OffloadBase):
                                                                   always_call=True))
         self._handles.append(self.model.register_forward_pre_hook(self._start_step, prepend=True))
         self._handles.append(self.model.register_forward_hook(self.pass_state.end_pass, always_call=True))
-        self._handles.append(WrappedForward(self.model, self, None))  # see [Note: A forward stopped by Ctrl-C]
+        self._handles.append(WrappedForward(self.model, self))  # see [Note: A forward stopped by Ctrl-C]
+        self._compiled = {id(m) for m in self.model.modules() if compiled(m)}  # see [Note: Compiled units]
 
     def _hook_state_dicts(self) -> None:
         """model.load_state_dict() writes each offloaded parameter's held copy (see [Note: Loading a state dict]);
@@ -137,16 +147,49 @@ class OffloadedModel(OffloadBase):
                 self._handles.append(module.register_load_state_dict_pre_hook(self._before_load))
                 self._handles.append(module.register_load_state_dict_post_hook(self._after_load))
 
+    def _adopt_compiled(self) -> None:
+        """Modules compiled since ``offload_model`` (see [Note: Compiled units])."""
+        for mname, module in self.model.named_modules():
+            if id(module) in self._compiled or not (how := compiled(module)):
+                continue
+            if not mname:
+                raise OffloadedParameterError(WHOLE_MODEL)
+            below = {id(m) for m in module.modules()} - {id(module)}
+            inner = [u for u in self._units.values() if u.hooks and id(u.module) in below]
+            if how == "wrapped" and inner:
+                raise OffloadedParameterError(
+                    f"torch.compile({mname}) after offload_model: the wrapper it made runs the hooks that fetch the "
+                    f"parameters of {inner[0].name or 'the root'} inside the compiled code. Compile the module in "
+                    f"place ({mname}.compile()), or before offload_model")
+            held = [u for u in inner if u.params]
+            if held:
+                raise OffloadedParameterError(
+                    f"{mname} was compiled after offload_model, and its parameters are fetched by units inside it "
+                    f"({held[0].name}, ...), whose hooks cannot run inside compiled code. Make it one unit: "
+                    f"offload_model(model, store, units=[{type(module).__name__}]) (a module compiled before "
+                    f"offload_model is made one by itself)")
+            for u in inner:  # no parameters of their own: what they hooked was the running stack
+                u.unhook()
+            unit = next((u for u in self._units.values() if u.module is module), None)
+            if unit is not None and not unit.eager:
+                unit.unhook()
+                unit.hook(module, shy=unit.shy)
+            self._compiled.add(id(module))
+
     def keep_handle(self, handle: Any) -> None:
         """A hook's handle, removed by ``remove()``."""
         self._handles.append(handle)
 
     # ---- what the units and the pass ask ------------------------------------------------------
     def _start_step(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():  # the whole model compiled after offload_model
+            raise OffloadedParameterError(WHOLE_MODEL)
         self._check_usable()
         passes = self.pass_state
         passes.one_pass_at_a_time()
         passes.settle_failed_backward()
+        if "torch._dynamo" in sys.modules:  # something was compiled: this model's modules, maybe
+            self._adopt_compiled()
         if not passes.in_backward():  # not a forward rerun inside backward (checkpointing)
             passes.clear()  # what a forward that raised (or a load_state_dict, or Ctrl-C) left
             self._loading.clear()
@@ -264,7 +307,7 @@ class OffloadedModel(OffloadBase):
         for sp in self.params.values():
             if sp.holds:
                 raise RuntimeError(f"cannot remove offload while {sp.name!r} is in use (inside forward/backward)")
-        self._detach(self._handles)
+        self._detach([*self._handles, *(h for u in self._units.values() for h in u.hooks)])
         self._handles.clear()
         self.grads.clear()
         for sp in self.params.values():
@@ -320,6 +363,7 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | s
         raise ValueError("compute_tier='nvme': modules run on memory; choose 'device' or 'host'")
     check_options(prefetch_depth, placement)
     check_grad_dtype(grad_dtype)  # before anything is written
+    refuse_whole_model(model)  # see [Note: Compiled units]
     scripted = [name or "the model" for name, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
     if scripted:
         raise TypeError(

@@ -51,7 +51,7 @@ from ._optim_params import (
     torch_groups,
 )
 from ._optim_state import AdamWState
-from ._pipeline import StatePipeline, UnrestorableUpdateError, state_keys
+from ._pipeline import StatePipeline, UnrestorableUpdateError
 
 
 class OffloadedAdamW(torch.optim.Optimizer):

@@ -67,3 +67,19 @@ def _train_on_ids(ref, model, off, *, vocab: int, steps: int, step_in_backward: 
         opt.step()
         opt.zero_grad()
     opt.close()
+
+
+def train_sharded(model, opt, data, rank: int, world: int, steps: int, after_step=None) -> list[float]:
+    """``steps`` steps of a model sharded over ``world`` ranks, each rank on its slice of one batch; the losses.
+    ``after_step(step)`` is called after each."""
+    losses = []
+    for step in range(steps):
+        x, y = data.batch(step, 2 * world)
+        loss = F.cross_entropy(model(x[rank::world]), y[rank::world])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if after_step is not None:
+            after_step(step)
+    return losses

@@ -163,3 +163,14 @@ def test_fsdp_loss_scaling_matches_fsdp2_alone(tmp_path):
         assert row["ours"] == row["ref"] and row["same_parameters"]
         scales = [scale for _, scale in row["ours"]]
         assert scales[0] == 2.0**10 and scales[-1] > scales[0]  # step 0 overflowed and was skipped; then growth
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["after-backward", "in-backward"])
+def test_compiled_blocks_under_fsdp2_train_as_fsdp2_alone(tmp_path, mode):
+    """torchtitan's recipe: each block compiled, then sharded; offloaded training equals FSDP2 alone."""
+    lines = _rows(_launch(2, child_script("fsdp_compile_child.py"), str(tmp_path), mode))
+    assert sorted(r["rank"] for r in lines) == [0, 1]
+    for r in lines:
+        assert r["ours"] == r["ref"] and r["same_parameters"], r
+        assert r["graphs"][-1] == r["graphs"][1], r  # no graph made after the first steps

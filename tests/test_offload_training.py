@@ -1,4 +1,5 @@
-"""Offloaded training gives the same numbers as resident training, bit for bit (fp32); what it reads, keeps and frees."""
+"""Offloaded training gives the same numbers as resident training, bit for bit (fp32); what it reads, keeps
+and frees."""
 
 import copy
 import gc

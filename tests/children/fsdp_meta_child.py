@@ -16,6 +16,9 @@ from tierstore import StoreConfig, TierStore
 from tierstore.integrations import OffloadedAdamW, offload_fsdp
 from tierstore.tools.vit import PRESETS, SyntheticImages, ViT
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the tests' shared modules
+from _training import train_sharded  # noqa: E402
+
 
 def build(tied):
     with torch.device("meta"):
@@ -23,18 +26,6 @@ def build(tied):
     for block in model.blocks:
         fully_shard(block)
     return fully_shard(model)
-
-
-def train(model, opt, data, rank, world):
-    losses = []
-    for step in range(3):
-        x, y = data.batch(step, 2 * world)
-        loss = torch.nn.functional.cross_entropy(model(x[rank::world]), y[rank::world])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def main(nvme_path: str, tied: bool) -> None:
@@ -55,7 +46,7 @@ def main(nvme_path: str, tied: bool) -> None:
                 first.setdefault(id(p), p.detach().clone())
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
     ref_init = {n: p.to_local().clone() for n, p in ref.named_parameters()}
-    ref_losses = train(ref, ref_opt, data, rank, world)
+    ref_losses = train_sharded(ref, ref_opt, data, rank, world, 3)
     model = build(tied)
     blocks_only = ViT(PRESETS["tiny"])  # the root left unsharded: its parameters would never be stepped
     for block in blocks_only.blocks:
@@ -88,7 +79,7 @@ def main(nvme_path: str, tied: bool) -> None:
         still_tied = not tied or model.head.weight is model.class_embed.weight
         same_init = all(torch.equal(off.read_param(n), v) for n, v in ref_init.items())
         opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
-        losses = train(model, opt, data, rank, world)
+        losses = train_sharded(model, opt, data, rank, world, 3)
         opt.wait()
         same = all(torch.equal(off.read_param(n), p.to_local()) for n, p in ref.named_parameters())
         on_meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]

@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="also run these optimizer state layouts at the last depth, in the same rounds (e.g. "
                            "8bit/split,bf16/fp32; see the optimizer's docs)")
     step.add_argument("--trace", metavar="FILE", help="write a Chrome trace (Perfetto) of one step at the deepest depth")
+    step.add_argument("--compile", action="store_true",
+                      help="instead: compiled and eager, resident and offloaded, in one run (each ViT block "
+                           "compiled in place; depth auto)")
     step.add_argument("--no-rss", action="store_true",
                       help="skip the peak-RSS check (a fresh process training a few steps at the deepest depth)")
     peers = bsub.add_parser("peers", help="cold inference forward, weights on disk: tierstore vs Accelerate's "
@@ -170,6 +173,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.plot:
                 check_plotting()
 
+            if args.compile:
+                from .bench_compile import run_compile_bench
+
+                result = run_compile_bench(preset=args.preset, batch_size=args.batch_size, rounds=args.rounds,
+                                           nvme_path=_nvme_path(args), **_budgets(args))
+                _write_json(args.json, result)
+                return 0
             if args.budget_sweep:
                 from .bench_step import plot_budget_sweep, run_budget_sweep
 
