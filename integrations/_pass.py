@@ -45,6 +45,7 @@ own settling.
 from __future__ import annotations
 
 import enum
+import sys
 import threading
 import weakref
 from collections import Counter
@@ -58,7 +59,7 @@ from tierstore import TierBudgetError
 
 from ._base import OffloadedParameterError
 from ._param import StoredParam, call_weakly, leaves
-from ._unit import WHOLE_MODEL
+from ._unit import WHOLE_MODEL, eager
 
 if TYPE_CHECKING:
     from .offload import OffloadedModel
@@ -107,6 +108,7 @@ class PassState:
         self._saved_hooks: Any = None
         self._saved_hooks_thread = 0
         self._stale_hooks: dict[int, Any] = {}  # thread -> hooks a stopped pass left pushed there (see clear)
+        self._eager_hooks: tuple[Any, Any] = (None, None)  # _pack and _unpack disabled for dynamo, once made
         self._unhooked = list(owner.params.values())  # gradients not yet taken as they complete (frozen ones)
 
     # ---- phases ---------------------------------------------------------------------------
@@ -174,7 +176,7 @@ class PassState:
         me = threading.get_ident()
         if me in self._stale_hooks:
             top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-            if top is not None and top[0] == self._pack:  # another context may have popped it on its way out
+            if top is not None and top[0] in (self._pack, self._eager_hooks[0]):  # or another context popped it
                 self._stale_hooks[me].__exit__(None, None, None)
             del self._stale_hooks[me]
         self.release_all()
@@ -190,7 +192,7 @@ class PassState:
             raise OffloadedParameterError(f"{WHOLE_MODEL} ({unit.name or 'the root'} ran inside compiled code)")
         in_backward = self.in_backward()
         if not self.running and not in_backward and torch.is_grad_enabled() and self._saved_hooks is None:
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(*self._saved_tensor_hooks())
             self._saved_hooks.__enter__()
             self._saved_hooks_thread = threading.get_ident()
         self.running.append((unit, in_backward))
@@ -208,6 +210,16 @@ class PassState:
         if not self.running and self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
+
+    def _saved_tensor_hooks(self) -> tuple[Any, Any]:
+        """(pack, unpack) for saved tensors. Once torch.compile is in use they are disabled for dynamo: a compiled
+        unit's forward saves its tensors from inside compiled code, where dynamo would compile them too, once for
+        each kind of tensor saved (see [Note: Compiled units])."""
+        if "torch._dynamo" not in sys.modules:
+            return self._pack, self._unpack
+        if self._eager_hooks[0] is None:
+            self._eager_hooks = (eager(self._pack), eager(self._unpack))
+        return self._eager_hooks
 
     def viewed_by(self, output: Any) -> list[StoredParam]:
         """The held parameters that a tensor of ``output`` is a view of (see [Note: A forward output that is a

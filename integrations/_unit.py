@@ -33,11 +33,17 @@ the compiled code computes with them as the plain tensors it was traced with
 whose own call runs them before the compiled forward; with ``block.compile()``
 its call is compiled hooks and all, so its hooks are registered disabled for
 dynamo (``torch._dynamo.disable``): dynamo runs them eagerly, breaking the
-graph only there. A module compiled after ``offload_model`` is found when the
-next step starts and made a unit then, if it holds no other unit; one that
-does (a block whose layers are units) is refused, saying to pass it in
-``units=``. A compiled model root is refused: its whole forward would be one
-graph over parameters that are fetched module by module.
+graph only there (an ``nn.TransformerEncoderLayer`` so compiled is hooked, not
+wrapped: a wrapped forward traced with its graph breaks rounds otherwise than
+the resident layer's). The saved-tensor hooks (see [Note: Saved views of
+parameters]) are called from inside compiled code when it saves a tensor, so
+once torch.compile is in use they are disabled for dynamo too (else it would
+compile them, once for each kind of tensor saved). A module compiled after
+``offload_model`` is found when the next step starts and made a unit then, if
+it holds no other unit; one that does (a block whose layers are units) is
+refused, saying to pass it in ``units=``. A compiled model root is refused:
+its whole forward would be one graph over parameters that are fetched module
+by module.
 """
 
 from __future__ import annotations
@@ -80,7 +86,7 @@ class Unit:
     forward_started: list[float] = field(default_factory=list)  # a stack: a module may be re-entered
     backward_started: float | None = None
     hooks: list[Any] = field(default_factory=list)  # handles of its hooks
-    shy: bool = False  # its module's forward is wrapped, not hooked (``HOOK_SHY``)
+    shy: bool = False  # its module's forward is wrapped, not hooked (``HOOK_SHY``), unless compiled in place
     eager: bool = False  # its hooks are disabled for dynamo (see [Note: Compiled units])
 
     def hook(self, module: nn.Module, *, shy: bool) -> None:
@@ -91,7 +97,7 @@ class Unit:
         self.eager = compiled(module) == "in place"
         if self.eager:
             pre, post = eager(pre), eager(post)
-        if shy:
+        if shy and not self.eager:  # compiled in place it is hooked: a wrapped forward traced rounds otherwise
             self.hooks = [WrappedForward(module, self.owner, pre, post)]
         else:
             self.hooks = [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
@@ -281,8 +287,6 @@ WHOLE_MODEL = ("torch.compile of a whole offloaded model is not supported: its p
                "as its modules run, outside any compiled code. Compile its units instead, as FSDP2 users compile "
                "each block: block.compile() (or torch.compile(block)) for each transformer block, before or after "
                "offload_model; a compiled module is fetched as one unit")
-
-
 
 
 def plan_units(model: nn.Module, units: Sequence[type[nn.Module] | nn.Module | str], resident_threshold_bytes: int,

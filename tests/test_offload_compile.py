@@ -108,6 +108,47 @@ def test_compiled_decoder_layers_of_transformers_models_train_as_the_compiled_re
     _assert_same_parameters(model, ref)
 
 
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_compiled_encoder_layers_train_and_evaluate_as_the_compiled_resident_model(make_store, when):
+    """nn.TransformerEncoderLayer, whose fused inference path refuses hooks (it is a unit whose forward is wrapped
+    when eager): compiled in place, its hooks are dynamo's to run outside, and nothing recompiles."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    ref = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    model = copy.deepcopy(ref)
+    for m in (ref, model) if when == "before" else (ref,):
+        for block in m.layers:
+            block.compile()
+    off = offload_model(model, make_store(host_budget_bytes="2MiB"))
+    if when == "after":
+        for block in model.layers:
+            block.compile()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = OffloadedAdamW(off, lr=1e-2, step_in_backward=when == "after")
+    graphs = []
+    try:
+        for step in range(4):
+            x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(step))
+            losses = []
+            for m, o in ((ref, ref_opt), (model, opt)):
+                loss = m(x).pow(2).mean()
+                loss.backward()
+                o.step()
+                o.zero_grad()
+                losses.append(loss.item())
+            assert losses[0] == losses[1], step
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    finally:
+        opt.close()
+    assert graphs[0] > 0 and graphs[-1] == graphs[1], graphs
+    _assert_same_parameters(model, ref)
+    ref.eval()
+    model.eval()
+    with torch.no_grad():
+        x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(9))
+        assert torch.equal(model(x), ref(x))
+
+
 def test_a_whole_compiled_model_is_refused_saying_to_compile_its_units(make_store):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     with pytest.raises(OffloadedParameterError, match="Compile its units instead"):
