@@ -28,22 +28,27 @@ would outlive every hold, so it raises instead.
 [Note: Compiled units] A compiled module is a unit of its whole subtree, so
 the compiled code holds no hook: its pre-hook fetches every parameter of it,
 the compiled code computes with them as the plain tensors it was traced with
-(graph inputs, held for the whole call), and its post-hook lets them go. With
-``torch.compile(block)`` the hooks are on the ``OptimizedModule`` wrapper,
-whose own call runs them before the compiled forward; with ``block.compile()``
-its call is compiled hooks and all, so its hooks are registered disabled for
-dynamo (``torch._dynamo.disable``): dynamo runs them eagerly, breaking the
-graph only there (an ``nn.TransformerEncoderLayer`` so compiled is hooked, not
-wrapped: a wrapped forward traced with its graph breaks rounds otherwise than
-the resident layer's). The saved-tensor hooks (see [Note: Saved views of
+(graph inputs, held for the whole call), and its post-hook lets them go. Both
+run outside the compiled code, so the module runs the very graph it runs
+resident, and nothing recompiles from step to step: with
+``torch.compile(block)`` they are hooks on the ``OptimizedModule`` wrapper,
+whose own call runs them before the compiled forward; with
+``block.compile()``, whose compiled call runs the module's hooks inside the
+compiled code, they wrap that call instead of hooking the module
+(``CompiledCall``). The saved-tensor hooks (see [Note: Saved views of
 parameters]) are called from inside compiled code when it saves a tensor, so
-once torch.compile is in use they are disabled for dynamo too (else it would
-compile them, once for each kind of tensor saved). A module compiled after
-``offload_model`` is found when the next step starts and made a unit then, if
-it holds no other unit; one that does (a block whose layers are units) is
-refused, saying to pass it in ``units=``. A compiled model root is refused:
-its whole forward would be one graph over parameters that are fetched module
-by module.
+once torch.compile is in use they are disabled for dynamo
+(``torch._dynamo.disable``), which would otherwise compile them, once for each
+kind of tensor saved. A module compiled after ``offload_model`` is found when
+the next step starts and made a unit then, if it holds no other unit; one that
+does (a block whose layers are units) is refused, saying to pass it in
+``units=``, and so is an ``nn.TransformerEncoderLayer`` whose forward
+``offload_model`` wrapped (see ``HOOK_SHY``): compiled so, it rounded
+otherwise than the compiled resident layer on torch 2.14, so it is compiled
+before ``offload_model`` or not at all. A unit compiled again after
+``offload_model`` (a new compiled call) is wrapped again. A compiled model
+root is refused: its whole forward would be one graph over parameters that are
+fetched module by module.
 """
 
 from __future__ import annotations
@@ -86,21 +91,23 @@ class Unit:
     forward_started: list[float] = field(default_factory=list)  # a stack: a module may be re-entered
     backward_started: float | None = None
     hooks: list[Any] = field(default_factory=list)  # handles of its hooks
-    shy: bool = False  # its module's forward is wrapped, not hooked (``HOOK_SHY``), unless compiled in place
-    eager: bool = False  # its hooks are disabled for dynamo (see [Note: Compiled units])
+    shy: bool = False  # its module's forward is wrapped, not hooked (``HOOK_SHY``)
 
     def hook(self, module: nn.Module, *, shy: bool) -> None:
-        """Register the forward pre- and post-hook on ``module`` (its forward wrapped with ``shy``), disabled for
-        dynamo where the module's call is compiled with its hooks (see [Note: Compiled units])."""
+        """The forward pre- and post-hook on ``module`` (around its forward with ``shy``, around its compiled
+        call where it was compiled in place: see [Note: Compiled units])."""
         self.module, self.shy = module, shy
-        pre, post = self.pre_forward, self.post_forward
-        self.eager = compiled(module) == "in place"
-        if self.eager:
-            pre, post = eager(pre), eager(post)
-        if shy and not self.eager:  # compiled in place it is hooked: a wrapped forward traced rounds otherwise
-            self.hooks = [WrappedForward(module, self.owner, pre, post)]
+        if compiled(module) == "in place":
+            self.hooks = [CompiledCall(module, self.pre_forward, self.post_forward)]
+        elif shy:
+            self.hooks = [WrappedForward(module, self.owner, self.pre_forward, self.post_forward)]
         else:
-            self.hooks = [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
+            self.hooks = [module.register_forward_pre_hook(self.pre_forward),
+                          module.register_forward_hook(self.post_forward, always_call=True)]
+
+    def around_compiled_call(self) -> bool:
+        """Whether its hooks are around its module's compiled call as it is now."""
+        return any(isinstance(h, CompiledCall) and h.current() for h in self.hooks)
 
     def unhook(self) -> None:
         for h in self.hooks:
@@ -221,6 +228,35 @@ class WrappedForward:
             self.module.forward = self.previous
 
 
+class CompiledCall:
+    """A unit's pre- and post-forward around its module's compiled call (``module.compile()`` makes one, which
+    runs the module's hooks inside compiled code): they run outside it, as a hook on a ``torch.compile`` wrapper
+    does (see [Note: Compiled units]); ``remove()`` undoes it, as a hook's handle does."""
+
+    def __init__(self, module: nn.Module, pre: Callable[..., Any], post: Callable[..., Any]) -> None:
+        self.module, self.compiled = module, module._compiled_call_impl
+        compiled_call = self.compiled
+
+        def held_call(*args: Any, **kwargs: Any) -> Any:
+            pre(module, args)
+            output = None
+            try:
+                output = compiled_call(*args, **kwargs)
+            finally:
+                post(module, args, output)
+            return output
+
+        self.held_call = module._compiled_call_impl = held_call
+
+    def current(self) -> bool:
+        """Whether the module's compiled call is still the one this wraps (``compile()`` again replaces it)."""
+        return self.module._compiled_call_impl is self.held_call
+
+    def remove(self) -> None:
+        if self.current():
+            self.module._compiled_call_impl = self.compiled
+
+
 def present_ordinary(params: list[StoredParam], start: bool, module: nn.Module, *_: Any) -> None:
     """A forward pre-hook (``start``) and post-hook of an ``nn.TransformerEncoder`` whose first layer is a wrapped
     unit (see [Note: A held parameter is an ordinary one])."""
@@ -271,8 +307,7 @@ def compiled(module: nn.Module) -> str | None:
 
 
 def eager(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook`` run outside compiled code where the module it hooks runs inside it (see [Note: Compiled
-    units])."""
+    """``hook``, called from inside compiled code, run eagerly by dynamo (see [Note: Compiled units])."""
     return torch._dynamo.disable(hook, recursive=True)
 
 

@@ -136,7 +136,9 @@ class OffloadedModel(OffloadBase):
         self._handles.append(self.model.register_forward_pre_hook(self._start_step, prepend=True))
         self._handles.append(self.model.register_forward_hook(self.pass_state.end_pass, always_call=True))
         self._handles.append(WrappedForward(self.model, self))  # see [Note: A forward stopped by Ctrl-C]
-        self._compiled = {id(m) for m in self.model.modules() if compiled(m)}  # see [Note: Compiled units]
+        # See [Note: Compiled units]: the modules compiled as offload_model found them.
+        self._unit_of_module = {id(u.module): u for u in self._units.values()}
+        self._compiled = {id(m): _compiled_call(m) for m in self.model.modules() if compiled(m)}
 
     def _hook_state_dicts(self) -> None:
         """model.load_state_dict() writes each offloaded parameter's held copy (see [Note: Loading a state dict]);
@@ -148,33 +150,45 @@ class OffloadedModel(OffloadBase):
                 self._handles.append(module.register_load_state_dict_post_hook(self._after_load))
 
     def _adopt_compiled(self) -> None:
-        """Modules compiled since ``offload_model`` (see [Note: Compiled units])."""
+        """Modules compiled, or compiled again, since ``offload_model`` (see [Note: Compiled units])."""
         for mname, module in self.model.named_modules():
-            if id(module) in self._compiled or not (how := compiled(module)):
+            how = compiled(module)
+            unit = self._unit_of_module.get(id(module))
+            if how is None or (unit.around_compiled_call() if unit is not None and how == "in place" else
+                               self._compiled.get(id(module)) is _compiled_call(module)):
                 continue
             if not mname:
                 raise OffloadedParameterError(WHOLE_MODEL)
             below = {id(m) for m in module.modules()} - {id(module)}
             inner = [u for u in self._units.values() if u.hooks and id(u.module) in below]
-            if how == "wrapped" and inner:
-                raise OffloadedParameterError(
-                    f"torch.compile({mname}) after offload_model: the wrapper it made runs the hooks that fetch the "
-                    f"parameters of {inner[0].name or 'the root'} inside the compiled code. Compile the module in "
-                    f"place ({mname}.compile()), or before offload_model")
-            held = [u for u in inner if u.params]
-            if held:
-                raise OffloadedParameterError(
-                    f"{mname} was compiled after offload_model, and its parameters are fetched by units inside it "
-                    f"({held[0].name}, ...), whose hooks cannot run inside compiled code. Make it one unit: "
-                    f"offload_model(model, store, units=[{type(module).__name__}]) (a module compiled before "
-                    f"offload_model is made one by itself)")
+            self._check_compiled_after(mname, module, how, unit, inner)
             for u in inner:  # no parameters of their own: what they hooked was the running stack
                 u.unhook()
-            unit = next((u for u in self._units.values() if u.module is module), None)
-            if unit is not None and not unit.eager:
+            if unit is not None:
                 unit.unhook()
                 unit.hook(module, shy=unit.shy)
-            self._compiled.add(id(module))
+            self._compiled[id(module)] = _compiled_call(module)
+
+    def _check_compiled_after(self, mname: str, module: nn.Module, how: str, unit: Unit | None,
+                              inner: list[Unit]) -> None:
+        """Refuse a module compiled after ``offload_model`` whose units' hooks would run inside compiled code."""
+        if how == "wrapped" and inner:
+            raise OffloadedParameterError(
+                f"torch.compile({mname}) after offload_model: the wrapper it made runs the hooks that fetch the "
+                f"parameters of {inner[0].name or 'the root'} inside the compiled code. Compile the module in "
+                f"place ({mname}.compile()), or before offload_model")
+        held = [u for u in inner if u.params]
+        if held:
+            raise OffloadedParameterError(
+                f"{mname} was compiled after offload_model, and its parameters are fetched by units inside it "
+                f"({held[0].name}, ...), whose hooks cannot run inside compiled code. Make it one unit: "
+                f"offload_model(model, store, units=[{type(module).__name__}]) (a module compiled before "
+                f"offload_model is made one by itself)")
+        if unit is not None and any(isinstance(h, WrappedForward) for h in unit.hooks):
+            raise OffloadedParameterError(
+                f"{mname} ({type(module).__name__}) was compiled after offload_model, which wrapped its forward "
+                f"(its fused inference path refuses hooks); compiled so, it does not compute exactly as the "
+                f"compiled resident layer. Compile it before offload_model")
 
     def keep_handle(self, handle: Any) -> None:
         """A hook's handle, removed by ``remove()``."""
@@ -317,6 +331,11 @@ class OffloadedModel(OffloadBase):
             sp.param.data = value
             self.store.drop(sp.key)
         self._forget()
+
+
+def _compiled_call(module: nn.Module) -> Any:
+    """What a compiled module runs when called: its compiled call (in place), or the module (a wrapper)."""
+    return module.__dict__.get("_compiled_call_impl", module)
 
 
 def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | str | None = None,

@@ -9,12 +9,13 @@ from tierstore.integrations import OffloadedAdamW, offload_model
 from tierstore.tools.vit import PRESETS, SyntheticImages, ViT
 
 
-def _train(model, data, steps, opt, after_step=None):
-    """``steps`` steps; their losses. ``after_step(step)`` is called after each."""
+def _train(model, data, steps, opt, after_step=None, *, batch=8, rank=0, world=1):
+    """``steps`` steps; their losses. ``after_step(step)`` is called after each. Over ``world`` ranks, each rank
+    trains on its slice of one batch of ``batch * world``."""
     losses = []
     for step in range(steps):
-        x, y = data.batch(step, 8)
-        loss = F.cross_entropy(model(x), y)
+        x, y = data.batch(step, batch * world)
+        loss = F.cross_entropy(model(x[rank::world]), y[rank::world])
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -67,19 +68,3 @@ def _train_on_ids(ref, model, off, *, vocab: int, steps: int, step_in_backward: 
         opt.step()
         opt.zero_grad()
     opt.close()
-
-
-def train_sharded(model, opt, data, rank: int, world: int, steps: int, after_step=None) -> list[float]:
-    """``steps`` steps of a model sharded over ``world`` ranks, each rank on its slice of one batch; the losses.
-    ``after_step(step)`` is called after each."""
-    losses = []
-    for step in range(steps):
-        x, y = data.batch(step, 2 * world)
-        loss = F.cross_entropy(model(x[rank::world]), y[rank::world])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        if after_step is not None:
-            after_step(step)
-    return losses

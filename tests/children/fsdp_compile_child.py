@@ -18,7 +18,7 @@ from tierstore.integrations import OffloadedAdamW, offload_fsdp
 from tierstore.tools.vit import PRESETS, SyntheticImages, ViT
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the tests' shared modules
-from _training import train_sharded  # noqa: E402
+from _training import _train  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -39,14 +39,17 @@ def main(nvme_path: str, in_backward: bool) -> None:
     base = ViT(PRESETS["tiny"])
     ref = build(base)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
-    ref_losses = train_sharded(ref, ref_opt, data, rank, world, 4)
+    ref_losses = _train(ref, data, 4, ref_opt, batch=2, rank=rank, world=world)
     model = build(base)
     graphs: list[int] = []
     with TierStore(StoreConfig(nvme_path=nvme_path, host_budget_bytes="512KiB")) as store:
         off = offload_fsdp(model, store)
         opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=in_backward)
-        losses = train_sharded(model, opt, data, rank, world, 4, after_step=lambda _: graphs.append(
-            torch._dynamo.utils.counters["stats"]["unique_graphs"]))
+
+        def count_graphs(step: int) -> None:
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+        losses = _train(model, data, 4, opt, batch=2, rank=rank, world=world, after_step=count_graphs)
         opt.wait()
         same = all(torch.equal(off.read_param(n), p.to_local()) for n, p in ref.named_parameters())
         opt.close()

@@ -17,7 +17,7 @@ from tierstore.integrations import OffloadedAdamW, offload_fsdp
 from tierstore.tools.vit import PRESETS, SyntheticImages, ViT
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the tests' shared modules
-from _training import train_sharded  # noqa: E402
+from _training import _train  # noqa: E402
 
 
 def build(tied):
@@ -46,7 +46,7 @@ def main(nvme_path: str, tied: bool) -> None:
                 first.setdefault(id(p), p.detach().clone())
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
     ref_init = {n: p.to_local().clone() for n, p in ref.named_parameters()}
-    ref_losses = train_sharded(ref, ref_opt, data, rank, world, 3)
+    ref_losses = _train(ref, data, 3, ref_opt, batch=2, rank=rank, world=world)
     model = build(tied)
     blocks_only = ViT(PRESETS["tiny"])  # the root left unsharded: its parameters would never be stepped
     for block in blocks_only.blocks:
@@ -79,7 +79,7 @@ def main(nvme_path: str, tied: bool) -> None:
         still_tied = not tied or model.head.weight is model.class_embed.weight
         same_init = all(torch.equal(off.read_param(n), v) for n, v in ref_init.items())
         opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
-        losses = train_sharded(model, opt, data, rank, world, 3)
+        losses = _train(model, data, 3, opt, batch=2, rank=rank, world=world)
         opt.wait()
         same = all(torch.equal(off.read_param(n), p.to_local()) for n, p in ref.named_parameters())
         on_meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
