@@ -199,11 +199,11 @@ class OffloadedModel(OffloadBase):
         if torch.compiler.is_compiling():  # the whole model compiled after offload_model
             raise OffloadedParameterError(WHOLE_MODEL)
         self._check_usable()
+        if "torch._dynamo" in sys.modules:  # something was compiled: this model's modules, maybe
+            self._adopt_compiled()  # before the pass counts this forward: a refusal here leaves nothing behind
         passes = self.pass_state
         passes.one_pass_at_a_time()
         passes.settle_failed_backward()
-        if "torch._dynamo" in sys.modules:  # something was compiled: this model's modules, maybe
-            self._adopt_compiled()
         if not passes.in_backward():  # not a forward rerun inside backward (checkpointing)
             passes.clear()  # what a forward that raised (or a load_state_dict, or Ctrl-C) left
             self._loading.clear()
