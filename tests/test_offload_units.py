@@ -8,15 +8,23 @@ import torch.nn.functional as F
 from _models import TiedProjection
 from _training import _assert_same_parameters, _train_on_ids
 from tierstore.integrations.offload import OffloadedParameterError, offload_model
-from tierstore.tools.vit import PRESETS, Block, ViT
+from tierstore.tools.vit import PRESETS, Block, SyntheticImages, ViT
 
 
-def test_groups_know_their_bytes(make_store):
+def test_units_know_their_bytes_and_count_their_stalls(make_store):
     torch.manual_seed(0)
     model = ViT(PRESETS["tiny"])
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    off = offload_model(model, make_store(), prefetch_depth=2)
+    store = make_store()
+    off = offload_model(model, store, prefetch_depth=2)
     assert sum(off.policy.unit_bytes.values()) == total  # what prefetch_bytes is counted against
+    assert off.local_state_bytes() == {store.info(k)["home"]: total for k in store.keys()[:1]}
+    x, _ = SyntheticImages(PRESETS["tiny"]).batch(0, 2)
+    model(x)
+    stalls = off.stats.stall_seconds_by_unit
+    assert set(stalls) == set(off.units()) and all(t >= 0 for t in stalls.values())
+    with pytest.warns(DeprecationWarning, match="stall_seconds_by_unit"):
+        assert off.stats.stall_seconds_by_group is stalls  # the old name, for one release
 
 
 @pytest.mark.parametrize("in_backward", [False, True])
