@@ -228,9 +228,12 @@ class OffloadBase(OffloadedParameters):
     def local_state_bytes(self) -> dict[str, int]:
         """Bytes of this model's parameters and optimizer state in the store (this rank's under FSDP2), by home
         tier."""
+        names = {r.name for r in self.params.values()} | set(self.resident)
         out: dict[str, int] = {}
         for key in self.store.keys():
-            if key.startswith((self.prefix, OPTIMIZER_PREFIX)):
+            # this model's parameters and their state only: other models may share the store
+            name = key[len(OPTIMIZER_PREFIX):].rpartition("/")[0] if key.startswith(OPTIMIZER_PREFIX) else None
+            if key in self._by_key or name in names:
                 info = self.store.info(key)
                 out[info["home"]] = out.get(info["home"], 0) + info["nbytes"]
         return out

@@ -247,6 +247,10 @@ def test_two_models_on_one_store_keep_their_own_eviction_order(make_store):
     for i in range(3):  # both models train in turns on the one store
         assert step(model_a, opts[0], i, False) == step(ref_a, ref_opts[0], i, False)
         assert step(model_b, opts[1], i, True) == step(ref_b, ref_opts[1], i, True)
+    # Each counts its own parameters and optimizer state, nothing of the other's.
+    mine = [sum(off.local_state_bytes().values()) for off in (off_a, off_b)]
+    everything = sum(store.info(k)["nbytes"] for k in store.keys() if not k.startswith("grad/"))
+    assert all(mine) and sum(mine) == everything, (mine, everything)
     off_a.remove()
     for i in range(3, 5):  # the other's order is still in place
         assert step(model_b, opts[1], i, True) == step(ref_b, ref_opts[1], i, True)
