@@ -140,7 +140,7 @@ class OffloadBase(OffloadedParameters):
             self.victim_order, owns=lambda k: k in self._key_units or k in self.later_uses.after)
         # What stays in the host tier for the whole run, and the depth with "auto" (see integrations/_placing.py).
         self.placer = Placer(self.store, self.policy, self.later_uses, unit_keys=self._unit_keys, place=placement,
-                             auto_depth=auto, **({"grad_of": grad_of} if grad_of is not None else {}))
+                             auto_depth=auto, grad_of=grad_of)
 
     def _unit_keys(self) -> dict[str, list[tuple[str, int]]]:
         return {u.name: [(r.key, TierPool.capacity_for(r.nbytes)) for r in u.params]

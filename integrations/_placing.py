@@ -132,13 +132,13 @@ class Placer:
 
     def __init__(self, store: TierStore, policy: PrefetchPolicy, later: LaterUses, *,
                  unit_keys: Callable[[], Mapping[str, Sequence[tuple[str, int]]]], place: bool,
-                 auto_depth: bool, grad_of: Callable[[str], tuple[str, int] | None] = lambda key: None) -> None:
+                 auto_depth: bool, grad_of: Callable[[str], tuple[str, int] | None] | None = None) -> None:
         self.store = store
         self.policy = policy
         self.later = later
         self.unit_keys = unit_keys  # unit name -> (store key, bytes) of the parameters its uses hold
         # parameter key -> (store key, bytes) of the gradient kept for an optimizer stepping after backward, or None
-        self.grad_of = grad_of
+        self.grad_of = grad_of or (lambda key: None)
         self.place = place
         self.auto_depth = auto_depth
         self.placement: Placement | None = None

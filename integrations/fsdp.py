@@ -118,8 +118,8 @@ class FSDPOffload(OffloadBase):
             need = sum(internals.local_shard(p).numel() * p.element_size() for _, _, g in groups
                        for p in internals.group_params(g))
             store.require_nvme_room(need, "offloading {size} of this rank's parameter shards")
-        put = self._put_shards(groups, sharded, meta, init_fn, real_parameters)
         names = {id(p): n for n, p in model.named_parameters()}
+        put = self._put_shards(groups, sharded, names, meta, init_fn, real_parameters)
         for gname, _module, group in groups:
             shards = []
             for p in internals.group_params(group):
@@ -135,11 +135,10 @@ class FSDPOffload(OffloadBase):
         self.grads = _ShardGrads(self._by_key)
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
 
-    def _put_shards(self, groups: list, sharded: set[int], meta: bool, init_fn: Callable[[nn.Module], None] | None,
-                    real_parameters: str | None) -> dict[int, int]:
+    def _put_shards(self, groups: list, sharded: set[int], names: dict[int, str], meta: bool,
+                    init_fn: Callable[[nn.Module], None] | None, real_parameters: str | None) -> dict[int, int]:
         """Every local shard given to the store (a meta model materialized module by module on the way); returns
         id(param) -> the padded shard's bytes."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
         put: dict[int, int] = {}
         with self._putting() as (handles, undo):
 
