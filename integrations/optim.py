@@ -103,7 +103,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         host = self.store.config.host_budget_bytes
         # Gradients waiting for their update are memory no tier budgets (see [Note: Stepping in backward]).
         self.max_grad_backlog_bytes = positive_bytes(max_grad_backlog_bytes, max(1, host // 4),
-                                                           "max_grad_backlog_bytes")
+                                                     "max_grad_backlog_bytes")
         # Reads in flight keep the drive busy (measured: half the host tier beat a quarter and 16 parameters
         # by 5-9% a step on ViT-large); the other half is left to the parameters. Under a placement, what it
         # leaves for copies in flight bounds them instead (see integrations/_placing.py).
