@@ -286,6 +286,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self._done = i + 1
         except BaseException as e:
             self._queue, self._done = [], 0
+            self._pipeline.drop_window()
             if updated and not isinstance(e, UnrestorableUpdateError):
                 self._stopped_part_way(updated, e)
             raise

@@ -1,6 +1,7 @@
 """OffloadedAdamW on its own terms: bit-identical to torch.optim.AdamW (parameter groups, schedulers,
 clipping, accumulation, loss scaling, stepping in backward), its budgets, and what it leaves in the store."""
 
+import collections
 import contextlib
 import copy
 
@@ -15,6 +16,7 @@ from _training import (
     train_resident,
 )
 from tierstore.integrations import _adamw
+from tierstore.integrations._contract import OPTIMIZER_PREFIX
 from tierstore.integrations._pipeline import UnrestorableUpdateError
 from tierstore.integrations.offload import offload_model
 from tierstore.integrations.optim import OffloadedAdamW
@@ -119,6 +121,47 @@ def test_gradient_backlog_bound_keeps_numbers(make_store):
         OffloadedAdamW(off, readahead_bytes="lots")
     fresh = offload_model(ViT(PRESETS["tiny"]), make_store(), prefetch_depth=2)
     assert OffloadedAdamW(fresh, max_grad_backlog_bytes="64KiB").max_grad_backlog_bytes == 64 * 1024
+
+
+@pytest.mark.parametrize("window", ["all", "64KiB"])
+def test_read_ahead_issues_each_state_key_at_most_twice_a_step(make_store, monkeypatch, window):
+    """The optimizer's read-ahead issues what enters its window, and the next update's keys once more: prefetch
+    calls grow with the parameter count, not with its square (see [Note: A read-ahead window]), and every update's
+    state is asked for before the update reads it; the numbers do not change."""
+    ref, model, data = _tiny_pair()
+    ref_losses, _ = train_resident(ref, data, 3)
+    store = make_store(host_budget_bytes="64MiB" if window == "all" else "1MiB")
+    off = offload_model(model, store, prefetch_depth=2)
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, **({} if window == "all" else {"readahead_bytes": window}))
+    calls: list[str] = []
+    late: list[str] = []
+    real_prefetch, real_get = type(store).prefetch, type(store).get
+
+    def prefetch(self, key, *args, **kw):
+        calls.append(key)
+        return real_prefetch(self, key, *args, **kw)
+
+    def get(self, key, *args, **kw):
+        if key.startswith(OPTIMIZER_PREFIX) and key not in calls:
+            late.append(key)
+        return real_get(self, key, *args, **kw)
+
+    monkeypatch.setattr(type(store), "prefetch", prefetch)
+    monkeypatch.setattr(type(store), "get", get)
+    per_step = []
+
+    def after_step(step):
+        per_step.append(collections.Counter(k for k in calls if k.startswith(OPTIMIZER_PREFIX)))
+        calls.clear()
+
+    losses = _train(model, data, 3, opt, after_step)
+    opt.wait()
+    assert losses == ref_losses
+    _assert_same_parameters(model, ref)
+    n_state_keys = 2 * len(list(model.parameters()))
+    for counts in per_step:
+        assert len(counts) >= n_state_keys and max(counts.values()) <= 2, counts
+    assert late == []
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
