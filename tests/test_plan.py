@@ -116,7 +116,7 @@ def test_compressed_layouts_and_stepping_in_backward_shrink_the_drive_need():
     assert small["checks"]["drive_need"] == pytest.approx((2 + 2 + 2 + 8 / 256) * 7 * gb)
 
 
-def test_the_predicted_step_follows_the_placement_model(tmp_path):
+def test_the_predicted_step_follows_the_placement_model(tmp_path, capsys):
     """Compute and drive rate given: the forward (a third of the compute, or its reads), then the rest."""
     plan = make_plan(PlanConfig(params=302_500_000, dtype="fp32", host_budget_bytes=1154 * 2**20, ram_bytes=10**12,
                                 compute_seconds=3.0, drive_gbps=1.5, step_in_backward=True))
@@ -125,3 +125,41 @@ def test_the_predicted_step_follows_the_placement_model(tmp_path):
     want = max(1.0, pl["forward_bytes"] / rate) + max(2.0, (pl["bytes_per_step"] - pl["forward_bytes"]) / rate)
     assert step["seconds"] == pytest.approx(want) and step["bytes_moved"] == pl["bytes_per_step"]
     assert make_plan(PlanConfig(params=10**6, ram_bytes=10**12))["predicted_step"] is None  # no rates given
+    # the offload's own work per tensor adds to the compute (see [Note: The offload's own work])
+    own = make_plan(PlanConfig(params=302_500_000, dtype="fp32", host_budget_bytes=1154 * 2**20, ram_bytes=10**12,
+                               compute_seconds=3.0, drive_gbps=1.5, step_in_backward=True, tensors=300,
+                               tensor_seconds=0.002))["predicted_step"]
+    assert own["offload_seconds"] == pytest.approx(0.6)
+    assert own["seconds"] == pytest.approx(max(1.2, pl["forward_bytes"] / rate)
+                                           + max(2.4, (pl["bytes_per_step"] - pl["forward_bytes"]) / rate))
+    with pytest.raises(ValueError, match="tensor_seconds=-1 must be >= 0"):
+        PlanConfig(params=1, tensor_seconds=-1)
+    assert _cli.main(["plan", "--params", "7B", "--host-budget", "16GiB", "--drive-gbps", "2", "--tflops", "1"]) == 0
+    assert "the offload's own work not counted: give --tensor-ms or --measure" in capsys.readouterr().out
+    assert _cli.main(["plan", "--params", "7B", "--host-budget", "16GiB", "--drive-gbps", "2", "--tflops", "1",
+                      "--tensor-ms", "3", "--layers", "32"]) == 0
+    assert "(291 tensors x 3.00 ms)" in capsys.readouterr().out  # estimated as a Llama's: 9 a layer, and 3
+    assert _cli.main(["plan", "--params", "7B", "--host-budget", "18.3MiB"]) == 2
+    assert "not a whole number: write it in a smaller unit (e.g. '18739KiB')" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["after-backward", "in-backward"])
+def test_the_measured_plan_predicts_a_measured_step_within_a_quarter(tmp_path, capsys, in_backward):
+    """`plan --measure` (the drive, a resident step, the offload's own work per tensor on ViT-tiny) against
+    `bench step` of ViT-small at a third of its state as host budget, in the same run (see [Note: The offload's own
+    work]): within 25%."""
+    from tierstore.tools import bench_step
+    from tierstore.tools.vit import PRESETS, ViT, num_params
+
+    host = num_params(ViT(PRESETS["small"])) * 12 // 3
+    mode = ["--step-in-backward"] if in_backward else []
+    assert _cli.main(["plan", "--preset", "small", "--dtype", "fp32", "--host-budget", str(host), "--tokens", "32",
+                      "--nvme-path", str(tmp_path), "--measure", "--json", str(tmp_path / "p.json"), *mode]) == 0
+    predicted = json.loads((tmp_path / "p.json").read_text())["predicted_step"]
+    assert predicted["offload_seconds"] > 0 and predicted["tensors"] == len(list(ViT(PRESETS["small"]).parameters()))
+    assert "the offload's own work" in capsys.readouterr().out
+    bench = bench_step.run_step_bench(preset="small", batch_size=32, depths=["auto"], nvme_path=str(tmp_path),
+                                      rounds=2, host_budget_bytes=host, device_budget_bytes=None, rss=False,
+                                      step_in_backward=in_backward, log=lambda *a: None)
+    measured = bench["depths"]["auto"]["step_s"]
+    assert 0.75 <= predicted["seconds"] / measured <= 1.25, (predicted, measured)

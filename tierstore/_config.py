@@ -35,6 +35,8 @@ def parse_bytes(value: Any, *, name: str) -> int:
             n = float(m.group(1)) * _UNITS[m.group(2).lower()]
             if n.is_integer():
                 return int(n)
+            raise ValueError(f"{name}={value!r} is {n} bytes, not a whole number: write it in a smaller unit "
+                             f"(e.g. '{int(n) // 1024}KiB') or as an integer")
     raise ValueError(
         f"{name}={value!r} is not a byte count; write an integer or a size such as '512MiB' or '4GB'"
     )

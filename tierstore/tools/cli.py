@@ -127,9 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--tflops", type=float, help="compute rate, for the predicted step")
     plan.add_argument("--tokens", type=int, help="tokens (or, with --preset, images) a step computes, per rank "
                       "(default: 2048 tokens; 32 images)")
+    plan.add_argument("--tensor-ms", type=float, help="the offload's own work per parameter tensor and step, in ms, "
+                      "for the predicted step (measured by --measure)")
     plan.add_argument("--measure", action="store_true",
-                      help="measure what is not given: the drive's rate at --nvme-path (a few seconds) and the "
-                      "compute (with --preset, one resident step of the model; else a matrix product's rate)")
+                      help="measure what is not given, under the allocator setting a store makes: the drive's rate "
+                      "at --nvme-path (a few seconds), the compute (with --preset, one resident step of the model; "
+                      "else a matrix product's rate) and the offload's own work per tensor (ViT-tiny offloaded "
+                      "at --nvme-path against resident, a few seconds)")
     plan.add_argument("--optimizer", default="adamw", help="adamw, sgd or none (default adamw)")
     plan.add_argument("--device-budget", help="device budget per rank, e.g. 40GB (default none)")
     plan.add_argument("--host-budget", help="host budget per rank (default none)")
@@ -287,27 +291,39 @@ def _preset_params(preset: str) -> int:
 
 def _plan_inputs(args: argparse.Namespace) -> dict:
     """PlanConfig's keywords from `tierstore plan`'s arguments, measuring what --measure asks for."""
-    from .plan import UNITS, hf_model_size, measure_compute_tflops
+    from .plan import UNITS, hf_model_size, measure_compute_tflops, measure_tensor_seconds
 
     source = None
     if args.hf_config is not None:
-        params, layers, source = hf_model_size(args.hf_config)
+        params, tensors, layers, source = hf_model_size(args.hf_config)
     elif args.params is not None:
-        params, layers = _count(args.params), 24
+        params, layers = _count(args.params), args.layers or 24
+        tensors = 9 * layers + 3  # as a Llama's: 9 a decoder layer, the embedding, the last norm, the head
     else:
         params, layers = _preset_params(args.preset), _preset_depth(args.preset)
+        tensors = _preset_tensors(args.preset)
     budgets = {f"{t}_budget_bytes": parse_bytes(v, name=f"--{t}-budget") if v else None
                for t, v in (("device", args.device_budget), ("host", args.host_budget), ("nvme", args.nvme_budget))}
     typed = [v for v in (args.host_budget, args.device_budget, args.nvme_budget) if v]
     unit = next((u for v in typed for u in sorted(UNITS, key=len, reverse=True)
                  if v.strip().lower().endswith(u.lower())), "GB")
+    if args.measure:  # what is measured runs as it will beside a store: under the allocator setting it makes
+        from tierstore import StoreConfig
+        from tierstore._allocator import set_mmap_threshold
+
+        if (threshold := StoreConfig().malloc_mmap_threshold_bytes) is not None:
+            set_mmap_threshold(threshold)
+        if args.nvme_path is None and (args.drive_gbps is None or args.tensor_ms is None):
+            raise ValueError("--measure measures the drive and the offload at --nvme-path: give it (or give "
+                             "--drive-gbps and --tensor-ms)")
     drive = args.drive_gbps
     if drive is None and args.measure:
         from .bench_drive import measure_drive
 
-        if args.nvme_path is None:
-            raise ValueError("--measure measures the drive at --nvme-path: give it (or give --drive-gbps)")
         drive = measure_drive(args.nvme_path, size_mib=256, read_fraction=0.5)["mixed_gbps"]
+    tensor_seconds = args.tensor_ms / 1e3 if args.tensor_ms is not None else None
+    if tensor_seconds is None and args.measure:
+        tensor_seconds = measure_tensor_seconds(args.nvme_path, args.step_in_backward)
     compute = None
     if args.preset is not None and args.tflops is None and args.measure:
         compute = _measured_preset_step(args.preset, args.dtype, args.tokens or 32)
@@ -320,7 +336,8 @@ def _plan_inputs(args: argparse.Namespace) -> dict:
     return {"params": params, "ranks": args.ranks, "dtype": args.dtype, "optimizer": args.optimizer,
             "layers": args.layers or layers, "moments": args.moments, "master": args.master,
             "step_in_backward": args.step_in_backward, "nvme_path": args.nvme_path, "drive_gbps": drive,
-            "compute_seconds": compute, "unit": unit, "source": source, **budgets}
+            "compute_seconds": compute, "tensors": tensors, "tensor_seconds": tensor_seconds, "unit": unit,
+            "source": source, **budgets}
 
 
 def _preset_tokens(preset: str) -> int:
@@ -355,6 +372,15 @@ def _measured_preset_step(preset: str, dtype: str, batch_size: int) -> float:
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[2:])
+
+
+def _preset_tensors(preset: str) -> int:
+    import torch
+
+    from .vit import PRESETS, ViT
+
+    with torch.device("meta"):
+        return len(list(ViT(PRESETS[preset]).parameters()))
 
 
 def _preset_depth(preset: str) -> int:
