@@ -35,7 +35,11 @@ accumulation), and a multiplication by a scalar (the clip coefficient) is
 recorded and applied when the gradient is next read. A view of a stored
 gradient (``p.grad[0]``, ``p.grad.view(-1)``) is a copy that refuses writes,
 since a write into it could not reach the gradient: write the gradient
-itself (``p.grad[0] = 0`` raises, ``p.grad.mul_(...)`` works).
+itself (``p.grad[0] = 0`` raises, ``p.grad.mul_(...)`` works). An operation
+over a list of stored gradients (torch's ``_foreach_`` kernels, which
+``clip_grad_norm_(..., foreach=True)`` and ``clip_grad_value_`` use) runs one
+list position at a time, so each gradient is read and written in turn; one
+that writes a stored gradient while reading another is refused.
 """
 
 from __future__ import annotations
@@ -264,6 +268,18 @@ def values_of(grad: torch.Tensor) -> Iterator[torch.Tensor]:
         yield t
 
 
+def _one_by_one(func: Any, args: Any, kwargs: Any) -> Any:
+    """A ``_foreach_`` operation over several stored gradients, run on one list position at a time (each is
+    elementwise over its lists): each gradient is read, and written, in turn, and no more than one is in memory."""
+    n = len(next(a for a in args if isinstance(a, (list, tuple))))
+
+    def at(i: int, v: Any) -> Any:
+        return [v[i]] if isinstance(v, (list, tuple)) and len(v) == n else v
+
+    outs = [func(*(at(i, a) for a in args), **{k: at(i, v) for k, v in kwargs.items()}) for i in range(n)]
+    return None if all(o is None for o in outs) else [o[0] for o in outs]
+
+
 def _is_scalar(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) or (
         isinstance(x, torch.Tensor) and not isinstance(x, StoredGrad) and x.dim() == 0 and x.device.type == "cpu")
@@ -341,7 +357,12 @@ class StoredGrad(torch.Tensor):
         mine = [g for g in tree_leaves((args, kwargs)) if isinstance(g, StoredGrad)]
         g = mine[0]
         if len({id(x._record) for x in mine}) > 1:  # several: the others are read first, one at a time
+            if func.overloadpacket.__name__.startswith("_foreach_"):
+                return _one_by_one(func, args, kwargs)
             first = args[0] if isinstance(args[0], StoredGrad) and _writes_grad(func, args[:1], {}) else None
+            if first is None and _writes_grad(func, args, kwargs):  # its write would land in a copy
+                raise RuntimeError(f"{func.overloadpacket.__name__} would write a stored gradient while reading "
+                                   "another: read the others first (.clone() makes an ordinary tensor of one)")
             values = {id(x._record): x._grads.read(x._record) for x in mine if first is None or x._record is not
                       first._record}
             args, kwargs = tree_map_only(StoredGrad, lambda x: values.get(id(x._record), x), (args, kwargs))

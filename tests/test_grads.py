@@ -60,6 +60,34 @@ def test_param_grad_reads_and_writes_the_stored_gradient(make_store):
         old.sum()  # a gradient read before zero_grad() is not silently another one
 
 
+def test_operations_over_several_stored_gradients_write_each_or_refuse(make_store):
+    """torch's foreach operations (clip_grad_norm_(..., foreach=True), clip_grad_value_, _foreach_mul_) over a list
+    of stored gradients run one gradient at a time and change each, as on resident gradients (they were silently
+    applied to copies before); an operation writing one stored gradient while reading another is refused."""
+    ref, model = _pair()
+    offload_model(model, make_store(host_budget_bytes="256KiB"))
+    for m in (ref, model):
+        _backward(m, 0)
+
+    def same():
+        return all(torch.equal(p.grad.clone(), r.grad) for p, r in zip(model.parameters(), ref.parameters()))
+
+    norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01, foreach=True) for m in (model, ref)]
+    assert torch.equal(norms[0], norms[1]) and same()
+    for m in (model, ref):
+        torch.nn.utils.clip_grad_value_(m.parameters(), 1e-4, foreach=True)
+        grads = [p.grad for p in m.parameters()]
+        torch._foreach_mul_(grads, 0.5)
+        torch._foreach_add_(grads, [torch.ones_like(g) for g in grads], alpha=0.25)
+    assert same()
+    ours = torch._foreach_norm([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(ours, torch._foreach_norm([p.grad for p in ref.parameters()])))
+    a, b = model[0].weight.grad, model[1].weight.grad
+    with pytest.raises(RuntimeError, match="write a stored gradient while reading another"):
+        torch.add(b, b, out=a)
+    assert same()
+
+
 def test_kept_gradients_spill_to_the_drive_and_clipping_reads_none_of_them(make_store):
     """A host budget below the gradients: they go to the drive during backward, come back for the step, and
     torch's clip_grad_norm_ over every parameter reads none of them (norms made as they were stored, the
