@@ -76,6 +76,13 @@ def local_shard(param: nn.Parameter) -> torch.Tensor:
     return param._local_tensor  # type: ignore[attr-defined]
 
 
+def with_local(dtensor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A DTensor like ``dtensor`` (mesh, placements, global shape) whose local tensor is ``local``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, dtensor._spec, requires_grad=False)  # type: ignore[attr-defined]
+
+
 def fsdp_params_by_id(model: nn.Module) -> dict[int, Any]:
     """id of each sharded parameter (DTensor) -> its ``FSDPParam``, over every fully_shard-ed module."""
     return {id(fp.sharded_param): fp for _, _, group in fsdp_groups(model) for fp in group.fsdp_params}
@@ -130,4 +137,4 @@ def wait_for_gradients(group: Any) -> None:
 
 
 __all__ = ["TESTED_TORCH", "adopt_local_tensor", "check_group_supported", "check_torch_version", "fsdp_groups",
-           "fsdp_params_by_id", "group_params", "local_shard", "wait_for_gradients", "wrap_group"]
+           "fsdp_params_by_id", "group_params", "local_shard", "wait_for_gradients", "with_local", "wrap_group"]

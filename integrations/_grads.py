@@ -37,7 +37,8 @@ gradient (``p.grad[0]``, ``p.grad.view(-1)``) is a copy that refuses writes,
 since a write into it could not reach the gradient: write the gradient
 itself (``p.grad[0] = 0`` raises, ``p.grad.mul_(...)`` works). An operation
 over a list of stored gradients (torch's ``_foreach_`` kernels, which
-``clip_grad_norm_(..., foreach=True)`` and ``clip_grad_value_`` use) runs one
+``clip_grad_norm_(..., foreach=True)`` and ``clip_grad_value_`` use, and
+the unscaling of ``torch.amp.GradScaler``) runs one
 list position at a time, so each gradient is read and written in turn; one
 that writes a stored gradient while reading another is refused.
 """
@@ -65,6 +66,9 @@ _NORM = _aten.linalg_vector_norm.default
 # outside]).
 _SCALINGS = frozenset({_aten.mul_.Tensor, _aten.mul_.Scalar})
 GRAD_DTYPES = ("float32", "param")
+# Operations over lists of tensors, elementwise at each list position: torch's foreach kernels, and the one
+# GradScaler unscales with (its found_inf is only ever set, so one position at a time sets it alike).
+_LISTWISE = ("_foreach_", "_amp_foreach_non_finite_check_and_unscale_")
 
 
 def check_grad_dtype(grad_dtype: object) -> None:
@@ -269,7 +273,7 @@ def values_of(grad: torch.Tensor) -> Iterator[torch.Tensor]:
 
 
 def _one_by_one(func: Any, args: Any, kwargs: Any) -> Any:
-    """A ``_foreach_`` operation over several stored gradients, run on one list position at a time (each is
+    """A list-wise operation (``_LISTWISE``) over several stored gradients, run on one list position at a time (each is
     elementwise over its lists): each gradient is read, and written, in turn, and no more than one is in memory."""
     n = len(next(a for a in args if isinstance(a, (list, tuple))))
 
@@ -357,7 +361,7 @@ class StoredGrad(torch.Tensor):
         mine = [g for g in tree_leaves((args, kwargs)) if isinstance(g, StoredGrad)]
         g = mine[0]
         if len({id(x._record) for x in mine}) > 1:  # several: the others are read first, one at a time
-            if func.overloadpacket.__name__.startswith("_foreach_"):
+            if func.overloadpacket.__name__.startswith(_LISTWISE):
                 return _one_by_one(func, args, kwargs)
             first = args[0] if isinstance(args[0], StoredGrad) and _writes_grad(func, args[:1], {}) else None
             if first is None and _writes_grad(func, args, kwargs):  # its write would land in a copy

@@ -7,9 +7,21 @@ all-gathers a parameter group -- in forward, in backward, or as one of its
 own prefetches -- the group's shards are copied back from the store (the
 prefetch scheduler has read them into the host tier ahead of time, in the
 order recorded on the first step); once the all-gather has consumed them
-they are freed again. Gradients stay as FSDP2 leaves them (sharded, in
-``param.grad``); :class:`~tierstore.integrations.optim.OffloadedAdamW`
+they are freed again. :class:`~tierstore.integrations.optim.OffloadedAdamW`
 steps each rank's shards with their state in the store.
+
+[Note: Gradient shards in the tiers] Once FSDP2 has reduce-scattered a
+group's gradients, each rank's gradient shard that must outlive the backward
+(an optimizer stepping after it, accumulation, clipping) is put in the store
+as the gradients of ``offload_model`` are (see [Note: Gradients in the
+tiers]), in the dtype FSDP2 made it, and ``param.grad`` becomes a DTensor
+whose local tensor is the stored gradient (a ``StoredGrad``): FSDP2
+accumulates the next micro-batch's shard into it (``grad._local_tensor +=
+new``, one read-add-write in the store), torch's ``clip_grad_norm_`` takes
+its norm from the store's record and records the clip coefficient, and the
+optimizer reads it ahead with its state. So a rank holds no gradient memory
+outside the budgets between backward and the step. An optimizer stepping in
+backward takes each shard as it is reduced, as before.
 
 [Note: Freeing a shard] A shard's memory is freed by resizing its storage
 to zero bytes and restored by resizing it back, as FSDP2 does with its
@@ -35,6 +47,7 @@ from tierstore import Tier, TierStore
 from . import _fsdp_internals as internals
 from ._base import STATE_KEY, OffloadBase, UnitStats, check_not_offloaded
 from ._contract import zero_grads
+from ._grads import GradientStore, StoredGrad
 from ._meta import check_meta, materialize
 from ._placing import check_options
 
@@ -70,16 +83,18 @@ class FSDPOffloadStats(UnitStats):
 
 
 class _ShardGrads:
-    """``grads.get(key)``: the local shard of that parameter's gradient, as FSDP2 left it."""
+    """``grads.get(key)``: the local shard of that parameter's gradient: a ``StoredGrad`` once it is in the store
+    (see [Note: Gradient shards in the tiers]), else as FSDP2 left it."""
 
-    def __init__(self, by_key: dict[str, _Shard]) -> None:
+    def __init__(self, by_key: dict[str, _Shard], stored: GradientStore) -> None:
         self._by_key = by_key
+        self.stored = stored
 
     def get(self, key: str, default: Any = None) -> torch.Tensor | None:
         sh = self._by_key.get(key)
         if sh is None or sh.param.grad is None:
             return default
-        return sh.param.grad.to_local()
+        return internals.local_shard(sh.param.grad)
 
     def pop(self, key: str, default: Any = None) -> torch.Tensor | None:
         """The gradient shard, dropped from its parameter (its memory goes once the caller is done)."""
@@ -87,7 +102,22 @@ class _ShardGrads:
         sh = self._by_key.get(key)
         if sh is not None:
             sh.param.grad = None
+            if isinstance(grad, StoredGrad):  # consumed: its values are read now, not after it is dropped
+                grad = grad.clone()
+            self.stored.pop(key)
         return grad
+
+    def keep(self, sh: _Shard) -> None:
+        """Put the gradient shard FSDP2 just assigned in the store, and ``param.grad`` on it (see [Note: Gradient
+        shards in the tiers]); one FSDP2 accumulated into is there already."""
+        grad = sh.param.grad
+        if grad is None or isinstance(internals.local_shard(grad), StoredGrad):
+            return
+        self.stored[sh.key] = internals.local_shard(grad)  # a record left from before (p.grad = None) is replaced
+        sh.param.grad = internals.with_local(grad, self.stored.get(sh.key))
+
+    def clear(self) -> None:
+        self.stored.clear()
 
 
 class FSDPOffload(OffloadBase):
@@ -101,7 +131,7 @@ class FSDPOffload(OffloadBase):
         super().__init__(model, store, home)
         self.stats = FSDPOffloadStats()
         self.on_load = None  # a load into the shards cannot tell an optimizer of it: load before creating one
-        self.keeps_grads = False  # gradient shards stay where FSDP2 leaves them, in param.grad
+        self.keeps_grads = False  # gradient shards are in param.grad (whose local tensor may be in the store)
         groups = list(internals.fsdp_groups(model))
         for gname, _module, group in groups:
             internals.check_group_supported(gname, group)
@@ -132,7 +162,11 @@ class FSDPOffload(OffloadBase):
             su.remove = internals.wrap_group(group, lambda su=su: self._materialize(su), lambda su=su: self._free(su),
                                              lambda su=su, group=group: self._gradients_ready(su, group))
         self._schedule(prefetch_depth=prefetch_depth, prefetch_bytes=prefetch_bytes, placement=placement)
-        self.grads = _ShardGrads(self._by_key)
+        # FSDP2's dtype, which it accumulates in (see [Note: Gradient shards in the tiers])
+        grad_home = store.config.grad_tier or store.config.optimizer_tier
+        if grad_home is Tier.NVME and store.swap_directory is None:
+            grad_home = Tier.HOST
+        self.grads = _ShardGrads(self._by_key, GradientStore(store, grad_home, "param"))
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
 
     def _put_shards(self, groups: list, sharded: set[int], names: dict[int, str], meta: bool,
@@ -199,12 +233,14 @@ class FSDPOffload(OffloadBase):
 
     def _gradients_ready(self, su: _ShardUnit, group: Any) -> None:
         self._steps.backward()
-        if not self.grad_ready_callbacks:
-            return
-        ready = [sh.key for sh in su.params if sh.param.grad is not None]
+        ready = [sh for sh in su.params if sh.param.grad is not None]
         if ready:
             internals.wait_for_gradients(group)
-        for key in ready:
+        if not self.grad_ready_callbacks:  # kept until the step (see [Note: Gradient shards in the tiers])
+            for sh in ready:
+                self.grads.keep(sh)
+            return
+        for key in (sh.key for sh in ready):
             for callback in self.grad_ready_callbacks:
                 callback(key)
 
@@ -228,6 +264,8 @@ class FSDPOffload(OffloadBase):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradient shards, or zero them in place (``set_to_none=False``), as torch does."""
         zero_grads((sh.param for sh in self.params.values()), set_to_none)
+        if set_to_none:
+            self.grads.clear()
 
     def remove(self) -> None:
         """Put every shard back in memory (current values) and detach from FSDP2 (an optimizer of it drops its

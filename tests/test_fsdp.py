@@ -70,8 +70,10 @@ def test_fsdp_offload_is_bit_identical_and_sharded_as_planned(tmp_path, ranks):
         assert abs(step["written_bytes"] - ranks * traffic["nvme_write"]) <= 0.10 * ranks * traffic["nvme_write"]
         # Every byte the plan reads is read; a host budget of 2 MiB makes prefetched shards be read again.
         assert step["read_bytes"] >= 0.9 * ranks * traffic["nvme_read"]
+    # The first step reads what the plan says; the kept gradient shards, which spill to the drive beside the
+    # state, also push reads in flight out of a host tier of 2 MiB (14% more at 4 ranks, measured).
     first = res["steps"][0]["read_bytes"]
-    assert abs(first - ranks * traffic["nvme_read"]) <= 0.10 * ranks * traffic["nvme_read"]
+    assert abs(first - ranks * traffic["nvme_read"]) <= 0.15 * ranks * traffic["nvme_read"]
     planned = plan["per_rank_by_tier"]["nvme"]
     for rank in res["per_rank"]:
         measured = rank["state_bytes_by_tier"]["nvme"]
@@ -111,6 +113,24 @@ def test_fused_adamw_under_fsdp_is_torchs_fused_adamw(tmp_path):
     assert sorted(r["rank"] for r in lines) == [0, 1]
     for r in lines:
         assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"], r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, views", [("llama-tied", 1), ("gpt2", 2)], ids=["llama-tied", "gpt2-zeroed-in-place"])
+def test_gradient_shards_are_kept_in_the_store_through_accumulation_and_clipping(tmp_path, name, views):
+    """Two micro-batches a step and torch's clip_grad_norm_ over the model's parameters, the optimizer after
+    backward (Trainer's loop): every gradient shard is in the store after backward, on the drive under a small
+    budget, param.grad reads what FSDP2 alone has, and the run is bit-identical to FSDP2 alone (the clip norms
+    too: they are among the losses); see [Note: Gradient shards in the tiers]."""
+    pytest.importorskip("transformers")
+    child = child_script("fsdp_conformance_child.py")
+    lines = _rows(_launch(2, child, name, str(tmp_path), str(views), "accumulate-clip"))
+    assert sorted(r["rank"] for r in lines) == [0, 1]
+    for r in lines:
+        assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"], r
+        assert all(r["same_grads"]) and len(r["same_grads"]) == (3 if views == 1 else 6), r
+        for kept, on_drive in r["grads_in_store"]:
+            assert kept > 0 and on_drive > 0, r
 
 
 @pytest.mark.slow

@@ -36,7 +36,10 @@ def test_placement_follows_budgets():
     assert plan["traffic_per_step"]["device_to_host"] == plan["traffic_per_step"]["host_to_device"] == 1.75e9
     plan = make_plan(PlanConfig(params=7 * gb, ranks=8, host_budget_bytes=8 * gb))
     assert plan["homes"] == {"weights": "host", "optimizer_state": "nvme"}
-    assert plan["traffic_per_step"]["nvme_read"] == plan["per_rank"]["optimizer_state"]
+    # the state, and the fp32 gradients kept from backward to the step, which spill beside it
+    assert plan["traffic_per_step"]["nvme_read"] == plan["per_rank"]["optimizer_state"] + 4 * 7 * gb / 8
+    inb = make_plan(PlanConfig(params=7 * gb, ranks=8, host_budget_bytes=8 * gb, step_in_backward=True))
+    assert inb["traffic_per_step"]["nvme_read"] == inb["traffic_per_step"]["nvme_write"] == 10.5e9
     plan = make_plan(PlanConfig(params=7 * gb, ranks=1, nvme_budget_bytes=10 * gb))
     assert not plan["fits"]
 

@@ -2,8 +2,10 @@
 trained offloaded against FSDP2 alone. Prints one JSON line per rank: both runs' losses and whether the
 offloaded shards and Adam moments end bit-identical to FSDP2's. With a third argument ``views`` each step's
 loss sums that many forwards (two views of a batch) before its one backward, and gradients are zeroed in place
-(``zero_grad(set_to_none=False)``) rather than dropped. A fourth argument ``fused`` runs torch's fused AdamW on
-both sides."""
+(``zero_grad(set_to_none=False)``) rather than dropped. Flags after it: ``fused`` runs torch's fused AdamW on
+both sides; ``accumulate-clip`` makes each step two micro-batches and torch's ``clip_grad_norm_(model.parameters(),
+1.0)`` before the step, and reports the gradient shards found in the store and on the drive after each backward and
+whether ``param.grad`` read equal to FSDP2's (see [Note: Gradient shards in the tiers])."""
 
 import copy
 import json
@@ -31,19 +33,34 @@ def shard(model, layers):
     return model
 
 
-def train(model, opt, case, rank, world, views):
-    losses = []
+def train(model, opt, case, rank, world, views, clip=False, store=None):
+    losses, seen = [], []
     for step in range(3 if views == 1 else 6):
-        torch.manual_seed(100 + rank * 10 + step)  # dropout: the same masks in both runs
-        loss = sum(case.loss(model, case.batch(10 * step + v, batch=2 * world)[rank::world]) for v in range(views))
-        loss.backward()
+        for micro in range(2 if clip else 1):
+            torch.manual_seed(100 + rank * 10 + step)  # dropout: the same masks in both runs
+            loss = sum(case.loss(model, case.batch(10 * step + v + 5 * micro, batch=2 * world)[rank::world])
+                       for v in range(views))
+            loss.backward()
+            losses.append(loss.item())
+        if clip:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            losses.append(norm.full_tensor().item() if hasattr(norm, "full_tensor") else norm.item())
+            grads = [p.grad.to_local().clone() for p in model.parameters() if p.grad is not None]
+            seen.append({"grads": grads, "in_store": _grads_in_store(store)})
         opt.step()
         opt.zero_grad(set_to_none=views == 1)  # two views: gradients zeroed in place, accumulated into next step
-        losses.append(loss.item())
-    return losses
+    return losses, seen
 
 
-def main(name: str, nvme_path: str, views: int, fused: bool) -> None:
+def _grads_in_store(store):
+    """(gradient keys in the store, how many of them have a copy on the drive); None without a store."""
+    if store is None:
+        return None
+    keys = [k for k in store.keys() if k.startswith("grad/")]
+    return len(keys), sum("nvme" in store.info(k)["copies"] for k in keys)
+
+
+def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     case = CASES[name]
@@ -51,13 +68,13 @@ def main(name: str, nvme_path: str, views: int, fused: bool) -> None:
     base = case.build()
     ref = shard(copy.deepcopy(base), LAYERS[name])
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False, fused=fused)
-    ref_losses = train(ref, ref_opt, case, rank, world, views)
+    ref_losses, ref_seen = train(ref, ref_opt, case, rank, world, views, clip)
     model = shard(copy.deepcopy(base), LAYERS[name])
     with TierStore(StoreConfig(nvme_path=nvme_path, host_budget_bytes="256KiB", device_budget_bytes="1MiB",
                                file_size_bytes="4MiB", block_size_bytes="64KiB")) as store:
         off = offload_fsdp(model, store)
         opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, fused=fused)
-        losses = train(model, opt, case, rank, world, views)
+        losses, seen = train(model, opt, case, rank, world, views, clip, store)
         opt.wait()
         moments = opt.state_dict()["state"]
         same = all(torch.equal(off.read_param(n), p.to_local()) for n, p in ref.named_parameters())
@@ -70,11 +87,15 @@ def main(name: str, nvme_path: str, views: int, fused: bool) -> None:
         forward = off.policy.trace[:off.policy.forward_uses or 0]
     print(json.dumps({"rank": rank, "ref": ref_losses, "ours": losses, "same_parameters": same,
                       "same_moments": same_moments, "read_bytes": read, "uses_of_a_layer": uses,
-                      "uses_of_it_in_forward": forward.count(first), "verdict": off.placement_verdict}), flush=True)
+                      "uses_of_it_in_forward": forward.count(first), "verdict": off.placement_verdict,
+                      "grads_in_store": [x["in_store"] for x in seen],
+                      "same_grads": [len(a["grads"]) == len(b["grads"]) and all(map(torch.equal, a["grads"], b["grads"]))
+                                     for a, b in zip(seen, ref_seen)]}), flush=True)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1, sys.argv[4:] == ["fused"])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1, "fused" in sys.argv[4:],
+         "accumulate-clip" in sys.argv[4:])
     sys.stdout.flush()
     os._exit(0)  # skip C++ teardown at exit, as the torchrun example does (see tierstore/tools/fsdp_train.py)

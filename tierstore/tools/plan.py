@@ -115,6 +115,10 @@ def make_plan(cfg: PlanConfig) -> dict[str, Any]:
             by_tier[tier.label] += need
     w_home, o_home = homes["weights"], homes["optimizer_state"]
     w, o = per_rank["weights"], per_rank["optimizer_state"]
+    # Kept gradients stay in the host tier while it has room, and no owner ranks them for eviction (see [Note:
+    # Gradients in the tiers]): beside state that streams from the drive, the tier is full and they go first, so
+    # each is written and read once a step.
+    spill = per_rank["kept_grads"] if o_home == "nvme" else 0.0
     others = (n - 1) / n  # the share of each collective's bytes that comes from (or goes to) other ranks
     stepped_on_cpu = cfg.optimizer != "none"
     traffic = {
@@ -124,8 +128,9 @@ def make_plan(cfg: PlanConfig) -> dict[str, Any]:
         "all_gather": 2 * totals["weights"] * others,
         "reduce_scatter": totals["grads"] * others,
         # Weights are read for forward and backward and, when they are the fp32 master, by the optimizer.
-        "nvme_read": (w * (2 if master else 3) if w_home == "nvme" else 0.0) + (o if o_home == "nvme" else 0.0),
-        "nvme_write": (o if o_home == "nvme" else 0.0) + (w if w_home == "nvme" else 0.0),
+        "nvme_read": (w * (2 if master else 3) if w_home == "nvme" else 0.0) + (o if o_home == "nvme" else 0.0)
+        + spill,
+        "nvme_write": (o if o_home == "nvme" else 0.0) + (w if w_home == "nvme" else 0.0) + spill,
         # Shards kept off the device come to it before each all-gather; the optimizer steps on the CPU, so
         # the gradient shard goes down and, for weights homed on the device, the updated shard comes back.
         "host_to_device": (2 * w if w_home != "device" else 0.0) + (w if w_home == "device" and stepped_on_cpu
