@@ -158,6 +158,44 @@ def test_many_threads_prefetch_and_get_the_same_keys(make_store):
     assert store.memory()["device"]["peak_bytes"] <= 4 * 1024**2
 
 
+def test_the_index_of_copies_by_tier_follows_every_change(make_store):
+    """Eviction looks only at the copies of the tier it makes room in (``StoreState.in_tier``): after threads
+    prefetching, getting, changing and dropping keys under a tight budget, the index holds exactly the copies the
+    entries hold; an entry's copies refuse changes that would bypass it."""
+    store = make_store(host_budget_bytes=2 * 1024**2, device_budget_bytes=1024**2)
+    for i in range(24):
+        store.put(f"k{i}", torch.full((50_000,), float(i))).wait()
+    errors = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(60):
+                tier = rng.choice(["host", "device"])
+                store.prefetch(f"k{rng.randrange(12)}", tier)
+                if rng.random() < 0.3:  # k12-k23: three keys of each thread's own, written
+                    k = f"k{12 + 3 * seed + rng.randrange(3)}"
+                    store.get(k, tier).add_(1)
+                    store.mark_dirty(k, tier)
+                else:  # k0-k11: read by all
+                    k = f"k{rng.randrange(12)}"
+                    store.get(k, tier)
+                store.release(k, tier)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    _run_threads(worker, 4)
+    assert not errors, errors
+    store.drop("k3")
+    state = store._state
+    with state.lock:
+        want = {t: {c: e for e in state.entries.values() for c in e.copies.values() if c.tier is t} for t in ts.Tier}
+        assert {t: dict(v) for t, v in state.in_tier.items()} == want
+        assert sum(len(v) for v in want.values()) > 24  # copies in the memory tiers besides the drive's
+        with pytest.raises(TypeError, match="keep the index"):
+            state.entries["k0"].copies.pop(ts.Tier.NVME)
+
+
 def test_stats_report_paths_hits_and_stalls(make_store):
     store = make_store()
     store.put("x", torch.randn(100_000)).wait()

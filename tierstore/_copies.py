@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -48,6 +49,35 @@ class Copy:
     def busy(self) -> bool:
         """A transfer is reading it or filling it."""
         return self.loading is not None or bool(self.io_refs)
+
+
+class CopyMap(dict):
+    """An entry's copies by tier, keeping the store's index of the copies in each tier (``StoreState.in_tier``)
+    current: eviction looks at the copies of one tier, not at every entry (see ``Room.candidates``)."""
+
+    def __init__(self, entry: Entry, index: dict[Tier, dict[Copy, Entry]]) -> None:
+        super().__init__(entry.copies)
+        self._entry = entry
+        self._index = index
+        for tier, copy in self.items():
+            index[tier][copy] = entry
+
+    def __setitem__(self, tier: Tier, copy: Copy) -> None:
+        old = self.get(tier)
+        if old is not None:
+            self._index[tier].pop(old, None)
+        super().__setitem__(tier, copy)
+        self._index[tier][copy] = self._entry
+
+    def __delitem__(self, tier: Tier) -> None:
+        copy = self[tier]
+        super().__delitem__(tier)
+        self._index[tier].pop(copy, None)
+
+    def _refused(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("an entry's copies change by [tier] = copy and del [tier] only (they keep the index)")
+
+    pop = popitem = clear = update = setdefault = __ior__ = _refused  # type: ignore[assignment]
 
 
 @dataclass(eq=False)
@@ -163,6 +193,7 @@ class StoreState:
         self.engine = engine
         self.lock = Monitor()
         self.entries: dict[str, Entry] = {}
+        self.in_tier: dict[Tier, dict[Copy, Entry]] = {t: {} for t in Tier}  # every copy, by its tier
         self.tick = itertools.count(1)
         self.closed = False
 
@@ -177,6 +208,11 @@ class StoreState:
                        "peak_bytes": e.peak_used_bytes if e else 0,
                        "budget_bytes": self.config.nvme_budget_bytes or -1}
         return out
+
+    def register(self, entry: Entry) -> None:
+        """``entry`` is the store's now (lock held): its copies are indexed by tier from here on."""
+        entry.copies = CopyMap(entry, self.in_tier)
+        self.entries[entry.key] = entry
 
     def check_open(self) -> None:
         if self.closed:

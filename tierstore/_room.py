@@ -112,15 +112,13 @@ class Room:
 
     def _busy(self, tier: Tier) -> bool:
         """An unheld copy in ``tier`` is being filled or read: it becomes evictable when that is done."""
-        return any(c.tier is tier and not c.pins and c.busy
-                   for e in self.state.entries.values() for c in e.copies.values())
+        return any(not c.pins and c.busy for c in self.state.in_tier[tier])
 
     def _others_will_release(self, tier: Tier) -> bool:
         """Other threads hold copies in ``tier`` and one of them is not itself waiting for room there (see
         [Note: Waiting for room])."""
         me = threading.get_ident()
-        others = {t for e in self.state.entries.values() for c in e.copies.values() if c.tier is tier
-                  for t in c.holders if t != me}
+        others = {t for c in self.state.in_tier[tier] for t in c.holders if t != me}
         return bool(others) and not others <= {t for t, waits_in in self.waiting if waits_in is tier}
 
     def _wait_for_release(self, tier: Tier) -> None:
@@ -139,8 +137,7 @@ class Room:
     def _budget_message(self, tier: Tier, nbytes: int, for_key: str, waited_since: float | None) -> str:
         pool = self.state.pools[tier]
         need = pool.capacity_for(nbytes)
-        copies = [(e, c) for e in self.state.entries.values() for c in e.copies.values()
-                  if c.tier is tier and c.buffer is not None]
+        copies = [(e, c) for c, e in self.state.in_tier[tier].items() if c.buffer is not None]
         homes = sum(c.buffer.capacity for e, c in copies if e.home is tier and not c.pins)
         unsaved = sum(c.buffer.capacity for e, c in copies if e.home is not tier and not c.pins and e.unsaved(c))
         names = {t.ident: t.name for t in threading.enumerate()}
@@ -185,8 +182,8 @@ class Room:
     def candidates(self, tier: Tier, kept: bool = True) -> list[tuple[Entry, Copy]]:
         """Copies in ``tier`` that could go (not home, unheld, not in a transfer), the first to go first; kept
         copies last, or (``kept=False``) none (see [Note: Kept copies])."""
-        out = [(e, c) for e in self.state.entries.values() for c in e.copies.values()
-               if c.tier is tier and tier is not e.home and not c.pins and not c.busy]
+        out = [(e, c) for c, e in self.state.in_tier[tier].items()
+               if tier is not e.home and not c.pins and not c.busy]
         keep = self.kept_keys(tier)
         if not keep:
             return self._ordered(tier, out)

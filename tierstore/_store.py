@@ -138,7 +138,7 @@ class TierStore:
             if key in state.entries:
                 raise ValueError(f"key {key!r} is already in the store; drop() it first or use another key")
             self._room.check_fits(key, nbytes, home)
-            state.entries[key] = entry
+            state.register(entry)
         if nbytes == 0:
             return Handle(done_future(), key, home)
         try:
