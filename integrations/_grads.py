@@ -78,6 +78,13 @@ def check_grad_dtype(grad_dtype: object) -> None:
                          f"fp32) or 'param' (in the parameter's dtype, as torch keeps them)")
 
 
+def grad_home(store: TierStore, grad_tier: Tier | None = None) -> Tier:
+    """Where kept gradients live: ``grad_tier``, else the config's ``grad_tier``, else its ``optimizer_tier``; the
+    host tier without a drive (see [Note: Gradients in the tiers])."""
+    home = grad_tier or store.config.grad_tier or store.config.optimizer_tier
+    return Tier.HOST if home is Tier.NVME and store.swap_directory is None else home
+
+
 def grad_key(param_key: str) -> str:
     """The store key of an offloaded parameter's gradient (``param/<name>`` -> ``grad/<name>``)."""
     return GRAD_PREFIX + param_key.partition("/")[2]
@@ -414,5 +421,5 @@ class _ReadOnlyView(torch.Tensor):
         return out
 
 
-__all__ = ["GRAD_DTYPES", "GradientStore", "StoredGrad", "check_grad_dtype", "generation", "grad_key", "store_key_of",
-           "stored_dtype", "values_of"]
+__all__ = ["GRAD_DTYPES", "GradientStore", "StoredGrad", "check_grad_dtype", "generation", "grad_home", "grad_key",
+           "store_key_of", "stored_dtype", "values_of"]

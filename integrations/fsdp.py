@@ -47,7 +47,7 @@ from tierstore import Tier, TierStore
 from . import _fsdp_internals as internals
 from ._base import STATE_KEY, OffloadBase, UnitStats, check_not_offloaded
 from ._contract import zero_grads
-from ._grads import GradientStore, StoredGrad
+from ._grads import GradientStore, StoredGrad, grad_home
 from ._meta import check_meta, materialize
 from ._placing import check_options
 
@@ -162,11 +162,8 @@ class FSDPOffload(OffloadBase):
             su.remove = internals.wrap_group(group, lambda su=su: self._materialize(su), lambda su=su: self._free(su),
                                              lambda su=su, group=group: self._gradients_ready(su, group))
         self._schedule(prefetch_depth=prefetch_depth, prefetch_bytes=prefetch_bytes, placement=placement)
-        # FSDP2's dtype, which it accumulates in (see [Note: Gradient shards in the tiers])
-        grad_home = store.config.grad_tier or store.config.optimizer_tier
-        if grad_home is Tier.NVME and store.swap_directory is None:
-            grad_home = Tier.HOST
-        self.grads = _ShardGrads(self._by_key, GradientStore(store, grad_home, "param"))
+        # in FSDP2's dtype, which it accumulates in (see [Note: Gradient shards in the tiers])
+        self.grads = _ShardGrads(self._by_key, GradientStore(store, grad_home(store), "param"))
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
 
     def _put_shards(self, groups: list, sharded: set[int], names: dict[int, str], meta: bool,
@@ -271,6 +268,10 @@ class FSDPOffload(OffloadBase):
         """Put every shard back in memory (current values) and detach from FSDP2 (an optimizer of it drops its
         state)."""
         self._detach([self._hook])
+        for sh in self.params.values():  # gradients go, as offload_model's remove() drops its own
+            if sh.param.grad is not None and isinstance(internals.local_shard(sh.param.grad), StoredGrad):
+                sh.param.grad = None
+        self.grads.clear()
         for su in self._units.values():
             su.remove()
             su.materialized = False

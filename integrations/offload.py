@@ -45,7 +45,7 @@ from tierstore._memory import TierPool
 from ._base import STATE_KEY, OffloadBase, OffloadedParameterError, UnitStats, check_not_offloaded
 from ._build import check_names_free, put_parameters, room_for, to_compute_device
 from ._contract import zero_grads
-from ._grads import GradientStore, check_grad_dtype, grad_key
+from ._grads import GradientStore, check_grad_dtype, grad_home, grad_key
 from ._meta import check_meta
 from ._param import OffloadedParameter, StoredParam, refuse_other_optimizers_from_now
 from ._pass import PassState
@@ -86,11 +86,7 @@ class OffloadedModel(OffloadBase):
         self.compute_tier = compute_tier
         self.compute_device = store.device if compute_tier is Tier.DEVICE else torch.device("cpu")
         self.resident_ids: set[int] = set()
-        # See [Note: Gradients in the tiers]; without a drive they stay in the host tier.
-        grad_home = grad_tier or store.config.grad_tier or store.config.optimizer_tier
-        if grad_home is Tier.NVME and store.swap_directory is None:
-            grad_home = Tier.HOST
-        self.grads = GradientStore(store, grad_home, grad_dtype)
+        self.grads = GradientStore(store, grad_home(store, grad_tier), grad_dtype)  # see [Note: Gradients in the tiers]
         self.stats = OffloadStats()
         self._handles: list[Any] = []
         self._loading: list[StoredParam] = []  # held by a load_state_dict() (see [Note: Loading a state dict])

@@ -122,7 +122,7 @@ def test_gradient_shards_are_kept_in_the_store_through_accumulation_and_clipping
     """Two micro-batches a step and torch's clip_grad_norm_ over the model's parameters, the optimizer after
     backward (Trainer's loop): every gradient shard is in the store after backward, on the drive under a small
     budget, param.grad reads what FSDP2 alone has, and the run is bit-identical to FSDP2 alone (the clip norms
-    too: they are among the losses); see [Note: Gradient shards in the tiers]."""
+    too: they are among the losses); remove() leaves none behind. See [Note: Gradient shards in the tiers]."""
     pytest.importorskip("transformers")
     child = child_script("fsdp_conformance_child.py")
     lines = _rows(_launch(2, child, name, str(tmp_path), str(views), "accumulate-clip"))
@@ -132,6 +132,7 @@ def test_gradient_shards_are_kept_in_the_store_through_accumulation_and_clipping
         assert all(r["same_grads"]) and len(r["same_grads"]) == (3 if views == 1 else 6), r
         for kept, on_drive in r["grads_in_store"]:
             assert kept > 0 and on_drive > 0, r
+        assert r["removed_clean"] is True, r  # remove() takes the kept gradients out of the store
 
 
 @pytest.mark.slow

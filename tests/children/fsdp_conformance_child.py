@@ -85,10 +85,17 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool) -> None
         first = next(g for g in off.units() if "layers" in g or ".h." in g or "layer_groups" in g)
         uses = off.policy.trace.count(first)
         forward = off.policy.trace[:off.policy.forward_uses or 0]
+        removed_clean = None
+        if clip:  # gradients kept in the store when the offload is removed: they go with it
+            case.loss(model, case.batch(99, batch=2 * world)[rank::world]).backward()
+            kept = _grads_in_store(store)[0]
+            off.remove()
+            removed_clean = kept > 0 and _grads_in_store(store)[0] == 0 and all(
+                p.grad is None for p in model.parameters())
     print(json.dumps({"rank": rank, "ref": ref_losses, "ours": losses, "same_parameters": same,
                       "same_moments": same_moments, "read_bytes": read, "uses_of_a_layer": uses,
                       "uses_of_it_in_forward": forward.count(first), "verdict": off.placement_verdict,
-                      "grads_in_store": [x["in_store"] for x in seen],
+                      "grads_in_store": [x["in_store"] for x in seen], "removed_clean": removed_clean,
                       "same_grads": [len(a["grads"]) == len(b["grads"]) and all(map(torch.equal, a["grads"], b["grads"]))
                                      for a, b in zip(seen, ref_seen)]}), flush=True)
     dist.destroy_process_group()
