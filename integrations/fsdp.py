@@ -117,6 +117,10 @@ class _ShardGrads:
         sh.param.grad = internals.with_local(grad, self.stored.get(sh.key))
 
     def clear(self) -> None:
+        """Drop every kept gradient shard: its record, and ``param.grad`` where it is one."""
+        for sh in self._by_key.values():
+            if sh.param.grad is not None and isinstance(internals.local_shard(sh.param.grad), StoredGrad):
+                sh.param.grad = None
         self.stored.clear()
 
 
@@ -268,10 +272,7 @@ class FSDPOffload(OffloadBase):
         """Put every shard back in memory (current values) and detach from FSDP2 (an optimizer of it drops its
         state)."""
         self._detach([self._hook])
-        for sh in self.params.values():  # gradients go, as offload_model's remove() drops its own
-            if sh.param.grad is not None and isinstance(internals.local_shard(sh.param.grad), StoredGrad):
-                sh.param.grad = None
-        self.grads.clear()
+        self.grads.clear()  # gradients go, as offload_model's remove() drops its own
         for su in self._units.values():
             su.remove()
             su.materialized = False

@@ -350,28 +350,16 @@ def _preset_tokens(preset: str) -> int:
 def _measured_preset_step(preset: str, dtype: str, batch_size: int) -> float:
     """One resident training step (forward, backward and torch's AdamW: on a CPU the offloaded optimizer's
     arithmetic shares the cores with the compute) of the preset's ViT at ``batch_size``: the median of 3, after 2."""
-    import statistics
-    import time
-
     import torch
-    import torch.nn.functional as F
 
+    from .plan import median_step_seconds
     from .vit import PRESETS, SyntheticImages, ViT
 
     t = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     torch.manual_seed(0)
     model = ViT(PRESETS[preset]).to(t)
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
-    data = SyntheticImages(PRESETS[preset])
-    times = []
-    for i in range(5):
-        x, y = data.batch(i, batch_size)
-        t0 = time.perf_counter()
-        F.cross_entropy(model(x.to(t)).float(), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:])
+    return median_step_seconds(model, opt, SyntheticImages(PRESETS[preset]), batch_size, warmup=2, steps=3, dtype=t)
 
 
 def _preset_tensors(preset: str) -> int:

@@ -192,8 +192,9 @@ def _predicted_step(cfg: PlanConfig, plan: dict[str, Any], placed: Any) -> dict[
     if cfg.compute_seconds is None or not cfg.drive_gbps:
         return None
     rate = cfg.drive_gbps * 1e9
-    offload = cfg.tensors * cfg.tensor_seconds if cfg.tensors is not None and cfg.tensor_seconds is not None \
-        else None
+    offload = None
+    if cfg.tensors is not None and cfg.tensor_seconds is not None:
+        offload = cfg.tensors * cfg.tensor_seconds
     compute = cfg.compute_seconds + (offload or 0.0)
     if placed is not None:
         moved = placed.bytes_per_step
@@ -336,16 +337,33 @@ def measure_compute_tflops(dtype: str) -> float:
     return 2 * 1024**3 / best / 1e12
 
 
+def median_step_seconds(model: Any, opt: Any, data: Any, batch_size: int, *, warmup: int, steps: int,
+                        dtype: Any = None) -> float:
+    """The median time of ``steps`` training steps of a ViT on ``data`` (forward, backward, the optimizer's
+    step, zero_grad), after ``warmup``; inputs in ``dtype`` (None: as they come), the loss in fp32."""
+    import statistics
+    import time
+
+    import torch.nn.functional as F
+
+    times = []
+    for i in range(warmup + steps):
+        x, y = data.batch(i, batch_size)
+        t0 = time.perf_counter()
+        F.cross_entropy(model(x if dtype is None else x.to(dtype)).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[warmup:])
+
+
 def measure_tensor_seconds(nvme_path: str, step_in_backward: bool, steps: int = 8) -> float:
     """The offload's own work per parameter tensor and step (see [Note: The offload's own work]): ViT-tiny
     (batch 32, fp32) offloaded at ``nvme_path`` under a third of its state as host budget, against the same model
     resident, both under the allocator setting a store makes; medians after 3 steps."""
     import copy
-    import statistics
-    import time
 
     import torch
-    import torch.nn.functional as F
 
     from tierstore import TierStore
     from tierstore.integrations import OffloadedAdamW, offload_model
@@ -359,27 +377,17 @@ def measure_tensor_seconds(nvme_path: str, step_in_backward: bool, steps: int = 
     n = sum(p.numel() for p in resident.parameters())
     tensors = len(list(resident.parameters()))
 
-    def median_step(model: torch.nn.Module, opt: Any) -> float:
-        times = []
-        for i in range(3 + steps):
-            x, y = data.batch(i, 32)
-            t0 = time.perf_counter()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[3:])
-
     with TierStore(nvme_path=nvme_path, host_budget_bytes=n * 12 // 3) as store:  # sets the allocator up
         model = copy.deepcopy(resident)
         opt = OffloadedAdamW(offload_model(model, store), step_in_backward=step_in_backward)
         try:
-            offloaded = median_step(model, opt)
+            offloaded = median_step_seconds(model, opt, data, 32, warmup=3, steps=steps)
         finally:
             opt.close()
-        alone = median_step(resident, torch.optim.AdamW(resident.parameters(), foreach=False))
+        alone = median_step_seconds(resident, torch.optim.AdamW(resident.parameters(), foreach=False), data, 32,
+                                    warmup=3, steps=steps)
     return max(0.0, offloaded - alone) / tensors
 
 
 __all__ = ["PlanConfig", "format_plan", "hf_model_size", "make_plan", "measure_compute_tflops",
-           "measure_tensor_seconds"]
+           "measure_tensor_seconds", "median_step_seconds"]
