@@ -279,10 +279,16 @@ def values_of(grad: torch.Tensor) -> Iterator[torch.Tensor]:
         yield t
 
 
+def _list_length(args: Any) -> int:
+    """The length of the first list among a list-wise operation's arguments."""
+    return len(next((a for a in args if isinstance(a, (list, tuple))), ()))
+
+
 def _one_by_one(func: Any, args: Any, kwargs: Any) -> Any:
     """A list-wise operation (``_LISTWISE``) over several stored gradients, run on one list position at a time (each is
-    elementwise over its lists): each gradient is read, and written, in turn, and no more than one is in memory."""
-    n = len(next(a for a in args if isinstance(a, (list, tuple))))
+    elementwise over its lists): each gradient is read, and written, in turn, and no more than one is in memory. A
+    position that holds two stored gradients is then an operation on two, as any other (see ``__torch_dispatch__``)."""
+    n = _list_length(args)
 
     def at(i: int, v: Any) -> Any:
         return [v[i]] if isinstance(v, (list, tuple)) and len(v) == n else v
@@ -368,7 +374,7 @@ class StoredGrad(torch.Tensor):
         mine = [g for g in tree_leaves((args, kwargs)) if isinstance(g, StoredGrad)]
         g = mine[0]
         if len({id(x._record) for x in mine}) > 1:  # several: the others are read first, one at a time
-            if func.overloadpacket.__name__.startswith(_LISTWISE):
+            if func.overloadpacket.__name__.startswith(_LISTWISE) and _list_length(args) > 1:
                 return _one_by_one(func, args, kwargs)
             first = args[0] if isinstance(args[0], StoredGrad) and _writes_grad(func, args[:1], {}) else None
             if first is None and _writes_grad(func, args, kwargs):  # its write would land in a copy

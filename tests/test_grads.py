@@ -63,7 +63,8 @@ def test_param_grad_reads_and_writes_the_stored_gradient(make_store):
 def test_operations_over_several_stored_gradients_write_each_or_refuse(make_store):
     """torch's foreach operations (clip_grad_norm_(..., foreach=True), clip_grad_value_, _foreach_mul_) over a list
     of stored gradients run one gradient at a time and change each, as on resident gradients (they were silently
-    applied to copies before); an operation writing one stored gradient while reading another is refused."""
+    applied to copies before); an operation writing one stored gradient while reading another is refused, in a
+    foreach operation too (it recursed without end once)."""
     ref, model = _pair()
     offload_model(model, make_store(host_budget_bytes="256KiB"))
     for m in (ref, model):
@@ -85,6 +86,11 @@ def test_operations_over_several_stored_gradients_write_each_or_refuse(make_stor
     a, b = model[0].weight.grad, model[1].weight.grad
     with pytest.raises(RuntimeError, match="write a stored gradient while reading another"):
         torch.add(b, b, out=a)
+    c = model[2].weight.grad  # a list position holding two stored gradients: that position is refused, not looped
+    with pytest.raises(RuntimeError, match="_foreach_add_ would write a stored gradient while reading another"):
+        torch._foreach_add_([a, c], [torch.zeros(a.shape), a])
+    sums = torch._foreach_add([a, c], [b, a])  # reading two at a position is fine
+    assert torch.equal(sums[1], ref[2].weight.grad + ref[0].weight.grad)
     assert same()
 
 
