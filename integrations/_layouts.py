@@ -50,20 +50,27 @@ the top half of an fp32 one):
   step, so a run repeats exactly), which keeps small updates from vanishing
   on average as bf16's rounding to nearest would.
 
-A compressed update runs in slices of ``CHUNK`` elements: decode into fp32
-temporaries, torch's AdamW on them (the same implementation choice as the
-fp32 layout), encode back; the temporaries stay in the CPU's cache.
+A compressed update decodes, steps and encodes one block at a time in a
+native kernel ([Note: One update, two implementations] in _native.py), or,
+without one, runs torch operations over slices of ``CHUNK`` elements (fp32
+temporaries that stay in the CPU's cache); both run the arithmetic of
+[Note: The compressed update's arithmetic] and give the same bits.
 """
 
 from __future__ import annotations
 
+import ctypes
+import math
+import struct
 import sys
+import threading
 import zlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from . import _adamw
+from . import _native
 from ._contract import MASTERED_DTYPES
 
 MOMENTS = ("fp32", "bf16", "8bit")
@@ -96,7 +103,7 @@ class _Quantizer:
         # The code of every bf16 value in [-1, 1] (indexed by its bit pattern as an int16, plus 2^15): the number
         # of midpoints at or below it, so the nearest map value, a tie to the larger.
         values = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-        self._table = torch.bucketize(values.float().clamp(-1, 1), self.midpoints, right=True).to(torch.uint8)
+        self.table = torch.bucketize(values.float().clamp(-1, 1), self.midpoints, right=True).to(torch.uint8)
 
     def encode(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """Write ``x`` (fp32, contiguous, len(codes) values) as ``codes`` (uint8) and per-block ``scales``."""
@@ -112,7 +119,7 @@ class _Quantizer:
         scales.copy_(absmax.view(-1))
         normal = (x / absmax.clamp(min=torch.finfo(torch.float32).tiny)).to(torch.bfloat16)
         index = normal.view(torch.int16).view(-1).to(torch.int32).add_(1 << 15)
-        torch.index_select(self._table, 0, index, out=codes)
+        torch.index_select(self.table, 0, index, out=codes)
 
     def decode(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """The fp32 values of ``codes`` (a multiple of BLOCK, or ending in the tensor's last partial block)."""
@@ -172,10 +179,10 @@ def split_master(master: torch.Tensor, weight: torch.Tensor, low: torch.Tensor) 
     low.copy_(halves[..., 0])
 
 
-def stochastic_round(value: torch.Tensor, out: torch.Tensor, generator: torch.Generator) -> None:
-    """Round fp32 ``value`` into bf16 ``out``: away from zero with probability (dropped low 16 bits) / 2^16."""
+def stochastic_round(value: torch.Tensor, out: torch.Tensor, noise: torch.Tensor) -> None:
+    """Round fp32 ``value`` into bf16 ``out``: away from zero with probability (dropped low 16 bits) / 2^16, given
+    ``noise``, int32 values uniform in [0, 2^16) (one a value)."""
     bits = value.view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, generator=generator)
     rounded = ((bits + noise) >> 16).to(torch.int16).view(torch.bfloat16)
     out.copy_(torch.where(torch.isnan(value), value.to(torch.bfloat16), rounded))  # a NaN stays NaN
 
@@ -269,27 +276,150 @@ def _encode(how: str, value: torch.Tensor, stored: torch.Tensor, quantizer: _Qua
         quantizer.encode(value, codes[start:stop], scales[start // BLOCK:-(-stop // BLOCK)])
 
 
+@dataclass(frozen=True)
+class Constants:
+    """The scalars of one compressed update, each an fp32 value (see [Note: The compressed update's arithmetic])."""
+
+    decay: float
+    b1: float
+    omb1: float
+    b2: float
+    omb2: float
+    bc2_sqrt: float
+    eps: float
+    step_size: float
+    maximize: bool
+
+    @staticmethod
+    def of(step: float, hyper: tuple) -> "Constants":
+        lr, (beta1, beta2), eps, weight_decay, maximize = hyper
+        lr, beta1, beta2 = float(lr), float(beta1), float(beta2)
+
+        def f32(x: float) -> float:
+            return struct.unpack("f", struct.pack("f", x))[0]
+
+        return Constants(decay=f32(1.0 - lr * float(weight_decay)), b1=f32(beta1), omb1=f32(1.0 - beta1),
+                         b2=f32(beta2), omb2=f32(1.0 - beta2), bc2_sqrt=f32(math.sqrt(1.0 - beta2 ** step)),
+                         eps=f32(float(eps)), step_size=f32(lr / (1.0 - beta1 ** step)), maximize=bool(maximize))
+
+
+def adamw_values(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, c: Constants) -> None:
+    """[Note: The compressed update's arithmetic] AdamW on fp32 values, each
+    operation one correctly rounded fp32 operation, in this order::
+
+        g = -g                                  (maximize only)
+        p = p * decay                           decay = 1 - lr * weight_decay
+        m = m * beta1 + g * (1 - beta1)
+        v = v * beta2 + (g * g) * (1 - beta2)
+        d = sqrt(v) / sqrt(1 - beta2^step) + eps
+        p = p - (m / d) * (lr / (1 - beta1^step))
+
+    with the scalars rounded to fp32 once (``Constants``). It is torch's
+    AdamW written out (the same result up to the last bits, which depend on
+    how torch's kernels order and fuse operations and differ between its own
+    implementations): fixed here so that the native kernel (compressed_adamw.c,
+    compiled without fused multiply-adds) and these torch operations give the
+    same bits, [Note: One update, two implementations]. The fp32 layout keeps
+    torch's own AdamW, bit-identical to torch.optim.AdamW."""
+    if c.maximize:
+        g = torch.neg(g)
+    p.mul_(c.decay)
+    m.mul_(c.b1).add_(torch.mul(g, c.omb1))
+    v.mul_(c.b2).add_(torch.mul(g, g).mul_(c.omb2))
+    d = torch.from_numpy(np.sqrt(v.numpy())).div_(c.bc2_sqrt).add_(c.eps)  # IEEE's sqrt: torch's is not, here
+    p.sub_(torch.div(m, d).mul_(c.step_size))
+
+
+_MOMENT_KIND = {"plain": 0, "bf16": 1, "8bit": 2}
+
+
+def _native_args(moments: str, master: str | None, w: torch.Tensor, lo: torch.Tensor | None, m: torch.Tensor,
+                 v: torch.Tensor, g: torch.Tensor, c: Constants) -> _native.UpdateArgs:
+    n = w.numel()
+    a = _native.UpdateArgs(n=n, moments=_MOMENT_KIND[moments], weight=0 if w.dtype == torch.float32 else
+                           1 if master == "split" else 2, grad=0 if g.dtype == torch.float32 else 1,
+                           maximize=int(c.maximize), w=w.data_ptr(), low=lo.data_ptr() if lo is not None else None,
+                           g=g.data_ptr(), map_m=SIGNED.map.data_ptr(), map_v=UNSIGNED.map.data_ptr(),
+                           table_m=SIGNED.table.data_ptr(), table_v=UNSIGNED.table.data_ptr(), decay=c.decay,
+                           b1=c.b1, omb1=c.omb1, b2=c.b2, omb2=c.omb2, bc2_sqrt=c.bc2_sqrt, eps=c.eps,
+                           step_size=c.step_size)
+    if moments == "8bit":
+        (mc, ms), (vc, vs) = unpack(m, n), unpack(v, n)
+        a.m, a.v, a.m_scales, a.v_scales = mc.data_ptr(), vc.data_ptr(), ms.data_ptr(), vs.data_ptr()
+    else:
+        a.m, a.v = m.data_ptr(), v.data_ptr()
+    return a
+
+
+def _native_fits(moments: str, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether the kernel takes these tensors as they are (it reads fp32 and bf16, dense in memory order)."""
+    plain_ok = moments != "plain" or (m.dtype == torch.float32 and v.dtype == torch.float32)
+    return (plain_ok and g.dtype in (torch.float32, torch.bfloat16) and w.dtype in (torch.float32, torch.bfloat16)
+            and all(t.is_contiguous() for t in (w, m, v, g)))
+
+
+def _in_parallel(fn, args: _native.UpdateArgs, n: int, threads: int) -> None:
+    """The kernel over [0, n) in ``threads`` ranges of whole chunks, the last on the calling thread. The helpers
+    are threads of this call (tens of microseconds to start, against a millisecond or more of work each): none
+    outlives it."""
+    parts = min(threads, n // CHUNK)
+    bounds = [n * i // parts // CHUNK * CHUNK for i in range(parts)] + [n]
+    ref = ctypes.byref(args)
+    helpers = [threading.Thread(target=fn, args=(ref, bounds[i], bounds[i + 1]), name="tierstore-update",
+                                daemon=True) for i in range(parts - 1)]
+    for t in helpers:
+        t.start()
+    try:
+        fn(ref, bounds[-2], n)
+    finally:
+        for t in helpers:
+            t.join()
+
+
 def compressed_update(*, moments: str, master: str | None, weight: torch.Tensor, low: torch.Tensor | None,
                       exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, step: float,
-                      hyper: tuple, impl: str, seed: int) -> None:
-    """One AdamW update of a parameter whose state is stored compressed, slice by slice.
+                      hyper: tuple, seed: int, native: bool | None = None, threads: int = 1) -> None:
+    """One AdamW update of a parameter whose state is stored compressed, slice by slice, in the arithmetic of
+    [Note: The compressed update's arithmetic].
 
     ``weight`` is what the update steps: the fp32 master (``master="fp32"``), the bf16 weight (``"split"``,
     with ``low`` its master's low bits; or None: the weight alone, rounded stochastically), or an fp32
-    parameter's own values. ``exp_avg``/``exp_avg_sq`` are stored ``moments`` (see StateLayout.moments_of)."""
+    parameter's own values. ``exp_avg``/``exp_avg_sq`` are stored ``moments`` (see StateLayout.moments_of).
+    ``native``: the compiled kernel (True), torch operations (False), or the kernel where it was built (None).
+    ``threads``: how many threads the kernel may run it on (the caller's and helpers; not with stochastic
+    rounding, whose draws come in order): the element ranges are disjoint, so the bits do not change."""
     n = weight.numel()
-    if grad.stride() != weight.stride() or grad.dtype != torch.float32:  # elements paired in memory order
+    if grad.stride() != weight.stride() or grad.dtype not in (torch.float32, torch.bfloat16):
+        # elements paired in memory order
         grad = torch.empty_strided(weight.shape, weight.stride(), dtype=torch.float32).copy_(grad)
     w, g = flat(weight), flat(grad)
     lo = flat(low) if low is not None else None
     m_flat = flat(exp_avg) if moments != "8bit" else exp_avg
     v_flat = flat(exp_avg_sq) if moments != "8bit" else exp_avg_sq
     stepped_in_place = weight.dtype == torch.float32
+    c = Constants.of(step, hyper)
+    fn = _native.kernel() if native is not False else None
+    if native and fn is None:
+        raise RuntimeError("the native kernel of the compressed update is not built (see the warning above)")
+    if fn is not None and not _native_fits(moments, w, m_flat, v_flat, g):
+        fn = None
+    args = _native_args(moments, master, w, lo, m_flat, v_flat, g, c) if fn is not None else None
     generator = None
     if not stepped_in_place and master is None:
         generator = torch.Generator().manual_seed(seed)
+    elif args is not None and threads > 1 and n >= 2 * CHUNK:
+        _in_parallel(fn, args, n, threads)
+        return
     for start in range(0, n, CHUNK):
         stop = min(n, start + CHUNK)
+        noise = None
+        if generator is not None:  # the same draws on either path: a run repeats exactly
+            noise = torch.randint(0, 1 << 16, (stop - start,), dtype=torch.int32, generator=generator)
+        if args is not None:
+            if noise is not None:
+                args.noise, args.noise_at = noise.data_ptr(), start
+            fn(ctypes.byref(args), start, stop)
+            continue
         m = _decode(moments, m_flat, SIGNED, n, start, stop)
         v = _decode(moments, v_flat, UNSIGNED, n, start, stop)
         if stepped_in_place:
@@ -299,15 +429,15 @@ def compressed_update(*, moments: str, master: str | None, weight: torch.Tensor,
             value = join_master(w[start:stop], lo[start:stop])
         else:
             value = w[start:stop].float()
-        _adamw.adamw_slice(value, m, v, g[start:stop], step, hyper, impl)
+        adamw_values(value, m, v, g[start:stop].float(), c)
         _encode(moments, m, m_flat, SIGNED, n, start, stop)
         _encode(moments, v, v_flat, UNSIGNED, n, start, stop)
         if master == "split":
             assert lo is not None
             split_master(value, w[start:stop], lo[start:stop])
         elif not stepped_in_place:
-            assert generator is not None
-            stochastic_round(value, w[start:stop], generator)
+            assert noise is not None
+            stochastic_round(value, w[start:stop], noise)
 
 
 def decode_state(how: str, stored: torch.Tensor, signed: bool, shape: torch.Size,

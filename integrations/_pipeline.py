@@ -46,6 +46,7 @@ class StatePipeline:
         self.store = store
         self.impl = impl  # which of torch's AdamW implementations (see [Note: Which AdamW])
         self.layout = layout  # how the state is stored (see [Note: Compressed optimizer state])
+        self.threads = 1  # threads a compressed update may use (optimizer after backward: torch's own count)
         self.readahead = readahead
         self.readahead_bytes = readahead_bytes  # asked at each read-ahead: the room may change with the placement
         self.state_bytes: dict[str, int] = {}  # name -> bytes of its state (what read-ahead counts)
@@ -119,8 +120,8 @@ class StatePipeline:
             else:
                 compressed_update(moments=layout.moments_of(key, p, param.numel()), master=master, weight=param,
                                   low=held[keys[2]] if master == "split" else None, exp_avg=exp_avg,
-                                  exp_avg_sq=exp_avg_sq, grad=grad, step=step, hyper=hyper(), impl="fused",
-                                  seed=seed_of(name, step))
+                                  exp_avg_sq=exp_avg_sq, grad=grad, step=step, hyper=hyper(),
+                                  seed=seed_of(name, step), threads=self.threads)
         except BaseException as e:
             # The error's frames keep their views of the state alive, which keeps that memory from being reused
             # (see [Note: A freed buffer still viewed]): nothing reads them again.

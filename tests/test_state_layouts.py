@@ -12,7 +12,6 @@ from tierstore.integrations import OffloadedAdamW, load_checkpoint, offload_mode
 from tierstore.integrations import _layouts as L
 
 from tierstore import CheckpointError
-from torch.optim.adamw import adamw as torch_adamw
 
 HYPER = (1e-2, (0.9, 0.999), 1e-8, 0.01, False)
 
@@ -51,8 +50,24 @@ def _random_moments(n, seed):
     return m, v
 
 
+def _ref_adamw(p, m, v, g, step, hyper):
+    """The arithmetic of [Note: The compressed update's arithmetic] in numpy, fp32 throughout."""
+    lr, (beta1, beta2), eps, wd, maximize = hyper
+    f = np.float32
+    p, m, v, g = (t.numpy().astype(np.float32) for t in (p, m, v, g))
+    if maximize:
+        g = -g
+    p = p * f(1 - lr * wd)
+    m = m * f(beta1) + g * f(1 - beta1)
+    v = v * f(beta2) + (g * g) * f(1 - beta2)
+    d = np.sqrt(v) / f(np.sqrt(1 - beta2 ** step)) + f(eps)
+    p = p - (m / d) * f(lr / (1 - beta1 ** step))
+    return tuple(torch.from_numpy(t) for t in (p, m, v))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("moments,master", list(itertools.product(("bf16", "8bit"), ("split", "none", "fp32"))))
-def test_one_compressed_update_matches_a_plain_reference_to_the_last_bit(moments, master):
+def test_one_compressed_update_matches_a_plain_reference_to_the_last_bit(moments, master, native):
     n = L.CHUNK + 3 * L.BLOCK + 37  # two slices, the last block partial
     g = torch.Generator().manual_seed(1)
     grad = torch.randn(n, generator=g) * 1e-2
@@ -87,12 +102,10 @@ def test_one_compressed_update_matches_a_plain_reference_to_the_last_bit(moments
         w_ref = fp32_weight.clone()
 
     L.compressed_update(moments=moments, master=None if master == "none" else master, weight=weight, low=low,
-                        exp_avg=stored_m, exp_avg_sq=stored_v, grad=grad, step=3.0, hyper=HYPER, impl="fused",
-                        seed=L.seed_of("w", 3.0))
+                        exp_avg=stored_m, exp_avg_sq=stored_v, grad=grad, step=3.0, hyper=HYPER,
+                        seed=L.seed_of("w", 3.0), native=native)
 
-    torch_adamw([w_ref], [grad.clone()], [m_ref], [v_ref], [], [torch.tensor(2.0)], foreach=False,
-                            fused=True, amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-2, weight_decay=0.01, eps=1e-8,
-                            maximize=False)
+    w_ref, m_ref, v_ref = _ref_adamw(w_ref, m_ref, v_ref, grad, 3.0, HYPER)
     if moments == "8bit":
         for stored, value, q in ((stored_m, m_ref, L.SIGNED), (stored_v, v_ref, L.UNSIGNED)):
             codes, scales = _ref_encode(value, q.map)
@@ -112,6 +125,56 @@ def test_one_compressed_update_matches_a_plain_reference_to_the_last_bit(moments
         assert 0.2 < (got == up).float().mean().item() < 0.8
     else:
         assert torch.equal(weight, w_ref)
+
+
+def _same_bits(a, b):
+    """Equal bit for bit, any NaN equal to any NaN (its payload is not kept by every conversion)."""
+    if a.is_floating_point():
+        nan = a.isnan()
+        return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(-1).view(torch.uint8),
+                                                           b[~nan].view(-1).view(torch.uint8))
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("moments", ["8bit", "bf16", "plain"])
+@pytest.mark.parametrize("master", ["split", "none", "fp32"])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_the_native_kernel_and_the_torch_operations_give_the_same_bits(moments, master, grad_dtype):
+    """Two steps on values a run meets (zeros, ties of the map, a NaN and an infinity in a gradient, an odd
+    length), maximize on: every stored byte equal."""
+    if L._native.kernel() is None:
+        pytest.skip("no C compiler: the torch operations are the only implementation here")
+    n = 2 * L.CHUNK + 2 * L.BLOCK + 11
+    g = torch.Generator().manual_seed(3)
+    fp = torch.randn(n, generator=g)
+    fp[100:140] = 0.0
+    grad = (torch.randn(n, generator=g) * 1e-2).to(grad_dtype)
+    grad[300], grad[L.CHUNK + 5], grad[900:1000] = float("nan"), float("inf"), 0.0
+    m0, v0 = _random_moments(n, 4)
+    m0[2000:2300] = L.SIGNED.map[torch.arange(300) % 256] * 1e-3  # values on the map's own points
+    state = {"low": None}
+    if master == "split":
+        state["weight"], state["low"] = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.int16)
+        L.split_master(fp, state["weight"], state["low"])
+    else:
+        state["weight"] = fp.to(torch.bfloat16) if master == "none" else fp
+    for key, value, signed in (("exp_avg", m0, True), ("exp_avg_sq", v0, False)):
+        if moments == "8bit":
+            state[key] = torch.zeros(L.packed_size(n), dtype=torch.uint8)
+            L.encode_state("8bit", value, state[key], signed, None)
+        else:
+            state[key] = value.to(torch.bfloat16 if moments == "bf16" else torch.float32)
+    runs = []
+    for native, threads in ((True, 1), (False, 1), (True, 3)):  # three threads: ranges of unequal chunk counts
+        mine = {k: v.clone() if v is not None else None for k, v in state.items()}
+        for step in (1.0, 2.0):
+            L.compressed_update(moments=moments, master=None if master == "none" else master, **mine, grad=grad,
+                                step=step, hyper=(1e-3, (0.9, 0.99), 1e-8, 0.1, True), seed=11, native=native,
+                                threads=threads)
+        runs.append(mine)
+    for key in state:
+        if state[key] is not None:
+            assert _same_bits(runs[0][key], runs[1][key]) and _same_bits(runs[0][key], runs[2][key]), key
 
 
 def test_the_8bit_codes_are_those_of_the_nearest_map_values_up_to_bf16_rounding():
@@ -153,7 +216,7 @@ def test_a_nan_in_a_block_decodes_as_nan_and_stochastic_rounding_keeps_nan():
     assert bool(out[:L.BLOCK].isnan().all()) and bool(out[L.BLOCK:].isfinite().all())
     value = torch.tensor([float("nan"), 1.0, float("inf"), -float("inf")])
     rounded = torch.empty(4, dtype=torch.bfloat16)
-    L.stochastic_round(value, rounded, torch.Generator().manual_seed(0))
+    L.stochastic_round(value, rounded, torch.randint(0, 1 << 16, (4,), dtype=torch.int32))
     assert rounded[0].isnan() and rounded[1] == 1.0 and rounded[2] == float("inf") and rounded[3] == -float("inf")
 
 
@@ -321,3 +384,36 @@ def test_bf16_weights_computed_in_fp32_train_offloaded_as_resident_and_keep_no_f
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         lin(torch.randn(2, 256))
     assert not any(t.dtype == torch.float32 and t.shape == (256, 256) for t in saved)
+
+
+def test_without_a_compiler_the_update_warns_once_and_runs_as_torch_operations(monkeypatch, tmp_path):
+    monkeypatch.setattr(L._native, "_loaded", [])
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.warns(RuntimeWarning, match="torch operations.*no C compiler"):
+        assert L._native.kernel() is None
+    assert L._native.kernel() is None  # decided once
+    n = 3 * L.BLOCK
+    weight, m, v = torch.zeros(n), torch.zeros(L.packed_size(n), dtype=torch.uint8), torch.zeros(
+        L.packed_size(n), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="native kernel of the compressed update is not built"):
+        L.compressed_update(moments="8bit", master=None, weight=weight, low=None, exp_avg=m, exp_avg_sq=v,
+                            grad=torch.ones(n), step=1.0, hyper=HYPER, seed=0, native=True)
+    L.compressed_update(moments="8bit", master=None, weight=weight, low=None, exp_avg=m, exp_avg_sq=v,
+                        grad=torch.ones(n), step=1.0, hyper=HYPER, seed=0)
+    assert bool((weight < 0).all())  # stepped against the gradient
+
+
+def test_a_kernel_cache_others_can_write_is_refused(monkeypatch, tmp_path):
+    if L._native.kernel() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(L._native, "_loaded", [])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    (tmp_path / "tierstore-kernels").mkdir(mode=0o777)
+    (tmp_path / "tierstore-kernels").chmod(0o777)
+    with pytest.warns(RuntimeWarning, match="others can write to it"):
+        assert L._native.kernel() is None
+    monkeypatch.setattr(L._native, "_loaded", [])
+    (tmp_path / "tierstore-kernels").chmod(0o700)
+    assert L._native.kernel() is not None  # built there, private
+    built = list((tmp_path / "tierstore-kernels").iterdir())
+    assert len(built) == 1 and built[0].stat().st_mode & 0o077 == 0

@@ -1,0 +1,133 @@
+"""The compressed update's native kernel (compressed_adamw.c beside this file): compiled once per machine with
+the C compiler (``$CC``, else ``cc``), kept in a private cache directory ($XDG_CACHE_HOME/tierstore-kernels or
+~/.cache/tierstore-kernels), loaded with ctypes, which lets other threads run while it does (the call releases
+the GIL).
+
+[Note: One update, two implementations] The kernel runs the arithmetic of
+[Note: The compressed update's arithmetic] in one pass a block; the torch
+operations in _layouts.py run the same operations one tensor-wide pass each
+and give the same bits (tested on every layout, NaN and infinities too), so
+a machine without a compiler trains the same numbers, only slower (measured
+here: ``perf/bench_update.py``). ``TIERSTORE_NATIVE=0`` chooses the torch
+operations; a compiler that fails gives one warning saying why, then the
+torch operations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compressed_adamw.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
+
+
+class UpdateArgs(ctypes.Structure):
+    """compressed_adamw.c's update_args."""
+
+    _fields_ = [
+        ("n", ctypes.c_int64),
+        ("moments", ctypes.c_int), ("weight", ctypes.c_int), ("grad", ctypes.c_int), ("maximize", ctypes.c_int),
+        ("m", ctypes.c_void_p), ("v", ctypes.c_void_p),
+        ("m_scales", ctypes.c_void_p), ("v_scales", ctypes.c_void_p),
+        ("map_m", ctypes.c_void_p), ("map_v", ctypes.c_void_p),
+        ("table_m", ctypes.c_void_p), ("table_v", ctypes.c_void_p),
+        ("w", ctypes.c_void_p), ("low", ctypes.c_void_p),
+        ("noise", ctypes.c_void_p), ("noise_at", ctypes.c_int64),
+        ("g", ctypes.c_void_p),
+        ("decay", ctypes.c_float), ("b1", ctypes.c_float), ("omb1", ctypes.c_float), ("b2", ctypes.c_float),
+        ("omb2", ctypes.c_float), ("bc2_sqrt", ctypes.c_float), ("eps", ctypes.c_float),
+        ("step_size", ctypes.c_float),
+    ]
+
+
+_lock = threading.Lock()
+_loaded: list = []  # [the kernel function or None], once tried
+
+
+def cache_dir() -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                        "tierstore-kernels")
+
+
+def _machine_key(compiler: str) -> str:
+    """What the compiled library depends on: the source, the flags, the compiler and the CPU (-march=native)."""
+    h = hashlib.sha256()
+    with open(SOURCE, "rb") as f:
+        h.update(f.read())
+    h.update(" ".join(FLAGS).encode())
+    version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30)
+    h.update(version.stdout)
+    h.update(platform.machine().encode())
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            h.update(next((line for line in f if line.startswith(b"flags")), b""))
+    except OSError:
+        pass
+    return h.hexdigest()[:24]
+
+
+def _private_dir(path: str) -> None:
+    """Make ``path`` a directory only this user can write, or refuse one that others could change (a library
+    loaded from it runs as this process)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise OSError(f"{path} belongs to another user or others can write to it: a compiled kernel is not "
+                      f"loaded from there; make it yours with mode 0700, or set XDG_CACHE_HOME")
+
+
+def _build() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise OSError(f"no C compiler {compiler!r} on PATH (set CC, or install one, e.g. gcc)")
+    directory = cache_dir()
+    _private_dir(directory)
+    path = os.path.join(directory, f"compressed_adamw-{_machine_key(compiler)}.so")
+    if not os.path.exists(path):
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+        os.close(fd)
+        try:
+            done = subprocess.run([compiler, *FLAGS, "-o", tmp, SOURCE, "-lm"], capture_output=True, text=True,
+                                  timeout=300)
+            if done.returncode != 0:
+                raise OSError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+            os.chmod(tmp, 0o700)
+            os.replace(tmp, path)  # another process's build of the same source is the same library
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(path)
+    lib.tierstore_compressed_adamw_args_size.restype = ctypes.c_int64
+    if lib.tierstore_compressed_adamw_args_size() != ctypes.sizeof(UpdateArgs):
+        raise OSError(f"{path} does not match this tierstore (its arguments differ): remove it to rebuild")
+    fn = lib.tierstore_compressed_adamw
+    fn.argtypes = [ctypes.POINTER(UpdateArgs), ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    fn.library = lib  # kept alive with the function
+    return fn
+
+
+def kernel():
+    """The compiled update (``fn(byref(args), start, stop)``), or None: torch operations run it instead."""
+    if _loaded:
+        return _loaded[0]
+    with _lock:
+        if not _loaded:
+            fn = None
+            if os.environ.get("TIERSTORE_NATIVE", "1") != "0":
+                try:
+                    fn = _build()
+                except (OSError, subprocess.SubprocessError) as e:
+                    warnings.warn(f"tierstore's compressed optimizer update runs as torch operations (the same "
+                                  f"numbers, several times slower): its native kernel could not be built: {e}",
+                                  RuntimeWarning, stacklevel=3)
+            _loaded.append(fn)
+    return _loaded[0]

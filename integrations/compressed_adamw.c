@@ -1,0 +1,165 @@
+/* One AdamW update of a parameter whose state is stored compressed, in one pass over its blocks: decode the
+ * moments, step, encode them again. See [Note: The compressed update's arithmetic] in _layouts.py: every
+ * operation below is one IEEE binary32 operation, rounded to nearest, in the order written (compiled without
+ * contraction into fused multiply-adds), so the torch path there gives the same bits.
+ *
+ * Moments (kind): 0 fp32 values, 1 bf16 values, 2 8-bit codes with one fp32 scale a block of BLOCK values.
+ * Weight (kind): 0 fp32 stepped in place, 1 bf16 top half plus int16 low half of an fp32 master,
+ * 2 bf16 alone, rounded back stochastically with the caller's noise (one int32 in [0, 2^16) a value).
+ * Gradient (kind): 0 fp32, 1 bf16. All arrays hold the parameter's elements in the same (memory) order. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 256
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint32_t bits_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float float_of(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to the nearest bf16, ties to even; a NaN becomes the quiet NaN 0x7FC0. */
+static inline uint16_t bf16_nearest(float f) {
+    uint32_t u = bits_of(f);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+typedef struct {
+    int64_t n;
+    int moments, weight, grad, maximize;
+    void *m, *v;          /* fp32 or bf16 values, or 8-bit codes */
+    float *m_scales, *v_scales;
+    const float *map_m, *map_v;          /* the 256 values of each map */
+    const uint8_t *table_m, *table_v;    /* code of each bf16 bit pattern (as int16, plus 2^15) */
+    void *w;
+    int16_t *low;
+    const int32_t *noise;  /* noise[i - noise_at] is element i's */
+    int64_t noise_at;
+    const void *g;
+    float decay, b1, omb1, b2, omb2, bc2_sqrt, eps, step_size;
+} update_args;
+
+static void decode(int kind, const void *src, const float *scales, const float *map, int64_t at, int len,
+                   float *out) {
+    if (kind == 0) {
+        memcpy(out, (const float *)src + at, (size_t)len * 4);
+    } else if (kind == 1) {
+        const uint16_t *h = (const uint16_t *)src + at;
+        for (int i = 0; i < len; i++) out[i] = bf16_to_float(h[i]);
+    } else {
+        const uint8_t *c = (const uint8_t *)src + at;
+        float scale = scales[at / BLOCK];
+        for (int i = 0; i < len; i++) out[i] = map[c[i]];  /* the gather, then the vectorized product */
+        for (int i = 0; i < len; i++) out[i] = out[i] * scale;
+    }
+}
+
+static void encode(int kind, void *dst, float *scales, const uint8_t *table, int64_t at, int len,
+                   const float *x) {
+    if (kind == 0) {
+        memcpy((float *)dst + at, x, (size_t)len * 4);
+        return;
+    }
+    if (kind == 1) {
+        uint16_t *h = (uint16_t *)dst + at;
+        for (int i = 0; i < len; i++) h[i] = bf16_nearest(x[i]);
+        return;
+    }
+    /* |x| as bits orders as |x| does, NaNs above infinity: an integer maximum, which vectorizes */
+    uint32_t top = 0;
+    for (int i = 0; i < len; i++) {
+        uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
+        top = a > top ? a : top;
+    }
+    float absmax = top > 0x7F800000u ? NAN : float_of(top);  /* a NaN anywhere: the block decodes to NaN */
+    scales[at / BLOCK] = absmax;
+    float divisor = absmax < 1.17549435e-38f ? 1.17549435e-38f : absmax;  /* FLT_MIN; NaN stays NaN */
+    uint16_t index[BLOCK];
+    for (int i = 0; i < len; i++) index[i] = bf16_nearest(x[i] / divisor) ^ 0x8000u;  /* (int16)h + 2^15 */
+    uint8_t *c = (uint8_t *)dst + at;
+    for (int i = 0; i < len; i++) c[i] = table[index[i]];
+}
+
+static void step_block(const update_args *a, int64_t at, int len) {
+    float m[BLOCK], v[BLOCK], p[BLOCK], g[BLOCK];
+    decode(a->moments, a->m, a->m_scales, a->map_m, at, len, m);
+    decode(a->moments, a->v, a->v_scales, a->map_v, at, len, v);
+    if (a->weight == 0) {
+        memcpy(p, (float *)a->w + at, (size_t)len * 4);
+    } else if (a->weight == 1) {
+        const uint16_t *hi = (const uint16_t *)a->w + at;
+        const uint16_t *lo = (const uint16_t *)a->low + at;
+        for (int i = 0; i < len; i++) p[i] = float_of(((uint32_t)hi[i] << 16) | lo[i]);
+    } else {
+        const uint16_t *hi = (const uint16_t *)a->w + at;
+        for (int i = 0; i < len; i++) p[i] = bf16_to_float(hi[i]);
+    }
+    if (a->grad == 0) {
+        memcpy(g, (const float *)a->g + at, (size_t)len * 4);
+    } else {
+        const uint16_t *h = (const uint16_t *)a->g + at;
+        for (int i = 0; i < len; i++) g[i] = bf16_to_float(h[i]);
+    }
+    if (a->maximize)
+        for (int i = 0; i < len; i++) g[i] = -g[i];
+    const float decay = a->decay, b1 = a->b1, omb1 = a->omb1, b2 = a->b2, omb2 = a->omb2;
+    const float bc2_sqrt = a->bc2_sqrt, eps = a->eps, step_size = a->step_size;
+    for (int i = 0; i < len; i++) {
+        float gi = g[i];
+        float pi = p[i] * decay;
+        float mi = m[i] * b1 + gi * omb1;
+        float vi = v[i] * b2 + (gi * gi) * omb2;
+        float denom = sqrtf(vi) / bc2_sqrt + eps;
+        p[i] = pi - (mi / denom) * step_size;
+        m[i] = mi;
+        v[i] = vi;
+    }
+    encode(a->moments, a->m, a->m_scales, a->table_m, at, len, m);
+    encode(a->moments, a->v, a->v_scales, a->table_v, at, len, v);
+    if (a->weight == 0) {
+        memcpy((float *)a->w + at, p, (size_t)len * 4);
+    } else if (a->weight == 1) {
+        uint16_t *hi = (uint16_t *)a->w + at;
+        uint16_t *lo = (uint16_t *)a->low + at;
+        for (int i = 0; i < len; i++) {
+            uint32_t u = bits_of(p[i]);
+            hi[i] = (uint16_t)(u >> 16);
+            lo[i] = (uint16_t)u;
+        }
+    } else {
+        uint16_t *hi = (uint16_t *)a->w + at;
+        const int32_t *noise = a->noise + (at - a->noise_at);
+        for (int i = 0; i < len; i++) {
+            uint32_t u = bits_of(p[i]);
+            hi[i] = p[i] != p[i] ? 0x7FC0 : (uint16_t)((u + (uint32_t)noise[i]) >> 16);
+        }
+    }
+}
+
+/* Elements [start, stop) of one update; start a multiple of BLOCK. Returns 0. */
+int tierstore_compressed_adamw(const update_args *a, int64_t start, int64_t stop) {
+    for (int64_t at = start; at < stop; at += BLOCK) {
+        int64_t len = stop - at < BLOCK ? stop - at : BLOCK;
+        step_block(a, at, (int)len);
+    }
+    return 0;
+}
+
+/* The size of update_args, so the caller can check its own declaration against this one. */
+int64_t tierstore_compressed_adamw_args_size(void) { return (int64_t)sizeof(update_args); }
