@@ -18,8 +18,10 @@ compressed bytes (4-16 a parameter instead of 12-16):
   code; a block whose maximum is 0 stores zeros. Blocks of 256 (not 2048,
   that paper's) keep an outlier from flattening more than 255 neighbours, as
   both libraries chose for their CPU/GPU 8-bit Adam. Both moments cost
-  2 + 8/256 bytes a value instead of 8. The nearest code is that of the
-  normalised value rounded to bf16 first (8 significant bits), read from a
+  2 + 8/256 bytes a value instead of 8. A value is normalised by
+  multiplying it by the reciprocal of its block's maximum (one division a
+  block; dividing each value made the native update 12% slower). The
+  nearest code is that of the normalised value rounded to bf16 first (8 significant bits), read from a
   65,536-entry table indexed by those bits: one gather a value, 2.5x faster
   here than the exact search (a binary search over the 255 midpoints, or
   a table plus a comparison with the midpoint inside its bucket: two
@@ -117,7 +119,8 @@ class _Quantizer:
     def _encode_blocks(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
         absmax = x.abs().amax(1, keepdim=True)  # NaN stays NaN: the whole block decodes to NaN
         scales.copy_(absmax.view(-1))
-        normal = (x / absmax.clamp(min=torch.finfo(torch.float32).tiny)).to(torch.bfloat16)
+        inverse = torch.ones_like(absmax).div_(absmax.clamp(min=torch.finfo(torch.float32).tiny))
+        normal = (x * inverse).to(torch.bfloat16)
         index = normal.view(torch.int16).view(-1).to(torch.int32).add_(1 << 15)
         torch.index_select(self.table, 0, index, out=codes)
 

@@ -55,8 +55,9 @@ typedef struct {
     float decay, b1, omb1, b2, omb2, bc2_sqrt, eps, step_size;
 } update_args;
 
-static void decode(int kind, const void *src, const float *scales, const float *map, int64_t at, int len,
-                   float *out) {
+/* A moment's values as stored: fp32 or bf16 values, or for 8 bits the map's values (the block's scale is
+ * applied in the update's loop, where it vectorizes: a product by 1 changes no value of the other kinds). */
+static void load_moment(int kind, const void *src, const float *map, int64_t at, int len, float *out) {
     if (kind == 0) {
         memcpy(out, (const float *)src + at, (size_t)len * 4);
     } else if (kind == 1) {
@@ -64,14 +65,13 @@ static void decode(int kind, const void *src, const float *scales, const float *
         for (int i = 0; i < len; i++) out[i] = bf16_to_float(h[i]);
     } else {
         const uint8_t *c = (const uint8_t *)src + at;
-        float scale = scales[at / BLOCK];
-        for (int i = 0; i < len; i++) out[i] = map[c[i]];  /* the gather, then the vectorized product */
-        for (int i = 0; i < len; i++) out[i] = out[i] * scale;
+        for (int i = 0; i < len; i++) out[i] = map[c[i]];
     }
 }
 
-static void encode(int kind, void *dst, float *scales, const uint8_t *table, int64_t at, int len,
-                   const float *x) {
+/* Store a moment's new values; ``top`` is the largest of their absolute values' bit patterns (NaN above all). */
+static void store_moment(int kind, void *dst, float *scales, const uint8_t *table, int64_t at, int len,
+                         const float *x, uint32_t top) {
     if (kind == 0) {
         memcpy((float *)dst + at, x, (size_t)len * 4);
         return;
@@ -81,25 +81,22 @@ static void encode(int kind, void *dst, float *scales, const uint8_t *table, int
         for (int i = 0; i < len; i++) h[i] = bf16_nearest(x[i]);
         return;
     }
-    /* |x| as bits orders as |x| does, NaNs above infinity: an integer maximum, which vectorizes */
-    uint32_t top = 0;
-    for (int i = 0; i < len; i++) {
-        uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
-        top = a > top ? a : top;
-    }
     float absmax = top > 0x7F800000u ? NAN : float_of(top);  /* a NaN anywhere: the block decodes to NaN */
     scales[at / BLOCK] = absmax;
     float divisor = absmax < 1.17549435e-38f ? 1.17549435e-38f : absmax;  /* FLT_MIN; NaN stays NaN */
+    const float inverse = 1.0f / divisor;
     uint16_t index[BLOCK];
-    for (int i = 0; i < len; i++) index[i] = bf16_nearest(x[i] / divisor) ^ 0x8000u;  /* (int16)h + 2^15 */
+    for (int i = 0; i < len; i++) index[i] = bf16_nearest(x[i] * inverse) ^ 0x8000u;  /* (int16)h + 2^15 */
     uint8_t *c = (uint8_t *)dst + at;
     for (int i = 0; i < len; i++) c[i] = table[index[i]];
 }
 
 static void step_block(const update_args *a, int64_t at, int len) {
     float m[BLOCK], v[BLOCK], p[BLOCK], g[BLOCK];
-    decode(a->moments, a->m, a->m_scales, a->map_m, at, len, m);
-    decode(a->moments, a->v, a->v_scales, a->map_v, at, len, v);
+    load_moment(a->moments, a->m, a->map_m, at, len, m);
+    load_moment(a->moments, a->v, a->map_v, at, len, v);
+    const float m_scale = a->moments == 2 ? a->m_scales[at / BLOCK] : 1.0f;
+    const float v_scale = a->moments == 2 ? a->v_scales[at / BLOCK] : 1.0f;
     if (a->weight == 0) {
         memcpy(p, (float *)a->w + at, (size_t)len * 4);
     } else if (a->weight == 1) {
@@ -120,18 +117,22 @@ static void step_block(const update_args *a, int64_t at, int len) {
         for (int i = 0; i < len; i++) g[i] = -g[i];
     const float decay = a->decay, b1 = a->b1, omb1 = a->omb1, b2 = a->b2, omb2 = a->omb2;
     const float bc2_sqrt = a->bc2_sqrt, eps = a->eps, step_size = a->step_size;
+    uint32_t m_top = 0, v_top = 0;
     for (int i = 0; i < len; i++) {
         float gi = g[i];
         float pi = p[i] * decay;
-        float mi = m[i] * b1 + gi * omb1;
-        float vi = v[i] * b2 + (gi * gi) * omb2;
+        float mi = (m[i] * m_scale) * b1 + gi * omb1;
+        float vi = (v[i] * v_scale) * b2 + (gi * gi) * omb2;
         float denom = sqrtf(vi) / bc2_sqrt + eps;
         p[i] = pi - (mi / denom) * step_size;
         m[i] = mi;
         v[i] = vi;
+        uint32_t ma = bits_of(mi) & 0x7FFFFFFFu, va = bits_of(vi) & 0x7FFFFFFFu;  /* |x| as bits orders as |x| */
+        m_top = ma > m_top ? ma : m_top;
+        v_top = va > v_top ? va : v_top;
     }
-    encode(a->moments, a->m, a->m_scales, a->table_m, at, len, m);
-    encode(a->moments, a->v, a->v_scales, a->table_v, at, len, v);
+    store_moment(a->moments, a->m, a->m_scales, a->table_m, at, len, m, m_top);
+    store_moment(a->moments, a->v, a->v_scales, a->table_v, at, len, v, v_top);
     if (a->weight == 0) {
         memcpy((float *)a->w + at, p, (size_t)len * 4);
     } else if (a->weight == 1) {

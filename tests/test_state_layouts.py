@@ -22,7 +22,8 @@ def _ref_decode(codes, scales, qmap):
 
 
 def _ref_encode(x, qmap):
-    """Plain block-wise quantization: each block's absolute maximum, then per value (normalised, rounded to bf16)
+    """Plain block-wise quantization: each block's absolute maximum, then per value (normalised: times the
+    maximum's reciprocal; rounded to bf16)
     the number of midpoints between neighbouring map values at or below it (the index of the nearest, a tie to
     the larger)."""
     n = x.numel()
@@ -30,7 +31,7 @@ def _ref_encode(x, qmap):
     padded[:n] = x
     scales = padded.view(-1, L.BLOCK).abs().amax(1)
     safe = scales.clamp(min=torch.finfo(torch.float32).tiny)
-    y = (padded.view(-1, L.BLOCK) / safe[:, None]).view(-1)[:n].to(torch.bfloat16).float()
+    y = (padded.view(-1, L.BLOCK) * (1.0 / safe)[:, None]).view(-1)[:n].to(torch.bfloat16).float()
     midpoints = (qmap[:-1] + qmap[1:]) / 2
     codes = (y.unsqueeze(1) >= midpoints).sum(1).to(torch.uint8)
     return codes, scales
