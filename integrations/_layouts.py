@@ -39,13 +39,19 @@ the top half of an fp32 one):
 
 - ``"fp32"``: an fp32 master beside the bf16 weight (mixed precision; 6
   bytes a parameter);
-- ``"split"``: the master's top 16 bits are the weight the forward reads and
-  its low 16 bits are stored apart (key ``master``, int16), 4 bytes in all:
-  the master is exact (the update joins the halves, steps the fp32 value and
-  splits it again), and the forward reads a bf16 weight truncated from it
-  (toward zero: up to one bf16 unit in the last place from the master,
-  where rounding gives half of one; rounding could not be undone exactly
-  from 16 stored bits);
+- ``"split"``: the master's low 16 bits are stored apart (key ``master``,
+  int16) and the weight the forward reads is the master rounded to bf16
+  (nearest, a tie away from zero), 4 bytes in all. The master is exact: the
+  update joins the halves (the weight's bits, less one where the low half
+  is 0x8000 or more, since that rounded the weight up; then the low half),
+  steps the fp32 value and splits it again. [Note: A rounded split] The
+  first version (``split="truncated"``) kept the master's top 16 bits as
+  the weight, truncated toward zero: Adam's first steps move every value by
+  about the learning rate, far less than a bf16 unit, and each value moved
+  toward zero then dropped by a whole unit in the weight the forward reads:
+  a 1B ViT's loss rose from 2.45 to 5.53 after one step at lr 1e-5 where
+  the fp32 master's rounded weight gave 2.33. State saved so loads with
+  ``convert=True`` (see checkpoints in docs/optimizer.md);
 - ``"none"``: the bf16 weight alone (2 bytes): the update runs in fp32 and is
   stochastically rounded back (away from zero with probability equal to the
   dropped fraction, from a generator seeded by the parameter's name and the
@@ -64,7 +70,6 @@ from __future__ import annotations
 import ctypes
 import math
 import struct
-import sys
 import threading
 import zlib
 from dataclasses import dataclass
@@ -79,7 +84,6 @@ MOMENTS = ("fp32", "bf16", "8bit")
 MASTERS = ("fp32", "split", "none")
 BLOCK = 256  # values per 8-bit block
 MIN_COMPRESSED = 4096  # elements: smaller tensors keep fp32 moments
-_LITTLE_ENDIAN = sys.byteorder == "little"
 CHUNK = 1 << 18  # elements per slice of a compressed update; a multiple of BLOCK (fastest here of 2^14-2^20)
 
 
@@ -158,28 +162,39 @@ def flat(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
 
 
-def join_master(weight: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """The fp32 master whose top 16 bits are the bf16 ``weight`` and low 16 bits ``low`` (int16): the two halves
-    copied into place (little-endian: the low half first), where arithmetic on the bits would take five passes."""
-    if not _LITTLE_ENDIAN:
-        return (weight.view(torch.int16).to(torch.int32) * 65536 + (low.to(torch.int32) & 0xFFFF)).view(
-            torch.float32)
-    halves = torch.empty(*weight.shape, 2, dtype=torch.int16)
-    halves[..., 0] = low
-    halves[..., 1] = weight.view(torch.int16)
-    return halves.view(torch.float32).view(weight.shape)
+def _bits16(t: torch.Tensor) -> np.ndarray:
+    """A 16-bit tensor's elements in memory order, as numpy's uint16 (no copy for a dense tensor)."""
+    return flat(t).view(torch.int16).numpy().view(np.uint16)
+
+
+def join_master(weight: torch.Tensor, low: torch.Tensor, *, split: str = "nearest") -> torch.Tensor:
+    """The fp32 master of a bf16 ``weight`` and the int16 ``low`` half stored beside it (see [Note: A rounded
+    split]; ``split="truncated"``: the weight is the master's top half, as the first version stored it), in the
+    weight's shape and memory layout."""
+    hi, lo = _bits16(weight), _bits16(low)
+    if split == "nearest":
+        hi = hi - (lo >> np.uint16(15))  # where the low half rounded the weight up (uint16 arithmetic wraps)
+    elif split != "truncated":
+        raise ValueError(f"split={split!r}: choose 'nearest' or 'truncated'")
+    out = torch.empty_strided(weight.shape, weight.stride(), dtype=torch.float32)
+    flat(out).view(torch.int32).numpy().view(np.uint32)[:] = (hi.astype(np.uint32) << np.uint32(16)) | lo
+    return out
 
 
 def split_master(master: torch.Tensor, weight: torch.Tensor, low: torch.Tensor) -> None:
-    """Store an fp32 ``master`` as its top 16 bits (``weight``, bf16) and low 16 bits (``low``, int16)."""
-    if not _LITTLE_ENDIAN:
-        bits = master.view(torch.int32)
-        weight.view(torch.int16).copy_(bits >> 16)
-        low.copy_((bits & 0xFFFF) - ((bits & 0x8000) << 1))  # the low half as a signed 16-bit value
-        return
-    halves = master.contiguous().view(torch.int16).view(*master.shape, 2)
-    weight.view(torch.int16).copy_(halves[..., 1])
-    low.copy_(halves[..., 0])
+    """Store an fp32 ``master`` (of the weight's memory layout) as its low 16 bits (``low``, int16) and the bf16
+    ``weight``, the master rounded to nearest, a tie away from zero (a NaN stays NaN)."""
+    if master.stride() != weight.stride():
+        master = torch.empty_strided(weight.shape, weight.stride(), dtype=torch.float32).copy_(master)
+    bits = flat(master).view(torch.int32).numpy().view(np.uint32)
+    top = (bits >> np.uint32(16)).astype(np.uint16)
+    lo = (bits & np.uint32(0xFFFF)).astype(np.uint16)
+    hi = top + (lo >> np.uint16(15))
+    nan = np.isnan(bits.view(np.float32))
+    if nan.any():
+        hi[nan] = (top[nan] & np.uint16(0x8000)) | np.uint16(0x7FC0)
+    _bits16(weight)[:] = hi
+    _bits16(low)[:] = lo
 
 
 def stochastic_round(value: torch.Tensor, out: torch.Tensor, noise: torch.Tensor) -> None:
@@ -201,18 +216,31 @@ class StateLayout:
 
     moments: str = "fp32"
     master: str = "fp32"
+    split: str = "nearest"  # how a split master's weight is made: see [Note: A rounded split]
 
     def __post_init__(self) -> None:
         if self.moments not in MOMENTS:
             raise ValueError(f"moments={self.moments!r}: choose one of {', '.join(map(repr, MOMENTS))}")
         if self.master not in MASTERS:
             raise ValueError(f"master={self.master!r}: choose one of {', '.join(map(repr, MASTERS))}")
+        if self.split not in ("nearest", "truncated"):
+            raise ValueError(f"split={self.split!r}: choose 'nearest' (or 'truncated', to read old state)")
 
     def as_dict(self) -> dict[str, str]:
-        return {"moments": self.moments, "master": self.master}
+        out = {"moments": self.moments, "master": self.master}
+        return {**out, "split": self.split} if self.master == "split" else out
+
+    @staticmethod
+    def from_dict(d: dict[str, str]) -> "StateLayout":
+        """The layout ``as_dict()`` named (state saved before split masters were rounded names no ``split``)."""
+        d = dict(d)
+        if d.get("master") == "split":
+            d.setdefault("split", "truncated")
+        return StateLayout(**d)
 
     def describe(self) -> str:
-        return f"moments={self.moments!r}, master={self.master!r}"
+        return (f"moments={self.moments!r}, master={self.master!r}"
+                + (f" (split={self.split!r})" if self.master == "split" and self.split != "nearest" else ""))
 
     def moments_of(self, key: str | None, p: torch.Tensor, numel: int) -> str:
         """How this parameter's moments are stored: "plain" (the moment dtype, today's), "bf16" or "8bit"."""

@@ -144,6 +144,15 @@ class AdamWState:
             if name in chosen and self.layout.master_of(key, p) is not None:
                 self.write_master(name, key, p, None)
 
+    def resplit_truncated(self) -> None:
+        """Split masters stored as the first version stored them (the weight their top half: [Note: A rounded
+        split]) made again as this layout stores them: the same masters, the weights rounded from them."""
+        for name, key, p in self.items:
+            if self.layout.master_of(key, p) == "split":
+                assert key is not None
+                self._write(optimizer_key(name, "master"), lambda held, name=name, key=key: self._split_into(
+                    key, join_master(self.offloaded.read_param(name), held, split="truncated"), held))
+
     def drop(self) -> None:
         """Every piece of state leaves the store."""
         for name, key, p in self.items:
@@ -163,7 +172,7 @@ class AdamWState:
 
     def write_master(self, name: str, key: str | None, p: nn.Parameter, value: torch.Tensor | None) -> None:
         """Set a parameter's master to ``value`` (fp32), or to its weight's value (None). Under
-        ``master="split"`` a value sets the weight too: it is the master's top half."""
+        ``master="split"`` a value sets the weight too: it is the master rounded to bf16."""
         how = self.layout.master_of(key, p)
         if how == "fp32":
             self._write(optimizer_key(name, "master"),
@@ -175,7 +184,7 @@ class AdamWState:
             self._write(optimizer_key(name, "master"), lambda held: self._split_into(key, value, held))
 
     def _split_into(self, key: str, value: torch.Tensor, low: torch.Tensor) -> None:
-        """Write fp32 ``value`` as the weight (its top half) and ``low`` (its low half)."""
+        """Write fp32 ``value`` as the weight (rounded to bf16) and ``low`` (its low half)."""
         weight = self.store.get(key, Tier.HOST)
         try:
             self.store.writing(key).wait()  # its last write reads it
@@ -204,7 +213,7 @@ class AdamWState:
         shape, stride = self.param_layout(key, p)
         if what == "master":
             return stored if layout.master_of(key, p) == "fp32" else join_master(
-                self.offloaded.read_param(name), stored)
+                self.offloaded.read_param(name), stored, split=layout.split)
         return decode_state(layout.moments_of(key, p, shape.numel()), stored, what == "exp_avg", shape, stride)
 
     def load(self, name: str, pieces: dict[str, torch.Tensor], saved: StateLayout) -> None:

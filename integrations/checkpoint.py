@@ -13,6 +13,7 @@ atomic: see [Note: Atomic checkpoint commit] in ``tierstore/_checkpoint.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -344,12 +345,13 @@ def _check_optimizer(opt: OffloadedAdamW, directory: str, manifest: dict[str, An
     steps = meta.get("steps")
     if not isinstance(steps, dict) or not all(type(v) in (int, float) and v >= 1 for v in steps.values()):
         raise CheckpointError(f"{where}: malformed optimizer step counts")
-    saved = meta.get("state_layout", {})  # checkpoints of before compressed state name none: the fp32 layout
-    if saved != opt.layout.as_dict() and not (saved == {} and opt.layout.as_dict() == StateLayout().as_dict()):
-        try:
-            what = StateLayout(**saved).describe()
-        except (TypeError, ValueError):
-            raise CheckpointError(f"{where}: unreadable optimizer state_layout {saved!r}") from None
+    try:  # checkpoints of before compressed state name none: the fp32 layout
+        saved = StateLayout.from_dict(meta.get("state_layout", {}))
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{where}: unreadable optimizer state_layout {meta.get('state_layout')!r}") from None
+    # split masters of the first version load as they are and are split again (see _load_optimizer)
+    if saved != opt.layout and saved != dataclasses.replace(opt.layout, split="truncated"):
+        what = saved.describe()
         raise CheckpointError(
             f"checkpoint {directory} holds optimizer state stored with {what}, and this OffloadedAdamW stores "
             f"{opt.layout.describe()}: build the optimizer with the saved layout to resume; to change layout, "
@@ -420,6 +422,8 @@ def _load_optimizer(opt: OffloadedAdamW, directory: str, entries: dict[str, Any]
     opt.steps = saved
     for name, what, key in opt.state_tensors():
         _load_into_store(opt.store, key, directory, f"{name}/{what}", entries[f"{name}/{what}"])
+    if StateLayout.from_dict(meta.get("state_layout", {})).split == "truncated":
+        opt.resplit_truncated()
 
 
 def load_safetensors(path: str, model: nn.Module | Offloaded, *, strict: bool = True) -> list[str]:

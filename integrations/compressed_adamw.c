@@ -4,7 +4,8 @@
  * contraction into fused multiply-adds), so the torch path there gives the same bits.
  *
  * Moments (kind): 0 fp32 values, 1 bf16 values, 2 8-bit codes with one fp32 scale a block of BLOCK values.
- * Weight (kind): 0 fp32 stepped in place, 1 bf16 top half plus int16 low half of an fp32 master,
+ * Weight (kind): 0 fp32 stepped in place, 1 bf16 (the master rounded) plus the int16 low half of an fp32
+ * master (see [Note: A rounded split]),
  * 2 bf16 alone, rounded back stochastically with the caller's noise (one int32 in [0, 2^16) a value).
  * Gradient (kind): 0 fp32, 1 bf16. All arrays hold the parameter's elements in the same (memory) order. */
 
@@ -102,7 +103,8 @@ static void step_block(const update_args *a, int64_t at, int len) {
     } else if (a->weight == 1) {
         const uint16_t *hi = (const uint16_t *)a->w + at;
         const uint16_t *lo = (const uint16_t *)a->low + at;
-        for (int i = 0; i < len; i++) p[i] = float_of(((uint32_t)hi[i] << 16) | lo[i]);
+        for (int i = 0; i < len; i++)  /* the weight was rounded up where the low half is 0x8000 or more */
+            p[i] = float_of(((uint32_t)(uint16_t)(hi[i] - (lo[i] >> 15)) << 16) | lo[i]);
     } else {
         const uint16_t *hi = (const uint16_t *)a->w + at;
         for (int i = 0; i < len; i++) p[i] = bf16_to_float(hi[i]);
@@ -138,10 +140,11 @@ static void step_block(const update_args *a, int64_t at, int len) {
     } else if (a->weight == 1) {
         uint16_t *hi = (uint16_t *)a->w + at;
         uint16_t *lo = (uint16_t *)a->low + at;
-        for (int i = 0; i < len; i++) {
+        for (int i = 0; i < len; i++) {  /* the weight rounded to nearest, a tie away from zero; NaN stays NaN */
             uint32_t u = bits_of(p[i]);
-            hi[i] = (uint16_t)(u >> 16);
-            lo[i] = (uint16_t)u;
+            uint16_t top = (uint16_t)(u >> 16), low = (uint16_t)u;
+            hi[i] = p[i] != p[i] ? (uint16_t)((top & 0x8000u) | 0x7FC0u) : (uint16_t)(top + (low >> 15));
+            lo[i] = low;
         }
     } else {
         uint16_t *hi = (uint16_t *)a->w + at;

@@ -26,6 +26,7 @@ the model's ``broken``), since their values would mix two steps.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 import weakref
@@ -189,6 +190,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._state.drop()
         self._items = []
         self.steps = {}
+
+    def resplit_truncated(self) -> None:
+        """Split masters loaded as the first version stored them, made again as this version stores them."""
+        self.wait()
+        self._state.resplit_truncated()
+        self.store.flush()
 
     def _remake_masters(self, names: list[str]) -> None:
         """The model loaded new values into these parameters: their fp32 masters are made from them, as this
@@ -379,8 +386,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         each piece and encodes it into this layout: converting to fewer bits rounds, a master the layout keeps
         none of (``master="none"``) is dropped, and one the saved state lacks is made from the weight."""
         self.wait()
-        saved = StateLayout(**sd.get("state_layout", {}))
-        if saved != self.layout and not convert:
+        saved = StateLayout.from_dict(sd.get("state_layout", {}))
+        # split masters of the first version convert without loss: the same masters, weights rounded from them
+        if saved != self.layout and not convert and saved != dataclasses.replace(self.layout, split="truncated"):
             raise ValueError(f"this optimizer state was saved with {saved.describe()}, and this OffloadedAdamW "
                              f"stores {self.layout.describe()}: build it with the saved layout, or pass convert=True "
                              f"to convert the state (rounded where the new layout has fewer bits)")

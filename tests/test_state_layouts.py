@@ -38,9 +38,18 @@ def _ref_encode(x, qmap):
 
 
 def _ref_bits(weight_bf16, low):
-    hi = weight_bf16.view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
-    lo = low.numpy().astype(np.uint32) & 0xFFFF
-    return torch.from_numpy(((hi << 16) | lo).view(np.float32).copy())
+    """The master of a split pair: the weight was rounded up from the master's top half where its low half is
+    0x8000 or more."""
+    hi = weight_bf16.view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    lo = low.numpy().astype(np.int64) & 0xFFFF
+    top = (hi - (lo >= 0x8000)) & 0xFFFF
+    return torch.from_numpy(((top << 16) | lo).astype(np.uint32).view(np.float32).copy())
+
+
+def _ref_rounded(master):
+    """A finite fp32 master rounded to bf16, nearest, a tie away from zero (as int16 bits)."""
+    bits = master.numpy().view(np.uint32).astype(np.int64)
+    return torch.from_numpy((((bits >> 16) + ((bits & 0xFFFF) >= 0x8000)) & 0xFFFF).astype(np.uint16).view(np.int16))
 
 
 def _random_moments(n, seed):
@@ -116,8 +125,9 @@ def test_one_compressed_update_matches_a_plain_reference_to_the_last_bit(moments
         assert torch.equal(stored_m, m_ref.to(torch.bfloat16)) and torch.equal(stored_v, v_ref.to(torch.bfloat16))
     if master == "split":
         assert torch.equal(_ref_bits(weight, low).view(torch.int32), w_ref.view(torch.int32))
-        truncated = torch.from_numpy((w_ref.numpy().view(np.uint32) >> 16).astype(np.uint16).view(np.int16))
-        assert torch.equal(weight.view(torch.int16), truncated)
+        assert torch.equal(weight.view(torch.int16), _ref_rounded(w_ref))
+        ties = (low.to(torch.int32) & 0xFFFF) == 0x8000  # else torch's rounding to nearest gives the same
+        assert torch.equal(weight[~ties], w_ref.to(torch.bfloat16)[~ties])
     elif master == "none":  # rounded to one of the two bf16 neighbours, each often
         down = torch.from_numpy((w_ref.numpy().view(np.uint32) >> 16).astype(np.uint16).view(np.int16))
         up = (down.to(torch.int32) + 1).to(torch.int16)
@@ -334,7 +344,7 @@ def test_a_state_dict_loads_into_its_own_layout_bit_identically_and_into_another
     _train(model, opt, 3)
     sd = copy.deepcopy(opt.state_dict())
     weights = copy.deepcopy(model.state_dict())
-    assert sd["state_layout"] == {"moments": "8bit", "master": "split"}
+    assert sd["state_layout"] == {"moments": "8bit", "master": "split", "split": "nearest"}
     opt.load_state_dict(sd)
     for name, entry in opt.state_dict()["state"].items():
         for what, value in entry.items():
@@ -418,3 +428,66 @@ def test_a_kernel_cache_others_can_write_is_refused(monkeypatch, tmp_path):
     assert L._native.kernel() is not None  # built there, private
     built = list((tmp_path / "tierstore-kernels").iterdir())
     assert len(built) == 1 and built[0].stat().st_mode & 0o077 == 0
+
+
+def _old_split(master, weight, low):
+    """The first version's split: the weight is the master's top half, truncated toward zero."""
+    bits = master.contiguous().view(torch.int32).numpy().view(np.uint32)
+    weight.view(torch.int16).numpy().view(np.uint16).reshape(-1)[:] = (bits >> 16).astype(np.uint16).reshape(-1)
+    low.numpy().view(np.uint16).reshape(-1)[:] = (bits & 0xFFFF).astype(np.uint16).reshape(-1)
+
+
+def test_split_masters_of_the_first_version_load_exactly_with_rounded_weights(make_store, tmp_path, monkeypatch):
+    """State saved when the split weight was the master's truncated top half: a checkpoint and a state dict load
+    without convert=True, each master exactly as saved, each weight then its master rounded to nearest."""
+    model = _model()
+    off = offload_model(model, make_store())
+    with monkeypatch.context() as m:  # train and save as the first version did
+        m.setattr(L, "split_master", _old_split)
+        m.setattr(L, "join_master", lambda w, lo, split="nearest": _ref_truncated(w, lo))
+        m.setattr(L._native, "_loaded", [None])
+        m.setattr(L.StateLayout, "as_dict", lambda self: {"moments": self.moments, "master": self.master})
+        opt = OffloadedAdamW(off, lr=1e-2, moments="8bit", master="split")
+        _train(model, opt, 3)
+        save_checkpoint(str(tmp_path / "ck"), model, opt)
+        sd = copy.deepcopy(opt.state_dict())
+        weights = copy.deepcopy(model.state_dict())
+    masters = {name: _ref_truncated(weights[name], sd["state"][name]["master"]) for name in sd["state"]
+               if "master" in sd["state"][name]}
+    assert masters and sd["state_layout"] == {"moments": "8bit", "master": "split"}
+    for how in ("checkpoint", "state_dict"):
+        other = _model()
+        off2 = offload_model(other, make_store())
+        opt2 = OffloadedAdamW(off2, lr=1e-2, moments="8bit", master="split")
+        if how == "checkpoint":
+            load_checkpoint(str(tmp_path / "ck"), other, opt2)
+        else:
+            other.load_state_dict(weights)
+            opt2.load_state_dict(sd)
+        now = opt2.state_dict()
+        loaded = dict(other.state_dict())
+        for name, master in masters.items():
+            assert torch.equal(opt2.decoded(name, "master", now["state"][name]["master"]), master), (how, name)
+            assert torch.equal(loaded[name].view(torch.int16), _ref_rounded(master)), (how, name)
+        assert all(x == x for x in _train(other, opt2, 2, start=3))
+
+
+def _ref_truncated(weight, low):
+    hi = weight.contiguous().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    lo = low.contiguous().numpy().astype(np.int64) & 0xFFFF
+    return torch.from_numpy(((hi << 16) | lo).astype(np.uint32).view(np.float32).copy()).view(weight.shape)
+
+
+def test_a_split_master_gives_the_forward_the_weights_an_fp32_master_gives(make_store):
+    """Steps far smaller than a bf16 unit (Adam's first steps move each value by about the learning rate): the
+    bf16 weights the forward reads are the fp32 master layout's, rounded from masters that agree, not weights
+    a unit below them (a truncated top half moved every value stepped toward zero by a whole unit)."""
+    models = {}
+    for master in ("fp32", "split"):
+        model = _model()
+        opt = OffloadedAdamW(offload_model(model, make_store()), lr=1e-5, moments="fp32", master=master)
+        _train(model, opt, 3)
+        models[master] = model
+    for (name, a), b in zip(models["fp32"].state_dict().items(), models["split"].state_dict().values()):
+        same = (a == b).float().mean().item()
+        assert same > 0.99, (name, same)
