@@ -3,6 +3,10 @@ reference to the last bit, the bytes the store keeps, checkpoints and state dict
 
 import copy
 import itertools
+import os
+import subprocess
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -375,7 +379,7 @@ def test_bf16_weights_computed_in_fp32_train_offloaded_as_resident_and_keep_no_f
     model = copy.deepcopy(ref)
     assert compute_in_fp32(ref) == compute_in_fp32(model) == 3
     ref_opt = OffloadedAdamW(offload_model(ref, make_store(host_budget_bytes="64MiB")), lr=1e-2)
-    opt = OffloadedAdamW(offload_model(model, make_store(host_budget_bytes="1MiB")), lr=1e-2)
+    opt = OffloadedAdamW(offload_model(model, make_store(host_budget_bytes="8MiB")), lr=1e-2)
     for step in range(3):
         x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step))
         losses = []
@@ -491,3 +495,64 @@ def test_a_split_master_gives_the_forward_the_weights_an_fp32_master_gives(make_
     for (name, a), b in zip(models["fp32"].state_dict().items(), models["split"].state_dict().values()):
         same = (a == b).float().mean().item()
         assert same > 0.99, (name, same)
+
+
+@pytest.mark.parametrize("step_in_backward", [False, True], ids=["after-backward", "in-backward"])
+def test_two_threads_training_compressed_state_at_once_each_train_as_alone(make_store, step_in_backward):
+    """Two models, each with its store, trained at the same time on two threads (their updates in the native
+    kernel at once, after backward split over helper threads too): each ends bit-identical to its run alone."""
+    def build(seed):  # on the main thread: torch's global generator is shared by threads
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(64, 8192), torch.nn.GELU(), torch.nn.Linear(8192, 64),
+                                   torch.nn.GELU(), torch.nn.Linear(64, 8)).to(torch.bfloat16)  # 2 chunks a weight
+
+    def run(seed, results, store, model):
+        opt = OffloadedAdamW(offload_model(model, store), lr=1e-3, moments="8bit", master="split",
+                             step_in_backward=step_in_backward)
+        losses = _train(model, opt, 4)
+        opt.wait()
+        results[seed] = (losses, {k: v.clone() for k, v in model.state_dict().items()},
+                         {n: {w: t.clone() for w, t in e.items() if torch.is_tensor(t)}
+                          for n, e in opt.state_dict()["state"].items()})
+        opt.close()
+
+    alone, together = {}, {}
+    for seed in (1, 2):
+        run(seed, alone, make_store(host_budget_bytes="8MiB"), build(seed))
+    args = {seed: (seed, together, make_store(host_budget_bytes="8MiB"), build(seed)) for seed in (1, 2)}
+    threads = [threading.Thread(target=run, args=args[seed]) for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for seed in (1, 2):
+        losses, weights, state = together[seed]
+        assert losses == alone[seed][0]
+        assert all(torch.equal(weights[k], alone[seed][1][k]) for k in weights)
+        assert all(torch.equal(t, alone[seed][2][n][w]) for n, e in state.items() for w, t in e.items())
+
+
+def test_two_processes_building_the_kernel_at_once_both_load_it(tmp_path):
+    """A fresh kernel cache and two processes that build it at the same moment: each installs its build by an
+    atomic rename, both run the update, with the same bits."""
+    if L._native.kernel() is None:
+        pytest.skip("no C compiler")
+    script = (
+        "import hashlib, sys, torch\n"
+        "from tierstore.integrations import _layouts as L\n"
+        "assert L._native.kernel() is not None\n"
+        "n = 3 * L.CHUNK\n"
+        "w = torch.linspace(-1, 1, n).bfloat16(); low = torch.zeros(n, dtype=torch.int16)\n"
+        "m = torch.zeros(L.packed_size(n), dtype=torch.uint8); v = m.clone()\n"
+        "L.compressed_update(moments='8bit', master='split', weight=w, low=low, exp_avg=m, exp_avg_sq=v,\n"
+        "                    grad=torch.cos(torch.arange(n).float()), step=1.0,\n"
+        "                    hyper=(1e-3, (0.9, 0.999), 1e-8, 0.0, False), seed=0, native=True)\n"
+        "sys.stdout.write(hashlib.sha256(bytes(w.view(torch.int16).numpy()) + bytes(m.numpy())).hexdigest())\n")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert outs[0][0] == outs[1][0]
+    built = list((tmp_path / "tierstore-kernels").iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so"  # no temporary build left behind
