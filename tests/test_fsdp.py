@@ -117,6 +117,21 @@ def test_fused_adamw_under_fsdp_is_torchs_fused_adamw(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("flags", [(), ("accumulate-clip",)], ids=["one-backward", "accumulate-clip"])
+def test_compressed_state_under_fsdp_is_the_layouts_reference_update_of_each_shard(tmp_path, flags):
+    """bf16 shards with 8-bit moments and split masters (see [Note: Compressed optimizer state]) against FSDP2
+    alone stepping each local shard with the layout's reference update: losses, shards and the stored bytes of
+    the state (packed moments, masters' low halves) equal on every rank."""
+    pytest.importorskip("transformers")
+    child = child_script("fsdp_conformance_child.py")
+    lines = _rows(_launch(2, child, "llama-tied", str(tmp_path), "1", "8bit-split", *flags))
+    assert sorted(r["rank"] for r in lines) == [0, 1]
+    for r in lines:
+        assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"], r
+        assert r["read_bytes"] > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name, views", [("llama-tied", 1), ("gpt2", 2)], ids=["llama-tied", "gpt2-zeroed-in-place"])
 def test_gradient_shards_are_kept_in_the_store_through_accumulation_and_clipping(tmp_path, name, views):
     """Two micro-batches a step and torch's clip_grad_norm_ over the model's parameters, the optimizer after

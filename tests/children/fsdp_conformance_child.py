@@ -5,7 +5,9 @@ loss sums that many forwards (two views of a batch) before its one backward, and
 (``zero_grad(set_to_none=False)``) rather than dropped. Flags after it: ``fused`` runs torch's fused AdamW on
 both sides; ``accumulate-clip`` makes each step two micro-batches and torch's ``clip_grad_norm_(model.parameters(),
 1.0)`` before the step, and reports the gradient shards found in the store and on the drive after each backward and
-whether ``param.grad`` read equal to FSDP2's (see [Note: Gradient shards in the tiers])."""
+whether ``param.grad`` read equal to FSDP2's (see [Note: Gradient shards in the tiers]); ``8bit-split`` trains the
+model in bf16 with 8-bit moments and split masters, FSDP2 alone stepping each local shard with the layout's
+reference update (torch operations, the state kept beside it), and compares the stored state byte for byte."""
 
 import copy
 import json
@@ -19,6 +21,7 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the tests' shared modules
 from conformance import CASES  # noqa: E402
 from tierstore import StoreConfig, TierStore
+from tierstore.integrations import _layouts as L
 from tierstore.integrations.fsdp import offload_fsdp
 from tierstore.integrations.optim import OffloadedAdamW
 
@@ -52,6 +55,41 @@ def train(model, opt, case, rank, world, views, clip=False, store=None):
     return losses, seen
 
 
+class CompressedReference:
+    """FSDP2 alone with OffloadedAdamW's 8-bit moments and split masters, on each rank's local shards: the state
+    as the layout stores it, updated by the layout's torch operations (native=False)."""
+
+    def __init__(self, model):
+        self.params = [(n, p) for n, p in model.named_parameters()]
+        self.state = {}
+        self.steps = 0
+
+    def step(self):
+        self.steps += 1
+        for name, p in self.params:
+            if p.grad is None:
+                continue
+            local = p._local_tensor  # the shard itself, stepped in place
+            n = local.numel()
+            how = "8bit" if n >= L.MIN_COMPRESSED else "plain"
+            if name not in self.state:
+                moment = (lambda: torch.zeros(L.packed_size(n), dtype=torch.uint8)) if how == "8bit" else (
+                    lambda: torch.zeros_like(local, dtype=torch.float32))
+                self.state[name] = {"exp_avg": moment(), "exp_avg_sq": moment(),
+                                    "master": torch.zeros_like(local, dtype=torch.int16)}
+            st = self.state[name]
+            L.compressed_update(moments=how, master="split", weight=local, low=st["master"], exp_avg=st["exp_avg"],
+                                exp_avg_sq=st["exp_avg_sq"], grad=p.grad.to_local(), step=float(self.steps),
+                                hyper=(1e-3, (0.9, 0.999), 1e-8, 0.01, False), seed=0, native=False)
+
+    def zero_grad(self, set_to_none=True):
+        for _, p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+
 def _grads_in_store(store):
     """(gradient keys in the store, how many of them have a copy on the drive); None without a store."""
     if store is None:
@@ -60,26 +98,42 @@ def _grads_in_store(store):
     return len(keys), sum("nvme" in store.info(k)["copies"] for k in keys)
 
 
-def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool) -> None:
+def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compressed: bool = False) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     case = CASES[name]
     torch.manual_seed(0)
     base = case.build()
+    if compressed:
+        base = base.to(torch.bfloat16)
+        L.MIN_COMPRESSED = 256  # these models' shards are smaller than the default's bar: compress them all
     ref = shard(copy.deepcopy(base), LAYERS[name])
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False, fused=fused)
+    ref_opt = CompressedReference(ref) if compressed else torch.optim.AdamW(
+        ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False, fused=fused)
     ref_losses, ref_seen = train(ref, ref_opt, case, rank, world, views, clip)
     model = shard(copy.deepcopy(base), LAYERS[name])
     with TierStore(StoreConfig(nvme_path=nvme_path, host_budget_bytes="256KiB", device_budget_bytes="1MiB",
                                file_size_bytes="4MiB", block_size_bytes="64KiB")) as store:
         off = offload_fsdp(model, store)
-        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, fused=fused)
+        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, fused=fused,
+                             **({"moments": "8bit", "master": "split"} if compressed else {}))
         losses, seen = train(model, opt, case, rank, world, views, clip, store)
         opt.wait()
         moments = opt.state_dict()["state"]
         same = all(torch.equal(off.read_param(n), p.to_local()) for n, p in ref.named_parameters())
-        same_moments = all(torch.equal(moments[n][m], ref_opt.state[p][m].to_local())
-                           for n, p in ref.named_parameters() for m in ("exp_avg", "exp_avg_sq"))
+        if compressed:  # the stored bytes: packed 8-bit moments (fp32 for small shards), masters' low halves
+            differ = [f"{n}/{m}: {tuple(moments[n][m].shape)} {moments[n][m].dtype} against "
+                      f"{tuple(ref_opt.state[n][m].shape)} {ref_opt.state[n][m].dtype}"
+                      for n in ref_opt.state for m in ("exp_avg", "exp_avg_sq", "master")
+                      if not torch.equal(moments[n][m].view(-1), ref_opt.state[n][m].view(-1))]
+            same_moments = not differ and set(ref_opt.state) == set(moments) and any(
+                v["exp_avg"].dtype == torch.uint8 for v in moments.values())
+            if not same_moments:
+                print(json.dumps({"rank": rank, "moments_differ": differ[:4], "ours": sorted(moments)[:6],
+                                  "ref": sorted(ref_opt.state)[:6]}), file=sys.stderr, flush=True)
+        else:
+            same_moments = all(torch.equal(moments[n][m], ref_opt.state[p][m].to_local())
+                               for n, p in ref.named_parameters() for m in ("exp_avg", "exp_avg_sq"))
         read = store.stats_dict()["bytes_read_nvme"]
         # A layer: its uses in the step's trace.
         first = next(g for g in off.units() if "layers" in g or ".h." in g or "layer_groups" in g)
@@ -103,6 +157,6 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool) -> None
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1, "fused" in sys.argv[4:],
-         "accumulate-clip" in sys.argv[4:])
+         "accumulate-clip" in sys.argv[4:], "8bit-split" in sys.argv[4:])
     sys.stdout.flush()
     os._exit(0)  # skip C++ teardown at exit, as the torchrun example does (see tierstore/tools/fsdp_train.py)
