@@ -54,8 +54,9 @@ the top half of an fp32 one):
   ``convert=True`` (see checkpoints in docs/optimizer.md);
 - ``"none"``: the bf16 weight alone (2 bytes): the update runs in fp32 and is
   stochastically rounded back (away from zero with probability equal to the
-  dropped fraction, from a generator seeded by the parameter's name and the
-  step, so a run repeats exactly), which keeps small updates from vanishing
+  dropped fraction, the noise a hash of the element, the parameter's name
+  and the step: [Note: Rounding noise]; a run repeats exactly), which keeps
+  small updates from vanishing
   on average as bf16's rounding to nearest would.
 
 A compressed update decodes, steps and encodes one block at a time in a
@@ -195,6 +196,32 @@ def split_master(master: torch.Tensor, weight: torch.Tensor, low: torch.Tensor) 
         hi[nan] = (top[nan] & np.uint16(0x8000)) | np.uint16(0x7FC0)
     _bits16(weight)[:] = hi
     _bits16(low)[:] = lo
+
+
+def _mix32(h: np.ndarray) -> np.ndarray:
+    """compressed_adamw.c's mix32 (murmur3's finalizer) on uint32 values (numpy's uint32 arithmetic wraps)."""
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def rounding_noise(seed: int, start: int, stop: int) -> torch.Tensor:
+    """[Note: Rounding noise] The stochastic rounding's noise for elements
+    start:stop of one update: element i's is a hash of i and the update's seed
+    (``seed_of``), ``mix32((i * 0x9E3779B1) ^ key) & 0xFFFF`` with ``key`` mixed
+    from the seed and i's high 32 bits, so any slice of the tensor, on any
+    thread, draws the same values, and the native kernel computes them inline
+    (drawing them from a torch generator cost the update three quarters of its
+    time). int32 values in [0, 2^16), one a value; ``stop - start`` values,
+    within one block of 2^32 elements."""
+    with np.errstate(over="ignore"):
+        seed_lo, seed_hi = np.uint32(seed & 0xFFFFFFFF), np.uint32((seed >> 32) & 0xFFFFFFFF)
+        key = _mix32(seed_lo ^ _mix32(np.asarray(seed_hi ^ np.uint32(start >> 32), dtype=np.uint32)))
+        index = np.arange(start & 0xFFFFFFFF, (start & 0xFFFFFFFF) + (stop - start), dtype=np.uint64).astype(np.uint32)
+        noise = _mix32((index * np.uint32(0x9E3779B1)) ^ key) & np.uint32(0xFFFF)
+    return torch.from_numpy(noise.astype(np.int32))
 
 
 def stochastic_round(value: torch.Tensor, out: torch.Tensor, noise: torch.Tensor) -> None:
@@ -417,8 +444,9 @@ def compressed_update(*, moments: str, master: str | None, weight: torch.Tensor,
     with ``low`` its master's low bits; or None: the weight alone, rounded stochastically), or an fp32
     parameter's own values. ``exp_avg``/``exp_avg_sq`` are stored ``moments`` (see StateLayout.moments_of).
     ``native``: the compiled kernel (True), torch operations (False), or the kernel where it was built (None).
-    ``threads``: how many threads the kernel may run it on (the caller's and helpers; not with stochastic
-    rounding, whose draws come in order): the element ranges are disjoint, so the bits do not change."""
+    ``threads``: how many threads the kernel may run it on (the caller's and helpers): the element ranges are
+    disjoint, and the rounding noise is a function of the element ([Note: Rounding noise]), so the bits do not
+    change."""
     n = weight.numel()
     if grad.stride() != weight.stride() or grad.dtype not in (torch.float32, torch.bfloat16):
         # elements paired in memory order
@@ -435,22 +463,15 @@ def compressed_update(*, moments: str, master: str | None, weight: torch.Tensor,
     if fn is not None and not _native_fits(moments, w, m_flat, v_flat, g):
         fn = None
     args = _native_args(moments, master, w, lo, m_flat, v_flat, g, c) if fn is not None else None
-    generator = None
-    if not stepped_in_place and master is None:
-        generator = torch.Generator().manual_seed(seed)
-    elif args is not None and threads > 1 and n >= 2 * CHUNK:
-        _in_parallel(fn, args, n, threads)
+    if args is not None:
+        args.seed_lo, args.seed_hi = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+        if threads > 1 and n >= 2 * CHUNK:
+            _in_parallel(fn, args, n, threads)
+        else:
+            fn(ctypes.byref(args), 0, n)
         return
     for start in range(0, n, CHUNK):
         stop = min(n, start + CHUNK)
-        noise = None
-        if generator is not None:  # the same draws on either path: a run repeats exactly
-            noise = torch.randint(0, 1 << 16, (stop - start,), dtype=torch.int32, generator=generator)
-        if args is not None:
-            if noise is not None:
-                args.noise, args.noise_at = noise.data_ptr(), start
-            fn(ctypes.byref(args), start, stop)
-            continue
         m = _decode(moments, m_flat, SIGNED, n, start, stop)
         v = _decode(moments, v_flat, UNSIGNED, n, start, stop)
         if stepped_in_place:
@@ -467,8 +488,7 @@ def compressed_update(*, moments: str, master: str | None, weight: torch.Tensor,
             assert lo is not None
             split_master(value, w[start:stop], lo[start:stop])
         elif not stepped_in_place:
-            assert noise is not None
-            stochastic_round(value, w[start:stop], noise)
+            stochastic_round(value, w[start:stop], rounding_noise(seed, start, stop))
 
 
 def decode_state(how: str, stored: torch.Tensor, signed: bool, shape: torch.Size,

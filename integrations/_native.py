@@ -40,7 +40,7 @@ class UpdateArgs(ctypes.Structure):
         ("map_m", ctypes.c_void_p), ("map_v", ctypes.c_void_p),
         ("table_m", ctypes.c_void_p), ("table_v", ctypes.c_void_p),
         ("w", ctypes.c_void_p), ("low", ctypes.c_void_p),
-        ("noise", ctypes.c_void_p), ("noise_at", ctypes.c_int64),
+        ("seed_lo", ctypes.c_uint32), ("seed_hi", ctypes.c_uint32),
         ("g", ctypes.c_void_p),
         ("decay", ctypes.c_float), ("b1", ctypes.c_float), ("omb1", ctypes.c_float), ("b2", ctypes.c_float),
         ("omb2", ctypes.c_float), ("bc2_sqrt", ctypes.c_float), ("eps", ctypes.c_float),

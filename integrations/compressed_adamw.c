@@ -6,7 +6,7 @@
  * Moments (kind): 0 fp32 values, 1 bf16 values, 2 8-bit codes with one fp32 scale a block of BLOCK values.
  * Weight (kind): 0 fp32 stepped in place, 1 bf16 (the master rounded) plus the int16 low half of an fp32
  * master (see [Note: A rounded split]),
- * 2 bf16 alone, rounded back stochastically with the caller's noise (one int32 in [0, 2^16) a value).
+ * 2 bf16 alone, rounded back stochastically with the noise of [Note: Rounding noise] (_layouts.py).
  * Gradient (kind): 0 fp32, 1 bf16. All arrays hold the parameter's elements in the same (memory) order. */
 
 #include <math.h>
@@ -34,6 +34,16 @@ static inline float float_of(uint32_t u) {
     return f;
 }
 
+/* murmur3's 32-bit finalizer: every input bit moves about half the output bits. */
+static inline uint32_t mix32(uint32_t h) {
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    h ^= h >> 16;
+    return h;
+}
+
 /* Round to the nearest bf16, ties to even; a NaN becomes the quiet NaN 0x7FC0. */
 static inline uint16_t bf16_nearest(float f) {
     uint32_t u = bits_of(f);
@@ -50,8 +60,7 @@ typedef struct {
     const uint8_t *table_m, *table_v;    /* code of each bf16 bit pattern (as int16, plus 2^15) */
     void *w;
     int16_t *low;
-    const int32_t *noise;  /* noise[i - noise_at] is element i's */
-    int64_t noise_at;
+    uint32_t seed_lo, seed_hi;  /* of the rounding noise */
     const void *g;
     float decay, b1, omb1, b2, omb2, bc2_sqrt, eps, step_size;
 } update_args;
@@ -148,10 +157,12 @@ static void step_block(const update_args *a, int64_t at, int len) {
         }
     } else {
         uint16_t *hi = (uint16_t *)a->w + at;
-        const int32_t *noise = a->noise + (at - a->noise_at);
+        const uint32_t key = mix32(a->seed_lo ^ mix32(a->seed_hi ^ (uint32_t)((uint64_t)at >> 32)));
+        const uint32_t first = (uint32_t)at;
         for (int i = 0; i < len; i++) {
+            uint32_t noise = mix32(((first + (uint32_t)i) * 0x9E3779B1u) ^ key) & 0xFFFFu;
             uint32_t u = bits_of(p[i]);
-            hi[i] = p[i] != p[i] ? 0x7FC0 : (uint16_t)((u + (uint32_t)noise[i]) >> 16);
+            hi[i] = p[i] != p[i] ? 0x7FC0 : (uint16_t)((u + noise) >> 16);
         }
     }
 }

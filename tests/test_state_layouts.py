@@ -221,6 +221,22 @@ def test_the_dynamic_maps_hold_256_sorted_values_with_zero_and_one():
     assert L.SIGNED.map[L.SIGNED.map > 0].min().item() == pytest.approx(5.5e-7)
 
 
+def test_rounding_noise_is_uniform_and_rounds_up_as_often_as_the_dropped_fraction():
+    """[Note: Rounding noise]: any slice draws the same values as the whole; they are uniform over [0, 2^16);
+    a value a quarter of a bf16 unit above its lower neighbour rounds up a quarter of the time."""
+    n = 1 << 20
+    noise = L.rounding_noise(L.seed_of("w", 3.0), 0, n)
+    assert noise.dtype == torch.int32 and int(noise.min()) >= 0 and int(noise.max()) < 1 << 16
+    assert torch.equal(L.rounding_noise(L.seed_of("w", 3.0), 1000, 5000), noise[1000:5000])
+    assert not torch.equal(L.rounding_noise(L.seed_of("w", 4.0), 0, 4000), noise[:4000])
+    counts = torch.bincount(noise >> 12, minlength=16).float()
+    assert bool(((counts - n / 16).abs() < 0.01 * n / 16).all())  # each sixteenth of the range within 1%
+    value = torch.full((n,), 1.0 + 2 ** -9)  # a quarter of bf16's unit at 1 (2^-7)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    L.stochastic_round(value, out, noise)
+    assert abs((out.float() > 1.0).float().mean().item() - 0.25) < 0.005
+
+
 def test_a_nan_in_a_block_decodes_as_nan_and_stochastic_rounding_keeps_nan():
     x = torch.randn(2 * L.BLOCK)
     x[3] = float("nan")
