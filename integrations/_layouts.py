@@ -21,8 +21,8 @@ compressed bytes (4-16 a parameter instead of 12-16):
   2 + 8/256 bytes a value instead of 8. A value is normalised by
   multiplying it by the reciprocal of its block's maximum (one division a
   block; dividing each value made the native update 12% slower). The
-  nearest code is that of the normalised value rounded to bf16 first (8 significant bits), read from a
-  65,536-entry table indexed by those bits: one gather a value, 2.5x faster
+  nearest code is that of the normalised value rounded to bf16 first (8
+  significant bits), read from a 65,536-entry table indexed by those bits: one gather a value, 2.5x faster
   here than the exact search (a binary search over the 255 midpoints, or
   a table plus a comparison with the midpoint inside its bucket: two
   gathers), and it differs from the exact nearest code only for values
@@ -41,23 +41,26 @@ the top half of an fp32 one):
   bytes a parameter);
 - ``"split"``: the master's low 16 bits are stored apart (key ``master``,
   int16) and the weight the forward reads is the master rounded to bf16
-  (nearest, a tie away from zero), 4 bytes in all. The master is exact: the
-  update joins the halves (the weight's bits, less one where the low half
-  is 0x8000 or more, since that rounded the weight up; then the low half),
-  steps the fp32 value and splits it again. [Note: A rounded split] The
-  first version (``split="truncated"``) kept the master's top 16 bits as
-  the weight, truncated toward zero: Adam's first steps move every value by
-  about the learning rate, far less than a bf16 unit, and each value moved
-  toward zero then dropped by a whole unit in the weight the forward reads:
-  a 1B ViT's loss rose from 2.45 to 5.53 after one step at lr 1e-5 where
-  the fp32 master's rounded weight gave 2.33. State saved so loads with
-  ``convert=True`` (see checkpoints in docs/optimizer.md);
+  (nearest, a tie away from zero), 4 bytes in all; the master is exact
+  (see [Note: A rounded split]);
 - ``"none"``: the bf16 weight alone (2 bytes): the update runs in fp32 and is
   stochastically rounded back (away from zero with probability equal to the
   dropped fraction, the noise a hash of the element, the parameter's name
   and the step: [Note: Rounding noise]; a run repeats exactly), which keeps
-  small updates from vanishing
-  on average as bf16's rounding to nearest would.
+  small updates from vanishing on average as bf16's rounding to nearest
+  would.
+
+[Note: A rounded split] The update joins the halves (the weight's bits, less
+one where the low half is 0x8000 or more, since that rounded the weight up;
+then the low half), steps the fp32 value and splits it again. The first
+version (``split="truncated"``) kept the master's top 16 bits as the
+weight, truncated toward zero: Adam's first steps move every value by about
+the learning rate, far less than a bf16 unit, and each value moved toward
+zero then dropped by a whole unit in the weight the forward reads: a 1B
+ViT's loss rose from 2.45 to 5.53 after one step at lr 1e-5 where the fp32
+master's rounded weight gave 2.33. State saved so (its layout names no
+``split``) loads as it is, each master exactly, and its weights are rounded
+again (``AdamWState.resplit_truncated``).
 
 A compressed update decodes, steps and encodes one block at a time in a
 native kernel ([Note: One update, two implementations] in _native.py), or,
