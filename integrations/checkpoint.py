@@ -423,7 +423,7 @@ def _load_optimizer(opt: OffloadedAdamW, directory: str, entries: dict[str, Any]
     for name, what, key in opt.state_tensors():
         _load_into_store(opt.store, key, directory, f"{name}/{what}", entries[f"{name}/{what}"])
     if StateLayout.from_dict(meta.get("state_layout", {})).split == "truncated":
-        opt.resplit_truncated()
+        opt._resplit_truncated()
 
 
 def load_safetensors(path: str, model: nn.Module | Offloaded, *, strict: bool = True) -> list[str]:

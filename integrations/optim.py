@@ -191,7 +191,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._items = []
         self.steps = {}
 
-    def resplit_truncated(self) -> None:
+    def _resplit_truncated(self) -> None:
         """Split masters loaded as the first version stored them, made again as this version stores them."""
         self.wait()
         self._state.resplit_truncated()
