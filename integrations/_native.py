@@ -25,6 +25,8 @@ import tempfile
 import threading
 import warnings
 
+from tierstore._config import user_cache_path
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compressed_adamw.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
 
@@ -53,8 +55,7 @@ _loaded: list = []  # [the kernel function or None], once tried
 
 
 def cache_dir() -> str:
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-                        "tierstore-kernels")
+    return user_cache_path("tierstore-kernels")
 
 
 def _machine_key(compiler: str) -> str:

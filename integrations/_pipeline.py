@@ -42,11 +42,11 @@ class StatePipeline:
     """Read-ahead, update, write-behind over one store."""
 
     def __init__(self, store: TierStore, *, readahead: int, readahead_bytes: Callable[[], int],
-                 impl: str = "single", layout: StateLayout = PLAIN) -> None:
+                 impl: str = "single", layout: StateLayout = PLAIN, threads: int = 1) -> None:
         self.store = store
         self.impl = impl  # which of torch's AdamW implementations (see [Note: Which AdamW])
         self.layout = layout  # how the state is stored (see [Note: Compressed optimizer state])
-        self.threads = 1  # threads a compressed update may use (optimizer after backward: torch's own count)
+        self.threads = threads  # threads a compressed update may use
         self.readahead = readahead
         self.readahead_bytes = readahead_bytes  # asked at each read-ahead: the room may change with the placement
         self.state_bytes: dict[str, int] = {}  # name -> bytes of its state (what read-ahead counts)

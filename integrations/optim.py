@@ -111,7 +111,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         fixed = None if readahead_bytes is None else positive_bytes(readahead_bytes, 1, "readahead_bytes")
         self._pipeline = StatePipeline(self.store, readahead=readahead, readahead_bytes=(
             (lambda: fixed) if fixed is not None else (lambda: offloaded.readahead_room() or max(1, host // 2))),
-            impl=impl, layout=self.layout)
+            impl=impl, layout=self.layout,
+            # stepping in backward, one thread beside backward's compute; after it, the CPU's threads are the update's
+            threads=1 if step_in_backward else torch.get_num_threads())
         home = Tier.parse(home if home is not None else self.store.config.optimizer_tier)
         self.steps: dict[str, float] = {}
         self._items, self._frozen = stepped_items(offloaded)
@@ -129,8 +131,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._group_of = {self._name_of[id(p)]: g for g in self.param_groups for p in g["params"]}
         self._pipeline.state_bytes = self._state.create(home)
         self.step_in_backward = step_in_backward
-        # Stepping in backward, one thread beside backward's compute; after it, the CPU's threads are the update's.
-        self._pipeline.threads = 1 if step_in_backward else torch.get_num_threads()
         self._queue: list[tuple] = []  # (name, key, param, grad) in the order they are stepped
         self._done = 0  # how many of the queue are stepped
         # name -> (the gradient its last update applied, that gradient's version), and why the last step()

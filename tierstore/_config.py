@@ -319,11 +319,15 @@ def from_deepspeed(ds: Mapping[str, Any]) -> tuple[StoreConfig, list[str]]:
     return from_dict(ours), ignored
 
 
+def user_cache_path(name: str) -> str:
+    """``name`` in the user's cache directory: $XDG_CACHE_HOME, else ~/.cache (not created)."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), name)
+
+
 def default_nvme_path() -> str:
     """Where the command-line tools put swap files unless told: $TIERSTORE_NVME_PATH, else a cache directory of
     the user's ($XDG_CACHE_HOME/tierstore or ~/.cache/tierstore, created), never the current directory, which may
     be a source checkout."""
-    path = os.environ.get("TIERSTORE_NVME_PATH") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tierstore")
+    path = os.environ.get("TIERSTORE_NVME_PATH") or user_cache_path("tierstore")
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
