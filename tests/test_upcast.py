@@ -1,0 +1,87 @@
+"""Half-precision weights computed in fp32 (tierstore/tools/upcast.py): the block-wise products give the fp32
+products of the same weights, for any block split, dtype and layout, on several threads at once."""
+
+import copy
+import threading
+
+import pytest
+import torch
+from tierstore.tools import upcast
+from tierstore.tools.upcast import compute_in_fp32
+
+
+def _run(model: torch.nn.Module, x: torch.Tensor, seed: int) -> tuple[torch.Tensor, ...]:
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(x.is_floating_point())
+    out = model(x)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)))
+    return (out.detach(), x.grad, *(p.grad.clone() for p in model.parameters()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block", [1 << 21, 1000, 37])  # one block; several with a ragged last; one row a block
+def test_block_wise_products_are_the_fp32_products_of_the_same_weights(monkeypatch, dtype, block):
+    monkeypatch.setattr(upcast, "_BLOCK_ELEMENTS", block)
+    torch.manual_seed(0)
+    half = torch.nn.Linear(48, 70).to(dtype)
+    ref = copy.deepcopy(half).float()  # the same values, exactly, in fp32
+    assert compute_in_fp32(half) == 1
+    x = torch.randn(3, 5, 48)
+    got, want = _run(half, x, 1), _run(ref, x, 1)
+    assert got[0].dtype == torch.float32 and got[2].dtype == dtype and got[3].dtype == dtype
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)  # the output
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)  # the input's gradient
+    for g, w in zip(got[2:], want[2:]):  # the weight's and the bias's gradients, rounded to the weight's dtype
+        # each element is the same fp32 sum; the product's kernel may order it differently for another block
+        # shape, which can move the rounded value by one unit
+        torch.testing.assert_close(g.float(), w.to(dtype).float(), rtol=1e-2, atol=1e-6)
+
+
+def test_a_half_input_gets_a_half_gradient_and_a_weight_needing_none_gets_none(monkeypatch):
+    monkeypatch.setattr(upcast, "_BLOCK_ELEMENTS", 100)
+    lin = torch.nn.Linear(16, 24, bias=False).bfloat16()
+    compute_in_fp32(lin)
+    lin.weight.requires_grad_(False)
+    x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
+    out = lin(x)
+    out.sum().backward()
+    assert out.dtype == torch.float32 and x.grad.dtype == torch.bfloat16 and lin.weight.grad is None
+    expect = torch.ones(4, 24) @ lin.weight.float()
+    torch.testing.assert_close(x.grad, expect.bfloat16())
+
+
+def test_a_transposed_weight_view_multiplies_as_its_values(monkeypatch):
+    monkeypatch.setattr(upcast, "_BLOCK_ELEMENTS", 64)
+    lin = torch.nn.Linear(12, 20, bias=False).bfloat16()
+    compute_in_fp32(lin)
+    base = torch.randn(12, 20).bfloat16()
+    lin.weight = torch.nn.Parameter(base.t())  # not contiguous
+    x = torch.randn(3, 12)
+    torch.testing.assert_close(lin(x), x @ base.float(), rtol=1e-6, atol=1e-6)
+
+
+def test_two_threads_computing_at_once_each_get_what_they_get_alone(monkeypatch):
+    monkeypatch.setattr(upcast, "_BLOCK_ELEMENTS", 4096)  # many blocks: the threads' scratch use interleaves
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 32)).bfloat16()
+        compute_in_fp32(m)
+        models.append(m)
+    xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(s)) for s in (2, 3)]
+    alone = [[_run(m, x, 4) for _ in range(3)] for m, x in zip(models, xs)]
+    together: list[list[tuple[torch.Tensor, ...]]] = [[], []]
+
+    def work(i: int) -> None:
+        for _ in range(3):
+            together[i].append(_run(models[i], xs[i], 4))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in (0, 1):
+        assert len(together[i]) == 3
+        for a, b in zip(alone[i], together[i]):
+            assert all(torch.equal(u, v) for u, v in zip(a, b))
