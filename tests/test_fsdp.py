@@ -191,6 +191,41 @@ def test_fsdp_checkpoint_resumes_bit_identically_and_consolidates(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("when", ["after-backward", "in-backward"])
+def test_compressed_state_under_fsdp_checkpoints_as_it_is_and_resumes_bit_identically(tmp_path, when):
+    """bf16 weights, 8-bit moments and split masters on 2 ranks: each rank's checkpoint holds its shards' packed
+    moments and low halves as stored (no fp32 inflation), and a fresh model loading it repeats every loss."""
+    ckpt, result = tmp_path / "ckpt", tmp_path / "result.json"
+    _launch(2, "-m", "tierstore.tools.fsdp_train", "--preset", "tiny", "--steps", "5", "--save-at", "2",
+            "--checkpoint", str(ckpt), "--nvme-path", str(tmp_path), "--host-budget", "128KiB",
+            "--device-budget", "64KiB", "--dtype", "bf16", "--moments", "8bit", "--masters", "split",
+            "--json", str(result), *(["--step-in-backward"] if when == "in-backward" else []))
+    res = json.loads(result.read_text())
+    assert res["resumed_identical"] is True and res["bit_identical"] is None
+    assert all(s["loss"] == s["loss"] for s in res["steps"])  # finite, not NaN
+    for rank in ("rank00000", "rank00001"):
+        header = _safetensors_header(ckpt / rank / "optimizer.safetensors")
+        fc1 = {k.rsplit("/", 1)[1]: v for k, v in header.items() if k.startswith("blocks.0.fc1.weight/")}
+        local = 256 * 64 // 2  # the rank's rows of fc1's weight
+        assert fc1["exp_avg"]["dtype"] == fc1["exp_avg_sq"]["dtype"] == "U8"
+        assert fc1["exp_avg"]["shape"] == [local + local // 256 * 4]  # a code a value, an fp32 scale a block
+        assert fc1["master"]["dtype"] == "I16" and fc1["master"]["shape"] == [128, 64]  # the low halves
+
+
+def _safetensors_header(path: pathlib.Path) -> dict:
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    header.pop("__metadata__", None)
+    return header
+
+
+def test_fsdp_train_refuses_check_with_a_layout_torch_has_not():
+    r = subprocess.run([sys.executable, "-m", "tierstore.tools.fsdp_train", "--check", "--moments", "8bit"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 2 and "only fp32 weights with fp32 moments" in r.stderr
+
+
+@pytest.mark.slow
 def test_fsdp_loss_scaling_matches_fsdp2_alone(tmp_path):
     """fp16 autocast under FSDP2: an overflow on one rank skips the step on every rank, as with FSDP2 alone."""
     out = _launch(2, child_script("fsdp_amp_child.py"), str(tmp_path))

@@ -9,7 +9,10 @@ bytes and GB/s summed over ranks; at the end each rank's bytes of parameter
 shards and optimizer state per tier. ``--check`` also trains the same model
 with FSDP2 alone (no offload, ``torch.optim.AdamW(foreach=False)``), prints
 its step times, and fails unless losses, parameters and Adam moments are
-bit-identical.
+bit-identical. ``--dtype bf16 --moments 8bit --masters split`` trains bf16
+weights with compressed optimizer state (each rank's shards quantized on
+their own); ``--check`` then has no torch reference to equal and is refused,
+while ``--checkpoint`` still checks that a resumed run repeats every loss.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from .rss import peak_rss_bytes
 from .vit import PRESETS, SyntheticImages, ViT, num_params
 
 MIB = 1024**2
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _shard(model: torch.nn.Module) -> torch.nn.Module:
@@ -53,6 +57,10 @@ def _shard(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _model(preset: str, dtype: str) -> torch.nn.Module:
+    return ViT(PRESETS[preset]).to(DTYPES[dtype])
+
+
 def _batch(data: SyntheticImages, step: int, batch_size: int, rank: int, world: int):
     x, y = data.batch(step, batch_size * world)
     return x[rank::world], y[rank::world]
@@ -60,7 +68,7 @@ def _batch(data: SyntheticImages, step: int, batch_size: int, rank: int, world: 
 
 def _train_step(model, opt, data, step, batch_size, rank, world) -> float:
     x, y = _batch(data, step, batch_size, rank, world)
-    loss = F.cross_entropy(model(x), y)
+    loss = F.cross_entropy(model(x.to(model.pos.dtype)).float(), y)
     loss.backward()
     opt.step()
     opt.zero_grad()
@@ -76,7 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         torch.manual_seed(0)
         cfg = PRESETS[args.preset]
-        base = ViT(cfg)
+        base = _model(args.preset, args.dtype)
         n = num_params(base)
         data = SyntheticImages(cfg)
         reference = None
@@ -111,7 +119,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows = []
         with TierStore(config) as store:
             off = offload_fsdp(model, store)
-            opt = OffloadedAdamW(off, lr=args.lr, weight_decay=0.01, step_in_backward=args.step_in_backward)
+            opt = OffloadedAdamW(off, lr=args.lr, weight_decay=0.01, step_in_backward=args.step_in_backward,
+                                 moments=args.moments, master=args.masters)
             store.flush()
             for step in range(args.steps):
                 if args.checkpoint and step == args.save_at:
@@ -192,10 +201,11 @@ def _all(ok: bool) -> bool:
 def _resume(args, config, data, rank: int, world: int, losses: list[float]) -> bool:
     """A fresh model (other initial values) loads the checkpoint and trains the remaining steps."""
     torch.manual_seed(1)
-    model = _shard(ViT(PRESETS[args.preset]))
+    model = _shard(_model(args.preset, args.dtype))
     with TierStore(config) as store:
         off = offload_fsdp(model, store)
-        opt = OffloadedAdamW(off, lr=args.lr, weight_decay=0.01, step_in_backward=args.step_in_backward)
+        opt = OffloadedAdamW(off, lr=args.lr, weight_decay=0.01, step_in_backward=args.step_in_backward,
+                             moments=args.moments, master=args.masters)
         extra = load_checkpoint(args.checkpoint, off, opt)
         again = [_train_step(model, opt, data, s, args.batch_size, rank, world)
                  for s in range(extra["step"], args.steps)]
@@ -302,12 +312,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--step-in-backward", action="store_true",
                    help="step each shard as soon as its gradient is reduced, overlapping backward")
-    p.add_argument("--check", action="store_true", help="also train without offload and compare bit for bit")
+    p.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="the weights' dtype (default fp32)")
+    p.add_argument("--moments", default="fp32", choices=["fp32", "bf16", "8bit"],
+                   help="how AdamW's moments are stored (default fp32)")
+    p.add_argument("--masters", default="fp32", choices=["fp32", "split", "none"],
+                   help="masters of bf16 weights: fp32, split (exact, 2 bytes) or none (default fp32; the demo's "
+                   "--master, named apart from torchrun's --master-addr)")
+    p.add_argument("--check", action="store_true", help="also train without offload and compare bit for bit "
+                   "(fp32 weights and moments: the layout that is torch's AdamW)")
     p.add_argument("--json", metavar="FILE", help="rank 0 writes the figures here")
     p.add_argument("--checkpoint", metavar="DIR", help="save a checkpoint here before step --save-at, then "
                    "resume a fresh model from it and check it gives the same losses")
     p.add_argument("--save-at", type=int, default=1, help="step before which to save (default 1)")
     args = p.parse_args(argv)
+    if args.check and (args.dtype, args.moments) != ("fp32", "fp32"):
+        p.error("--check compares with torch's AdamW bit for bit, which only fp32 weights with fp32 moments are; "
+                "drop --check, or --checkpoint DIR to check a resumed run repeats every loss")
     args.nvme_path = args.nvme_path or default_nvme_path()
     result = run(args)
     return 0 if result["bit_identical"] in (None, True) and result["resumed_identical"] in (None, True) else 1
