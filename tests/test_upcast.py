@@ -85,3 +85,21 @@ def test_two_threads_computing_at_once_each_get_what_they_get_alone(monkeypatch)
         assert len(together[i]) == 3
         for a, b in zip(alone[i], together[i]):
             assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_an_embedding_gives_the_values_and_gradients_of_an_fp32_copy_of_its_table(padding_idx):
+    torch.manual_seed(0)
+    half = torch.nn.Embedding(50, 16, padding_idx=padding_idx).bfloat16()
+    ids = torch.tensor([[3, 7, 7, 0, 49], [7, 3, 3, 12, 7]])  # repeated ids: their gradients add up
+    weight = half.weight.detach().clone().requires_grad_()
+    want = torch.nn.functional.embedding(ids, weight.float(), padding_idx)  # what the cast copy gives
+    compute_in_fp32(half)
+    got = half(ids)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    g = torch.randn(got.shape) * 1e3
+    got.backward(g)
+    want.backward(g)
+    assert half.weight.grad.dtype == torch.bfloat16 and torch.equal(half.weight.grad, weight.grad)
+    if padding_idx is not None:
+        assert not half.weight.grad[padding_idx].any()

@@ -95,9 +95,39 @@ def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class _EmbeddingInFp32(torch.autograd.Function):
+    """``F.embedding`` of a bf16/fp16 table giving fp32 rows: the rows are looked up in the table's dtype and then
+    cast (the values an fp32 copy of the table gives, the cast being exact), and the table's gradient is summed in
+    fp32 over the rows the ids name, each row's gradients added in the order of the ids as torch's embedding
+    backward adds them, then rounded once into the table's dtype. So neither an fp32 copy of the table in
+    forward nor a dense fp32 gradient of it in backward is made (a 32000 x 4096 table: 512 MiB each)."""
+
+    @staticmethod
+    def forward(ctx: object, ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None) -> torch.Tensor:
+        ctx.save_for_backward(ids)  # type: ignore[attr-defined]
+        ctx.table = (weight.shape, weight.dtype, padding_idx)  # type: ignore[attr-defined]
+        return F.embedding(ids, weight, padding_idx).float()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if not ctx.needs_input_grad[1]:  # type: ignore[attr-defined]
+            return None, None, None
+        (ids,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        shape, dtype, padding_idx = ctx.table  # type: ignore[attr-defined]
+        rows, where = torch.unique(ids.reshape(-1), return_inverse=True)
+        sums = torch.zeros(rows.numel(), shape[1]).index_add_(0, where, grad.reshape(-1, shape[1]).float())
+        if padding_idx is not None:
+            sums[rows == padding_idx] = 0
+        grad_w = torch.zeros(shape, dtype=dtype)
+        grad_w[rows] = sums.to(dtype)
+        return None, grad_w, None
+
+
 def _embedding(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    return F.embedding(ids, self.weight.float(), self.padding_idx, self.max_norm, self.norm_type,
-                       self.scale_grad_by_freq, self.sparse)
+    if self.scale_grad_by_freq or self.sparse:  # torch's own backward, on an fp32 copy of the table
+        return F.embedding(ids, self.weight.float(), self.padding_idx, self.max_norm, self.norm_type,
+                           self.scale_grad_by_freq, self.sparse)
+    return _EmbeddingInFp32.apply(ids, self.weight, self.padding_idx)
 
 
 def _layer_norm(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
