@@ -103,3 +103,34 @@ def test_an_embedding_gives_the_values_and_gradients_of_an_fp32_copy_of_its_tabl
     assert half.weight.grad.dtype == torch.bfloat16 and torch.equal(half.weight.grad, weight.grad)
     if padding_idx is not None:
         assert not half.weight.grad[padding_idx].any()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_transformers_llama_in_bf16_computed_in_fp32_trains_offloaded_as_resident(make_store, tied):
+    """A model we did not write (its embedding tied to its head or not): compressed state, the weights moving
+    through a small host budget, the same losses as with everything resident."""
+    transformers = pytest.importorskip("transformers")
+    from tierstore.integrations import OffloadedAdamW, offload_model
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=tied)
+    base = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    runs = []
+    for budget in ("64MiB", "256KiB"):
+        model = copy.deepcopy(base)
+        assert compute_in_fp32(model) == 2 * 7 + 2  # each layer's 7 Linears, the embedding, the head
+        opt = OffloadedAdamW(offload_model(model, make_store(host_budget_bytes=budget)), lr=1e-3,
+                             moments="8bit", master="split")
+        losses = []
+        ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))  # one repeated batch
+        for _ in range(4):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append(losses)
+        opt.close()
+    assert runs[0] == runs[1] and runs[0][-1] < runs[0][0]

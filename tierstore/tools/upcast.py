@@ -3,8 +3,9 @@
 On a CPU without bf16 matrix instructions (AVX2 only, say) torch's bf16 matrix product is hundreds of times slower
 than its fp32 one (measured on one such machine: 0.29 against 94 GFLOPS at 2048 x 2048). A model kept in bf16 to
 halve its bytes on the drive and in memory can still compute in fp32: :func:`compute_in_fp32` makes each
-``nn.Linear``, ``nn.LayerNorm`` and ``nn.Embedding`` whose weight is bf16/fp16 cast that weight (and its input) to fp32 in its
-forward (LayerNorm too). The gradient flows back through the cast and reaches the weight in its own dtype, as under autocast.
+``nn.Linear``, ``nn.LayerNorm`` and ``nn.Embedding`` whose weight is bf16/fp16 compute in fp32 from the values of
+that weight (a Linear converts it a block of rows at a time, an Embedding only the rows it looks up) and return fp32
+outputs; the weight's gradient is summed in fp32 and reaches the weight in its own dtype, as under autocast.
 Call it before ``offload_model``: the offloaded forward then runs the patched one.
 """
 
