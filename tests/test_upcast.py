@@ -134,3 +134,25 @@ def test_a_transformers_llama_in_bf16_computed_in_fp32_trains_offloaded_as_resid
         runs.append(losses)
         opt.close()
     assert runs[0] == runs[1] and runs[0][-1] < runs[0][0]
+
+
+def test_products_stay_fp32_whatever_the_default_dtype(monkeypatch):
+    monkeypatch.setattr(upcast, "_BLOCK_ELEMENTS", 256)
+    lin = torch.nn.Linear(32, 40).bfloat16()
+    emb = torch.nn.Embedding(10, 32).bfloat16()
+    compute_in_fp32(lin)
+    compute_in_fp32(emb)
+    x = torch.randn(3, 32)
+    ids = torch.tensor([1, 2, 2])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out = lin(x)
+        rows = emb(ids)
+        (out.sum() + rows.sum()).backward()
+    finally:
+        torch.set_default_dtype(previous)
+    assert out.dtype == rows.dtype == torch.float32
+    torch.testing.assert_close(out, x @ lin.weight.float().t() + lin.bias.float(), rtol=1e-6, atol=1e-6)
+    assert lin.weight.grad.dtype == emb.weight.grad.dtype == torch.bfloat16
+    assert emb.weight.grad[2].eq(2).all() and emb.weight.grad[0].eq(0).all()

@@ -36,17 +36,22 @@ _BLOCK_ELEMENTS = 1 << 21  # 8 MiB of fp32 a thread
 _scratch = threading.local()
 
 
-def _scratch_rows(rows: int, cols: int) -> torch.Tensor:
-    """A (rows, cols) fp32 view of this thread's scratch tensor (grown when a block needs more)."""
+def _fp32_like(block: torch.Tensor) -> torch.Tensor:
+    """An fp32 tensor of ``block``'s shape to compute in: a view of this thread's scratch tensor on the CPU (grown
+    when a block needs more), a new tensor on another device (whose caching allocator reuses memory)."""
+    rows, cols = block.shape
+    if block.device.type != "cpu":
+        return torch.empty(rows, cols, dtype=torch.float32, device=block.device)
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < rows * cols:
-        buf = _scratch.buf = torch.empty(max(rows * cols, _BLOCK_ELEMENTS))
+        buf = _scratch.buf = torch.empty(max(rows * cols, _BLOCK_ELEMENTS), dtype=torch.float32)
     return buf[: rows * cols].view(rows, cols)
 
 
 def _row_blocks(weight: torch.Tensor) -> tuple[range, int]:
-    rows = max(1, _BLOCK_ELEMENTS // max(1, weight.shape[1]))
-    return range(0, weight.shape[0], rows), rows
+    """Where the weight's row blocks start, and their rows: the whole weight at once off the CPU."""
+    rows = max(1, _BLOCK_ELEMENTS // max(1, weight.shape[1])) if weight.device.type == "cpu" else weight.shape[0]
+    return range(0, weight.shape[0], max(1, rows)), max(1, rows)
 
 
 class _LinearInFp32(torch.autograd.Function):
@@ -61,12 +66,11 @@ class _LinearInFp32(torch.autograd.Function):
         ctx.save_for_backward(x, weight)  # type: ignore[attr-defined]
         ctx.has_bias = bias is not None  # type: ignore[attr-defined]
         flat = x.float().reshape(-1, weight.shape[1])
-        out = torch.empty(flat.shape[0], weight.shape[0])
+        out = torch.empty(flat.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
         starts, rows = _row_blocks(weight)
         for r in starts:
             block = weight[r : r + rows]
-            w = _scratch_rows(block.shape[0], block.shape[1]).copy_(block)
-            torch.mm(flat, w.t(), out=out[:, r : r + rows])
+            torch.mm(flat, _fp32_like(block).copy_(block).t(), out=out[:, r : r + rows])
         if bias is not None:
             out += bias.float()
         return out.view(*x.shape[:-1], weight.shape[0])
@@ -77,23 +81,22 @@ class _LinearInFp32(torch.autograd.Function):
         need = ctx.needs_input_grad  # type: ignore[attr-defined]
         flat = grad.float().reshape(-1, weight.shape[0])
         inputs = x.float().reshape(-1, weight.shape[1]) if need[1] else None
-        grad_x = torch.zeros(flat.shape[0], weight.shape[1]) if need[0] else None
+        grad_x = torch.zeros(flat.shape[0], weight.shape[1], dtype=torch.float32, device=grad.device) \
+            if need[0] else None
         grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if need[1] else None
         starts, rows = _row_blocks(weight)
         for r in starts:
             block = weight[r : r + rows]
-            w = _scratch_rows(block.shape[0], block.shape[1])
             if grad_x is not None:
-                grad_x.addmm_(flat[:, r : r + rows], w.copy_(block))
+                grad_x.addmm_(flat[:, r : r + rows], _fp32_like(block).copy_(block))
             if grad_w is not None:
-                grad_w[r : r + rows].copy_(torch.mm(flat[:, r : r + rows].t(), inputs, out=w))
+                grad_w[r : r + rows].copy_(torch.mm(flat[:, r : r + rows].t(), inputs, out=_fp32_like(block)))
         grad_b = flat.sum(0) if ctx.has_bias and need[2] else None  # type: ignore[attr-defined]
         return (None if grad_x is None else grad_x.view(x.shape).to(x.dtype)), grad_w, grad_b
 
 
 def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    out = _LinearInFp32.apply(x, self.weight, self.bias)
-    return out
+    return _LinearInFp32.apply(x, self.weight, self.bias)
 
 
 class _EmbeddingInFp32(torch.autograd.Function):
@@ -116,10 +119,11 @@ class _EmbeddingInFp32(torch.autograd.Function):
         (ids,) = ctx.saved_tensors  # type: ignore[attr-defined]
         shape, dtype, padding_idx = ctx.table  # type: ignore[attr-defined]
         rows, where = torch.unique(ids.reshape(-1), return_inverse=True)
-        sums = torch.zeros(rows.numel(), shape[1]).index_add_(0, where, grad.reshape(-1, shape[1]).float())
+        sums = torch.zeros(rows.numel(), shape[1], dtype=torch.float32, device=grad.device).index_add_(
+            0, where, grad.reshape(-1, shape[1]).float())
         if padding_idx is not None:
             sums[rows == padding_idx] = 0
-        grad_w = torch.zeros(shape, dtype=dtype)
+        grad_w = torch.zeros(shape, dtype=dtype, device=grad.device)
         grad_w[rows] = sums.to(dtype)
         return None, grad_w, None
 
