@@ -21,17 +21,18 @@ from torch import nn
 _HALF = (torch.bfloat16, torch.float16)
 
 
-# [Note: Products of half weights in fp32]
-# Casting a whole bf16 weight to fp32 (``weight.float()``) allocates a new tensor of 4 bytes a parameter each
-# time; one that large comes fresh from the operating system, which faults in and zeroes every page: on one CPU
-# (AVX2, 2 cores) a 10240 x 2560 weight's cast took 53 ms, against 8 ms copying the same values into a tensor
-# already in memory, and the fp32 weight gradient's cast back to bf16 cost another 30 ms the same way. At a
-# small batch those casts were 3/4 of a linear layer's forward and backward. So the products run in row blocks
-# of the weight: each block is converted into a scratch tensor of _BLOCK_ELEMENTS fp32 values kept by the
-# thread (in cache, never faulted in again), multiplied, and the weight gradient's block is converted into the
-# bf16 gradient from the same scratch. Each output of the forward and of the weight gradient is the same sum as
-# the whole product's; the input's gradient adds the blocks' partial products in turn (a different order of
-# the same fp32 sums). Measured on that CPU, forward and backward of that layer at 17 rows: 252 ms -> ~100 ms.
+# [Note: Products of half weights in fp32] Casting a whole bf16 weight to fp32 (``weight.float()``) allocates a new
+# tensor of 4 bytes a parameter each time; one that large comes fresh from the operating system, which faults in and
+# zeroes every page: on one CPU (AVX2, 2 cores) a 10240 x 2560 weight's cast took 53 ms, against 8 ms copying the same
+# values into a tensor already in memory, and the weight's gradient, made whole in fp32 before its cast to bf16, was
+# another such tensor. At a small batch those allocations cost more than the products. So on the CPU the products run
+# in row blocks of the weight: each block is converted into a scratch tensor of _BLOCK_ELEMENTS fp32 values kept by
+# the thread (in cache, never faulted in again) and multiplied, and the weight gradient's block is computed into the
+# same scratch and rounded into the bf16 gradient (the one new tensor, which autograd hands on). Each output of the
+# forward and of the weight gradient sums the same products as the whole product does (the matrix kernel may order
+# them differently for another block shape); the input's gradient adds the blocks' partial products in turn. Measured
+# on that CPU, forward and backward of that layer at 17 rows: 252 ms -> ~100 ms. Other devices' caching allocators
+# reuse memory: there the whole weight is one block.
 _BLOCK_ELEMENTS = 1 << 21  # 8 MiB of fp32 a thread
 _scratch = threading.local()
 
