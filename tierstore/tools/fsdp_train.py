@@ -39,13 +39,13 @@ from tierstore.integrations import (
     offload_fsdp,
     save_checkpoint,
 )
+from tierstore.integrations._layouts import MASTERS, MOMENTS
 
-from .demo import default_budgets
+from .demo import DTYPES, default_budgets
 from .rss import peak_rss_bytes
 from .vit import PRESETS, SyntheticImages, ViT, num_params
 
 MIB = 1024**2
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _shard(model: torch.nn.Module) -> torch.nn.Module:
@@ -313,9 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-in-backward", action="store_true",
                    help="step each shard as soon as its gradient is reduced, overlapping backward")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="the weights' dtype (default fp32)")
-    p.add_argument("--moments", default="fp32", choices=["fp32", "bf16", "8bit"],
+    p.add_argument("--moments", default="fp32", choices=MOMENTS,
                    help="how AdamW's moments are stored (default fp32)")
-    p.add_argument("--masters", default="fp32", choices=["fp32", "split", "none"],
+    p.add_argument("--masters", default="fp32", choices=MASTERS,
                    help="masters of bf16 weights: fp32, split (exact, 2 bytes) or none (default fp32; the demo's "
                    "--master, named apart from torchrun's --master-addr)")
     p.add_argument("--check", action="store_true", help="also train without offload and compare bit for bit "

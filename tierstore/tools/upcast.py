@@ -51,8 +51,8 @@ def _fp32_like(block: torch.Tensor) -> torch.Tensor:
 
 def _row_blocks(weight: torch.Tensor) -> tuple[range, int]:
     """Where the weight's row blocks start, and their rows: the whole weight at once off the CPU."""
-    rows = max(1, _BLOCK_ELEMENTS // max(1, weight.shape[1])) if weight.device.type == "cpu" else weight.shape[0]
-    return range(0, weight.shape[0], max(1, rows)), max(1, rows)
+    rows = max(1, _BLOCK_ELEMENTS // max(1, weight.shape[1]) if weight.device.type == "cpu" else weight.shape[0])
+    return range(0, weight.shape[0], rows), rows
 
 
 class _LinearInFp32(torch.autograd.Function):
