@@ -35,11 +35,14 @@ class BackwardSteps:
         self.early: dict[str, Future] = {}  # key -> update started in this backward
         self.futures: list[Future] = []  # of the optimizer's queue's updates, in order
         self.backlog_bytes = 0  # of gradients queued and not yet consumed
+        self.backlog_peak_bytes = 0  # the most queued at once since the last step()
+        self.last_backlog_peak_bytes = 0  # the same over the backward before it (see ``LaterUses.behind``)
         self._backlog_lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="tierstore-adamw")
         self._worker_ident: int | None = None
         opt.offloaded.grad_ready_callbacks.append(self.on_grad_ready)
         opt.offloaded.grad_read_guards.append(self.gradients_taken)  # param.grad of an offloaded parameter asks
+        opt.offloaded.later_uses.behind.append(self.behind_bytes)  # the placement's room counts them
 
     def on_grad_ready(self, key: str) -> None:
         """The model's backward completed this parameter's gradient: queue its update."""
@@ -62,6 +65,7 @@ class BackwardSteps:
         nbytes = grad.numel() * grad.element_size() if grad is not None else 0
         with self._backlog_lock:
             self.backlog_bytes += nbytes
+            self.backlog_peak_bytes = max(self.backlog_peak_bytes, self.backlog_bytes)
         opt._queue.append((name, key_, p, grad))
         future = self._worker.submit(self._step_ready, len(opt._queue) - 1, nbytes)
         self.futures.append(future)
@@ -82,6 +86,12 @@ class BackwardSteps:
                 if self._worker_ident is not None and opt.store.is_waiting_for_room(self._worker_ident):
                     break
         opt.store.stats.add_wait(t0, time.perf_counter(), key="gradient backlog")
+
+    def behind_bytes(self) -> int:
+        """The bytes of gradients the worker may have queued (see ``LaterUses.behind``): the backlog's bound, or
+        the most the last backward queued if more (it may pass the bound by a gradient, or while the worker waits
+        for room)."""
+        return max(self.opt.max_grad_backlog_bytes, self.last_backlog_peak_bytes)
 
     def gradients_taken(self) -> str | None:
         """Why no gradient may be read now: since the last step() a backward has handed its gradients to the
@@ -114,6 +124,7 @@ class BackwardSteps:
     def take(self) -> dict[str, Future]:
         """The updates this backward started (``step()`` waits for them); the next backward starts afresh."""
         early, self.early, self.futures = self.early, {}, []
+        self.last_backlog_peak_bytes, self.backlog_peak_bytes = self.backlog_peak_bytes, self.backlog_bytes
         return early
 
     def close(self) -> None:
@@ -127,6 +138,8 @@ class BackwardSteps:
             off.grad_ready_callbacks.remove(self.on_grad_ready)
         if self.gradients_taken in off.grad_read_guards:
             off.grad_read_guards.remove(self.gradients_taken)
+        if self.behind_bytes in off.later_uses.behind:
+            off.later_uses.behind.remove(self.behind_bytes)
 
 
 __all__ = ["BackwardSteps"]

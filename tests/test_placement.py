@@ -112,10 +112,14 @@ def test_the_plan_never_exceeds_the_budget_and_never_beats_the_bound(trace, budg
     assert lower_bound_bytes(trace, budget + 1000) <= p.lower_bound_bytes
 
 
-def test_the_room_is_two_units_and_two_updates_or_a_share_of_the_budget():
+def test_the_room_is_two_units_two_updates_and_the_backlog_or_a_share_of_the_budget():
     assert room_bytes(1000, largest_unit_bytes=10, largest_update_bytes=10) == int(1000 * ROOM_SHARE)
     assert room_bytes(1000, largest_unit_bytes=200, largest_update_bytes=100) == 600
     assert room_bytes(1000, largest_unit_bytes=400, largest_update_bytes=400) == 1000
+    # Parameters waiting for updates behind backward take room beside them.
+    assert room_bytes(1000, largest_unit_bytes=200, largest_update_bytes=100, behind_bytes=250) == 850
+    assert room_bytes(1000, largest_unit_bytes=10, largest_update_bytes=10, behind_bytes=100) == int(1000 * ROOM_SHARE)
+    assert room_bytes(1000, largest_unit_bytes=10, largest_update_bytes=10, behind_bytes=250) == 290
 
 
 def test_depth_is_the_least_that_hides_what_any_depth_can_hide():

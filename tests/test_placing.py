@@ -31,9 +31,11 @@ def test_a_placement_keeps_training_bit_identical_and_moves_fewer_bytes(make_sto
     moved = {}
     for placement in (True, False):
         ref, model, data = _tiny_pair()
-        # Two thirds of the fp32 AdamW state; stepping after backward, the gradients kept till the step share it
-        # (4 bytes a parameter, see [Note: Transient keys]): the whole state.
-        store = make_store(host_budget_bytes=num_params(ref) * (8 if in_backward else 12 + 4))
+        # The fp32 AdamW state (12 bytes a parameter), of which the room takes a share: stepping in backward, the
+        # parameters waiting for their updates among it (a quarter of the budget, the default backlog: see
+        # [Note: Updates behind backward]); stepping after backward, the gradients kept till the step share the
+        # budget too (4 bytes a parameter, see [Note: Transient keys]).
+        store = make_store(host_budget_bytes=num_params(ref) * (12 if in_backward else 12 + 4))
         ref_losses, _ = train_resident(ref, data, 5)
         off = offload_model(model, store, prefetch_depth=0, placement=placement)
         opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=in_backward)
@@ -46,15 +48,44 @@ def test_a_placement_keeps_training_bit_identical_and_moves_fewer_bytes(make_sto
             assert plan is not None and plan.resident and store.kept("host") == plan.resident
             assert plan.resident_bytes <= store.config.host_budget_bytes - plan.room_bytes
             assert plan.lower_bound_bytes <= plan.bytes_per_step
-            # The prediction is a model of the eviction, not the eviction itself: near, not equal.
-            assert 0.75 * plan.bytes_per_step <= moved[True] <= 1.25 * plan.bytes_per_step
+            # The prediction is a model of the eviction, not the eviction itself: near, not equal. Stepping in
+            # backward it counts a room for every parameter the worker may leave waiting, which the eviction,
+            # knowing the worker's queue, needs less of (measured here: 0.72-0.74 of the prediction).
+            low = 0.65 if in_backward else 0.75
+            assert low * plan.bytes_per_step <= moved[True] <= 1.25 * plan.bytes_per_step
             assert off.placement_verdict.startswith("placement kept: a step moved")
             off.remove()
             assert store.kept("host") == frozenset()
         else:
             assert off.placement is None
-    # measured here (means of 3 steps): 0.77-0.84 in backward, 0.57-0.60 after it
+    # measured here (means of 3 steps): 0.75-0.77 in backward, 0.57-0.60 after it
     assert moved[True] < 0.9 * moved[False], moved
+
+
+def test_the_room_holds_the_parameters_waiting_for_updates_behind_backward(make_store, monkeypatch):
+    """Stepping in backward, the room counts as many bytes as the gradients the worker may hold queued (see
+    [Note: Updates behind backward]): the backlog's bound, or what the last backward queued if more (it passes a
+    bound of one byte by a gradient); nothing once the optimizer is closed, nor for one stepping after backward."""
+    behind: list[int] = []
+    monkeypatch.setattr("tierstore.integrations._placing.room_bytes", lambda host, **kw: behind.append(
+        kw["behind_bytes"]) or host // 2)
+
+    def room_counts(steps: int = 0, **kw) -> tuple[int, int]:
+        """The backlog the room counts after ``steps`` steps, and once the optimizer is closed."""
+        ref, model, data = _tiny_pair()
+        off = offload_model(model, make_store(host_budget_bytes=num_params(ref) * 12), prefetch_depth=0)
+        opt = OffloadedAdamW(off, lr=1e-3, **kw)
+        _train(model, data, steps, opt)
+        off.placer.room()
+        opt.close()
+        off.placer.room()
+        return behind[-2], behind[-1]
+
+    assert room_counts(step_in_backward=False) == (0, 0)
+    assert room_counts(step_in_backward=True, max_grad_backlog_bytes="64KiB") == (64 * 1024, 0)
+    largest = max(p.numel() * p.element_size() for p in _tiny_pair()[0].parameters())
+    queued, closed = room_counts(2, step_in_backward=True, max_grad_backlog_bytes=1)
+    assert largest <= queued < 2 * largest and closed == 0
 
 
 def test_the_trace_knows_where_its_backward_starts(make_store):

@@ -147,6 +147,9 @@ class LaterUses:
     """Each returns the keys waiting for a consumer, with their position in its queue."""
     in_backward: bool = True
     """Whether the optimizer steps each parameter in backward, right after its last use (else after it)."""
+    behind: list[Callable[[], int]] = field(default_factory=list)
+    """Each returns the bytes of gradients an optimizer stepping in backward may hold queued: the copies of their
+    parameters wait in the host tier for those updates."""
 
     def queued(self) -> dict[str, int]:
         out: dict[str, int] = {}
