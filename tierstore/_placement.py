@@ -300,9 +300,8 @@ def room_bytes(budget_bytes: int, *, largest_unit_bytes: int, largest_update_byt
     """Bytes of the budget to leave for copies in flight: ``units_in_flight`` of the largest unit (one
     computing, the rest read ahead or just used: 2, or a prefetch depth the user fixed plus two), two of the largest
     optimizer update (one stepping, one read ahead) and ``behind_bytes`` of parameters waiting for updates that
-    run behind backward (see [Note: Updates behind backward] in integrations/_placing.py), or ROOM_SHARE of the budget if more; never more
-    than the budget.
-    """
+    run behind backward (see [Note: Updates behind backward]), or ROOM_SHARE of the budget if more; never more
+    than the budget."""
     need = units_in_flight * largest_unit_bytes + 2 * largest_update_bytes + behind_bytes
     return min(budget_bytes, max(need, int(budget_bytes * ROOM_SHARE)))
 
