@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from tierstore import Tier, TierStore
+from tierstore._config import default_grad_backlog_bytes
 
 from . import _adamw
 from ._adamw import HYPER, check_hyper
@@ -103,7 +104,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.store: TierStore = offloaded.store
         host = self.store.config.host_budget_bytes
         # Gradients waiting for their update are memory no tier budgets (see [Note: Stepping in backward]).
-        self.max_grad_backlog_bytes = positive_bytes(max_grad_backlog_bytes, max(1, host // 4),
+        self.max_grad_backlog_bytes = positive_bytes(max_grad_backlog_bytes, default_grad_backlog_bytes(host),
                                                      "max_grad_backlog_bytes")
         # Reads in flight keep the drive busy (measured: half the host tier beat a quarter and 16 parameters
         # by 5-9% a step on ViT-large); the other half is left to the parameters. Under a placement, what it

@@ -201,7 +201,7 @@ def _child(args: argparse.Namespace) -> dict:
     peak = peak_rss_bytes() - baseline
     activations = 2 * args.layers * args.batch_size * args.width * 4 * 2  # outputs and GELU inputs, with grads
     in_flight = 4 * (args.width * args.width + args.width)  # the gradient autograd makes before the store sees it
-    backlog = host // 4 if args.mode == "in-backward" else 0  # OffloadedAdamW's default max_grad_backlog_bytes
+    backlog = opt.max_grad_backlog_bytes if args.mode == "in-backward" else 0
     allowed = host + MIB + activations + backlog + in_flight + OVERHEAD_BYTES
     return {"mode": args.mode, "params": params, "baseline_rss_bytes": baseline, "peak_rss_bytes": peak_rss_bytes(), "state_bytes": state, "peak_rss_after_build": built_peak, "host_budget_bytes": host, "peak_rss_above_baseline": peak,
             "allowed_bytes": allowed, "ratio": peak / allowed, "weights_bytes": params * 4, "losses": losses,

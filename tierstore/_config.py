@@ -319,6 +319,11 @@ def from_deepspeed(ds: Mapping[str, Any]) -> tuple[StoreConfig, list[str]]:
     return from_dict(ours), ignored
 
 
+def default_grad_backlog_bytes(host_budget_bytes: int) -> int:
+    """OffloadedAdamW's default ``max_grad_backlog_bytes``: a quarter of the host budget (at least a byte)."""
+    return max(1, host_budget_bytes // 4)
+
+
 def user_cache_path(name: str) -> str:
     """``name`` in the user's cache directory: $XDG_CACHE_HOME, else ~/.cache (not created)."""
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), name)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierstore import Tier
+from tierstore._config import default_grad_backlog_bytes
 from tierstore._placement import layered_trace, plan_placement, room_bytes
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -219,10 +220,10 @@ def _placement(cfg: PlanConfig, per_rank: dict[str, float],
     trace = layered_trace(cfg.layers, weight_bytes=per_layer["weights"], state_bytes=state)
     host = cfg.host_budget_bytes
     # Stepping in backward, the room also holds the parameters waiting for their updates: as many bytes as
-    # OffloadedAdamW's default gradient backlog, a quarter of the host budget (see [Note: Updates behind backward]).
+    # OffloadedAdamW's default gradient backlog (see [Note: Updates behind backward]).
     room = room_bytes(host, largest_unit_bytes=per_layer["weights"],
                       largest_update_bytes=per_layer["weights"] + sum(state.values()),
-                      behind_bytes=host // 4 if cfg.step_in_backward else 0)
+                      behind_bytes=default_grad_backlog_bytes(host) if cfg.step_in_backward else 0)
     p = plan_placement(trace, budget_bytes=host, room_bytes=room)
     return {"layers": cfg.layers, "host_budget_bytes": host, "room_bytes": p.room_bytes,
             "resident_by_kind": p.resident_by_kind, "moved_by_kind": p.moved_by_kind,
