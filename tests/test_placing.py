@@ -13,6 +13,12 @@ from tierstore.testing import SlowSyscalls
 from tierstore.tools.vit import num_params
 
 
+# Host budget, in bytes a parameter of the tiny ViT, in which a placement stepping in backward has something to
+# keep: the fp32 AdamW state (12), of which the room takes the parameters waiting behind backward for their updates
+# (a quarter of the budget, the default backlog: see [Note: Updates behind backward]).
+IN_BACKWARD_BUDGET = 12
+
+
 def _bytes_of_one_more_step(model, data, store, opt, steps: int = 1) -> int:
     """Drive bytes a step moves (the mean of ``steps`` steps)."""
     before = store.stats_dict()
@@ -31,11 +37,9 @@ def test_a_placement_keeps_training_bit_identical_and_moves_fewer_bytes(make_sto
     moved = {}
     for placement in (True, False):
         ref, model, data = _tiny_pair()
-        # The fp32 AdamW state (12 bytes a parameter), of which the room takes a share: stepping in backward, the
-        # parameters waiting for their updates among it (a quarter of the budget, the default backlog: see
-        # [Note: Updates behind backward]); stepping after backward, the gradients kept till the step share the
-        # budget too (4 bytes a parameter, see [Note: Transient keys]).
-        store = make_store(host_budget_bytes=num_params(ref) * (12 if in_backward else 12 + 4))
+        # Stepping after backward, the gradients kept till the step share the budget with the fp32 state (4 bytes a
+        # parameter, see [Note: Transient keys]).
+        store = make_store(host_budget_bytes=num_params(ref) * (IN_BACKWARD_BUDGET if in_backward else 12 + 4))
         ref_losses, _ = train_resident(ref, data, 5)
         off = offload_model(model, store, prefetch_depth=0, placement=placement)
         opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=in_backward)
@@ -92,7 +96,7 @@ def test_the_trace_knows_where_its_backward_starts(make_store):
     """The placement's prediction splits the step at its first backward use (see [Note: The predicted step]); an
     evaluation forward has none."""
     ref, model, data = _tiny_pair()
-    store = make_store(host_budget_bytes=num_params(ref) * 8)
+    store = make_store(host_budget_bytes=num_params(ref) * IN_BACKWARD_BUDGET)
     _, off, opt = train_offloaded(model, data, 5, store, step_in_backward=True)
     trace, forward = off.policy.trace, off.policy.forward_uses
     units = [name for name in off.units() if name]
@@ -253,7 +257,7 @@ def test_a_dropped_placement_is_tried_again_later_and_kept_when_a_trial_passes(m
 
 def test_an_evaluation_forward_between_steps_keeps_the_placement(make_store):
     ref, model, data = _tiny_pair()
-    store = make_store(host_budget_bytes=num_params(ref) * 8)
+    store = make_store(host_budget_bytes=num_params(ref) * IN_BACKWARD_BUDGET)
     ref_losses, ref_opt = train_resident(ref, data, 6)
     losses, off, opt = train_offloaded(model, data, 6, store, step_in_backward=True)
     assert losses == ref_losses
@@ -348,7 +352,7 @@ def test_an_evaluation_forward_after_every_step_does_not_keep_the_placement_from
     from tierstore.integrations import OffloadedAdamW
 
     ref, model, data = _tiny_pair()
-    store = make_store(host_budget_bytes=num_params(ref) * 8)
+    store = make_store(host_budget_bytes=num_params(ref) * IN_BACKWARD_BUDGET)
     off = offload_model(model, store)
     opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=True)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
