@@ -11,6 +11,7 @@ forward under ``no_grad``.
 from __future__ import annotations
 
 import copy
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -133,6 +134,69 @@ def _assert_same_state(model: torch.nn.Module, ref: torch.nn.Module, opt: Offloa
         for moment in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(ours[name][moment], st[moment]), f"{name} {moment} differs {when}"
 
+
+
+def check_compressed_streamed_as_in_memory(case: Case, nvme_path: str, *, moments: str, master: str,
+                                           dtype: torch.dtype = torch.float32, steps: int = 3,
+                                           step_in_backward: bool = False, micro_batches: int = 1,
+                                           clip: float | None = None) -> dict[str, Any]:
+    """Compressed optimizer state (``moments``, ``master``) has no torch reference to train against: train the
+    model twice with the same layout, once streamed from the drive (a third of its state as host budget) and
+    once with every tensor at home in the host tier (no drive), and assert every figure equal after every step:
+    losses, parameters, buffers and the stored state. Returns what the streamed run saw."""
+    runs = []
+    for streamed in (False, True):
+        model = _seeded(case.build, 0).to(dtype)
+        model.train()
+        if streamed:
+            largest = max(p.numel() * 4 for p in model.parameters())
+            budget = max(int(state_bytes(model) * case.host_budget_fraction), 5 * largest, 64 * 1024)
+            store = ts.TierStore(nvme_path=nvme_path, host_budget_bytes=budget, device_budget_bytes="1MiB",
+                                 file_size_bytes="4MiB", block_size_bytes="64KiB", param_tier="nvme",
+                                 optimizer_tier="nvme")
+        else:
+            store = ts.TierStore(host_budget_bytes=8 * state_bytes(model) + (64 << 20), param_tier="host",
+                                 optimizer_tier="host", grad_tier="host")
+        off = offload_model(model, store)
+        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=step_in_backward, moments=moments,
+                             master=master)
+        runs.append((model, off, opt, store))
+    try:
+        for step in range(steps):
+            seen = []
+            for model, off, opt, _ in runs:
+                losses = []
+                for micro in range(micro_batches):
+                    torch.manual_seed(100 + step * micro_batches + micro)
+                    loss = case.loss(model, case.batch(step * micro_batches + micro))
+                    loss.backward()
+                    losses.append(loss.item())
+                norm = off.clip_grad_norm_(clip) if clip is not None else None
+                opt.step()
+                opt.zero_grad()
+                seen.append((losses, norm))
+            assert seen[0] == seen[1], f"step {step}: losses and norms {seen[1]} streamed, {seen[0]} in memory"
+            assert all(math.isfinite(x) for x in seen[0][0]), f"step {step}: losses {seen[0][0]}"
+            (ref, _, ref_opt, _), (model, _, opt, _) = runs
+            when = f"after step {step}"
+            ref_sd, sd = ref.state_dict(), model.state_dict()
+            for name, value in ref_sd.items():
+                assert torch.equal(sd[name], value), f"{name} differs {when}"
+            ref_state, state = ref_opt.state_dict()["state"], opt.state_dict()["state"]
+            assert list(state) == list(ref_state), when
+            for name, entry in ref_state.items():
+                for key, value in entry.items():
+                    other = state[name][key]
+                    same = torch.equal(other, value) if isinstance(value, torch.Tensor) else other == value
+                    assert same, f"{name} {key} differs {when}"
+        stats = runs[1][3].stats_dict()
+        assert stats["bytes_read_nvme"] > 0, "nothing was read from the drive: the test would prove nothing"
+        assert runs[0][3].stats_dict()["bytes_read_nvme"] == 0
+        return {"stats": stats}
+    finally:
+        for _, _, opt, store in runs:
+            opt.close()
+            store.close()
 
 # ---- the models -----------------------------------------------------------------------------
 VOCAB = 96

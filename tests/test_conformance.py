@@ -249,3 +249,30 @@ def test_transformers_trainer_trains_the_offloaded_model_as_the_resident_one(mak
         steps=6, resume=True)
     assert len(got[1]) == 6 and got[1] == ref[1]  # the 2 logged up to the checkpoint, then 4 more
     assert all(torch.equal(got[0][k], v) for k, v in ref[0].items())
+
+
+@pytest.mark.parametrize("name,dtype,moments,master,in_backward", [
+    ("llama-tied", torch.bfloat16, "8bit", "split", False),
+    ("gpt2", torch.bfloat16, "8bit", "none", True),
+    ("t5", torch.bfloat16, "bf16", "split", True),
+    ("mixtral", torch.bfloat16, "8bit", "split", False),
+    ("hf-vit", torch.float32, "8bit", "fp32", True),
+    ("torch-recurrent", torch.float32, "bf16", "fp32", False),
+])
+def test_compressed_state_trains_the_same_streamed_from_the_drive_as_in_memory(name, dtype, moments, master,
+                                                                               in_backward, nvme_dir):
+    """Each compressed layout, on models tierstore did not write, stepping after backward and in it: streamed
+    from the drive under a third of the state, the same bits as with every tensor in memory."""
+    from conformance import check_compressed_streamed_as_in_memory
+
+    check_compressed_streamed_as_in_memory(CASES[name], nvme_dir, moments=moments, master=master, dtype=dtype,
+                                           step_in_backward=in_backward)
+
+
+@pytest.mark.parametrize("name", ["llama-untied", "bert"])
+def test_compressed_state_with_accumulation_and_clipping(name, nvme_dir):
+    """Trainer's loop (two micro-batches, clipping by the global norm) with 8-bit moments and split masters."""
+    from conformance import check_compressed_streamed_as_in_memory
+
+    check_compressed_streamed_as_in_memory(CASES[name], nvme_dir, moments="8bit", master="split",
+                                           dtype=torch.bfloat16, micro_batches=2, clip=0.5)

@@ -1,6 +1,7 @@
 """Compressed optimizer state (see [Note: Compressed optimizer state]): each layout's update against a plain
 reference to the last bit, the bytes the store keeps, checkpoints and state dicts, training against fp32."""
 
+import contextlib
 import copy
 import itertools
 import os
@@ -572,3 +573,52 @@ def test_two_processes_building_the_kernel_at_once_both_load_it(tmp_path):
     assert outs[0][0] == outs[1][0]
     built = list((tmp_path / "tierstore-kernels").iterdir())
     assert len(built) == 1 and built[0].suffix == ".so"  # no temporary build left behind
+
+
+@pytest.mark.parametrize("moments,master", [("8bit", "split"), ("bf16", "none")])
+def test_a_compressed_step_stopped_by_an_io_error_finishes_as_an_unbroken_run(make_store, moments, master):
+    """An I/O error in step() (a read of a compressed state tensor, or a write behind it), wherever it lands:
+    step() called again finishes the step, updating only the parameters not yet updated, and the next step ends
+    with the same bits (weights and stored state) as a run without the fault."""
+    from _training import _tiny_pair
+
+    from tierstore import TierIOError
+    from tierstore.testing import FaultySyscalls
+
+    def run(fail_after=None):
+        _, model, data = _tiny_pair()
+        model = model.to(torch.bfloat16)
+        sysc = FaultySyscalls(None)
+        store = make_store(host_budget_bytes="256KiB", device_budget_bytes="1MiB", syscalls=sysc)
+        opt = OffloadedAdamW(offload_model(model, store), lr=1e-3, moments=moments, master=master)
+        part_way = False
+        for step in range(4):
+            x, y = data.batch(step, 8)
+            F.cross_entropy(model(x.to(torch.bfloat16)).float(), y).backward()
+            if step == 2 and fail_after is not None:
+                opt.wait()  # the last step's writes behind are done: the fault lands in this step's I/O
+                sysc.fail_at = sysc.calls + fail_after
+            try:
+                opt.step()
+            except TierIOError:
+                part_way = part_way or opt._unfinished is not None
+                opt.step()
+            with contextlib.suppress(TierIOError):  # a write behind the step failed: its data stayed in memory
+                opt.wait()
+            opt.zero_grad()
+        assert sysc.failed == (fail_after is not None)
+        result = ({k: v.clone() for k, v in model.state_dict().items()},
+                  {n: {w: t.clone() for w, t in e.items() if torch.is_tensor(t)}
+                   for n, e in opt.state_dict()["state"].items()})
+        opt.close()
+        store.close()
+        return result, part_way
+
+    (weights, state), _ = run()
+    part_ways = 0
+    for k in range(1, 40, 6):  # where a fault lands varies with timing: most of these land part-way
+        (w, s), part_way = run(k)
+        part_ways += part_way
+        assert all(torch.equal(w[name], weights[name]) for name in weights), k
+        assert all(torch.equal(t, state[n][key]) for n, e in s.items() for key, t in e.items()), k
+    assert part_ways >= 2  # faults landed part-way through the step, not only before its first update
