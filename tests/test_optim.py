@@ -634,6 +634,8 @@ def test_a_step_stopped_by_an_io_error_finishes_when_called_again(make_store, nv
         _assert_same_parameters(model, ref)
         off.remove()
         store.close()
+        if part_ways >= 3 and k >= 11:  # faults before the first update tried too
+            break
     assert part_ways >= 3  # faults landed part-way through the step, not only before the first update
 
 

@@ -616,9 +616,11 @@ def test_a_compressed_step_stopped_by_an_io_error_finishes_as_an_unbroken_run(ma
 
     (weights, state), _ = run()
     part_ways = 0
-    for k in range(1, 40, 6):  # where a fault lands varies with timing: most of these land part-way
+    for tried, k in enumerate(range(1, 40, 3), 1):  # where a fault lands varies with timing
         (w, s), part_way = run(k)
         part_ways += part_way
         assert all(torch.equal(w[name], weights[name]) for name in weights), k
         assert all(torch.equal(t, state[n][key]) for n, e in s.items() for key, t in e.items()), k
+        if part_ways >= 2 and tried >= 4:
+            break
     assert part_ways >= 2  # faults landed part-way through the step, not only before its first update
