@@ -104,9 +104,14 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
         + (" computed in fp32" if compute == "fp32" and half else "")
         + f"; {on_drive / MIB:.0f} MiB of {what} and {moments} AdamW moments on NVMe under {nvme_path!r}, built on "
         f"the meta device")
+    if moments == "fp32" and (master == "fp32" or not half):
+        update = "torch's fused kernel"
+    else:  # the compressed state's own update; tensors too small to compress keep torch's fused kernel
+        from tierstore.integrations import _native
+
+        update = "the compressed update's " + ("native kernel" if _native.kernel() is not None else "torch operations")
     log(f"data: synthetic {cfg.image_size}x{cfg.image_size} images ({cfg.num_classes} random templates plus noise, "
-        f"made in-process), batch {batch_size}; AdamW (torch's fused kernel) lr {lr:g} after {warmup} warm-up "
-        f"step(s)")
+        f"made in-process), batch {batch_size}; AdamW ({update}) lr {lr:g} after {warmup} warm-up step(s)")
     budgets = f"host {host / MIB:.1f} MiB" + (f", device {device / MIB:.1f} MiB" if cuda else
                                               " (no CUDA: modules compute in the host tier)")
     log(f"budgets: {budgets}; prefetch depth {prefetch_depth}" + (" (chosen each step: the 'depth' column)"
