@@ -135,7 +135,6 @@ def _assert_same_state(model: torch.nn.Module, ref: torch.nn.Module, opt: Offloa
             assert torch.equal(ours[name][moment], st[moment]), f"{name} {moment} differs {when}"
 
 
-
 def check_compressed_streamed_as_in_memory(case: Case, nvme_path: str, *, moments: str, master: str,
                                            dtype: torch.dtype = torch.float32, steps: int = 3,
                                            step_in_backward: bool = False, micro_batches: int = 1,
@@ -144,24 +143,25 @@ def check_compressed_streamed_as_in_memory(case: Case, nvme_path: str, *, moment
     model twice with the same layout, once streamed from the drive (a third of its state as host budget) and
     once with every tensor at home in the host tier (no drive), and assert every figure equal after every step:
     losses, parameters, buffers and the stored state. Returns what the streamed run saw."""
-    runs = []
-    for streamed in (False, True):
-        model = _seeded(case.build, 0).to(dtype)
-        model.train()
-        if streamed:
-            largest = max(p.numel() * 4 for p in model.parameters())
-            budget = max(int(state_bytes(model) * case.host_budget_fraction), 5 * largest, 64 * 1024)
-            store = ts.TierStore(nvme_path=nvme_path, host_budget_bytes=budget, device_budget_bytes="1MiB",
-                                 file_size_bytes="4MiB", block_size_bytes="64KiB", param_tier="nvme",
-                                 optimizer_tier="nvme")
-        else:
-            store = ts.TierStore(host_budget_bytes=8 * state_bytes(model) + (64 << 20), param_tier="host",
-                                 optimizer_tier="host", grad_tier="host")
-        off = offload_model(model, store)
-        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=step_in_backward, moments=moments,
-                             master=master)
-        runs.append((model, off, opt, store))
+    runs, stores = [], []
     try:
+        for streamed in (False, True):
+            model = _seeded(case.build, 0).to(dtype)
+            model.train()
+            if streamed:
+                largest = max(p.numel() * 4 for p in model.parameters())
+                budget = max(int(state_bytes(model) * case.host_budget_fraction), 5 * largest, 64 * 1024)
+                store = ts.TierStore(nvme_path=nvme_path, host_budget_bytes=budget, device_budget_bytes="1MiB",
+                                     file_size_bytes="4MiB", block_size_bytes="64KiB", param_tier="nvme",
+                                     optimizer_tier="nvme")
+            else:
+                store = ts.TierStore(host_budget_bytes=8 * state_bytes(model) + (64 << 20), param_tier="host",
+                                     optimizer_tier="host", grad_tier="host")
+            stores.append(store)
+            off = offload_model(model, store)
+            opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=step_in_backward,
+                                 moments=moments, master=master)
+            runs.append((model, off, opt, store))
         for step in range(steps):
             seen = []
             for model, off, opt, _ in runs:
@@ -194,9 +194,11 @@ def check_compressed_streamed_as_in_memory(case: Case, nvme_path: str, *, moment
         assert runs[0][3].stats_dict()["bytes_read_nvme"] == 0
         return {"stats": stats}
     finally:
-        for _, _, opt, store in runs:
+        for _, _, opt, _ in runs:
             opt.close()
+        for store in stores:
             store.close()
+
 
 # ---- the models -----------------------------------------------------------------------------
 VOCAB = 96
