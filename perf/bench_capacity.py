@@ -19,7 +19,7 @@ gradients live in the store under the host budget (see [Note: Gradients in the t
 alone would add the model's fp32 weights to the peak.
 
 With ``--preset`` the model is a Llama of transformers (``LlamaConfig``, built on meta, bf16 weights computed in
-fp32: see tierstore/tools/upcast.py) trained on one repeated batch of token ids, with the optimizer state layout
+bf16 or in fp32, whichever multiplies faster on this CPU, measured (``--compute``: see tierstore/tools/upcast.py)) trained on one repeated batch of token ids, with the optimizer state layout
 ``--moments``/``--master`` (8-bit moments and split masters by default; see [Note: Compressed optimizer state]):
 
     python perf/bench_capacity.py --preset llama-7b --steps 3 --nvme-path DIR --json OUT
@@ -81,9 +81,10 @@ def _llama_child(args: argparse.Namespace) -> dict:
     from tierstore.integrations import OffloadedAdamW, offload_model
     from tierstore.tools.bench_drive import measure_drive
     from tierstore.tools.rss import peak_rss_bytes, reset_peak_rss, rss_bytes
-    from tierstore.tools.upcast import compute_in_fp32
+    from tierstore.tools.upcast import compute_in_fp32, resolve_compute
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    compute, product_s = resolve_compute(args.compute, torch.bfloat16)
     (hidden, layers, heads, inter, vocab), default_host = LLAMA[args.preset]
     host = ts.parse_bytes(args.host_budget or default_host, name="--host-budget")
     baseline = rss_bytes()
@@ -99,7 +100,8 @@ def _llama_child(args: argparse.Namespace) -> dict:
         torch.manual_seed(0)
         with torch.device("meta"):
             model = LlamaForCausalLM(config).to(torch.bfloat16)
-        compute_in_fp32(model)
+        if compute == "fp32":
+            compute_in_fp32(model)
         off = offload_model(model, store, units=[LlamaDecoderLayer], init_fn=model._init_weights)
         params = sum(p.numel() for p in model.parameters())
         opt = OffloadedAdamW(off, lr=args.lr, step_in_backward=args.mode == "in-backward", moments=args.moments,
@@ -122,6 +124,7 @@ def _llama_child(args: argparse.Namespace) -> dict:
     share = moved[-1]["bytes_read_nvme"] / max(1, moved[-1]["bytes_read_nvme"] + moved[-1]["bytes_written_nvme"])
     drive = measure_drive(args.nvme_path, size_mib=args.drive_mib, read_fraction=round(share, 2))
     return {"preset": args.preset, "mode": args.mode, "moments": args.moments, "master": args.master,
+            "compute": "fp32" if compute == "fp32" else "bf16", "product_seconds": product_s,
             "params": params, "host_budget_bytes": host, "drive_bytes": drive_bytes, "peak_rss_bytes": peak,
             "peak_rss_above_baseline": peak - baseline, "build_s": built_s, "step_seconds": steps_s,
             "losses": losses, "bytes_moved": moved, "drive_mixed_gbps": drive["mixed_gbps"],
@@ -134,7 +137,9 @@ def _print_llama(results: list[dict]) -> None:
         step = r["step_seconds"][-1]
         total = last["bytes_read_nvme"] + last["bytes_written_nvme"]
         rate = total / step / 1e9
-        print(f"{r['preset']} ({r['params'] / 1e9:.2f}B parameters, bf16 weights computed in fp32), mode "
+        chose = "" if r["product_seconds"] is None else " (the faster here: a layer's products took " + ", ".join(
+            f"{r['product_seconds'][k] * 1e3:.1f} ms in {d}" for k, d in (("param", "bf16"), ("fp32", "fp32"))) + ")"
+        print(f"{r['preset']} ({r['params'] / 1e9:.2f}B parameters, bf16 weights computed in {r['compute']}{chose}), mode "
               f"{r['mode']}, moments={r['moments']}, master={r['master']}, host budget "
               f"{r['host_budget_bytes'] / MIB:.0f} MiB")
         print(f"  drive: {r['drive_bytes'] / 1e9:.1f} GB at most = {r['drive_bytes'] / r['params']:.2f} B/param; "
@@ -234,6 +239,9 @@ def main(argv: list[str] | None = None) -> dict:
                                                    "--preset, else fp32)")
     p.add_argument("--master", default=None, help="masters of bf16 weights: fp32, split, none (default: split "
                                                   "with --preset)")
+    p.add_argument("--compute", default="auto", choices=("auto", "param", "fp32"),
+                   help="--preset: compute the bf16 weights in bf16 (param) or in fp32; auto (the default) times "
+                   "both on one small layer and keeps the faster")
     p.add_argument("--tokens", type=int, default=8, help="tokens per sequence (--preset)")
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW's learning rate (--preset; default 1e-5: at 1e-4 "
                    "the 7B model's loss on its repeated batch fell from 11.3 to 1.6 in one step, then rose)")
@@ -277,7 +285,8 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-capacity-", dir=args.nvme_path or "/var/tmp") as d:
         load = ["--load", _write_pretrained(args, d)] if args.pretrained else []
         for mode in modes:
-            preset = ["--preset", args.preset, "--moments", args.moments, "--master", args.master, "--tokens",
+            preset = ["--preset", args.preset, "--moments", args.moments, "--master", args.master, "--compute",
+                      args.compute, "--tokens",
                       str(args.tokens), "--drive-mib", str(args.drive_mib), "--lr", str(args.lr)] if args.preset else []
             cmd = [sys.executable, os.path.abspath(__file__), "--child", *preset, "--mode", mode, "--layers",
                    str(args.layers),

@@ -57,6 +57,20 @@ def test_demo_loss_falls_at_its_default_learning_rate(tmp_path, preset):
     assert res["lr"] == PRESET_LR[preset] and losses[-1] < 0.8 * losses[0], losses
 
 
+def test_demo_bf16_with_compressed_state_names_the_compute_it_chose(tmp_path, capsys):
+    out = tmp_path / "demo.json"
+    assert _cli.main(["demo", "--preset", "tiny", "--steps", "4", "--batch-size", "16", "--dtype", "bf16",
+                      "--moments", "8bit", "--master", "split", "--nvme-path", str(tmp_path), "--host-budget",
+                      "640KiB", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    times = res["product_seconds"]  # --compute auto: both timed, the faster kept
+    assert res["compute"] == ("bf16" if times["param"] <= times["fp32"] else "fp32")
+    assert f"bf16 computed in {res['compute']} (the faster here" in capsys.readouterr().out
+    assert all(s["loss"] == s["loss"] and s["read_bytes"] > 0 for s in res["steps"])
+    with pytest.raises(SystemExit):  # argparse: "invalid choice", with the choices
+        _cli.main(["demo", "--preset", "tiny", "--compute", "fp16", "--nvme-path", str(tmp_path)])
+
+
 def test_demo_defaults_to_a_swap_path_outside_the_current_directory(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("TIERSTORE_NVME_PATH", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

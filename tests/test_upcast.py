@@ -156,3 +156,20 @@ def test_products_stay_fp32_whatever_the_default_dtype(monkeypatch):
     torch.testing.assert_close(out, x @ lin.weight.float().t() + lin.bias.float(), rtol=1e-6, atol=1e-6)
     assert lin.weight.grad.dtype == emb.weight.grad.dtype == torch.bfloat16
     assert emb.weight.grad[2].eq(2).all() and emb.weight.grad[0].eq(0).all()
+
+
+def test_auto_compute_keeps_the_faster_of_the_two_products_as_measured(monkeypatch):
+    measured = upcast.product_seconds(torch.bfloat16, rows=4, width=64, repeats=1)
+    assert set(measured) == {"param", "fp32"} and all(v > 0 for v in measured.values())
+    for times, want in (({"param": 1.0, "fp32": 2.0}, "param"), ({"param": 3.0, "fp32": 2.0}, "fp32")):
+        monkeypatch.setattr(upcast, "_measured", {})
+        calls = []
+        monkeypatch.setattr(upcast, "product_seconds", lambda dtype, t=times: calls.append(dtype) or t)
+        assert upcast.resolve_compute("auto", torch.bfloat16) == (want, times)
+        assert upcast.resolve_compute("auto", torch.bfloat16) == (want, times) and calls == [torch.bfloat16]
+    # fp32 weights compute in fp32, a GPU in the weights' dtype, an explicit choice as given: nothing measured
+    assert upcast.resolve_compute("auto", torch.float32) == ("param", None)
+    assert upcast.resolve_compute("auto", torch.float16, on_cpu=False) == ("param", None)
+    assert upcast.resolve_compute("fp32", torch.bfloat16) == ("fp32", None) and calls == [torch.bfloat16]
+    with pytest.raises(ValueError, match="choose auto"):
+        upcast.resolve_compute("fp16", torch.bfloat16)

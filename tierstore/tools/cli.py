@@ -94,9 +94,10 @@ def main(argv: list[str] | None = None) -> int:
                       "(default fp32)")
     demo.add_argument("--master", default="fp32", help="masters of bf16 weights: fp32, split (exact, 2 bytes) or "
                       "none (stochastic rounding) (default fp32)")
-    demo.add_argument("--compute", default="param", choices=("param", "fp32"),
-                      help="compute in the weights' dtype (param, the default) or in fp32 (bf16 weights cast up in "
-                      "each Linear and LayerNorm: for CPUs whose bf16 matrix product is slow)")
+    demo.add_argument("--compute", default="auto", choices=("auto", "param", "fp32"),
+                      help="compute bf16 weights in their own dtype (param) or in fp32 (cast up in each Linear and "
+                      "LayerNorm: for CPUs whose bf16 matrix product is slow); auto, the default, times both on one "
+                      "small layer and keeps the faster")
     demo.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
     demo.add_argument("--batch-size", type=int, default=32, help="images per step (default 32)")
     demo.add_argument("--nvme-path", "--path", dest="nvme_path", default=None, help=_NVME_PATH_HELP)

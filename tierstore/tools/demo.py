@@ -61,7 +61,7 @@ def measure_step(model, store: TierStore, opt, data: SyntheticImages, batch_size
 def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefetch_depth: int | str,
              host_budget_bytes: int | None, device_budget_bytes: int | None, lr: float | None = None,
              step_in_backward: bool = True, dtype: str = "fp32", moments: str = "fp32", master: str = "fp32",
-             compute: str = "param", log=print) -> dict[str, Any]:
+             compute: str = "auto", log=print) -> dict[str, Any]:
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
@@ -74,34 +74,39 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     torch_dtype = DTYPES[dtype]
-    if compute not in ("param", "fp32"):
-        raise ValueError(f"--compute {compute!r}: choose param (the weights' dtype) or fp32")
     from tierstore.integrations._layouts import StateLayout, packed_size
 
+    from .upcast import compute_in_fp32, resolve_compute
+
     layout = StateLayout(moments, master)  # checks the names
+    cuda = torch.cuda.is_available()
+    try:
+        compute, product_s = resolve_compute(compute, torch_dtype, on_cpu=not cuda)
+    except ValueError as e:
+        raise ValueError(f"--{e}") from None
     rss_start = rss_bytes()  # the whole process from here, the model's construction included
     start_resettable = reset_peak_rss()
     cfg = PRESETS[preset]
     with torch.device("meta"):  # no memory: offload_model builds it module by module into the store
         model = ViT(cfg).to(torch_dtype)
-    if compute == "fp32" and torch_dtype != torch.float32:
-        from .upcast import compute_in_fp32
-
+    if compute == "fp32":
         compute_in_fp32(model)
     torch.manual_seed(0)
     n = num_params(model)
     state_bytes, host, device = default_budgets(n, host_budget_bytes, device_budget_bytes)
     config = StoreConfig(nvme_path=nvme_path, host_budget_bytes=host, device_budget_bytes=device,
                          prefetch_depth=prefetch_depth)
-    cuda = torch.cuda.is_available()
     # On the drive: the weights, their masters (bf16 weights: fp32, or the low half when split) and two moments.
     half = torch_dtype != torch.float32
     moment_bytes = {"fp32": 8 * n, "bf16": 4 * n, "8bit": 2 * packed_size(n)}[moments]
     master_bytes = 0 if not half else {"fp32": 4 * n, "split": 2 * n, "none": 0}[master]
     on_drive = n * torch.empty((), dtype=torch_dtype).element_size() + master_bytes + moment_bytes
     what = "weights" + (f", {master} masters" if half and master != "none" else "")
+    chose = "" if product_s is None else (
+        f" (the faster here: a {dtype} layer's products took {product_s['param'] * 1e3:.1f} ms in {dtype}, "
+        f"{product_s['fp32'] * 1e3:.1f} ms in fp32)")
     log(f"tierstore demo: ViT-{preset}, {n / 1e6:.1f}M parameters, {dtype}"
-        + (" computed in fp32" if compute == "fp32" and half else "")
+        + (f" computed in {'fp32' if compute == 'fp32' else dtype}{chose}" if half else "")
         + f"; {on_drive / MIB:.0f} MiB of {what} and {moments} AdamW moments on NVMe under {nvme_path!r}, built on "
         f"the meta device")
     if moments == "fp32" and (master == "fp32" or not half):
@@ -168,6 +173,7 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     return {"preset": preset, "params": n, "steps": rows, "memory": mem, "peak_rss_bytes": peak_rss, "rss_before_steps_bytes": rss_before,
             "hits": stats["hits"], "misses": stats["misses"], "prefetch_depth": prefetch_depth,
             "host_budget_bytes": host, "device_budget_bytes": device, "lr": lr, "dtype": dtype,
+            "compute": "fp32" if compute == "fp32" or not half else dtype, "product_seconds": product_s,
             "construction_peak_rss_bytes": built_peak, "bytes_on_drive": on_drive,
             "placement": None if placement is None else {
                 "resident_bytes": placement.resident_bytes, "bytes_per_step": placement.bytes_per_step,
