@@ -144,36 +144,42 @@ def _layer_norm(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
 
 
 # [Note: Which dtype computes faster] Whether a CPU multiplies bf16 faster than fp32 depends on its instructions,
-# not on the model: with AMX or AVX512-BF16 torch's bf16 product ran 4.7x faster than its fp32 one (a 2-core Xeon,
-# 17 x 2560 by 2560 x 10240: 2.2 against 10.2 ms); with AVX2 alone, hundreds of times slower. So "auto" times one
-# small layer's forward and backward both ways (16 x 1024 by 1024 x 1024: there 0.8-1.0 ms in bf16 against 1.8-1.9
-# through compute_in_fp32), once per process and dtype (0.03 s there; about 1.5 s where bf16 is slow), and keeps the
-# faster. Either way the weights, their gradients and the optimizer's state
-# keep the weights' dtype: only the products' precision differs.
+# not on the model: on a 2-core Xeon with AMX a bf16 Linear's forward and backward ran 2-2.5x faster computed in
+# bf16 than through compute_in_fp32, at every shape tried from 16 x 1024 by 1024 x 1024 to 136 x 2560 by 2560 x
+# 10240 (29 against 72 ms there); with AVX2 alone torch's bf16 product is hundreds of times slower. So "auto" times
+# one small layer's forward and backward both ways (16 x 1024 by 1024 x 2048: 1.0 against 2.0 ms on that Xeon) once
+# per process and dtype, and keeps the faster; a bf16 run 4x slower than the fp32 one ends the timing (where bf16
+# is slow the whole measurement takes about 1.5 s). Either way the weights, their gradients and the optimizer's
+# state keep the weights' dtype: only the products' precision differs.
 _COMPUTE_CHOICES = ("auto", "param", "fp32")
 _measured: dict[torch.dtype, dict[str, float]] = {}
 
 
 def product_seconds(dtype: torch.dtype, *, rows: int = 16, width: int = 1024, repeats: int = 3) -> dict[str, float]:
-    """Seconds of one bias-free ``width`` x ``width`` Linear's forward and backward at ``rows`` rows, its weight in
-    ``dtype``: ``{"param": computed in dtype, "fp32": computed by compute_in_fp32}``, each the best of ``repeats``
-    after one warm-up, on the CPU."""
+    """Seconds of one bias-free Linear's forward and backward (``rows`` x ``width`` by ``width`` x 2 ``width``), its
+    weight in ``dtype``: ``{"fp32": computed by compute_in_fp32, "param": computed in dtype}``, each the best of
+    ``repeats`` after one warm-up, on the CPU; the dtype's timing stops at a run 4x slower than fp32's best."""
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(width, width, generator=gen).to(dtype)
+    weight = torch.randn(2 * width, width, generator=gen).to(dtype)
     x = torch.randn(rows, width, generator=gen)
-    seconds = {}
-    for how in ("param", "fp32"):
-        lin = nn.Linear(width, width, bias=False, dtype=dtype)
+    seconds: dict[str, float] = {}
+    for how in ("fp32", "param"):
+        lin = nn.Linear(width, 2 * width, bias=False, dtype=dtype)
         with torch.no_grad():
             lin.weight.copy_(weight)
         if how == "fp32":
             compute_in_fp32(lin)
         inp = x if how == "fp32" else x.to(dtype)
         best = float("inf")
-        for _ in range(repeats + 1):
+        for i in range(repeats + 1):
+            lin.weight.grad = None  # each run makes its gradient, as a training step does
             t0 = time.perf_counter()
             lin(inp).float().sum().backward()
-            best = min(best, time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            if i:  # the first run is a warm-up
+                best = min(best, took)
+                if how == "param" and took > 4 * seconds["fp32"]:
+                    break
         seconds[how] = best
     return seconds
 
