@@ -495,6 +495,35 @@ def test_kept_copies_survive_prefetches_and_go_last_of_all_for_a_get(make_store)
     assert store.kept("host") == frozenset()
 
 
+def test_a_changed_copy_no_longer_kept_is_written_home_at_once_and_stays_until_evicted(make_store):
+    """Eviction frees clean copies first: a changed copy left behind by a placement would outlast copies read ahead
+    for a near use. So the copies an owner stops keeping are written home when it does (those still kept, or held,
+    are not), and stay in the tier, clean, for eviction to rank with the rest."""
+    mib = 1024**2
+    store = make_store(host_budget_bytes=4 * mib)
+    for i, k in enumerate("abc"):
+        store.put(k, torch.full((mib // 4,), float(i))).wait()
+    for k in "abc":
+        store.get(k, "host").add_(1)
+        store.mark_dirty(k, "host")
+    store.release("a", "host")
+    store.release("b", "host")  # c stays held
+    owner = object()
+    store.keep(owner, ["a", "b", "c"], "host")
+    written = store.stats_dict()["bytes_written_nvme"]
+    store.keep(owner, ["b"], "host")  # a and c are no longer kept; c is held
+    store.writing("a").wait()
+    assert store.info("a")["copies"]["host"]["state"] == "clean"
+    assert store.stats_dict()["bytes_written_nvme"] == written + mib
+    assert store.info("b")["copies"]["host"]["state"] != "clean" and store.info("c")["copies"]["host"]["state"] != "clean"
+    store.release("c", "host")
+    store.keep(owner, [])
+    store.writing("b").wait()
+    assert store.info("b")["copies"]["host"]["state"] == "clean"
+    for i, k in enumerate("abc"):
+        assert torch.equal(store.read(k), torch.full((mib // 4,), float(i + 1)))
+
+
 def test_writing_waits_for_a_write_back_in_flight_without_starting_one(make_store):
     store = make_store()
     store.put("x", torch.zeros(1000)).wait()

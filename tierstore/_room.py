@@ -18,6 +18,13 @@ whole run (a placement: see tierstore/_placement.py). A prefetch never
 evicts them, and never starts their write-back: it skips instead. A get()
 takes them only when nothing else can go, last of all, so that a plan that
 was too hopeful costs bytes, never a failure (counted as kept_evictions).
+Copies an owner stops keeping are written home then, if changed: eviction
+frees clean copies first, so changed ones left behind by a dropped placement
+would outstay the copies read ahead for a near use, which went and were read
+again. Measured on the 1B ViT (bf16, 8-bit moments, split masters, batch 1,
+700 MiB host budget): the step after its placement was dropped moved 14.9
+GiB (its optimizer state read 1.3 times) against 12.7 without the write-backs
+and 12.7 in the steps after.
 """
 
 from __future__ import annotations
@@ -169,12 +176,29 @@ class Room:
         return token
 
     def set_kept(self, owner: object, tier: Tier, keys: frozenset[str]) -> None:
+        before = self.kept_keys(tier)
         if keys:
             self.kept[owner] = (tier, keys)
         else:
             self.kept.pop(owner, None)
         self._kept_in = {t: frozenset().union(*(k for t2, k in self.kept.values() if t2 is t))
                          for t in {t for t, _ in self.kept.values()}}
+        self._write_home_no_longer_kept(tier, before - self.kept_keys(tier))
+
+    def _write_home_no_longer_kept(self, tier: Tier, keys: frozenset[str]) -> None:
+        """Start writing home the changed copies in ``tier`` that were kept and no longer are (see [Note: Kept
+        copies]): eviction frees clean copies first, so left changed they would stay while copies read ahead
+        for a near use went in their place, to be read again."""
+        for key in keys:
+            entry = self.state.entries.get(key)
+            copy = None if entry is None else entry.copies.get(tier)
+            if copy is None or copy.pins or copy.busy or entry.writeback is not None or entry.error is not None:
+                continue
+            if entry.unsaved(copy):
+                try:
+                    self.start_writeback(entry)
+                except TierBudgetError:  # its staging tier is full: eviction writes it home later
+                    continue
 
     def kept_keys(self, tier: Tier) -> frozenset[str]:
         return self._kept_in.get(tier, frozenset())
