@@ -61,11 +61,17 @@ def test_demo_bf16_with_compressed_state_names_the_compute_it_chose(tmp_path, ca
     out = tmp_path / "demo.json"
     assert _cli.main(["demo", "--preset", "tiny", "--steps", "4", "--batch-size", "16", "--dtype", "bf16",
                       "--moments", "8bit", "--master", "split", "--nvme-path", str(tmp_path), "--host-budget",
-                      "640KiB", "--json", str(out)]) == 0
+                      "640KiB", "--measure-drive", "16", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
+    before, after = res["drive_mixed_gbps"]  # the drive measured before and after the steps
+    assert before > 0 and after > 0
+    for s in res["steps"]:
+        assert s["drive_share"] == pytest.approx(s["nvme_gbps"] / max(before, after))
     times = res["product_seconds"]  # --compute auto: both timed, the faster kept
     assert res["compute"] == ("bf16" if times["param"] <= times["fp32"] else "fp32")
-    assert f"bf16 computed in {res['compute']} (the faster here" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"bf16 computed in {res['compute']} (the faster here" in printed
+    assert "the drive's mixed read+write rate (the store moving 16 MiB)" in printed
     assert all(s["loss"] == s["loss"] and s["read_bytes"] > 0 for s in res["steps"])
     with pytest.raises(SystemExit):  # argparse: "invalid choice", with the choices
         _cli.main(["demo", "--preset", "tiny", "--compute", "fp16", "--nvme-path", str(tmp_path)])

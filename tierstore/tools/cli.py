@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--host-budget", help="host tier budget, e.g. 64MiB (default: a third of the state)")
     demo.add_argument("--device-budget", help=_DEVICE_BUDGET_HELP)
     demo.add_argument("--json", metavar="FILE", help="write per-step figures as JSON")
+    demo.add_argument("--measure-drive", type=int, default=0, metavar="MIB",
+                      help="measure the drive's mixed read+write rate with the store before the steps and after "
+                      "(moving MIB MiB each time, 2048 say) and print each step's share of it (default: not)")
     demo.add_argument("--step-after-backward", action="store_true",
                       help="run the optimizer after backward instead of overlapping it with backward")
     plan = cmds.add_parser("plan", help="ZeRO-3 memory per rank and tier, and the bytes each step moves")
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                 preset=args.preset, steps=args.steps, batch_size=args.batch_size, nvme_path=_nvme_path(args),
                 prefetch_depth=args.prefetch_depth, step_in_backward=not args.step_after_backward, lr=args.lr,
                 dtype=args.dtype, moments=args.moments, master=args.master, compute=args.compute,
-                **_budgets(args))
+                measure_drive_mib=args.measure_drive, **_budgets(args))
             _write_json(args.json, result)
             return 0
         if args.cmd == "bench" and args.bench == "step":

@@ -58,10 +58,17 @@ def measure_step(model, store: TierStore, opt, data: SyntheticImages, batch_size
             "written_bytes": written, "nvme_gbps": (read + written) / dt / 1e9}
 
 
+def _drive_mixed_gbps(path: str, mib: int, read_fraction: float) -> float:
+    """The store's mixed read+write GB/s on the drive at ``path``, moving ``mib`` MiB, ``read_fraction`` of it read."""
+    from .bench_drive import measure_drive
+
+    return measure_drive(path, size_mib=mib, read_fraction=read_fraction)["mixed_gbps"]
+
+
 def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefetch_depth: int | str,
              host_budget_bytes: int | None, device_budget_bytes: int | None, lr: float | None = None,
              step_in_backward: bool = True, dtype: str = "fp32", moments: str = "fp32", master: str = "fp32",
-             compute: str = "auto", log=print) -> dict[str, Any]:
+             compute: str = "auto", measure_drive_mib: int = 0, log=print) -> dict[str, Any]:
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
@@ -73,6 +80,8 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     warmup = max(1, steps // 2)
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if measure_drive_mib < 0:
+        raise ValueError(f"--measure-drive {measure_drive_mib}: give the MiB each measurement moves, or 0 for none")
     torch_dtype = DTYPES[dtype]
     from tierstore.integrations._layouts import StateLayout, packed_size
 
@@ -138,6 +147,7 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
         rss_before = rss_bytes()
         if not reset_peak_rss():
             rss_before = 0  # the peak below is then the process's lifetime peak
+        drive_gbps = [_drive_mixed_gbps(nvme_path, measure_drive_mib, 0.55)] if measure_drive_mib else []
         log("drive columns: bytes the step read from and wrote to the drive, and their sum over the step's time")
         header = (f"{'step':>4} {'loss':>8} {'step s':>8} {'stall s':>8} {'read MiB':>9} {'write MiB':>9} "
                   f"{'drive GB/s':>10} {'depth':>5}")
@@ -169,12 +179,23 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
         log(placement.summary())
     if verdict is not None:
         log(verdict)
+    if measure_drive_mib:  # after the store is gone: its swap files and buffers too
+        last = rows[-1]
+        drive_gbps.append(_drive_mixed_gbps(nvme_path, measure_drive_mib, round(
+            last["read_bytes"] / max(1, last["read_bytes"] + last["written_bytes"]), 2)))
+        top = max(drive_gbps)
+        for row in rows:
+            row["drive_share"] = row["nvme_gbps"] / top
+        shares = [row["drive_share"] for row in rows[1:] or rows]
+        log(f"the drive's mixed read+write rate (the store moving {measure_drive_mib} MiB): {drive_gbps[0]:.2f} GB/s "
+            f"before the steps, {drive_gbps[1]:.2f} after; steps " + ("after the first " if len(rows) > 1 else "")
+            + f"ran at {min(shares):.2f}-{max(shares):.2f}x of {top:.2f}")
     log(f"loss: {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}")
     return {"preset": preset, "params": n, "steps": rows, "memory": mem, "peak_rss_bytes": peak_rss, "rss_before_steps_bytes": rss_before,
             "hits": stats["hits"], "misses": stats["misses"], "prefetch_depth": prefetch_depth,
             "host_budget_bytes": host, "device_budget_bytes": device, "lr": lr, "dtype": dtype,
             "compute": "fp32" if compute == "fp32" or not half else dtype, "product_seconds": product_s,
-            "construction_peak_rss_bytes": built_peak, "bytes_on_drive": on_drive,
+            "construction_peak_rss_bytes": built_peak, "drive_mixed_gbps": drive_gbps, "bytes_on_drive": on_drive,
             "placement": None if placement is None else {
                 "resident_bytes": placement.resident_bytes, "bytes_per_step": placement.bytes_per_step,
                 "lower_bound_bytes": placement.lower_bound_bytes}}
