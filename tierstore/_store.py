@@ -470,6 +470,12 @@ class TierStore:
         if state.engine is not None:
             state.engine.close()
         with state.lock:
+            # Every copy's buffer back to its pool, so that each arena is wholly free and goes back to the system
+            # now, not when the store is collected (a tensor still viewing a buffer keeps its memory alive).
+            for entry in state.entries.values():
+                for copy in list(entry.copies.values()):
+                    copy.extent = None  # the swap files went with the engine
+                    state.free_copy(entry, copy)
             state.entries.clear()
             for pool in state.pools.values():
                 pool.clear()
