@@ -93,6 +93,8 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
         compute, product_s = resolve_compute(compute, torch_dtype, on_cpu=not cuda)
     except ValueError as e:
         raise ValueError(f"--{e}") from None
+    # Before the model exists, so that the measurement's own memory is not in the figures of RSS.
+    drive_gbps = [_drive_mixed_gbps(nvme_path, measure_drive_mib, 0.55)] if measure_drive_mib else []
     rss_start = rss_bytes()  # the whole process from here, the model's construction included
     start_resettable = reset_peak_rss()
     cfg = PRESETS[preset]
@@ -147,7 +149,6 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
         rss_before = rss_bytes()
         if not reset_peak_rss():
             rss_before = 0  # the peak below is then the process's lifetime peak
-        drive_gbps = [_drive_mixed_gbps(nvme_path, measure_drive_mib, 0.55)] if measure_drive_mib else []
         log("drive columns: bytes the step read from and wrote to the drive, and their sum over the step's time")
         header = (f"{'step':>4} {'loss':>8} {'step s':>8} {'stall s':>8} {'read MiB':>9} {'write MiB':>9} "
                   f"{'drive GB/s':>10} {'depth':>5}")
