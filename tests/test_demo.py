@@ -63,15 +63,15 @@ def test_demo_bf16_with_compressed_state_names_the_compute_it_chose(tmp_path, ca
                       "--moments", "8bit", "--master", "split", "--nvme-path", str(tmp_path), "--host-budget",
                       "640KiB", "--measure-drive", "16", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
-    before, after = res["drive_mixed_gbps"]  # the drive measured before and after the steps
-    assert before > 0 and after > 0
-    for s in res["steps"]:
-        assert s["drive_share"] == pytest.approx(s["nvme_gbps"] / max(before, after))
+    drive = res["drive_mixed_gbps"]  # the drive measured before the first step and after each
+    assert len(drive) == 5 and all(g > 0 for g in drive)
+    for i, s in enumerate(res["steps"]):
+        assert s["drive_share"] == pytest.approx(s["nvme_gbps"] / ((drive[i] + drive[i + 1]) / 2))
     times = res["product_seconds"]  # --compute auto: both timed, the faster kept
     assert res["compute"] == ("bf16" if times["param"] <= times["fp32"] else "fp32")
     printed = capsys.readouterr().out
     assert f"bf16 computed in {res['compute']} (the faster here" in printed
-    assert "the drive's mixed read+write rate (the store moving 16 MiB)" in printed
+    assert "the drive's mixed read+write rate (the store moving 16 MiB) before the first step and after each" in printed
     assert all(s["loss"] == s["loss"] and s["read_bytes"] > 0 for s in res["steps"])
     with pytest.raises(SystemExit):  # argparse: "invalid choice", with the choices
         _cli.main(["demo", "--preset", "tiny", "--compute", "fp16", "--nvme-path", str(tmp_path)])

@@ -38,8 +38,9 @@ def default_budgets(num_params: int, host_budget_bytes: int | None,
 
 
 def measure_step(model, store: TierStore, opt, data: SyntheticImages, batch_size: int, step: int,
-                 sched=None, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """Run one training step; its loss, wall time, stall time and NVMe bytes read and written."""
+                 sched=None, dtype: torch.dtype = torch.float32, *, write_behind: bool = False) -> dict[str, Any]:
+    """Run one training step; its loss, wall time, stall time and NVMe bytes read and written (with
+    ``write_behind``, its optimizer's write-behind too: the step ends when that is on the drive)."""
     before = store.stats_dict()
     t0 = time.perf_counter()
     x, y = data.batch(step, batch_size)
@@ -49,6 +50,8 @@ def measure_step(model, store: TierStore, opt, data: SyntheticImages, batch_size
     opt.zero_grad()
     if sched is not None:
         sched.step()
+    if write_behind:
+        opt.wait()
     dt = time.perf_counter() - t0
     after = store.stats_dict()
     read = after["bytes_read_nvme"] - before["bytes_read_nvme"]
@@ -63,6 +66,11 @@ def _drive_mixed_gbps(path: str, mib: int, read_fraction: float) -> float:
     from .bench_drive import measure_drive
 
     return measure_drive(path, size_mib=mib, read_fraction=read_fraction)["mixed_gbps"]
+
+
+def _read_fraction(row: dict[str, Any]) -> float:
+    """The share of a step's drive bytes that were reads, to two places: the drive measurement's mix."""
+    return round(row["read_bytes"] / max(1, row["read_bytes"] + row["written_bytes"]), 2)
 
 
 def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefetch_depth: int | str,
@@ -149,20 +157,36 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
         rss_before = rss_bytes()
         if not reset_peak_rss():
             rss_before = 0  # the peak below is then the process's lifetime peak
-        log("drive columns: bytes the step read from and wrote to the drive, and their sum over the step's time")
+        # [Note: The drive beside the steps] The drive's rate changes by tens of percent from one minute to
+        # the next on some machines, so each step is set against the drive measured just before and just after
+        # it (the measurements alternate with the steps, outside their time; each step then ends when its
+        # write-behind is on the drive, so the measurement has the drive to itself): the mean of the two. Each
+        # measurement makes and closes a store of its own; the peak RSS it adds is left out of the figures
+        # (the kernel's peak mark is reset after it), so without that reset it runs only after the last step.
+        between = bool(measure_drive_mib) and rss_before > 0
+        log("drive columns: bytes the step read from and wrote to the drive, and their sum over the step's time"
+            + ("; its share of the drive's mixed rate measured just before and after the step" if between else ""))
         header = (f"{'step':>4} {'loss':>8} {'step s':>8} {'stall s':>8} {'read MiB':>9} {'write MiB':>9} "
-                  f"{'drive GB/s':>10} {'depth':>5}")
+                  f"{'drive GB/s':>10} {'depth':>5}" + (f" {'x drive':>7}" if between else ""))
         log(header)
+        peak_rss = 0
         for step in range(steps):
-            row = measure_step(model, store, opt, data, batch_size, step, sched, torch_dtype)
+            row = measure_step(model, store, opt, data, batch_size, step, sched, torch_dtype, write_behind=between)
             row["prefetch_depth"] = off.stats.prefetch_depth
             rows.append(row)
+            share = ""
+            if between:
+                peak_rss = max(peak_rss, peak_rss_bytes())
+                drive_gbps.append(_drive_mixed_gbps(nvme_path, measure_drive_mib, _read_fraction(row)))
+                reset_peak_rss()
+                row["drive_share"] = row["nvme_gbps"] / (sum(drive_gbps[-2:]) / 2)
+                share = f" {row['drive_share']:>6.2f}x"
             log(f"{step:>4} {row['loss']:>8.4f} {row['step_s']:>8.3f} {row['stall_s']:>8.3f} "
                 f"{row['read_bytes'] / MIB:>9.1f} {row['written_bytes'] / MIB:>9.1f} "
-                f"{row['nvme_gbps']:>10.2f} {row['prefetch_depth']:>5}  {_bar(step + 1, steps)}")
+                f"{row['nvme_gbps']:>10.2f} {row['prefetch_depth']:>5}{share}  {_bar(step + 1, steps)}")
         opt.close()
         placement, verdict = off.placement, off.placement_verdict
-        peak_rss = peak_rss_bytes()
+        peak_rss = max(peak_rss, peak_rss_bytes())
         mem = store.memory()
         stats = store.stats_dict()
     log("peak memory per tier (MiB):  " + "  ".join(
@@ -180,17 +204,17 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
         log(placement.summary())
     if verdict is not None:
         log(verdict)
-    if measure_drive_mib:  # after the store is gone: its swap files and buffers too
-        last = rows[-1]
-        drive_gbps.append(_drive_mixed_gbps(nvme_path, measure_drive_mib, round(
-            last["read_bytes"] / max(1, last["read_bytes"] + last["written_bytes"]), 2)))
-        top = max(drive_gbps)
+    if measure_drive_mib and not between:  # after the store is gone: its swap files and buffers too
+        drive_gbps.append(_drive_mixed_gbps(nvme_path, measure_drive_mib, _read_fraction(rows[-1])))
         for row in rows:
-            row["drive_share"] = row["nvme_gbps"] / top
+            row["drive_share"] = row["nvme_gbps"] / max(drive_gbps)
+    if measure_drive_mib:
         shares = [row["drive_share"] for row in rows[1:] or rows]
-        log(f"the drive's mixed read+write rate (the store moving {measure_drive_mib} MiB): {drive_gbps[0]:.2f} GB/s "
-            f"before the steps, {drive_gbps[1]:.2f} after; steps " + ("after the first " if len(rows) > 1 else "")
-            + f"ran at {min(shares):.2f}-{max(shares):.2f}x of {top:.2f}")
+        log(f"the drive's mixed read+write rate (the store moving {measure_drive_mib} MiB) "
+            + ("before the first step and after each: " if between else "before the steps and after them: ")
+            + ", ".join(f"{g:.2f}" for g in drive_gbps) + " GB/s; steps " + ("after the first " if len(rows) > 1 else "")
+            + f"ran at {min(shares):.2f}-{max(shares):.2f}x of it"
+            + ("" if between else f" (of the faster, {max(drive_gbps):.2f})"))
     log(f"loss: {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}")
     return {"preset": preset, "params": n, "steps": rows, "memory": mem, "peak_rss_bytes": peak_rss, "rss_before_steps_bytes": rss_before,
             "hits": stats["hits"], "misses": stats["misses"], "prefetch_depth": prefetch_depth,
