@@ -109,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--device-budget", help=_DEVICE_BUDGET_HELP)
     demo.add_argument("--json", metavar="FILE", help="write per-step figures as JSON")
     demo.add_argument("--measure-drive", type=int, default=0, metavar="MIB",
-                      help="measure the drive's mixed read+write rate with the store before the steps and after "
-                      "(moving MIB MiB each time, 2048 say) and print each step's share of it (default: not)")
+                      help="measure the drive's mixed read+write rate with the store before the first step and "
+                      "after each (moving MIB MiB each time, 2048 say, outside the steps' time) and print each "
+                      "step's share of the two around it (default: not)")
     demo.add_argument("--step-after-backward", action="store_true",
                       help="run the optimizer after backward instead of overlapping it with backward")
     plan = cmds.add_parser("plan", help="ZeRO-3 memory per rank and tier, and the bytes each step moves")

@@ -148,8 +148,8 @@ def _layer_norm(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
 # bf16 than through compute_in_fp32, at every shape tried from 16 x 1024 by 1024 x 1024 to 136 x 2560 by 2560 x
 # 10240 (29 against 72 ms there); with AVX2 alone torch's bf16 product is hundreds of times slower. So "auto" times
 # one small layer's forward and backward both ways (16 x 1024 by 1024 x 2048: 1.0 against 2.0 ms on that Xeon) once
-# per process and dtype, and keeps the faster; a bf16 run 4x slower than the fp32 one ends the timing (where bf16
-# is slow the whole measurement takes about 1.5 s). Either way the weights, their gradients and the optimizer's
+# per process and dtype, and keeps the faster; a bf16 run 4x slower than the fp32 one ends the timing (at the 0.29
+# GFLOPS measured for bf16 on an AVX2-only EPYC, its two runs come to about 1.4 s). Either way the weights, their gradients and the optimizer's
 # state keep the weights' dtype: only the products' precision differs.
 _COMPUTE_CHOICES = ("auto", "param", "fp32")
 _measured: dict[torch.dtype, dict[str, float]] = {}
