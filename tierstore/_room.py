@@ -192,13 +192,17 @@ class Room:
         for key in keys:
             entry = self.state.entries.get(key)
             copy = None if entry is None else entry.copies.get(tier)
-            if copy is None or copy.pins or copy.busy or entry.writeback is not None or entry.error is not None:
+            if copy is None or copy.pins or copy.busy or not self._to_write_home(entry, copy):
                 continue
-            if entry.unsaved(copy):
-                try:
-                    self.start_writeback(entry)
-                except TierBudgetError:  # its staging tier is full: eviction writes it home later
-                    continue
+            try:
+                self.start_writeback(entry)
+            except TierBudgetError:  # its staging tier is full: eviction writes it home later
+                continue
+
+    @staticmethod
+    def _to_write_home(entry: Entry, copy: Copy) -> bool:
+        """Whether ``copy`` must be written home before it can go, and no write-back of it is running or failed."""
+        return entry.unsaved(copy) and entry.writeback is None and entry.error is None
 
     def kept_keys(self, tier: Tier) -> frozenset[str]:
         return self._kept_in.get(tier, frozenset())
@@ -263,7 +267,7 @@ class Room:
         anywhere (it frees a copy when done); None if the copy turned out to be home already (staging it
         through the host tier lets the lock go, and its write-back may have finished meanwhile)."""
         for entry, copy in self.candidates(tier, kept):
-            if entry.unsaved(copy) and entry.writeback is None and entry.error is None:
+            if self._to_write_home(entry, copy):
                 try:
                     return True if self.start_writeback(entry) is not None else None
                 except TierBudgetError:  # its staging tier is full: another candidate may not need it
