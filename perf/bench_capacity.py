@@ -39,6 +39,8 @@ import subprocess
 import sys
 import tempfile
 
+from tierstore.tools.upcast import COMPUTE_CHOICES, choice_text
+
 MIB = 1024**2
 # Llama shapes: (hidden, layers, heads, intermediate, vocab), the host budget they run under by default
 LLAMA = {
@@ -137,9 +139,9 @@ def _print_llama(results: list[dict]) -> None:
         step = r["step_seconds"][-1]
         total = last["bytes_read_nvme"] + last["bytes_written_nvme"]
         rate = total / step / 1e9
-        chose = "" if r["product_seconds"] is None else " (the faster here: a layer's products took " + ", ".join(
-            f"{r['product_seconds'][k] * 1e3:.1f} ms in {d}" for k, d in (("param", "bf16"), ("fp32", "fp32"))) + ")"
-        print(f"{r['preset']} ({r['params'] / 1e9:.2f}B parameters, bf16 weights computed in {r['compute']}{chose}), mode "
+        chose = choice_text(r["product_seconds"], "bf16")
+        print(f"{r['preset']} ({r['params'] / 1e9:.2f}B parameters, bf16 weights computed in {r['compute']}{chose}), "
+              f"mode "
               f"{r['mode']}, moments={r['moments']}, master={r['master']}, host budget "
               f"{r['host_budget_bytes'] / MIB:.0f} MiB")
         print(f"  drive: {r['drive_bytes'] / 1e9:.1f} GB at most = {r['drive_bytes'] / r['params']:.2f} B/param; "
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                    "--preset, else fp32)")
     p.add_argument("--master", default=None, help="masters of bf16 weights: fp32, split, none (default: split "
                                                   "with --preset)")
-    p.add_argument("--compute", default="auto", choices=("auto", "param", "fp32"),
+    p.add_argument("--compute", default="auto", choices=COMPUTE_CHOICES,
                    help="--preset: compute the bf16 weights in bf16 (param) or in fp32; auto (the default) times "
                    "both on one small layer and keeps the faster")
     p.add_argument("--tokens", type=int, default=8, help="tokens per sequence (--preset)")

@@ -10,6 +10,8 @@ import sys
 from tierstore import TierStoreError, __version__
 from tierstore._config import StoreConfig, default_nvme_path, parse_bytes
 
+from .upcast import COMPUTE_CHOICES
+
 _NVME_PATH_HELP = ("directory on the drive for the swap files (default: $TIERSTORE_NVME_PATH, else "
                    "$XDG_CACHE_HOME/tierstore or ~/.cache/tierstore)")
 # The default of demo and bench step, both from demo.default_budgets.
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                       "(default fp32)")
     demo.add_argument("--master", default="fp32", help="masters of bf16 weights: fp32, split (exact, 2 bytes) or "
                       "none (stochastic rounding) (default fp32)")
-    demo.add_argument("--compute", default="auto", choices=("auto", "param", "fp32"),
+    demo.add_argument("--compute", default="auto", choices=COMPUTE_CHOICES,
                       help="compute bf16 weights in their own dtype (param) or in fp32 (cast up in each Linear and "
                       "LayerNorm: for CPUs whose bf16 matrix product is slow); auto, the default, times both on one "
                       "small layer and keeps the faster")

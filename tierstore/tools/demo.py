@@ -93,7 +93,7 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     torch_dtype = DTYPES[dtype]
     from tierstore.integrations._layouts import StateLayout, packed_size
 
-    from .upcast import compute_in_fp32, resolve_compute
+    from .upcast import choice_text, compute_in_fp32, resolve_compute
 
     layout = StateLayout(moments, master)  # checks the names
     cuda = torch.cuda.is_available()
@@ -121,11 +121,8 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     master_bytes = 0 if not half else {"fp32": 4 * n, "split": 2 * n, "none": 0}[master]
     on_drive = n * torch.empty((), dtype=torch_dtype).element_size() + master_bytes + moment_bytes
     what = "weights" + (f", {master} masters" if half and master != "none" else "")
-    chose = "" if product_s is None else (
-        f" (the faster here: a {dtype} layer's products took {product_s['param'] * 1e3:.1f} ms in {dtype}, "
-        f"{product_s['fp32'] * 1e3:.1f} ms in fp32)")
     log(f"tierstore demo: ViT-{preset}, {n / 1e6:.1f}M parameters, {dtype}"
-        + (f" computed in {'fp32' if compute == 'fp32' else dtype}{chose}" if half else "")
+        + (f" computed in {'fp32' if compute == 'fp32' else dtype}{choice_text(product_s, dtype)}" if half else "")
         + f"; {on_drive / MIB:.0f} MiB of {what} and {moments} AdamW moments on NVMe under {nvme_path!r}, built on "
         f"the meta device")
     if moments == "fp32" and (master == "fp32" or not half):

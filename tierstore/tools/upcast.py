@@ -149,9 +149,9 @@ def _layer_norm(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
 # 10240 (29 against 72 ms there); with AVX2 alone torch's bf16 product is hundreds of times slower. So "auto" times
 # one small layer's forward and backward both ways (16 x 1024 by 1024 x 2048: 1.0 against 2.0 ms on that Xeon) once
 # per process and dtype, and keeps the faster; a bf16 run 4x slower than the fp32 one ends the timing (at the 0.29
-# GFLOPS measured for bf16 on an AVX2-only EPYC, its two runs come to about 1.4 s). Either way the weights, their gradients and the optimizer's
-# state keep the weights' dtype: only the products' precision differs.
-_COMPUTE_CHOICES = ("auto", "param", "fp32")
+# GFLOPS measured for bf16 on an AVX2-only EPYC, its two runs come to about 1.4 s). Either way the weights, their
+# gradients and the optimizer's state keep the weights' dtype: only the products' precision differs.
+COMPUTE_CHOICES = ("auto", "param", "fp32")
 _measured: dict[torch.dtype, dict[str, float]] = {}
 
 
@@ -189,7 +189,7 @@ def resolve_compute(compute: str, dtype: torch.dtype, *, on_cpu: bool = True) ->
     "auto" chose by (None when nothing was measured). fp32 weights compute in fp32 whatever is asked; a model
     computing on a GPU (``on_cpu=False``) computes "auto" in its weights' dtype ([Note: Which dtype computes
     faster])."""
-    if compute not in _COMPUTE_CHOICES:
+    if compute not in COMPUTE_CHOICES:
         raise ValueError(f"compute {compute!r}: choose auto (the faster here, measured), param (the weights' "
                          "dtype) or fp32")
     if dtype not in _HALF:
@@ -202,6 +202,14 @@ def resolve_compute(compute: str, dtype: torch.dtype, *, on_cpu: bool = True) ->
         _measured[dtype] = product_seconds(dtype)
     seconds = _measured[dtype]
     return ("param" if seconds["param"] <= seconds["fp32"] else "fp32"), seconds
+
+
+def choice_text(seconds: dict[str, float] | None, dtype_name: str) -> str:
+    """What "auto" measured, for a log line: "" when nothing was (``seconds`` as :func:`resolve_compute` returns)."""
+    if seconds is None:
+        return ""
+    return (f" (the faster here: a {dtype_name} layer's products took {seconds['param'] * 1e3:.1f} ms in "
+            f"{dtype_name}, {seconds['fp32'] * 1e3:.1f} ms in fp32)")
 
 
 def compute_in_fp32(model: nn.Module) -> int:
@@ -224,4 +232,4 @@ def compute_in_fp32(model: nn.Module) -> int:
     return n
 
 
-__all__ = ["compute_in_fp32", "product_seconds", "resolve_compute"]
+__all__ = ["COMPUTE_CHOICES", "choice_text", "compute_in_fp32", "product_seconds", "resolve_compute"]
