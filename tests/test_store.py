@@ -614,3 +614,54 @@ def test_close_gives_the_memory_back_at_once_and_a_held_view_keeps_its_values(tm
         assert torch.equal(held, torch.full((8 * mib,), 3, dtype=torch.uint8))
     finally:
         gc.enable()
+
+
+def test_changing_what_is_kept_while_other_threads_write_and_evict_loses_no_value(make_store):
+    """One thread changes an owner's kept set over and over (each change writes home the changed copies it lets go)
+    while two threads change, read ahead and evict copies in a full tier: every key ends with its last value."""
+    import random
+
+    mib = 1024**2
+    store = make_store(host_budget_bytes=3 * mib)
+    keys = [f"k{i}" for i in range(24)]
+    last = {}
+    for i, k in enumerate(keys):
+        store.put(k, torch.full((mib // 16,), float(i))).wait()
+        last[k] = float(i)
+    stop, errors, owner, changes = threading.Event(), [], object(), [0]
+    locks = {k: threading.Lock() for k in keys}
+
+    def keeper() -> None:
+        r = random.Random(1)
+        while not stop.wait(0.001):
+            store.keep(owner, r.sample(keys, r.randint(0, 12)), "host")
+            changes[0] += 1
+
+    def writer(seed: int) -> None:
+        r = random.Random(seed)
+        try:
+            for n in range(800):
+                k = r.choice(keys)
+                with locks[k]:
+                    t = store.get(k, "host")
+                    t.fill_(float(seed * 100000 + n))
+                    store.mark_dirty(k, "host")
+                    store.release(k, "host")
+                    last[k] = float(seed * 100000 + n)
+                if n % 7 == 0:
+                    store.prefetch(r.choice(keys), "host")
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=keeper)] + [threading.Thread(target=writer, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads[1:]:
+        t.join()
+    stop.set()
+    threads[0].join()
+    assert not errors, errors
+    assert store.stats_dict()["evictions"] > 0 and changes[0] >= 10  # copies went while the kept set changed
+    store.keep(owner, [])
+    for k in keys:
+        assert torch.equal(store.read(k), torch.full((mib // 16,), last[k])), k
