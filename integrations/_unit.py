@@ -16,6 +16,23 @@ in-projection path and its gradients round differently. As FSDP2 does, the
 backward fetch is a hook on the forward's output tensors (``register_hook``),
 which adds nothing to the graph torch builds.
 
+[Note: Frozen parameters in backward] A parameter that requires no gradient
+(a frozen base under LoRA, a frozen backbone) gets no gradient whose
+completion would end its backward hold, yet its unit's backward may read it
+(the input gradient of ``x @ W.T`` is ``g @ W``). Its hold ends when the
+gradient of its unit's input has been computed: every operation of the unit
+that led from that input has then run. The hook is on the input tensor
+(``register_hook``, nothing added to the graph), and where that tensor is the
+output of the unit before it -- the common case: one decoder layer's output
+is the next one's input -- the one hook of that tensor (``GradArrival``)
+lets the later unit's frozen parameters go before the earlier unit's backward
+fetch, so the two are never held at once. A unit called several times, or an
+operation that needs a frozen parameter and does not lead from the input
+(``x @ (W * s)`` with ``s`` trained), reads it again through its saved view
+(see [Note: Saved views of parameters]), which holds it until the backward
+ends; a unit whose inputs need no gradient (the first layer under LoRA, whose
+embeddings are frozen) keeps its frozen parameters until then too.
+
 [Note: A forward output that is a view of a parameter] A module may return a
 view of its own parameter (``self.latents.expand(batch, -1, -1)``, as
 Perceiver's latent embeddings do) for a later module to compute with. Once the
@@ -102,7 +119,7 @@ class Unit:
         elif shy:
             self.hooks = [WrappedForward(module, self.owner, self.pre_forward, self.post_forward)]
         else:
-            self.hooks = [module.register_forward_pre_hook(self.pre_forward),
+            self.hooks = [module.register_forward_pre_hook(self.pre_forward, with_kwargs=True),
                           module.register_forward_hook(self.post_forward, always_call=True)]
 
     def around_compiled_call(self) -> bool:
@@ -126,7 +143,7 @@ class Unit:
         if self.params:
             self.owner._prefetch_after(self, self.owner.compute_tier)
 
-    def pre_forward(self, module: nn.Module, args: Any) -> None:
+    def pre_forward(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
         passes = self.owner.pass_state
         in_backward = passes.enter_forward(self)
         self._use()
@@ -137,8 +154,26 @@ class Unit:
                 sp.hold(self)
             if in_backward and not sp.backward_hold and torch.is_grad_enabled():
                 passes.backward_hold(sp, self)  # a forward rerun inside backward (checkpointing)
+        if torch.is_grad_enabled() and any(not sp.param.requires_grad for sp in self.params):
+            self._let_frozen_go_after_backward((args, kwargs))
         if self.owner.store.timeline is not None:
             self.forward_started.append(time.perf_counter())
+
+    def _let_frozen_go_after_backward(self, inputs: Any) -> None:
+        """See [Note: Frozen parameters in backward]: once the gradients of this call's inputs are computed, its
+        backward is done with the frozen parameters it holds."""
+        needing = list({id(t): t for t in leaves(inputs, torch.Tensor) if t.requires_grad}.values())
+        if len(needing) == 1:
+            GradArrival.on(needing[0]).done_with.append(self)
+        elif needing:
+            torch.autograd.graph.register_multi_grad_hook(needing, self.backward_done_with_frozen)
+
+    def backward_done_with_frozen(self, *_: Any) -> None:
+        for sp in self.params:
+            if sp.backward_hold and not sp.param.requires_grad:
+                sp.backward_hold = False
+                sp.unhold()
+        self.backward_done()
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         passes = self.owner.pass_state
@@ -153,7 +188,7 @@ class Unit:
         if self.params and torch.is_grad_enabled() and not passes.in_backward():
             for t in leaves(output, torch.Tensor):
                 if t.requires_grad:
-                    t.register_hook(self.pre_backward)
+                    GradArrival.on(t).starting.append(self)
         passes.exit_forward(self)
         timeline = self.owner.store.timeline
         if timeline is not None and self.forward_started:
@@ -193,6 +228,34 @@ class Unit:
             self.backward_started = None
 
 
+class GradArrival:
+    """The one hook on a tensor that units' forwards gave or were given: when its gradient arrives, the units
+    that took it as their input are done with their frozen parameters, then the units that returned it start their
+    backward (see [Note: Frozen parameters in backward])."""
+
+    def __init__(self) -> None:
+        self.done_with: list[Unit] = []
+        self.starting: list[Unit] = []
+
+    @staticmethod
+    def on(t: torch.Tensor) -> GradArrival:
+        """The hook of ``t``, registered at the first ask (an activation's is new each forward; a leaf that a
+        forward returns or takes lives on, and gets a hook each time)."""
+        arrival = getattr(t, "_tierstore_arrival", None) if t.grad_fn is not None else None
+        if arrival is None:
+            arrival = GradArrival()
+            t.register_hook(arrival)
+            if t.grad_fn is not None:
+                t._tierstore_arrival = arrival  # type: ignore[attr-defined]
+        return arrival
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        for unit in self.done_with:
+            unit.backward_done_with_frozen()
+        for unit in self.starting:
+            unit.pre_backward(grad)
+
+
 class WrappedForward:
     """A unit's pre- and post-forward around its module's ``forward`` instead of as hooks (for ``HOOK_SHY``
     modules), or without them the model's forward, which clears a pass stopped by Ctrl-C (see [Note: A forward
@@ -206,7 +269,7 @@ class WrappedForward:
         @functools.wraps(forward)
         def held_forward(*args: Any, **kwargs: Any) -> Any:
             if pre is not None:
-                pre(module, args)
+                pre(module, args, kwargs)
             output = None
             try:
                 output = forward(*args, **kwargs)
@@ -238,7 +301,7 @@ class CompiledCall:
         compiled_call = self.compiled
 
         def held_call(*args: Any, **kwargs: Any) -> Any:
-            pre(module, args)
+            pre(module, args, kwargs)
             output = None
             try:
                 output = compiled_call(*args, **kwargs)
