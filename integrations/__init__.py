@@ -12,6 +12,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .fsdp import FSDPOffload, offload_fsdp
+from .hf import save_merged, save_pretrained, stream_checkpoints
 from .offload import DEFAULT_UNITS, OffloadedModel, OffloadedParameterError, offload_model
 from .optim import OffloadedAdamW, OffloadedGradScaler
 
@@ -30,4 +31,7 @@ __all__ = [
     "offload_fsdp",
     "offload_model",
     "save_checkpoint",
+    "save_merged",
+    "save_pretrained",
+    "stream_checkpoints",
 ]

@@ -244,8 +244,8 @@ _WRAPPERS = {
 
 
 def _wrapper_hint() -> str:
-    """Said first when a data-parallel wrapper (which broadcasts or replicates every parameter) read or wrote an
-    offloaded parameter, found on the stack at the error (never on the hot path)."""
+    """Said first when a data-parallel wrapper (which broadcasts or replicates every parameter) or peft's merge
+    of adapters read or wrote an offloaded parameter, found on the stack at the error (never on the hot path)."""
     frame = sys._getframe(1)
     while frame is not None:
         parts = tuple(os.path.normpath(frame.f_code.co_filename).split(os.sep)[-4:])
@@ -253,6 +253,9 @@ def _wrapper_hint() -> str:
             return (f"{_WRAPPERS[parts]} cannot wrap a model offloaded with offload_model: it broadcasts and "
                     f"replicates parameters that live in the store. Shard the model with FSDP2 (fully_shard) and "
                     f"offload it with tierstore.integrations.offload_fsdp instead. ")
+        if "peft" in parts and frame.f_code.co_name in ("merge", "merge_and_unload", "merge_adapter"):
+            return ("peft's merge writes every base weight in memory. Save the merged model one weight at a time "
+                    "with tierstore.integrations.save_merged(model, directory) instead (from_pretrained loads it). ")
         frame = frame.f_back
     return ""
 

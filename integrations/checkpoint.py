@@ -115,11 +115,13 @@ def _model_tensors(model: nn.Module, off: Offloaded | None) -> tuple[dict[str, A
 
 
 def save_checkpoint(path: str, model: nn.Module | Offloaded, optimizer: OffloadedAdamW | None = None, *,
-                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                    extra: dict[str, Any] | None = None, weights: bool = True) -> dict[str, Any]:
     """Save ``model``'s parameters (and ``optimizer``'s state) to directory ``path``, atomically.
 
     ``extra`` is any JSON-serialisable dict (your epoch, data position...),
-    returned by :func:`load_checkpoint`. Overwrites an earlier checkpoint at
+    returned by :func:`load_checkpoint`. With ``weights=False`` only the
+    optimizer's state is saved (the weights are saved elsewhere, as
+    ``save_pretrained`` saves them); load it with ``strict=False``. Overwrites an earlier checkpoint at
     ``path`` only once the new one is complete. With FSDP2 (:func:`offload_fsdp`)
     every rank calls it with the same ``path`` (on a filesystem all ranks
     see): each writes its shards to ``path/rank<r>``, and rank 0 commits the
@@ -130,7 +132,7 @@ def save_checkpoint(path: str, model: nn.Module | Offloaded, optimizer: Offloade
         raise RuntimeError("cannot save a checkpoint inside forward or backward; save between steps")
     if off is not None and off.broken:
         raise RuntimeError(f"cannot save a checkpoint of values that mix two steps: {off.broken}")
-    tensors, aliases = _model_tensors(model, off)
+    tensors, aliases = _model_tensors(model, off) if weights else ({}, {})
     store = off.store if off is not None else None
     sources = [_store_source(store, v, name) if isinstance(v, str) and store is not None else _plain_source(name, v)
                for name, v in tensors.items()]

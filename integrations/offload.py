@@ -46,6 +46,7 @@ from ._base import STATE_KEY, OffloadBase, OffloadedParameterError, UnitStats, c
 from ._build import check_names_free, put_parameters, room_for, to_compute_device
 from ._contract import zero_grads
 from ._grads import GradientStore, check_grad_dtype, grad_home, grad_key
+from .hf import is_hf_model, save_pretrained
 from ._meta import check_meta
 from ._param import OffloadedParameter, StoredParam, refuse_other_optimizers_from_now
 from ._pass import PassState
@@ -90,6 +91,7 @@ class OffloadedModel(OffloadBase):
         self.stats = OffloadStats()
         self._handles: list[Any] = []
         self._loading: list[StoredParam] = []  # held by a load_state_dict() (see [Note: Loading a state dict])
+        self._save_pretrained: Any = None  # the model's save_pretrained, where it has transformers' or peft's
         meta = check_meta(model, init_fn, real_parameters)
         plan = partial(plan_units, model, units, resident_threshold_bytes, store, compute_tier)
         offloaded, owned_by = plan()  # checked before any write
@@ -107,6 +109,8 @@ class OffloadedModel(OffloadBase):
         self._hook_units(units, owned_by)
         self.pass_state.hook_gradients()
         self._hook_state_dicts()
+        if is_hf_model(model):  # see [Note: Saving the transformers way, tensor by tensor]
+            model.save_pretrained = self._save_pretrained = partial(save_pretrained, self)
         # Until a step has been recorded, guess that forward uses the units in definition order.
         self._schedule(prefetch_depth=prefetch_depth, prefetch_bytes=prefetch_bytes, placement=placement,
                        trace=[u.name for u in self._units.values() if u.params], grad_of=self._grad_of)
@@ -319,6 +323,8 @@ class OffloadedModel(OffloadBase):
                 raise RuntimeError(f"cannot remove offload while {sp.name!r} is in use (inside forward/backward)")
         self._detach([*self._handles, *(h for u in self._units.values() for h in u.hooks)])
         self._handles.clear()
+        if self._save_pretrained is not None and self.model.__dict__.get("save_pretrained") is self._save_pretrained:
+            del self.model.save_pretrained
         self.grads.clear()
         for sp in self.params.values():
             value = self.store.read(sp.key).to(self.compute_device)

@@ -1,0 +1,290 @@
+"""transformers and peft with an offloaded model: ``save_pretrained``, ``Trainer``'s checkpoints and resume, and
+merging LoRA adapters, each moving one tensor at a time through the host budget.
+
+[Note: Saving the transformers way, tensor by tensor] transformers'
+``save_pretrained`` takes ``model.state_dict()`` (every value read into
+memory at once), and safetensors' writer builds each file in memory before
+it writes it; ``Trainer`` saves ``torch.save(optimizer.state_dict())``. An
+offloaded model bigger than RAM would die at its first checkpoint. So:
+
+- ``model.save_pretrained(directory)`` of a model ``offload_model`` wrapped
+  is :func:`save_pretrained`: transformers writes everything but the tensors
+  (config, generation config: it is given an empty state dict), then the
+  tensors are written as transformers names and shards them
+  (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` and their
+  index past ``max_shard_size``), each borrowed from the store in the host
+  tier while its bytes are written. A peft model saves its adapter as peft
+  does, from a state dict whose offloaded values are read only when peft
+  takes them (the frozen base never is). The files are plain safetensors:
+  ``from_pretrained`` and peft load them.
+- :func:`stream_checkpoints` makes a ``Trainer`` save an ``OffloadedAdamW``'s
+  state with :func:`~tierstore.integrations.save_checkpoint` (weights left to
+  ``save_pretrained``) in ``checkpoint-N/tierstore_optimizer``, and on
+  ``resume_from_checkpoint`` load the weights with
+  :func:`~tierstore.integrations.load_safetensors` (adapters as peft loads
+  them) and the state with :func:`~tierstore.integrations.load_checkpoint`.
+- :func:`save_merged` writes a peft LoRA model merged into its base, each
+  base weight plus its adapters' product computed as peft's merge computes
+  it, one weight at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from tierstore import parse_bytes
+from tierstore._checkpoint import TensorSource, write_safetensors_file
+
+from ._base import OffloadBase, offloaded_of
+from .checkpoint import _model_tensors, _plain_source, _store_source, load_checkpoint, load_safetensors, save_checkpoint
+from .optim import OffloadedAdamW
+
+OPTIMIZER_DIR = "tierstore_optimizer"
+SCHEDULER_NAME = "scheduler.pt"  # as Trainer names it
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """Whether ``model.save_pretrained`` is transformers' or peft's."""
+    owner = next((c for c in type(model).__mro__ if "save_pretrained" in c.__dict__), None)
+    return owner is not None and owner.__module__.startswith(("transformers.", "peft."))
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return any(c.__module__.startswith("peft.") and c.__name__ == "PeftModel" for c in type(model).__mro__)
+
+
+def _offloaded(model: nn.Module | OffloadBase) -> tuple[nn.Module, OffloadBase]:
+    if isinstance(model, OffloadBase):
+        return model.model, model
+    off = offloaded_of(model)
+    if off is None:
+        raise ValueError(f"{type(model).__name__} is not offloaded: call offload_model(model, store) first")
+    return model, off
+
+
+# ---- save_pretrained -------------------------------------------------------------------------
+def save_pretrained(model: nn.Module | OffloadBase, save_directory: str | os.PathLike, *,
+                    state_dict: dict[str, Any] | None = None, max_shard_size: int | str = "50GB",
+                    **kwargs: Any) -> None:
+    """``model.save_pretrained(save_directory, ...)`` of an offloaded transformers or peft model, one tensor at a
+    time (see [Note: Saving the transformers way, tensor by tensor]); ``offload_model`` makes it the model's
+    ``save_pretrained``. The same files as transformers' (and peft's) own; ``state_dict=`` given is saved by
+    theirs as it is, and ``push_to_hub`` is refused (save, then upload the directory)."""
+    model, off = _offloaded(model)
+    original = partial(type(model).save_pretrained, model, save_directory)
+    if state_dict is not None:
+        return original(state_dict=state_dict, max_shard_size=max_shard_size, **kwargs)
+    if kwargs.get("push_to_hub"):
+        raise ValueError("save_pretrained(push_to_hub=True) of an offloaded model: save it, then upload the "
+                         "directory (huggingface_hub's upload_folder)")
+    if _is_peft(model):
+        return original(state_dict=_LazyStateDict(model, off), **kwargs)
+    original(state_dict={}, max_shard_size=max_shard_size, **kwargs)  # everything but the tensors
+    if not kwargs.get("is_main_process", True):
+        return
+    ignore = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    tensors, _ = _model_tensors(model, off)
+    sources = [_source(off, name, v) for name, v in tensors.items() if name not in ignore]
+    write_weights(os.fspath(save_directory), sources, max_shard_size, kwargs.get("variant"))
+
+
+def _source(off: OffloadBase, name: str, v: Any) -> TensorSource:
+    return _store_source(off.store, v, name) if isinstance(v, str) else _plain_source(name, v)
+
+
+def write_weights(directory: str, sources: list[TensorSource], max_shard_size: int | str,
+                  variant: str | None = None) -> None:
+    """``sources`` as transformers writes a model's weights: one file, or shards of at most ``max_shard_size``
+    bytes (a larger tensor alone) with their index; each tensor borrowed while its bytes are written."""
+    limit = parse_bytes(max_shard_size, name="max_shard_size")
+    name = WEIGHTS_NAME if not variant else f"model.{variant}.safetensors"
+    shards: list[list[TensorSource]] = [[]]
+    for s in sources:
+        if shards[-1] and sum(x.nbytes for x in shards[-1]) + s.nbytes > limit:
+            shards.append([])
+        shards[-1].append(s)
+    stem = name.removesuffix(".safetensors")
+    for f in os.listdir(directory):  # what an earlier save left that this one will not replace
+        if f.startswith(stem) and f.endswith((".safetensors", ".safetensors.index.json")):
+            os.unlink(os.path.join(directory, f))
+    if len(shards) == 1:
+        write_safetensors_file(os.path.join(directory, name), shards[0], {"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors_file(os.path.join(directory, file), shard, {"format": "pt"})
+        weight_map.update(dict.fromkeys((s.name for s in shard), file))
+    index = {"metadata": {"total_size": sum(s.nbytes for s in sources)}, "weight_map": weight_map}
+    index_name = WEIGHTS_INDEX_NAME if not variant else f"model.safetensors.index.{variant}.json"
+    with open(os.path.join(directory, index_name), "w", encoding="utf-8") as f:
+        f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+class _LazyStateDict(dict):
+    """A model's state dict whose offloaded values are read from the store only when taken: peft picks its
+    adapter's entries out of a whole state dict, and the frozen base it leaves is never read."""
+
+    def __init__(self, model: nn.Module, off: OffloadBase) -> None:
+        tensors, aliases = _model_tensors(model, off)
+        super().__init__(tensors)
+        self.update({alias: tensors[name] for alias, name in aliases.items()})
+        self._off = off
+
+    def _value(self, v: Any) -> Any:
+        return self._off.store.read(v) if isinstance(v, str) else v.detach()
+
+    def __getitem__(self, key: str) -> Any:
+        return self._value(super().__getitem__(key))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def items(self) -> Iterator[tuple[str, Any]]:  # type: ignore[override]
+        return ((k, self[k]) for k in self.keys())
+
+    def values(self) -> Iterator[Any]:  # type: ignore[override]
+        return (self[k] for k in self.keys())
+
+    def pop(self, key: str, *default: Any) -> Any:
+        if key not in self:
+            return default[0] if default else super().pop(key)
+        value = self[key]
+        super().pop(key)
+        return value
+
+
+# ---- Trainer ---------------------------------------------------------------------------------
+def stream_checkpoints(trainer: Any) -> Any:
+    """Make transformers' ``trainer`` save and resume its offloaded model and ``OffloadedAdamW`` one tensor at a
+    time (see [Note: Saving the transformers way, tensor by tensor]); returns ``trainer``.
+
+    One line after building the Trainer: ``stream_checkpoints(trainer)``. Its checkpoints then hold the model as
+    ``save_pretrained`` writes it (adapters only, for a peft model), ``tierstore_optimizer/`` (the optimizer's
+    state, checksummed) and the scheduler, RNG and trainer state as Trainer writes them; ``resume_from_checkpoint``
+    reads them back the same way. Without it, Trainer's ``torch.save(optimizer.state_dict())`` reads the whole
+    optimizer state into memory at each checkpoint.
+    """
+    if getattr(trainer, "_tierstore_streams", False):
+        return trainer
+    model, off = _offloaded(trainer.model)
+    save_state, load_state = trainer._save_optimizer_and_scheduler, trainer._load_optimizer_and_scheduler
+    load_weights = trainer._load_from_checkpoint
+
+    def optimizer() -> OffloadedAdamW | None:
+        opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
+        return opt if isinstance(opt, OffloadedAdamW) else None
+
+    def save_optimizer_and_scheduler(output_dir: str) -> None:
+        opt = optimizer()
+        if opt is None:
+            return save_state(output_dir)
+        save_checkpoint(os.path.join(output_dir, OPTIMIZER_DIR), off, opt, weights=False)
+        if trainer.args.should_save and trainer.lr_scheduler is not None:
+            torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def load_optimizer_and_scheduler(checkpoint: str | None) -> None:
+        opt = optimizer()
+        if checkpoint is None or opt is None or not os.path.isdir(os.path.join(checkpoint, OPTIMIZER_DIR)):
+            return load_state(checkpoint)
+        load_checkpoint(os.path.join(checkpoint, OPTIMIZER_DIR), off, opt, strict=False)
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if trainer.lr_scheduler is not None and os.path.isfile(scheduler):
+            trainer.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def load_from_checkpoint(resume_from_checkpoint: str, model_: nn.Module | None = None) -> None:
+        whole = any(os.path.isfile(os.path.join(resume_from_checkpoint, f))
+                    for f in (WEIGHTS_NAME, WEIGHTS_INDEX_NAME))
+        if (model_ is None or model_ is model) and whole and not _is_peft(model):
+            load_safetensors(resume_from_checkpoint, off)
+            return None
+        return load_weights(resume_from_checkpoint, model_)
+
+    trainer._save_optimizer_and_scheduler = save_optimizer_and_scheduler
+    trainer._load_optimizer_and_scheduler = load_optimizer_and_scheduler
+    trainer._load_from_checkpoint = load_from_checkpoint
+    trainer._tierstore_streams = True
+    return trainer
+
+
+# ---- merging adapters ------------------------------------------------------------------------
+def save_merged(model: nn.Module | OffloadBase, save_directory: str | os.PathLike, *,
+                max_shard_size: int | str = "50GB") -> None:
+    """Save a peft LoRA model merged into its base, as ``model.merge_and_unload().save_pretrained(...)`` would,
+    without the base in memory: each base weight is borrowed from the store, its active adapters' product added
+    as peft's merge adds it, and written; the model itself is left as it is (adapters unmerged). The files are
+    the base model's (``from_pretrained`` of the base class loads them)."""
+    model, off = _offloaded(model)
+    if not _is_peft(model):
+        raise TypeError(f"save_merged takes a peft model (get_peft_model), not {type(model).__name__}")
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    for name, m in layers.items():
+        variant = any(a in getattr(m, "lora_variant", {}) or m.lora_bias.get(a) for a in m.active_adapters)
+        if type(m) is not LoraLinear or variant:
+            raise NotImplementedError(f"save_merged merges plain LoRA on Linear (and GPT-2's Conv1D) layers; {name} "
+                                      f"is a {type(m).__name__}{' with a LoRA variant or bias' if variant else ''}")
+    if any(type(m).__name__ == "ModulesToSaveWrapper" for m in model.modules()):
+        raise NotImplementedError("save_merged: modules_to_save are not merged; save the adapter instead")
+    base = model.get_base_model()
+    type(base).save_pretrained(base, save_directory, state_dict={}, max_shard_size=max_shard_size)
+    tensors, _ = _model_tensors(model, off)
+    sources = []
+    for name, v in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        if any(f".{d}." in f".{module}." for d in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
+                                                    "lora_magnitude_vector")):
+            continue
+        out = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        layer = layers.get(module.removesuffix(".base_layer")) if module.endswith(".base_layer") else None
+        source = _source(off, out, v)
+        if layer is not None and leaf == "weight":
+            source = _merged_source(source, layer, partial(_value, off, tensors), module.removesuffix(".base_layer"))
+        sources.append(source)
+    write_weights(os.fspath(save_directory), sources, max_shard_size)
+
+
+def _value(off: OffloadBase, tensors: dict[str, Any], name: str) -> torch.Tensor:
+    v = tensors[name]
+    return off.store.read(v) if isinstance(v, str) else v.detach()
+
+
+def _merged_source(source: TensorSource, layer: Any, value: Any, layer_name: str) -> TensorSource:
+    """``source`` with ``layer``'s active adapters merged in, computed as peft's ``Linear.get_delta_weight`` and
+    ``merge`` compute them (in fp32 on the CPU for bf16/fp16 adapters, added in the weight's dtype)."""
+
+    @contextmanager
+    def borrow() -> Iterator[torch.Tensor]:
+        with source.borrow() as w:
+            merged = w.clone()
+        for a in layer.active_adapters:
+            if a not in layer.lora_A:
+                continue
+            weight_a = value(f"{layer_name}.lora_A.{a}.weight")
+            weight_b = value(f"{layer_name}.lora_B.{a}.weight")
+            dtype = weight_b.dtype
+            if dtype in (torch.float16, torch.bfloat16):
+                weight_a, weight_b = weight_a.float(), weight_b.float()
+            delta = weight_b @ weight_a
+            if layer.fan_in_fan_out:
+                delta = delta.T
+            delta = (delta * layer.scaling[a]).to(dtype)
+            merged += delta
+        yield merged
+
+    return TensorSource(source.name, source.shape, source.dtype, borrow)
+
+
+__all__ = ["save_merged", "save_pretrained", "stream_checkpoints"]
