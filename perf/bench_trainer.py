@@ -1,0 +1,160 @@
+"""transformers' Trainer over an offloaded Llama built on meta: peak RSS with checkpoints against without.
+
+    python perf/bench_trainer.py --preset llama-150m --nvme-path DIR [--lora 16] [--json OUT]
+
+Three fresh processes, each training the same model in Trainer's own loop (2 micro-batches a step, clipping to
+norm 1, the optimizer after backward): **plain** (no checkpoint), **save** (a checkpoint every step through
+``stream_checkpoints``, then ``save_pretrained``) and **resume** (from save's last checkpoint, one step more).
+Prints each one's peak RSS, the drive bytes moved a step and the step time, and the ratio of save's and resume's
+peak RSS to plain's (the reference). With ``--lora R`` the base is frozen and LoRA of rank R trains on every
+attention and MLP projection (peft).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+MIB = 1024**2
+# Llama shapes: (hidden, layers, heads, intermediate, vocab), the host budget they run under by default
+PRESETS = {
+    "llama-7b": ((4096, 32, 32, 11008, 32000), "2GiB"),
+    "llama-1.9b": ((2048, 24, 16, 8192, 32000), "2GiB"),
+    "llama-150m": ((1024, 12, 16, 2816, 8000), "160MiB"),
+    "llama-tiny": ((128, 4, 4, 352, 1024), "4MiB"),
+}
+MODES = ("plain", "save", "resume")
+
+
+def _child(args: argparse.Namespace) -> dict:
+    import torch
+    import transformers
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    import tierstore as ts
+    from tierstore.integrations import OffloadedAdamW, offload_model, stream_checkpoints
+    from tierstore.tools.rss import peak_rss_bytes
+
+    (hidden, layers, heads, inter, vocab), default_host = PRESETS[args.preset]
+    host = ts.parse_bytes(args.host_budget or default_host, name="--host-budget")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    config = transformers.LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                                      num_key_value_heads=heads, intermediate_size=inter, vocab_size=vocab,
+                                      max_position_embeddings=256, tie_word_embeddings=False, use_cache=False)
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 1024
+
+        def __getitem__(self, i: int) -> dict:
+            ids = torch.randint(0, vocab, (args.tokens,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(dtype)
+    init = model._init_weights
+    if args.lora:
+        import peft
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = peft.get_peft_model(model, peft.LoraConfig(r=args.lora, target_modules=targets, lora_dropout=0.0))
+    store = ts.TierStore(nvme_path=args.nvme_path, host_budget_bytes=host, device_budget_bytes="1MiB")
+    try:
+        t0 = time.perf_counter()
+        off = offload_model(model, store, units=[LlamaDecoderLayer], init_fn=init)
+        opt = OffloadedAdamW(off, lr=1e-4, moments=args.moments, master=args.master)
+        built_s = time.perf_counter() - t0
+        steps = args.steps + (1 if args.mode == "resume" else 0)
+        training = transformers.TrainingArguments(
+            output_dir=args.output, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=2,
+            max_grad_norm=1.0, max_steps=steps, learning_rate=1e-4, logging_steps=1, report_to=[],
+            save_strategy="no" if args.mode == "plain" else "steps", save_steps=1, seed=0,
+            use_cpu=not torch.cuda.is_available())
+        trainer = transformers.Trainer(model=model, args=training, train_dataset=Tokens(), optimizers=(opt, None))
+        stream_checkpoints(trainer)
+        moved: list[int] = []
+        seconds: list[float] = []
+
+        class Meter(transformers.TrainerCallback):
+            def on_step_begin(self, *_: object, **__: object) -> None:
+                s = store.stats_dict()
+                self.start = (time.perf_counter(), s["bytes_read_nvme"] + s["bytes_written_nvme"])
+
+            def on_step_end(self, *_: object, **__: object) -> None:
+                opt.wait()  # the step's write-behind belongs to it
+                s = store.stats_dict()
+                seconds.append(time.perf_counter() - self.start[0])
+                moved.append(s["bytes_read_nvme"] + s["bytes_written_nvme"] - self.start[1])
+
+        trainer.add_callback(Meter())
+        resume = os.path.join(args.output, f"checkpoint-{args.steps}") if args.mode == "resume" else None
+        trainer.train(resume_from_checkpoint=resume)
+        if args.mode == "save":
+            model.save_pretrained(os.path.join(args.output, "final"))
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        params = sum(p.numel() for p in model.parameters())
+        opt.close()
+        drive = store.memory()["nvme"]["peak_bytes"]
+    finally:
+        store.close()
+    return {"mode": args.mode, "params": params, "host_budget_bytes": host, "peak_rss_bytes": peak_rss_bytes(),
+            "drive_bytes": drive, "build_s": built_s, "step_seconds": seconds, "bytes_moved": moved,
+            "losses": losses}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="llama-150m")
+    p.add_argument("--host-budget", default=None, help="default: the preset's")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    p.add_argument("--moments", default="8bit", help="OffloadedAdamW's moments: fp32, bf16 or 8bit")
+    p.add_argument("--master", default="split", help="OffloadedAdamW's master weights: fp32, split or none")
+    p.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA of rank R on a frozen base")
+    p.add_argument("--steps", type=int, default=2, help="steps before the checkpoint resumed from")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences a micro-batch")
+    p.add_argument("--tokens", type=int, default=64, help="tokens a sequence")
+    p.add_argument("--nvme-path", default=None, help="directory on the drive for the swap files")
+    p.add_argument("--output", default=None, help="Trainer's output directory (default: a temporary one)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.mode:
+        print(json.dumps(_child(args)))
+        return {}
+    with tempfile.TemporaryDirectory(dir=args.nvme_path) as scratch:
+        output = args.output or scratch
+        results = []
+        for mode in MODES:
+            cmd = [sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:]),
+                   "--mode", mode, "--output", output]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"the {mode} run failed:\n{done.stderr[-4000:]}")
+            results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    plain = results[0]["peak_rss_bytes"]
+    print(f"{results[0]['params'] / 1e6:.1f}M parameters, host budget {results[0]['host_budget_bytes'] / MIB:.0f} "
+          f"MiB, {'LoRA r=%d' % args.lora if args.lora else 'full fine-tune'}, {args.dtype}, "
+          f"{args.moments} moments, {args.master} masters")
+    print(f"{'run':<8}{'peak RSS MiB':>14}{'vs plain':>10}{'drive GB':>10}{'moved GB/step':>15}{'s/step':>9}")
+    for r in results:
+        r["rss_ratio"] = r["peak_rss_bytes"] / plain
+        moved = " ".join(f"{b / 1e9:.2f}" for b in r["bytes_moved"])
+        secs = " ".join(f"{s:.1f}" for s in r["step_seconds"])
+        print(f"{r['mode']:<8}{r['peak_rss_bytes'] / MIB:>14.0f}{r['rss_ratio']:>9.2f}x"
+              f"{r['drive_bytes'] / 1e9:>10.2f}  {moved:>13}  {secs}")
+    out = {"preset": args.preset, "lora": args.lora, "dtype": args.dtype, "moments": args.moments,
+           "master": args.master, "results": results}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""save_pretrained, Trainer's checkpoints and resume, and LoRA merges of an offloaded model, one tensor at a time:
+the files are transformers' and peft's own, and load there to the same values."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+import tierstore as ts
+from tierstore.integrations import OffloadedAdamW, offload_model, save_merged, stream_checkpoints
+from tierstore.integrations.offload import OffloadedParameterError
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+pytest.importorskip("accelerate")  # Trainer's
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+from test_peft import VOCAB, lora_pair  # noqa: E402
+
+
+def _llama(tied: bool = False) -> torch.nn.Module:
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=6,
+                                   num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _store(nvme_dir: str, model: torch.nn.Module, fraction: int = 4) -> ts.TierStore:
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return ts.TierStore(nvme_path=nvme_dir, host_budget_bytes=total // fraction, device_budget_bytes="1MiB",
+                        file_size_bytes="4MiB", block_size_bytes="64KiB")
+
+
+def _layer_units() -> list[type]:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return [LlamaDecoderLayer]
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("tied,shard", [(False, None), (True, "300KB")], ids=["one-file", "tied-sharded"])
+def test_save_pretrained_of_a_model_four_times_the_budget_loads_in_transformers(tied, shard, nvme_dir, tmp_path):
+    ref = _llama(tied)
+    model = copy.deepcopy(ref)
+    store = _store(nvme_dir, model)
+    try:
+        offload_model(model, store, units=_layer_units())
+        kw = {"max_shard_size": shard} if shard else {}
+        model.save_pretrained(tmp_path / "out", **kw)
+        assert store.memory()["host"]["peak_bytes"] <= store.config.host_budget_bytes
+    finally:
+        store.close()
+    files = sorted(os.listdir(tmp_path / "out"))
+    assert ("model.safetensors.index.json" in files) == bool(shard), files
+    assert "config.json" in files
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out")
+    assert _same(back.state_dict(), ref.state_dict())
+
+
+def test_save_merged_writes_what_peft_merges(nvme_dir, tmp_path):
+    ref, model, units = lora_pair("llama")
+    store = _store(nvme_dir, model)
+    try:
+        offload_model(model, store, units=units)
+        save_merged(model, tmp_path / "merged")
+        with pytest.raises(OffloadedParameterError, match="save_merged"):
+            model.merge_and_unload()  # peft's own merge would bring every base weight into memory
+        assert store.memory()["host"]["peak_bytes"] <= store.config.host_budget_bytes
+    finally:
+        store.close()
+    want = ref.merge_and_unload()
+    got = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged")
+    assert _same(got.state_dict(), want.state_dict())
+    assert not any("lora" in k for k in got.state_dict())
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, VOCAB, (16,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def _trainer_run(output, nvme_dir, lora: bool, *, steps: int, resume: bool = False) -> tuple[dict, list]:
+    """Trainer's loop (2 micro-batches, clipping to norm 1, a checkpoint every step) over a Llama (or LoRA on it)
+    four times the host budget."""
+    if lora:
+        _, model, units = lora_pair("llama")
+    else:
+        model, units = _llama(), _layer_units()
+    store = _store(nvme_dir, model)
+    try:
+        off = offload_model(model, store, units=units)
+        opt = OffloadedAdamW(off, lr=1e-2)
+        args = transformers.TrainingArguments(
+            output_dir=str(output), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=1.0,
+            max_steps=steps, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="steps", save_steps=1,
+            use_cpu=True, seed=0)
+        trainer = stream_checkpoints(transformers.Trainer(model=model, args=args, train_dataset=_Tokens(),
+                                                          optimizers=(opt, None)))
+        trainer.train(resume_from_checkpoint=str(output / "checkpoint-2") if resume else None)
+        assert store.memory()["host"]["peak_bytes"] <= store.config.host_budget_bytes
+        opt.close()
+        return ({k: v.clone() for k, v in model.state_dict().items()},
+                [h["loss"] for h in trainer.state.log_history if "loss" in h])
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_trainer_checkpoints_and_resumes_through_the_store(lora, nvme_dir, tmp_path):
+    """A checkpoint every step holds save_pretrained's files and the optimizer's state as the store's checksummed
+    safetensors (no optimizer.pt read whole into memory); a run resumed from step 2 in a new Trainer ends where the
+    uninterrupted run ends, bit for bit."""
+    whole, losses = _trainer_run(tmp_path, nvme_dir, lora, steps=4)
+    files = set(os.listdir(tmp_path / "checkpoint-2"))
+    assert {"tierstore_optimizer", "scheduler.pt", "trainer_state.json"} <= files and "optimizer.pt" not in files
+    assert ("adapter_model.safetensors" if lora else "model.safetensors") in files
+    assert "manifest.json" in os.listdir(tmp_path / "checkpoint-2" / "tierstore_optimizer")
+    resumed, resumed_losses = _trainer_run(tmp_path, nvme_dir, lora, steps=4, resume=True)
+    assert resumed_losses == losses and len(losses) == 4
+    assert _same(resumed, whole)
+    if lora:
+        frozen = [k for k in whole if "lora_" not in k]
+        assert frozen and _same({k: whole[k] for k in frozen}, {k: resumed[k] for k in frozen})
+
+
+def test_stream_checkpoints_needs_an_offloaded_model(tmp_path):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = transformers.Trainer(model=_llama(), args=args, train_dataset=_Tokens())
+    with pytest.raises(ValueError, match="offload_model"):
+        stream_checkpoints(trainer)
+
