@@ -12,7 +12,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .fsdp import FSDPOffload, offload_fsdp
-from .hf import save_merged, save_pretrained, stream_checkpoints
+from .hf import load_base_weights, save_merged, save_pretrained, stream_checkpoints
 from .offload import DEFAULT_UNITS, OffloadedModel, OffloadedParameterError, offload_model
 from .optim import OffloadedAdamW, OffloadedGradScaler
 
@@ -25,6 +25,7 @@ __all__ = [
     "OffloadedParameters",
     "OffloadedParameterError",
     "consolidate_checkpoint",
+    "load_base_weights",
     "load_checkpoint",
     "load_parameters",
     "load_safetensors",

@@ -40,11 +40,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierstore import parse_bytes
-from tierstore._checkpoint import TensorSource, write_safetensors_file
+from tierstore import CheckpointError, parse_bytes
+from tierstore._checkpoint import TensorSource, read_raw, safetensors_entries, write_safetensors_file
 
 from ._base import OffloadBase, offloaded_of
-from .checkpoint import _model_tensors, _plain_source, _store_source, load_checkpoint, load_safetensors, save_checkpoint
+from .checkpoint import (
+    _load_tensors,
+    _model_tensors,
+    _plain_source,
+    _store_source,
+    load_checkpoint,
+    load_safetensors,
+    save_checkpoint,
+)
 from .optim import OffloadedAdamW
 
 OPTIMIZER_DIR = "tierstore_optimizer"
@@ -164,6 +172,41 @@ class _LazyStateDict(dict):
         return value
 
 
+def load_base_weights(path: str | os.PathLike, model: nn.Module | OffloadBase, *, strict: bool = True) -> list[str]:
+    """Pretrained weights as the base model's ``save_pretrained`` wrote them (one file, or shards and their
+    index) loaded into an offloaded peft model built on meta, one tensor at a time, through the host budget; the
+    adapters keep their values. For a model without adapters, :func:`~tierstore.integrations.load_safetensors`.
+    ``strict``: a base weight missing from the files, or a tensor the base lacks, is an error (nothing loaded)."""
+    model, off = _offloaded(model)
+    if not _is_peft(model):
+        return load_safetensors(path, off, strict=strict)
+    found = safetensors_entries(path)
+    tensors, aliases = _model_tensors(model, off)
+    base = [n for n in (*tensors, *aliases) if not _is_adapter(n)]
+    by_file = {base_name(n): n for n in base}
+    entries = {by_file[f]: (e["shape"], partial(read_raw, f, e)) for f, e in found.items() if f in by_file}
+    loaded = {aliases.get(n, n) for n in entries}
+    missing = sorted(n for n in tensors if not _is_adapter(n) and n not in loaded)
+    unexpected = sorted(f for f in found if f not in by_file)
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"loading {path} into the base of {type(model).__name__}: missing "
+                              f"{[base_name(n) for n in missing[:5]]}, unexpected {unexpected[:5]} (nothing was "
+                              f"loaded; strict=False loads what matches)")
+    return _load_tensors(model, entries, strict=False, source=os.fspath(path), where="the file")
+
+
+def base_name(name: str) -> str:
+    """A peft model's name of a base tensor as the base model names it."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def _is_adapter(name: str) -> bool:
+    return any(f".{d}." in f".{name}" for d in _ADAPTER_MODULES)
+
+
+_ADAPTER_MODULES = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+
+
 # ---- Trainer ---------------------------------------------------------------------------------
 def stream_checkpoints(trainer: Any) -> Any:
     """Make transformers' ``trainer`` save and resume its offloaded model and ``OffloadedAdamW`` one tensor at a
@@ -243,11 +286,10 @@ def save_merged(model: nn.Module | OffloadBase, save_directory: str | os.PathLik
     tensors, _ = _model_tensors(model, off)
     sources = []
     for name, v in tensors.items():
-        module, _, leaf = name.rpartition(".")
-        if any(f".{d}." in f".{module}." for d in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
-                                                    "lora_magnitude_vector")):
+        if _is_adapter(name):
             continue
-        out = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        module, _, leaf = name.rpartition(".")
+        out = base_name(name)
         layer = layers.get(module.removesuffix(".base_layer")) if module.endswith(".base_layer") else None
         source = _source(off, out, v)
         if layer is not None and leaf == "weight":
@@ -287,4 +329,4 @@ def _merged_source(source: TensorSource, layer: Any, value: Any, layer_name: str
     return TensorSource(source.name, source.shape, source.dtype, borrow)
 
 
-__all__ = ["save_merged", "save_pretrained", "stream_checkpoints"]
+__all__ = ["load_base_weights", "save_merged", "save_pretrained", "stream_checkpoints"]
