@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"losses: {' '.join(f'{x:.3f}' for x in losses)}")
         print(f"saved to {final}; generated after {prompt[0].tolist()}: {generated[0, 8:].tolist()}")
         if store is not None:
-            print(f"peak RSS {peak_rss_bytes() / 2**20:.0f} MiB; host budget {store.config.host_budget_bytes / 2**20:.0f} MiB")
+            print(f"peak RSS {peak_rss_bytes() / 2**20:.0f} MiB; host budget "
+                  f"{store.config.host_budget_bytes / 2**20:.0f} MiB")
         if store is not None:
             print(f"drive: {store.stats_dict()['bytes_read_nvme'] / 2**20:.1f} MiB read, "
                   f"{store.stats_dict()['bytes_written_nvme'] / 2**20:.1f} MiB written")

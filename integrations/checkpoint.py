@@ -85,6 +85,11 @@ def _plain_source(name: str, tensor: torch.Tensor) -> TensorSource:
     return TensorSource(name, tuple(tensor.shape), tensor.dtype, borrow)
 
 
+def tensor_source(store: TierStore | None, name: str, v: Any) -> TensorSource:
+    """What saves one tensor of :func:`_model_tensors`: a store key borrowed from the host tier, or the tensor."""
+    return _store_source(store, v, name) if isinstance(v, str) and store is not None else _plain_source(name, v)
+
+
 def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for mname, module in model.named_modules():
         for bname, b in module._buffers.items():
@@ -134,8 +139,7 @@ def save_checkpoint(path: str, model: nn.Module | Offloaded, optimizer: Offloade
         raise RuntimeError(f"cannot save a checkpoint of values that mix two steps: {off.broken}")
     tensors, aliases = _model_tensors(model, off) if weights else ({}, {})
     store = off.store if off is not None else None
-    sources = [_store_source(store, v, name) if isinstance(v, str) and store is not None else _plain_source(name, v)
-               for name, v in tensors.items()]
+    sources = [tensor_source(store, name, v) for name, v in tensors.items()]
     files = {MODEL_FILE: sources}
     metadata: dict[str, Any] = {
         "aliases": aliases,

@@ -43,16 +43,16 @@ from torch import nn
 from tierstore import CheckpointError, parse_bytes
 from tierstore._checkpoint import TensorSource, read_raw, safetensors_entries, write_safetensors_file
 
-from ._base import OffloadBase, offloaded_of
+from ._base import OffloadBase
 from .checkpoint import (
     _load_tensors,
     _model_tensors,
-    _plain_source,
-    _store_source,
     load_checkpoint,
     load_safetensors,
     save_checkpoint,
+    tensor_source,
 )
+from .checkpoint import _offloaded as _model_and_offload
 from .optim import OffloadedAdamW
 
 OPTIMIZER_DIR = "tierstore_optimizer"
@@ -72,9 +72,7 @@ def _is_peft(model: nn.Module) -> bool:
 
 
 def _offloaded(model: nn.Module | OffloadBase) -> tuple[nn.Module, OffloadBase]:
-    if isinstance(model, OffloadBase):
-        return model.model, model
-    off = offloaded_of(model)
+    model, off = _model_and_offload(model)
     if off is None:
         raise ValueError(f"{type(model).__name__} is not offloaded: call offload_model(model, store) first")
     return model, off
@@ -102,12 +100,13 @@ def save_pretrained(model: nn.Module | OffloadBase, save_directory: str | os.Pat
         return
     ignore = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
     tensors, _ = _model_tensors(model, off)
-    sources = [_source(off, name, v) for name, v in tensors.items() if name not in ignore]
+    sources = [tensor_source(off.store, name, v) for name, v in tensors.items() if name not in ignore]
     write_weights(os.fspath(save_directory), sources, max_shard_size, kwargs.get("variant"))
 
 
-def _source(off: OffloadBase, name: str, v: Any) -> TensorSource:
-    return _store_source(off.store, v, name) if isinstance(v, str) else _plain_source(name, v)
+def _read(off: OffloadBase, v: Any) -> torch.Tensor:
+    """The value of a tensor of ``_model_tensors``: a store key's, read from the store, or the tensor's."""
+    return off.store.read(v) if isinstance(v, str) else v.detach()
 
 
 def write_weights(directory: str, sources: list[TensorSource], max_shard_size: int | str,
@@ -149,11 +148,8 @@ class _LazyStateDict(dict):
         self.update({alias: tensors[name] for alias, name in aliases.items()})
         self._off = off
 
-    def _value(self, v: Any) -> Any:
-        return self._off.store.read(v) if isinstance(v, str) else v.detach()
-
     def __getitem__(self, key: str) -> Any:
-        return self._value(super().__getitem__(key))
+        return _read(self._off, super().__getitem__(key))
 
     def get(self, key: str, default: Any = None) -> Any:
         return self[key] if key in self else default
@@ -291,16 +287,12 @@ def save_merged(model: nn.Module | OffloadBase, save_directory: str | os.PathLik
         module, _, leaf = name.rpartition(".")
         out = base_name(name)
         layer = layers.get(module.removesuffix(".base_layer")) if module.endswith(".base_layer") else None
-        source = _source(off, out, v)
+        source = tensor_source(off.store, out, v)
         if layer is not None and leaf == "weight":
-            source = _merged_source(source, layer, partial(_value, off, tensors), module.removesuffix(".base_layer"))
+            source = _merged_source(source, layer, lambda name: _read(off, tensors[name]),
+                                    module.removesuffix(".base_layer"))
         sources.append(source)
     write_weights(os.fspath(save_directory), sources, max_shard_size)
-
-
-def _value(off: OffloadBase, tensors: dict[str, Any], name: str) -> torch.Tensor:
-    v = tensors[name]
-    return off.store.read(v) if isinstance(v, str) else v.detach()
 
 
 def _merged_source(source: TensorSource, layer: Any, value: Any, layer_name: str) -> TensorSource:

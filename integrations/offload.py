@@ -46,7 +46,6 @@ from ._base import STATE_KEY, OffloadBase, OffloadedParameterError, UnitStats, c
 from ._build import check_names_free, put_parameters, room_for, to_compute_device
 from ._contract import zero_grads
 from ._grads import GradientStore, check_grad_dtype, grad_home, grad_key
-from .hf import is_hf_model, save_pretrained
 from ._meta import check_meta
 from ._param import OffloadedParameter, StoredParam, refuse_other_optimizers_from_now
 from ._pass import PassState
@@ -63,6 +62,7 @@ from ._unit import (
     refuse_whole_model,
     unit_modules,
 )
+from .hf import is_hf_model, save_pretrained
 
 
 @dataclass
