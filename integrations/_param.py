@@ -9,8 +9,9 @@ reads it is intercepted (below); ``.data`` and ``detach()``, which would alias
 it, fetch it on demand as any read does inside the model's forward and
 backward, and elsewhere give a meta tensor instead, whose computations yield
 meta tensors, never values; one that would mix it with a real tensor
-(``ema.add_(p.data)``, which torch alone computes as a silent no-op) or copy
-it off the meta device raises.
+(``ema.add_(p.data)``, which torch alone computes as a silent no-op), copy
+it off the meta device, or clone it (``p.detach().clone()``, the idiom for a
+copy of the values) raises.
 So no stand-in value can ever reach compute.
 Nor can a write be lost: one into that meta tensor or a view of it
 (``p.data.normal_()``, ``p.data[0] = 1``, as initialization code does), an
@@ -324,9 +325,11 @@ class _Alias(torch.Tensor):
         real = [t for t in torch.utils._pytree.tree_leaves((args, kwargs))
                 if isinstance(t, torch.Tensor) and not isinstance(t, _Alias) and not t.is_meta]
         to_real = func is torch.ops.aten._to_copy.default and kwargs.get("device") not in (None, torch.device("meta"))
-        if aliases and (to_real or real and (func._schema.is_mutable or any(t.dim() > 0 for t in real))):
+        if aliases and (to_real or func is torch.ops.aten.clone.default
+                        or real and (func._schema.is_mutable or any(t.dim() > 0 for t in real))):
             # torch computes some ops of a real tensor and a meta one (``ema.add_(p.data)``, ``torch._foreach_
-            # add_``) as a silent no-op: a value would come out that the parameter's values never went into.
+            # add_``) as a silent no-op: a value would come out that the parameter's values never went into. And
+            # ``p.detach().clone()`` is how a copy of the values is taken (an EMA's start): a meta one is none.
             raise OffloadedParameterError(read_message(func.overloadpacket.__name__, aliases[0]._tierstore,
                                                         through=" through its .data or .detach()"))
         unwrap = functools.partial(torch.utils._pytree.tree_map_only, _Alias, lambda a: a._meta)

@@ -152,6 +152,21 @@ def test_gradient_shards_are_kept_in_the_store_through_accumulation_and_clipping
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("flags", [[], ["accumulate-clip"]], ids=["in-backward", "accumulate-clip"])
+def test_a_frozen_backbone_under_fsdp_trains_as_fsdp2_alone(tmp_path, flags):
+    """All but the first layer frozen (see [Note: Frozen parameters in backward]): FSDP2 all-gathers the frozen
+    groups for backward too, and their shards are freed after it as any others are, so a host budget of 256 KiB
+    (a few shards) holds; losses, clip norms, every shard and the first layer's moments equal FSDP2 alone's."""
+    pytest.importorskip("transformers")
+    child = child_script("fsdp_conformance_child.py")
+    lines = _rows(_launch(2, child, "llama-tied", str(tmp_path), "1", "frozen", *flags))
+    assert sorted(r["rank"] for r in lines) == [0, 1]
+    for r in lines:
+        assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"], r
+        assert r["read_bytes"] > 0 and r["trained"] < r["parameters"], r
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", ["tied", "untied"])
 def test_a_model_built_on_meta_is_sharded_into_the_store_as_fsdps_recipe_initializes_it(tmp_path, tied):
     child = child_script("fsdp_meta_child.py")

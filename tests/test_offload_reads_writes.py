@@ -89,7 +89,10 @@ def test_a_write_that_would_be_lost_is_refused(make_store, write):
     lambda ema, p: torch.add(ema, p.data, out=ema),
     lambda ema, p: torch.equal(ema, p.data),
     lambda ema, p: p.detach().to("cpu"),
-], ids=["data-add_", "detach-sub_", "foreach-add_", "foreach-lerp_", "add-out", "equal", "to-cpu"])
+    lambda ema, p: p.detach().clone(),
+    lambda ema, p: p.data.clone(),
+], ids=["data-add_", "detach-sub_", "foreach-add_", "foreach-lerp_", "add-out", "equal", "to-cpu", "detach-clone",
+        "data-clone"])
 def test_a_value_computed_from_data_outside_the_forward_is_refused(make_store, read):
     """``.data`` and ``detach()`` of an offloaded parameter outside the forward are meta tensors with no values.
     torch computes some ops of a real tensor and a meta one as a silent no-op (``cpu.add_(meta)`` returns the

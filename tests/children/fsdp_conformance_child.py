@@ -7,7 +7,9 @@ both sides; ``accumulate-clip`` makes each step two micro-batches and torch's ``
 1.0)`` before the step, and reports the gradient shards found in the store and on the drive after each backward and
 whether ``param.grad`` read equal to FSDP2's (see [Note: Gradient shards in the tiers]); ``8bit-split`` trains the
 model in bf16 with 8-bit moments and split masters, FSDP2 alone stepping each local shard with the layout's
-reference update (torch operations, the state kept beside it), and compares the stored state byte for byte."""
+reference update (torch operations, the state kept beside it), and compares the stored state byte for byte;
+``frozen`` freezes every parameter but the first layer's (a frozen backbone: most groups have nothing to reduce in
+backward, yet are all-gathered for it)."""
 
 import copy
 import json
@@ -98,7 +100,8 @@ def _grads_in_store(store):
     return len(keys), sum("nvme" in store.info(k)["copies"] for k in keys)
 
 
-def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compressed: bool = False) -> None:
+def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compressed: bool = False,
+         frozen: bool = False) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     case = CASES[name]
@@ -107,6 +110,11 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compres
     if compressed:
         base = base.to(torch.bfloat16)
         L.MIN_COMPRESSED = 256  # these models' shards are smaller than the default's bar: compress them all
+    if frozen:
+        first = next(iter(LAYERS[name](base)))
+        for p in base.parameters():
+            p.requires_grad_(False)
+        first.requires_grad_(True)
     ref = shard(copy.deepcopy(base), LAYERS[name])
     ref_opt = CompressedReference(ref) if compressed else torch.optim.AdamW(
         ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False, fused=fused)
@@ -133,7 +141,8 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compres
                                   "ref": sorted(ref_opt.state)[:6]}), file=sys.stderr, flush=True)
         else:
             same_moments = all(torch.equal(moments[n][m], ref_opt.state[p][m].to_local())
-                               for n, p in ref.named_parameters() for m in ("exp_avg", "exp_avg_sq"))
+                               for n, p in ref.named_parameters() if p.requires_grad
+                               for m in ("exp_avg", "exp_avg_sq"))
         read = store.stats_dict()["bytes_read_nvme"]
         # A layer: its uses in the step's trace.
         first = next(g for g in off.units() if "layers" in g or ".h." in g or "layer_groups" in g)
@@ -147,7 +156,8 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compres
             removed_clean = kept > 0 and _grads_in_store(store)[0] == 0 and all(
                 p.grad is None for p in model.parameters())
     print(json.dumps({"rank": rank, "ref": ref_losses, "ours": losses, "same_parameters": same,
-                      "same_moments": same_moments, "read_bytes": read, "uses_of_a_layer": uses,
+                      "same_moments": same_moments, "read_bytes": read,
+                      "trained": len(moments), "parameters": len(list(model.parameters())), "uses_of_a_layer": uses,
                       "uses_of_it_in_forward": forward.count(first), "verdict": off.placement_verdict,
                       "grads_in_store": [x["in_store"] for x in seen], "removed_clean": removed_clean,
                       "same_grads": [len(a["grads"]) == len(b["grads"]) and all(map(torch.equal, a["grads"], b["grads"]))
@@ -157,6 +167,6 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compres
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1, "fused" in sys.argv[4:],
-         "accumulate-clip" in sys.argv[4:], "8bit-split" in sys.argv[4:])
+         "accumulate-clip" in sys.argv[4:], "8bit-split" in sys.argv[4:], "frozen" in sys.argv[4:])
     sys.stdout.flush()
     os._exit(0)  # skip C++ teardown at exit, as the torchrun example does (see tierstore/tools/fsdp_train.py)
