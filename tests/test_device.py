@@ -24,6 +24,28 @@ def test_late_copies_never_show_wrong_bytes(make_store, seed):
     assert device.copies > 100  # the device tier was really used
 
 
+def test_pinned_host_tier_locks_exactly_the_arenas_it_holds(make_store):
+    """A device that pins the host tier (as CUDA does) through the store: the bytes page-locked never exceed the
+    host budget, equal the host pool's arenas, and are all unlocked when the store closes (see [Note: Pinned host
+    memory]); the values read back are right throughout."""
+    from test_memory import PageLocks
+
+    locks = PageLocks()
+
+    class PinningDevice(SimulatedDevice):
+        pins_host = True
+
+        def pin(self, data):
+            return locks.pin(data)
+
+    store = make_store(host_budget_bytes=5 * 4 * N, device_budget_bytes=3 * 4 * N, device=PinningDevice())
+    checked_workload(store, numel=N)
+    host = store.memory()["host"]
+    assert 0 < locks.bytes == host["pinned_bytes"] == host["held_bytes"] and locks.peak <= 5 * 4 * N
+    store.close()
+    assert locks.locked == {}
+
+
 def test_offloaded_training_on_a_late_device_is_bit_identical(make_store):
     torch.manual_seed(0)
     cfg = PRESETS["tiny"]

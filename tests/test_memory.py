@@ -23,7 +23,7 @@ def _counting(pool: TierPool) -> list[int]:
     made: list[int] = []
     new = pool._new
 
-    def counted(size: int) -> torch.Tensor:
+    def counted(size: int) -> object:
         made.append(size)
         return new(size)
 
@@ -107,6 +107,66 @@ def test_pinned_and_gpu_pools_reuse_exact_sizes_only():
     pool.free(c)
     d = pool.try_alloc(768 * KIB)  # the free 512 KiB arena goes back to make room
     assert d is not None and pool.held_bytes == 1024 * KIB
+
+
+class PageLocks:
+    """Stands in for cudaHostRegister/cudaHostUnregister (see [Note: Pinned host memory]): the ranges locked now,
+    each checked to be an arena's whole memory, locked once, unlocked once."""
+
+    def __init__(self) -> None:
+        self.locked: dict[int, int] = {}  # address -> bytes
+        self.peak = 0
+
+    def pin(self, data: torch.Tensor):
+        ptr, nbytes = data.data_ptr(), data.numel()
+        assert ptr % PAGE_BYTES == 0 and nbytes % PAGE_BYTES == 0
+        assert all(ptr + nbytes <= a or a + n <= ptr for a, n in self.locked.items())  # no range locked twice
+        self.locked[ptr] = nbytes
+        self.peak = max(self.peak, self.bytes)
+        return lambda: self.locked.pop(ptr)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.locked.values())
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 700 * KIB), st.integers(0, 50)), min_size=1, max_size=60))
+def test_pinned_memory_is_the_arenas_held_byte_for_byte(ops):
+    """The bytes page-locked are the pool's arenas exactly, never over the budget (no power-of-two rounding, no
+    freed block left locked), and none stay locked once the pool closes."""
+    locks = PageLocks()
+    pool = TierPool(Tier.HOST, 2048 * KIB + 1234, torch.device("cpu"), pin=locks.pin)
+    assert not pool.carve_any
+    live: list = []
+    for alloc, nbytes, pick in ops:
+        if alloc or not live:
+            buf = pool.try_alloc(nbytes)
+            if buf is None:  # exact sizes only: refused when the live arenas leave no room for it
+                assert pool.live_bytes + pool.capacity_for(nbytes) > pool.budget_bytes
+                continue
+            live.append(buf)
+        else:
+            pool.free(live.pop(pick % len(live)))
+        assert locks.bytes == pool.pinned_bytes == pool.held_bytes <= pool.budget_bytes
+        assert sorted(locks.locked.items()) == sorted((a.data.data_ptr(), a.size) for a in pool._arenas)
+    assert locks.peak <= pool.budget_bytes
+    for buf in live:
+        pool.free(buf)
+    pool.close()
+    assert locks.locked == {} and pool.pinned_bytes == pool.held_bytes == 0
+
+
+def test_pinned_arenas_a_tensor_still_views_are_unlocked_at_close():
+    locks = PageLocks()
+    pool = TierPool(Tier.HOST, 1024 * KIB, torch.device("cpu"), pin=locks.pin)
+    buf = pool.try_alloc(100 * KIB)
+    assert buf is not None and locks.bytes == pool.capacity_for(100 * KIB)
+    view = buf.data[:10]  # kept by its user, the buffer never freed
+    pool.close()
+    assert locks.locked == {} and pool.pinned_bytes == 0
+    view.fill_(7)  # the memory is still there, unlocked
+    assert bool((view == 7).all())
 
 
 def test_wholly_free_arenas_go_back_for_a_larger_request():

@@ -201,7 +201,8 @@ class StoreState:
         """Bytes held and peak per tier."""
         out = {t.label: {"held_bytes": p.held_bytes, "live_bytes": p.live_bytes,
                          "peak_bytes": p.peak_held_bytes, "budget_bytes": p.budget_bytes,
-                         "frees_kept_for_views": p.viewed_frees}  # see [Note: A freed buffer still viewed]
+                         "frees_kept_for_views": p.viewed_frees,  # see [Note: A freed buffer still viewed]
+                         "pinned_bytes": p.pinned_bytes}  # see [Note: Pinned host memory]
                for t, p in self.pools.items()}
         e = self.engine
         out["nvme"] = {"held_bytes": e.used_bytes if e else 0, "live_bytes": e.used_bytes if e else 0,

@@ -24,10 +24,12 @@ CPU as wrong bytes in a test.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ._memory import Buffer
-from ._types import Tier
+from ._types import Tier, TierStoreError
 
 
 class Device:
@@ -54,6 +56,11 @@ class Device:
 
     def ready_for_compute(self, buf: Buffer) -> None:
         """Make the compute that follows see ``buf``'s bytes (a device copy ``get()`` returns)."""
+
+    def pin(self, data: torch.Tensor) -> Callable[[], None]:
+        """Page-lock the host memory of ``data`` in place (a host tier arena, when :attr:`pins_host`); returns
+        what unlocks it (see [Note: Pinned host memory])."""
+        raise NotImplementedError(f"{type(self).__name__} pins no host memory")
 
     def ready_for_cpu(self, buf: Buffer) -> None:
         """Block until no pending work writes ``buf`` (a host buffer the CPU or the drive reads next)."""
@@ -89,6 +96,20 @@ class CudaDevice(Device):
             event.record(stream)
         dst.add_event(stream, event)
         src.add_event(stream, event)
+
+    def pin(self, data: torch.Tensor) -> Callable[[], None]:
+        cudart, ptr, nbytes = torch.cuda.cudart(), data.data_ptr(), data.numel() * data.element_size()
+        err = cudart.cudaHostRegister(ptr, nbytes, 0)
+        if int(err) != 0:
+            raise TierStoreError(
+                f"could not page-lock {nbytes} bytes of host memory for the host tier (cudaHostRegister: {err}); "
+                f"raise the locked-memory limit (ulimit -l), lower host_budget_bytes, or set "
+                f"pin_host_memory=False")
+
+        def unpin() -> None:
+            cudart.cudaHostUnregister(ptr)
+
+        return unpin
 
     def record_use(self, buf: Buffer) -> None:
         stream = torch.cuda.current_stream(self.device)

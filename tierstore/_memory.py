@@ -34,6 +34,23 @@ arena. So any request that fits the budget beside the live bytes is met, as
 with one buffer per request. Pinned and GPU memory cannot give pages back
 piecemeal, so their pools carve a free range only for a request of its exact
 size: no pieces, and the old reuse by size.
+
+[Note: Pinned host memory] With CUDA the host tier is page-locked, so that
+copies to and from the device run asynchronously at the link's rate. Its
+arenas are not ``torch.empty(pin_memory=True)``: torch's caching host
+allocator (aten/src/ATen/core/CachingHostAllocator.h, ``allocate``) rounds
+every request up to a power of two (``c10::llvm::PowerOf2Ceil``; a 64 MiB
+arena plus its alignment page would pin 128 MiB), never splits a block, and
+keeps freed blocks page-locked in its free lists until
+``torch.cuda.host_memory_empty_cache()``: the host budget would understate
+pinned memory by up to 2x, and an arena the pool gave back would stay pinned.
+So an arena is plain page-aligned memory (:func:`aligned_empty`, huge pages
+included) that the device page-locks in place (``cudaHostRegister``, what the
+same allocator does under ``pinned_use_cuda_host_register``), exactly its
+size; the pool unlocks it (``cudaHostUnregister``) when it gives the arena
+back and when the store closes. ``TierPool.pinned_bytes`` is what is locked
+now: the arenas held, byte for byte. Pinned pools carve no pieces (above),
+so a pinned arena is one buffer, and its size is the buffer's capacity.
 """
 
 from __future__ import annotations
@@ -42,6 +59,7 @@ import bisect
 import ctypes
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -89,12 +107,12 @@ def insert_free_range(free: list[tuple[int, int]], offset: int, length: int) -> 
         del free[i]
 
 
-def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
-    """A uint8 CPU tensor of ``nbytes`` whose data starts on a page boundary, pre-faulted; plain memory of a
-    huge page or more starts on a huge page and asks for huge pages (see [Note: Huge pages])."""
-    huge = not pin and _libc is not None and nbytes >= HUGE_PAGE_BYTES
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of ``nbytes`` whose data starts on a page boundary, pre-faulted; one of a huge page or
+    more starts on a huge page and asks for huge pages (see [Note: Huge pages])."""
+    huge = _libc is not None and nbytes >= HUGE_PAGE_BYTES
     align = HUGE_PAGE_BYTES if huge else PAGE_BYTES
-    raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)
+    raw = torch.empty(nbytes + align, dtype=torch.uint8)
     offset = (-raw.data_ptr()) % align
     buf = raw[offset:offset + nbytes]
     if huge:
@@ -112,6 +130,7 @@ class _Arena:
     free: list[tuple[int, int]]  # (offset, length), sorted by offset, coalesced
     live: int = 0  # bytes handed out
     dissolved: bool = False  # its free pages went back to the system; nothing more is carved from it
+    unpin: Callable[[], None] | None = None  # unlocks its pages (see [Note: Pinned host memory])
 
     def take(self, offset: int, length: int, index: int) -> None:
         """Carve [offset, offset+length) from the start of free range ``index``."""
@@ -199,9 +218,14 @@ class Buffer:
 
 
 class TierPool:
-    """Hands out buffers of one tier without ever holding more than ``budget_bytes``."""
+    """Hands out buffers of one tier without ever holding more than ``budget_bytes``.
 
-    def __init__(self, tier: Tier, budget_bytes: int, device: torch.device, *, pin: bool = False,
+    ``pin``: page-locks a new host arena in place and returns what unlocks it (the device's
+    :meth:`~tierstore._device.Device.pin`; see [Note: Pinned host memory]).
+    """
+
+    def __init__(self, tier: Tier, budget_bytes: int, device: torch.device, *,
+                 pin: Callable[[torch.Tensor], Callable[[], None]] | None = None,
                  arena_bytes: int = ARENA_BYTES) -> None:
         self.tier = tier
         self.budget_bytes = budget_bytes
@@ -209,13 +233,14 @@ class TierPool:
         self.pin = pin
         self.arena_bytes = align_up(arena_bytes)
         # Plain host memory can carve requests from larger free ranges (see [Note: Allocate once, reuse]).
-        self.carve_any = device.type == "cpu" and not pin and _libc is not None
+        self.carve_any = device.type == "cpu" and pin is None and _libc is not None
         self._lock = threading.Lock()
         self._arenas: list[_Arena] = []
         self._fenced: list[Buffer] = []  # freed with device work pending on them: not reusable yet
         self.held_bytes = 0  # arenas taken from the system
         self.live_bytes = 0  # handed out
         self.peak_held_bytes = 0
+        self.pinned_bytes = 0  # page-locked now (see [Note: Pinned host memory])
         self.viewed_frees = 0  # freed while a tensor viewed them (see [Note: A freed buffer still viewed])
 
     @staticmethod
@@ -242,7 +267,7 @@ class TierPool:
             self.held_bytes += size  # reserved while the arena is faulted in
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
         try:
-            arena = _Arena(self._new(size), size, [(0, size)])
+            arena = self._new(size)
         except BaseException:
             with self._lock:
                 self.held_bytes -= size
@@ -311,8 +336,19 @@ class TierPool:
         for arena in sorted((a for a in self._arenas if a.live == 0), key=lambda a: a.size):
             if cap is not None and self.held_bytes + cap <= self.budget_bytes:
                 return
-            self._arenas.remove(arena)
-            self.held_bytes -= arena.size
+            self._drop_locked(arena)
+
+    def _drop_locked(self, arena: _Arena) -> None:
+        """Forget a wholly free arena: its memory goes back to the system once no tensor views it, unlocked now."""
+        self._arenas.remove(arena)
+        self.held_bytes -= arena.size
+        self._unpin_locked(arena)
+
+    def _unpin_locked(self, arena: _Arena) -> None:
+        if arena.unpin is not None:
+            arena.unpin()
+            arena.unpin = None
+            self.pinned_bytes -= arena.size
 
     def _room_possible_locked(self, cap: int) -> bool:
         """Whether an arena for ``cap`` bytes fits the budget once the wholly free arenas are given back."""
@@ -355,10 +391,15 @@ class TierPool:
         else:
             arena.give(buf.offset, buf.capacity)
 
-    def _new(self, size: int) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return aligned_empty(size, pin=self.pin)
-        return torch.empty(size, dtype=torch.uint8, device=self.device)
+    def _new(self, size: int) -> _Arena:
+        if self.device.type != "cpu":
+            return _Arena(torch.empty(size, dtype=torch.uint8, device=self.device), size, [(0, size)])
+        arena = _Arena(aligned_empty(size), size, [(0, size)])
+        if self.pin is not None:
+            arena.unpin = self.pin(arena.data)
+            with self._lock:
+                self.pinned_bytes += size
+        return arena
 
     def free(self, buf: Buffer, label: str = "") -> None:
         with self._lock:
@@ -394,3 +435,11 @@ class TierPool:
         with self._lock:
             self._unfence_locked(wait=True)
             self._give_back_idle_locked()
+
+    def close(self) -> None:
+        """The store is closing: every wholly free arena goes back, and no page stays locked (an arena a tensor
+        still views keeps its memory until that tensor goes, unlocked)."""
+        self.clear()
+        with self._lock:
+            for arena in self._arenas:
+                self._unpin_locked(arena)

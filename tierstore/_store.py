@@ -107,7 +107,8 @@ class TierStore:
         self.device = device.device
         pools = {
             Tier.DEVICE: TierPool(Tier.DEVICE, config.device_budget_bytes, device.device),
-            Tier.HOST: TierPool(Tier.HOST, config.host_budget_bytes, torch.device("cpu"), pin=device.pins_host),
+            Tier.HOST: TierPool(Tier.HOST, config.host_budget_bytes, torch.device("cpu"),
+                                pin=device.pin if device.pins_host else None),
         }
         engine = NvmeEngine(config, syscalls=syscalls, stats=self.stats) if config.nvme_path is not None else None
         self._state = state = StoreState(config, self.stats, device, pools, engine)
@@ -478,7 +479,7 @@ class TierStore:
                     state.free_copy(entry, copy)
             state.entries.clear()
             for pool in state.pools.values():
-                pool.clear()
+                pool.close()
         state.device.close()
 
     @property
