@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="the weights' dtype")
     p.add_argument("--moments", default="fp32", help="OffloadedAdamW's moments: fp32, bf16 or 8bit")
-    p.add_argument("--master", default=None, help="OffloadedAdamW's master weights of bf16/fp16 weights: fp32, "
-                   "split or none (default: fp32)")
+    p.add_argument("--master-weights", dest="master", default=None,
+                   help="OffloadedAdamW's master weights of bf16/fp16 weights: fp32, split or none (default: fp32)")
     p.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R (peft) on a "
                    "frozen base")
     p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",

@@ -94,7 +94,7 @@ def save_pretrained(model: nn.Module | OffloadBase, save_directory: str | os.Pat
         raise ValueError("save_pretrained(push_to_hub=True) of an offloaded model: save it, then upload the "
                          "directory (huggingface_hub's upload_folder)")
     if _is_peft(model):
-        return original(state_dict=_LazyStateDict(model, off), **kwargs)
+        return original(state_dict=_adapter_state_dict(model, off, kwargs), **kwargs)
     original(state_dict={}, max_shard_size=max_shard_size, **kwargs)  # everything but the tensors
     if not kwargs.get("is_main_process", True):
         return
@@ -136,6 +136,40 @@ def write_weights(directory: str, sources: list[TensorSource], max_shard_size: i
     index_name = WEIGHTS_INDEX_NAME if not variant else f"model.safetensors.index.{variant}.json"
     with open(os.path.join(directory, index_name), "w", encoding="utf-8") as f:
         f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+class _Unread:
+    """A frozen offloaded tensor's place in the state dict :func:`_adapter_state_dict` shows peft: its store key,
+    read only if peft keeps the tensor."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _adapter_state_dict(model: nn.Module, off: OffloadBase, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The state dict to give peft's ``save_pretrained``: every tensor of the model but its frozen offloaded ones,
+    and of those only what peft keeps of them (embedding layers it saves, say), each read once. peft filters a
+    whole state dict into a new dict of its values (``_filter_state_dict_for_adapter_name``), so any dict whose
+    values are the base's tensors, however lazily read, would bring the whole base into memory: peft is first
+    shown one whose frozen values are stand-ins, and what it keeps of them is what is read. A peft method that
+    computes with a frozen base tensor while picking its state (none of LoRA's) gets the lazily read dict."""
+    from peft.utils import get_peft_model_state_dict
+
+    tensors, aliases = _model_tensors(model, off)
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    shown = {n: _Unread(v) if isinstance(v, str) and n in frozen else v for n, v in tensors.items()}
+    shown.update({alias: shown[name] for alias, name in aliases.items()})
+    adapters = kwargs.get("selected_adapters") or list(model.peft_config)
+    try:
+        kept = {v.key for a in adapters for v in get_peft_model_state_dict(
+            model, state_dict=shown, adapter_name=a,
+            save_embedding_layers=kwargs.get("save_embedding_layers", "auto")).values() if isinstance(v, _Unread)}
+    except (AttributeError, TypeError):  # it computed with a stand-in
+        return _LazyStateDict(model, off)
+    return {n: _read(off, v.key if isinstance(v, _Unread) else v) for n, v in shown.items()
+            if not isinstance(v, _Unread) or v.key in kept}
 
 
 class _LazyStateDict(dict):

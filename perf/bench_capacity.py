@@ -20,7 +20,7 @@ alone would add the model's fp32 weights to the peak.
 
 With ``--preset`` the model is a Llama of transformers (``LlamaConfig``, built on meta, bf16 weights computed in
 bf16 or in fp32, whichever multiplies faster on this CPU, measured (``--compute``: see tierstore/tools/upcast.py)) trained on one repeated batch of token ids, with the optimizer state layout
-``--moments``/``--master`` (8-bit moments and split masters by default; see [Note: Compressed optimizer state]):
+``--moments``/``--master-weights`` (8-bit moments and split masters by default; see [Note: Compressed optimizer state]):
 
     python perf/bench_capacity.py --preset llama-7b --steps 3 --nvme-path DIR --json OUT
 
@@ -239,8 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--preset", choices=sorted(LLAMA), help="a Llama of transformers instead of the Linear stack")
     p.add_argument("--moments", default=None, help="optimizer moments: fp32, bf16, 8bit (default: 8bit with "
                                                    "--preset, else fp32)")
-    p.add_argument("--master", default=None, help="masters of bf16 weights: fp32, split, none (default: split "
-                                                  "with --preset)")
+    p.add_argument("--master-weights", dest="master", default=None,
+                   help="masters of bf16 weights: fp32, split, none (default: split with --preset)")
     p.add_argument("--compute", default="auto", choices=COMPUTE_CHOICES,
                    help="--preset: compute the bf16 weights in bf16 (param) or in fp32; auto (the default) times "
                    "both on one small layer and keeps the faster")
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-capacity-", dir=args.nvme_path or "/var/tmp") as d:
         load = ["--load", _write_pretrained(args, d)] if args.pretrained else []
         for mode in modes:
-            preset = ["--preset", args.preset, "--moments", args.moments, "--master", args.master, "--compute",
+            preset = ["--preset", args.preset, "--moments", args.moments, "--master-weights", args.master, "--compute",
                       args.compute, "--tokens",
                       str(args.tokens), "--drive-mib", str(args.drive_mib), "--lr", str(args.lr)] if args.preset else []
             cmd = [sys.executable, os.path.abspath(__file__), "--child", *preset, "--mode", mode, "--layers",

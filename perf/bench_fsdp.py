@@ -22,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 
+from tierstore.tools import flags
+
 
 def run_depth(args: argparse.Namespace, depth: int, *, check: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-fsdp-", dir=args.nvme_path) as d:
@@ -32,8 +34,7 @@ def run_depth(args: argparse.Namespace, depth: int, *, check: bool = False) -> d
                "--json", out]
         if args.host_budget:
             cmd += ["--host-budget", args.host_budget]
-        if args.step_in_backward:
-            cmd.append("--step-in-backward")
+        cmd += ["--optimizer-step", args.optimizer_step]
         if check:  # also trains FSDP2 alone first: the reference step time, and a bit-for-bit check
             cmd.append("--check")
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, os.cpu_count() or 1)
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--nvme-path", default=".")
     p.add_argument("--host-budget", help="per rank (default: a third of the rank's state)")
-    p.add_argument("--step-in-backward", action="store_true", help="overlap the optimizer with backward")
+    flags.add_optimizer_step(p)
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     if args.steps < 2:

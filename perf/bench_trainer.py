@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--host-budget", default=None, help="default: the preset's")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
     p.add_argument("--moments", default="8bit", help="OffloadedAdamW's moments: fp32, bf16 or 8bit")
-    p.add_argument("--master", default="split", help="OffloadedAdamW's master weights: fp32, split or none")
+    p.add_argument("--master-weights", dest="master", default="split",
+                   help="OffloadedAdamW's master weights: fp32, split or none")
     p.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA of rank R on a frozen base")
     p.add_argument("--steps", type=int, default=2, help="steps before the checkpoint resumed from")
     p.add_argument("--batch-size", type=int, default=1, help="sequences a micro-batch")

@@ -60,7 +60,7 @@ def test_demo_loss_falls_at_its_default_learning_rate(tmp_path, preset):
 def test_demo_bf16_with_compressed_state_names_the_compute_it_chose(tmp_path, capsys):
     out = tmp_path / "demo.json"
     assert _cli.main(["demo", "--preset", "tiny", "--steps", "4", "--batch-size", "16", "--dtype", "bf16",
-                      "--moments", "8bit", "--master", "split", "--nvme-path", str(tmp_path), "--host-budget",
+                      "--moments", "8bit", "--master-weights", "split", "--nvme-path", str(tmp_path), "--host-budget",
                       "640KiB", "--measure-drive", "16", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     drive = res["drive_mixed_gbps"]  # the drive measured before the first step and after each

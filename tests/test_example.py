@@ -60,14 +60,14 @@ def test_the_example_with_lora_in_bf16_matches_the_resident_run_and_merges(tmp_p
               "--lora", "4", "--dtype", "bf16"]
     resident = ex.main([*common, "--output", str(tmp_path / "resident"), "--resident"])
     offloaded = ex.main([*common, "--output", str(tmp_path / "offloaded"), "--nvme-path", nvme_dir,
-                         "--host-budget", "2MiB", "--master", "fp32"])
+                         "--host-budget", "2MiB", "--master-weights", "fp32"])
     assert offloaded["losses"] == resident["losses"] and len(resident["losses"]) == 4
     adapter = "adapter_model.safetensors"
     with open(os.path.join(offloaded["final"], adapter), "rb") as a, open(os.path.join(resident["final"], adapter),
                                                                           "rb") as b:
         assert a.read() == b.read()
     resumed = ex.main([*common, "--output", str(tmp_path / "resumed"), "--nvme-path", nvme_dir, "--host-budget",
-                       "2MiB", "--master", "fp32", "--resume", str(tmp_path / "offloaded" / "checkpoint-2")])
+                       "2MiB", "--master-weights", "fp32", "--resume", str(tmp_path / "offloaded" / "checkpoint-2")])
     assert resumed["losses"][-2:] == resident["losses"][-2:]
     import peft
 

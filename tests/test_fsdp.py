@@ -56,7 +56,8 @@ def _torchrun(ranks: int, result: pathlib.Path, *args: str) -> dict:
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_fsdp_offload_is_bit_identical_and_sharded_as_planned(tmp_path, ranks):
     res = _torchrun(ranks, tmp_path / "result.json", "--preset", "small", "--steps", "2", "--batch-size", "2",
-                    "--nvme-path", str(tmp_path), "--host-budget", "2MiB", "--device-budget", "1MiB")
+                    "--nvme-path", str(tmp_path), "--host-budget", "2MiB", "--device-budget", "1MiB",
+                    "--prefetch-depth", "2", "--optimizer-step", "after-backward")
     assert all(s["read_bytes"] > 0 and s["written_bytes"] > 0 for s in res["steps"])
     plan = make_plan(PlanConfig(params=res["params"], ranks=ranks, dtype="fp32", optimizer="adamw",
                                 host_budget_bytes=2 * MIB, device_budget_bytes=1 * MIB))
@@ -199,7 +200,7 @@ def test_fsdp_checkpoint_resumes_bit_identically_and_consolidates(tmp_path):
     ckpt = tmp_path / "ckpt"
     res = _torchrun(2, tmp_path / "result.json", "--preset", "tiny", "--steps", "6", "--save-at", "1",
                     "--checkpoint", str(ckpt), "--nvme-path", str(tmp_path), "--host-budget", "128KiB",
-                    "--device-budget", "64KiB", "--step-in-backward")  # the optimizer overlapping backward too
+                    "--device-budget", "64KiB", "--optimizer-step", "in-backward")  # overlapping backward
     assert res["resumed_identical"] is True  # the 5 steps after the step-1 checkpoint, resumed: same losses
     assert sorted(os.listdir(ckpt)) == ["manifest.json", "rank00000", "rank00001"]
     full = st.load_file(str(tmp_path / "ckpt.consolidated.safetensors"))  # compared with FSDP2's full tensors
@@ -214,7 +215,8 @@ def test_compressed_state_under_fsdp_checkpoints_as_it_is_and_resumes_bit_identi
     ckpt, result = tmp_path / "ckpt", tmp_path / "result.json"
     _launch(2, "-m", "tierstore.tools.fsdp_train", "--preset", "tiny", "--steps", "5", "--save-at", "2",
             "--checkpoint", str(ckpt), "--nvme-path", str(tmp_path), "--host-budget", "128KiB",
-            "--device-budget", "64KiB", "--dtype", "bf16", "--moments", "8bit", "--masters", "split",
+            "--device-budget", "64KiB", "--dtype", "bf16", "--moments", "8bit", "--master-weights", "split",
+            "--optimizer-step", "after-backward",
             "--json", str(result))
     res = json.loads(result.read_text())
     assert res["resumed_identical"] is True and res["bit_identical"] is None

@@ -63,6 +63,31 @@ def test_save_pretrained_of_a_model_four_times_the_budget_loads_in_transformers(
     assert _same(back.state_dict(), ref.state_dict())
 
 
+@pytest.mark.parametrize("embeddings", [False, True], ids=["adapter", "with-embedding-layers"])
+def test_saving_an_adapter_reads_none_of_the_frozen_base(embeddings, nvme_dir, tmp_path):
+    """peft's save_pretrained copies the state dict it is given into a new dict before picking the adapter out of
+    it: only what it keeps of the frozen base is read from the store (the embedding layers it is asked to save),
+    and the files are peft's own for the resident model."""
+    st = pytest.importorskip("safetensors.torch")
+    ref, model, units = lora_pair("llama")
+    store = _store(nvme_dir, model)
+    read: list[str] = []
+    try:
+        offload_model(model, store, units=units)
+        frozen = {f"param/{n}" for n, p in model.named_parameters() if not p.requires_grad}
+        store_read = store.read
+        store.read = lambda key, *a, **k: (read.append(key), store_read(key, *a, **k))[1]
+        model.save_pretrained(tmp_path / "ours", save_embedding_layers=embeddings)
+    finally:
+        store.close()
+    embed = {k for k in frozen if "embed_tokens" in k or "lm_head" in k}
+    assert set(read) & frozen == (embed if embeddings else set())
+    ref.save_pretrained(tmp_path / "ref", save_embedding_layers=embeddings)
+    ours = st.load_file(tmp_path / "ours" / "adapter_model.safetensors")
+    assert _same(ours, st.load_file(tmp_path / "ref" / "adapter_model.safetensors"))
+    assert any("embed_tokens" in k for k in ours) == embeddings
+
+
 def test_save_merged_writes_what_peft_merges(nvme_dir, tmp_path):
     ref, model, units = lora_pair("llama")
     store = _store(nvme_dir, model)

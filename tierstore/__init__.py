@@ -5,7 +5,7 @@ engine moves them at the drive's speed and a trace-based scheduler reads them
 ahead of use.
 """
 
-from ._config import StoreConfig, from_deepspeed, from_dict, load_config, parse_bytes
+from ._config import StoreConfig, default_nvme_path, from_deepspeed, from_dict, load_config, parse_bytes
 from ._nvme import Syscalls
 from ._store import Handle, TierStore, open_store
 from ._timeline import Timeline
@@ -44,6 +44,7 @@ __all__ = [
     "TierStore",
     "TierStoreError",
     "Timeline",
+    "default_nvme_path",
     "from_deepspeed",
     "from_dict",
     "load_config",

@@ -55,7 +55,7 @@ def _time(fn) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - t0, out
 
 
-def _run_tierstore(base: nn.Module, x: torch.Tensor, path: str, depth: int, host_budget_bytes: int,
+def _run_tierstore(base: nn.Module, x: torch.Tensor, path: str, depth: int | str, host_budget_bytes: int,
                    device_budget_bytes: int) -> tuple[float, torch.Tensor, dict[str, Any]]:
     model = copy.deepcopy(base)
     config = StoreConfig(nvme_path=path, host_budget_bytes=host_budget_bytes,
@@ -86,7 +86,7 @@ def _run_accelerate(base: nn.Module, x: torch.Tensor, path: str) -> tuple[float,
 
 
 def run_peers_bench(*, path: str, layers: int = 24, width: int = 4096, batch_size: int = 8, rounds: int = 3,
-                    prefetch_depth: int = 4, host_budget_bytes: int | None = None,
+                    prefetch_depth: int | str = 4, host_budget_bytes: int | None = None,
                     device_budget_bytes: int | None = None, log=print) -> dict[str, Any]:
     if layers < 1 or width < 1 or batch_size < 1 or rounds < 1:
         raise ValueError("--layers, --width, --batch-size and --rounds must be >= 1")
@@ -98,7 +98,8 @@ def run_peers_bench(*, path: str, layers: int = 24, width: int = 4096, batch_siz
         have_accelerate = False
     base = _stack(layers, width)
     layer_bytes = width * (width + 1) * 4
-    host = host_budget_bytes or max(4 * MIB, (prefetch_depth + 2) * layer_bytes)
+    window = prefetch_depth if isinstance(prefetch_depth, int) else 4  # "auto": room for a depth of 4
+    host = host_budget_bytes or max(4 * MIB, (window + 2) * layer_bytes)
     device = device_budget_bytes or max(4 * MIB, 2 * layer_bytes)
     x = torch.randn(batch_size, width, generator=torch.Generator().manual_seed(1))
     # Warm both code paths on a tiny model, so no run pays for first imports or first-call setup.

@@ -7,20 +7,14 @@ import json
 import os
 import sys
 
-from tierstore import TierStoreError, __version__
-from tierstore._config import StoreConfig, default_nvme_path, parse_bytes
+from tierstore import StoreConfig, TierStoreError, __version__, default_nvme_path, parse_bytes
 
+from . import flags as F
 from .upcast import COMPUTE_CHOICES
-
-_NVME_PATH_HELP = ("directory on the drive for the swap files (default: $TIERSTORE_NVME_PATH, else "
-                   "$XDG_CACHE_HOME/tierstore or ~/.cache/tierstore)")
-# The default of demo and bench step, both from demo.default_budgets.
-_DEVICE_BUDGET_HELP = "device tier budget (default: a quarter of the weights with CUDA, 1 MiB without)"
-
 
 def _add_drive(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("drive", help="the store's NVMe reads and writes against fio on the same drive")
-    p.add_argument("--nvme-path", "--path", dest="nvme_path", default=None, help=_NVME_PATH_HELP)
+    F.add_nvme_path(p)
     p.add_argument("--size-mib", type=int, default=1024, help="MiB written then read per round (default 1024)")
     p.add_argument("--tensor-mib", type=int, default=64, help="size of each tensor moved (default 64)")
     d = StoreConfig
@@ -35,87 +29,91 @@ def _add_drive(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
 
 
-def main(argv: list[str] | None = None) -> int:
+# bench step's flags each of its modes uses (any other given is an error: see flags.refuse_ignored)
+_STEP_COMMON = {"cmd", "bench", "command_parser", "preset", "batch_size", "rounds", "nvme_path", "host_budget", "device_budget",
+                "json"}
+_STEP_MODES = {
+    "--compile": _STEP_COMMON | {"compile"},
+    "--budget-sweep": _STEP_COMMON | {"budget_sweep", "depths", "optimizer_step", "dtype", "fused", "plot"},
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `tierstore` command line (its vocabulary: tierstore/tools/flags.py, docs/cli.md)."""
     parser = argparse.ArgumentParser(prog="tierstore", description=__doc__)
     parser.add_argument("--version", action="version", version=f"tierstore {__version__}")
     cmds = parser.add_subparsers(dest="cmd", required=True)
     gc = cmds.add_parser("gc", help="remove swap directories left under the nvme path by stores whose process is "
                                     "gone")
     gc.add_argument("path", nargs="?", help="the nvme_path the stores used (the same as --nvme-path)")
-    gc.add_argument("--nvme-path", "--path", dest="nvme_path", default=None, help=_NVME_PATH_HELP)
+    F.add_nvme_path(gc)
     bench = cmds.add_parser("bench", help="benchmarks that print ours, the reference and their ratio")
     bsub = bench.add_subparsers(dest="bench", required=True)
     _add_drive(bsub)
     step = bsub.add_parser("step", help="offloaded step time at several prefetch depths vs resident and the bound")
     step.add_argument("--preset", default="small", help="ViT size (default small)")
-    step.add_argument("--batch-size", type=int, default=32)
+    step.add_argument("--batch-size", type=int, default=32, help="images a step (default 32)")
     step.add_argument("--depths", type=_depths, default="0,1,2,4,8,auto",
-                      help="prefetch depths, numbers or 'auto' (default 0,1,2,4,8,auto)")
+                      help="the prefetch depths compared, numbers or 'auto' (default 0,1,2,4,8,auto)")
     step.add_argument("--placement-ab", action="store_true",
                       help="also run the deepest numeric depth without a placement (alternating, same run)")
     step.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians reported (default 3)")
-    step.add_argument("--nvme-path", "--path", dest="nvme_path", default=None, help=_NVME_PATH_HELP)
-    step.add_argument("--host-budget", help="host tier budget (default: a third of the state)")
-    step.add_argument("--device-budget", help=_DEVICE_BUDGET_HELP)
-    step.add_argument("--dtype", default="fp32",
-                      help="weights: fp32, or bf16 with fp32 masters (the resident reference too; default fp32)")
+    F.add_nvme_path(step)
+    F.add_budgets(step)
+    F.add_dtype(step, choices=("fp32", "bf16"),
+                help="the weights' dtype: fp32, or bf16 with fp32 masters (the resident reference too; default fp32)")
     step.add_argument("--budget-sweep", metavar="K,K,...",
                       help="instead: run at host budgets of state/K for each K (e.g. 2,3,6,10) and print step time "
                            "and bytes per step against the bound for each")
     step.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     step.add_argument("--plot", metavar="FILE.png", help="plot step time and drive GB/s against depth (matplotlib)")
-    step.add_argument("--step-after-backward", action="store_true",
-                      help="run the optimizer after backward instead of overlapping it with backward")
+    F.add_optimizer_step(step)
     step.add_argument("--fused", action="store_true",
                       help="torch's fused AdamW kernel (fused=True) on both sides, resident and offloaded, instead "
                            "of its CPU default")
     step.add_argument("--layouts", metavar="MOMENTS/MASTER,...",
-                      help="also run these optimizer state layouts at the last depth, in the same rounds (e.g. "
-                           "8bit/split,bf16/fp32; see the optimizer's docs)")
+                      help="the optimizer state layouts compared: also run these at the last depth, in the same "
+                           "rounds (e.g. 8bit/split,bf16/fp32; see the optimizer's docs)")
     step.add_argument("--trace", metavar="FILE", help="write a Chrome trace (Perfetto) of one step at the deepest depth")
     step.add_argument("--compile", action="store_true",
                       help="instead: compiled and eager, resident and offloaded, in one run (each ViT block "
                            "compiled in place; depth auto)")
     step.add_argument("--no-rss", action="store_true",
                       help="skip the peak-RSS check (a fresh process training a few steps at the deepest depth)")
+    step.set_defaults(command_parser=step)
     peers = bsub.add_parser("peers", help="cold inference forward, weights on disk: tierstore vs Accelerate's "
                             "disk_offload vs in-memory")
-    peers.add_argument("--nvme-path", "--path", dest="nvme_path", default=None, help=_NVME_PATH_HELP)
+    F.add_nvme_path(peers)
     peers.add_argument("--layers", type=int, default=24, help="Linear layers in the stack (default 24)")
     peers.add_argument("--width", type=int, default=4096, help="features per layer (default 4096)")
-    peers.add_argument("--batch-size", type=int, default=8)
+    peers.add_argument("--batch-size", type=int, default=8, help="rows a forward (default 8)")
     peers.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians reported (default 3)")
-    peers.add_argument("--prefetch-depth", type=int, default=4, help="layers read ahead (default 4)")
-    peers.add_argument("--host-budget", help="host tier budget (default: prefetch depth + 2 layers)")
-    peers.add_argument("--device-budget", help="device tier budget (default: 2 layers)")
+    why = "; one cold forward has no step to choose a depth from"
+    F.add_prefetch_depth(peers, default=4, why=why)
+    F.add_budgets(peers, host_default="the prefetch window and 2 layers, as Accelerate's disk offload holds",
+                  device_default="2 layers")
     peers.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     demo = cmds.add_parser("demo", help="train a ViT with parameters and AdamW state offloaded to NVMe")
     demo.add_argument("--preset", default="small", help="model size: tiny, small, base, large, 1b, 3b (default small)")
-    demo.add_argument("--dtype", default="fp32", help="weights: fp32, or bf16 with masters (default fp32)")
-    demo.add_argument("--moments", default="fp32", help="how AdamW's moments are stored: fp32, bf16 or 8bit "
-                      "(default fp32)")
-    demo.add_argument("--master", default="fp32", help="masters of bf16 weights: fp32, split (exact, 2 bytes) or "
-                      "none (stochastic rounding) (default fp32)")
+    F.add_dtype(demo, choices=("fp32", "bf16"), help="the weights' dtype: fp32, or bf16 with masters (default fp32)")
+    F.add_layout(demo)
     demo.add_argument("--compute", default="auto", choices=COMPUTE_CHOICES,
                       help="compute bf16 weights in their own dtype (param) or in fp32 (cast up in each Linear and "
                       "LayerNorm: for CPUs whose bf16 matrix product is slow); auto, the default, times both on one "
                       "small layer and keeps the faster")
     demo.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
-    demo.add_argument("--batch-size", type=int, default=32, help="images per step (default 32)")
-    demo.add_argument("--nvme-path", "--path", dest="nvme_path", default=None, help=_NVME_PATH_HELP)
-    demo.add_argument("--prefetch-depth", type=_depth, default="auto",
-                      help="groups read ahead of use, or 'auto' to choose each step (default auto)")
+    demo.add_argument("--batch-size", type=int, default=32, help="images a step (default 32)")
+    F.add_nvme_path(demo)
+    F.add_prefetch_depth(demo)
     demo.add_argument("--lr", type=float, help="peak AdamW learning rate, reached after a warm-up over the first "
                       "half of the steps (default by preset: tiny/small 1e-3, base 1e-4, large 3e-5, 1b 1e-5, 3b 5e-6)")
-    demo.add_argument("--host-budget", help="host tier budget, e.g. 64MiB (default: a third of the state)")
-    demo.add_argument("--device-budget", help=_DEVICE_BUDGET_HELP)
+    F.add_budgets(demo)
     demo.add_argument("--json", metavar="FILE", help="write per-step figures as JSON")
     demo.add_argument("--measure-drive", type=int, default=0, metavar="MIB",
                       help="measure the drive's mixed read+write rate with the store before the first step and "
                       "after each (moving MIB MiB each time, 2048 say, outside the steps' time) and print each "
                       "step's share of the two around it (default: not)")
-    demo.add_argument("--step-after-backward", action="store_true",
-                      help="run the optimizer after backward instead of overlapping it with backward")
+    F.add_optimizer_step(demo)
     plan = cmds.add_parser("plan", help="ZeRO-3 memory per rank and tier, and the bytes each step moves")
     what = plan.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", help="parameter count: 7e9, 7B, 350M, 1.5b")
@@ -123,13 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument("--hf-config", help="a transformers config.json (or its directory): parameters counted "
                       "exactly, embeddings and tied weights included")
     plan.add_argument("--ranks", type=int, default=1, help="data-parallel ranks sharding the model (default 1)")
-    plan.add_argument("--dtype", default="bf16", help="weights: bf16, fp16, fp32 (default bf16)")
-    plan.add_argument("--moments", default="fp32", help="OffloadedAdamW's moments: fp32, bf16, 8bit (default fp32)")
-    plan.add_argument("--master", default="fp32", help="masters of bf16 weights: fp32, split, none (default fp32)")
-    plan.add_argument("--step-in-backward", action="store_true",
-                      help="the optimizer steps in backward (no gradients kept until the step)")
-    plan.add_argument("--nvme-path", "--path", dest="nvme_path", default=None,
-                      help="check the drive's free space there (and measure it with --measure)")
+    F.add_dtype(plan, default=None, help="the weights' dtype (default: the --hf-config's, else fp32)")
+    F.add_layout(plan)
+    F.add_optimizer_step(plan)
+    F.add_nvme_path(plan, help="the drive's directory: its free space is checked (and, with --measure, its rate "
+                    "measured) there (default: where a store would put its swap files)")
     plan.add_argument("--drive-gbps", type=float, help="the drive's mixed read+write rate, for the predicted step")
     plan.add_argument("--tflops", type=float, help="compute rate, for the predicted step")
     plan.add_argument("--tokens", type=int, help="tokens (or, with --preset, images) a step computes, per rank "
@@ -142,12 +138,16 @@ def main(argv: list[str] | None = None) -> int:
                       "else a matrix product's rate) and the offload's own work per tensor (ViT-tiny offloaded "
                       "at --nvme-path against resident, a few seconds)")
     plan.add_argument("--optimizer", default="adamw", help="adamw, sgd or none (default adamw)")
-    plan.add_argument("--device-budget", help="device budget per rank, e.g. 40GB (default none)")
-    plan.add_argument("--host-budget", help="host budget per rank (default none)")
+    F.add_budgets(plan, per_rank=True)
     plan.add_argument("--nvme-budget", help="NVMe budget per rank (default unlimited)")
     plan.add_argument("--layers", type=int, help="equal blocks the placement is planned over (default: the "
-                      "preset's depth, or 24)")
+                      "config's or the preset's depth; with --params, estimated from the count)")
     plan.add_argument("--json", metavar="FILE", help="write the plan as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.cmd == "gc":
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.path and args.nvme_path and args.path != args.nvme_path:
                 raise ValueError(f"two paths given ({args.path!r} and --nvme-path {args.nvme_path!r}): give one")
-            path = args.path or _nvme_path(args)
+            path = args.path or F.nvme_path(args)
             if not os.path.isdir(path):
                 raise ValueError(f"{path!r} is not a directory")
             reclaimed = reclaim_swap(path)
@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             result = run_demo(
-                preset=args.preset, steps=args.steps, batch_size=args.batch_size, nvme_path=_nvme_path(args),
-                prefetch_depth=args.prefetch_depth, step_in_backward=not args.step_after_backward, lr=args.lr,
+                preset=args.preset, steps=args.steps, batch_size=args.batch_size, nvme_path=F.nvme_path(args),
+                prefetch_depth=args.prefetch_depth, step_in_backward=args.optimizer_step == "in-backward", lr=args.lr,
                 dtype=args.dtype, moments=args.moments, master=args.master, compute=args.compute,
                 measure_drive_mib=args.measure_drive, **_budgets(args))
             _write_json(args.json, result)
@@ -184,19 +184,22 @@ def main(argv: list[str] | None = None) -> int:
             if args.plot:
                 check_plotting()
 
+            for flag, used in _STEP_MODES.items():
+                if getattr(args, flag[2:].replace("-", "_")):
+                    F.refuse_ignored(args.command_parser, args, flag, used)
             if args.compile:
                 from .bench_compile import run_compile_bench
 
                 result = run_compile_bench(preset=args.preset, batch_size=args.batch_size, rounds=args.rounds,
-                                           nvme_path=_nvme_path(args), **_budgets(args))
+                                           nvme_path=F.nvme_path(args), **_budgets(args))
                 _write_json(args.json, result)
                 return 0
             if args.budget_sweep:
                 from .bench_step import plot_budget_sweep, run_budget_sweep
 
                 result = run_budget_sweep(
-                    preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=_nvme_path(args),
-                    depths=args.depths, step_in_backward=not args.step_after_backward,
+                    preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=F.nvme_path(args),
+                    depths=args.depths, step_in_backward=args.optimizer_step == "in-backward",
                     divisors=[int(k) for k in args.budget_sweep.split(",")], dtype=args.dtype, fused=args.fused,
                     device_budget_bytes=_budgets(args)["device_budget_bytes"])
                 _write_json(args.json, result)
@@ -205,9 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"plot written to {args.plot}")
                 return 0
             result = run_step_bench(
-                preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=_nvme_path(args),
+                preset=args.preset, batch_size=args.batch_size, rounds=args.rounds, nvme_path=F.nvme_path(args),
                 depths=args.depths, trace_path=args.trace, placement_ab=args.placement_ab,
-                step_in_backward=not args.step_after_backward, rss=not args.no_rss, dtype=args.dtype,
+                step_in_backward=args.optimizer_step == "in-backward", rss=not args.no_rss, dtype=args.dtype,
                 fused=args.fused, layouts=_layouts(args.layouts), **_budgets(args))
             _write_json(args.json, result)
             if args.plot:
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "bench" and args.bench == "peers":
             from .bench_peers import run_peers_bench
 
-            result = run_peers_bench(path=_nvme_path(args), layers=args.layers, width=args.width,
+            result = run_peers_bench(path=F.nvme_path(args), layers=args.layers, width=args.width,
                                      batch_size=args.batch_size, rounds=args.rounds,
                                      prefetch_depth=args.prefetch_depth, **_budgets(args))
             _write_json(args.json, result)
@@ -228,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             from .bench_drive import DriveBenchConfig, run_drive_bench
 
             cfg = DriveBenchConfig(
-                path=_nvme_path(args), size_mib=args.size_mib, tensor_mib=args.tensor_mib,
+                path=F.nvme_path(args), size_mib=args.size_mib, tensor_mib=args.tensor_mib,
                 block_size_bytes=parse_bytes(args.block_size, name="--block-size"),
                 queue_depth=args.queue_depth, io_threads=args.io_threads, fio_iodepth=args.fio_iodepth,
                 rounds=args.rounds, integrity=args.integrity)
@@ -240,19 +243,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser.error("unknown command")
     return 2
-
-
-def _nvme_path(args: argparse.Namespace) -> str:
-    return args.nvme_path or default_nvme_path()
-
-
-def _depth(text: str) -> int | str:
-    text = text.strip()
-    if text == "auto":
-        return text
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: give a depth >= 0 or 'auto'")
-    return int(text)
 
 
 def _layouts(text: str | None) -> list[str]:
@@ -270,7 +260,7 @@ def _layouts(text: str | None) -> list[str]:
 
 def _depths(text: str) -> list[int | str]:
     """'0,2,auto' -> [0, 2, 'auto']."""
-    return [_depth(part) for part in text.split(",")]
+    return [F.depth(part) for part in text.split(",")]
 
 
 def _count(text: str) -> int:
@@ -298,24 +288,42 @@ def _preset_params(preset: str) -> int:
 
 def _plan_inputs(args: argparse.Namespace) -> dict:
     """PlanConfig's keywords from `tierstore plan`'s arguments, measuring what --measure asks for."""
-    from .plan import UNITS, hf_model_size, measure_compute_tflops, measure_tensor_seconds
+    import torch
 
-    source = None
+    from .plan import (DTYPE_BYTES, UNITS, estimated_layers, hf_model_size, measure_compute_tflops,
+                       measure_link_gbps, measure_tensor_seconds, measure_update_seconds, training_state_bytes)
+
+    source, named_dtype = None, None
     if args.hf_config is not None:
-        params, tensors, layers, source = hf_model_size(args.hf_config)
+        shape = hf_model_size(args.hf_config)
+        params, tensors, layers, hidden, source, named_dtype = (shape.params, shape.tensors, shape.layers,
+                                                                shape.hidden, shape.source, shape.dtype)
     elif args.params is not None:
-        params, layers = _count(args.params), args.layers or 24
+        params = _count(args.params)
+        layers = args.layers or estimated_layers(params)
+        if args.layers is None:
+            source = f"{layers} layers estimated from the count: --layers sets them"
         tensors = 9 * layers + 3  # as a Llama's: 9 a decoder layer, the embedding, the last norm, the head
+        hidden = int((params / (12 * layers)) ** 0.5)
     else:
         params, layers = _preset_params(args.preset), _preset_depth(args.preset)
-        tensors = _preset_tensors(args.preset)
+        tensors, hidden = _preset_tensors(args.preset), _preset_width(args.preset)
+    dtype = args.dtype or named_dtype or "fp32"
+    cuda = torch.cuda.is_available()
+    layers = args.layers or layers
     budgets = {f"{t}_budget_bytes": parse_bytes(v, name=f"--{t}-budget") if v else None
                for t, v in (("device", args.device_budget), ("host", args.host_budget), ("nvme", args.nvme_budget))}
+    # the defaults every command has (tierstore/tools/flags.py); 0 is none
+    if args.host_budget is None:
+        budgets["host_budget_bytes"] = training_state_bytes(params, dtype, args.optimizer, args.moments,
+                                                            args.master) // args.ranks // 3
+    if args.device_budget is None and cuda:
+        budgets["device_budget_bytes"] = params * DTYPE_BYTES[dtype] // args.ranks // 4
     typed = [v for v in (args.host_budget, args.device_budget, args.nvme_budget) if v]
     unit = next((u for v in typed for u in sorted(UNITS, key=len, reverse=True)
                  if v.strip().lower().endswith(u.lower())), "GB")
+    in_backward = args.optimizer_step == "in-backward"
     if args.measure:  # what is measured runs as it will beside a store: under the allocator setting it makes
-        from tierstore import StoreConfig
         from tierstore._allocator import set_mmap_threshold
 
         if (threshold := StoreConfig().malloc_mmap_threshold_bytes) is not None:
@@ -330,21 +338,25 @@ def _plan_inputs(args: argparse.Namespace) -> dict:
         drive = measure_drive(args.nvme_path, size_mib=256, read_fraction=0.5)["mixed_gbps"]
     tensor_seconds = args.tensor_ms / 1e3 if args.tensor_ms is not None else None
     if tensor_seconds is None and args.measure:
-        tensor_seconds = measure_tensor_seconds(args.nvme_path, args.step_in_backward)
-    compute = None
+        tensor_seconds = measure_tensor_seconds(args.nvme_path, in_backward)
+    compute, device_name = None, None
+    per_rank_tokens = args.tokens * (_preset_tokens(args.preset) if args.preset else 1) if args.tokens else (
+        32 * _preset_tokens(args.preset) if args.preset else 2048)
     if args.preset is not None and args.tflops is None and args.measure:
-        compute = _measured_preset_step(args.preset, args.dtype, args.tokens or 32)
+        compute, device_name = _measured_preset_step(args.preset, dtype, args.tokens or 32)
     elif args.tflops is not None or args.measure:
-        tflops = args.tflops if args.tflops is not None else measure_compute_tflops(args.dtype)
-        tokens = args.tokens or (32 * _preset_tokens(args.preset) if args.preset else 2048)
-        if args.preset is not None and args.tokens:
-            tokens = args.tokens * _preset_tokens(args.preset)
-        compute = 6 * params * tokens / (tflops * 1e12)  # forward 2, backward 4 FLOPs a parameter and token
-    return {"params": params, "ranks": args.ranks, "dtype": args.dtype, "optimizer": args.optimizer,
-            "layers": args.layers or layers, "moments": args.moments, "master": args.master,
-            "step_in_backward": args.step_in_backward, "nvme_path": args.nvme_path, "drive_gbps": drive,
-            "compute_seconds": compute, "tensors": tensors, "tensor_seconds": tensor_seconds, "unit": unit,
-            "source": source, **budgets}
+        tflops, device_name = ((args.tflops, None) if args.tflops is not None else measure_compute_tflops(dtype))
+        compute = 6 * params * per_rank_tokens / (tflops * 1e12)  # forward 2, backward 4 FLOPs a parameter, token
+    # The optimizer's CPU update: a measured resident step of a preset on the CPU has torch's AdamW in it already.
+    update = None
+    if args.measure and args.optimizer == "adamw" and (args.preset is None or cuda):
+        update = measure_update_seconds(dtype, args.moments, args.master) * params / args.ranks
+    return {"params": params, "ranks": args.ranks, "dtype": dtype, "optimizer": args.optimizer,
+            "layers": layers, "moments": args.moments, "master": args.master, "step_in_backward": in_backward,
+            "nvme_path": args.nvme_path, "drive_gbps": drive, "compute_seconds": compute, "tensors": tensors,
+            "tensor_seconds": tensor_seconds, "unit": unit, "source": source, "tokens": per_rank_tokens,
+            "hidden": hidden, "compute_device": "cuda" if cuda else "cpu", "device_name": device_name,
+            "link_gbps": measure_link_gbps() if args.measure else None, "update_seconds": update, **budgets}
 
 
 def _preset_tokens(preset: str) -> int:
@@ -354,19 +366,24 @@ def _preset_tokens(preset: str) -> int:
     return (cfg.image_size // cfg.patch_size) ** 2 + 1
 
 
-def _measured_preset_step(preset: str, dtype: str, batch_size: int) -> float:
+def _measured_preset_step(preset: str, dtype: str, batch_size: int) -> tuple[float, str]:
     """One resident training step (forward, backward and torch's AdamW: on a CPU the offloaded optimizer's
-    arithmetic shares the cores with the compute) of the preset's ViT at ``batch_size``: the median of 3, after 2."""
+    arithmetic shares the cores with the compute) of the preset's ViT at ``batch_size`` on the device that will
+    compute (CUDA's when there is one): the median of 3, after 2; and that device's name."""
     import torch
 
     from .plan import median_step_seconds
     from .vit import PRESETS, SyntheticImages, ViT
 
     t = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
     torch.manual_seed(0)
-    model = ViT(PRESETS[preset]).to(t)
+    model = ViT(PRESETS[preset]).to(device=device, dtype=t)
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
-    return median_step_seconds(model, opt, SyntheticImages(PRESETS[preset]), batch_size, warmup=2, steps=3, dtype=t)
+    seconds = median_step_seconds(model, opt, SyntheticImages(PRESETS[preset]), batch_size, warmup=2, steps=3,
+                                  dtype=t, device=device)
+    return seconds, torch.cuda.get_device_name() if cuda else f"the CPU ({os.cpu_count()} cores)"
 
 
 def _preset_tensors(preset: str) -> int:
@@ -376,6 +393,12 @@ def _preset_tensors(preset: str) -> int:
 
     with torch.device("meta"):
         return len(list(ViT(PRESETS[preset]).parameters()))
+
+
+def _preset_width(preset: str) -> int:
+    from .vit import PRESETS
+
+    return PRESETS[preset].dim
 
 
 def _preset_depth(preset: str) -> int:

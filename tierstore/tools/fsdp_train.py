@@ -9,7 +9,7 @@ bytes and GB/s summed over ranks; at the end each rank's bytes of parameter
 shards and optimizer state per tier. ``--check`` also trains the same model
 with FSDP2 alone (no offload, ``torch.optim.AdamW(foreach=False)``), prints
 its step times, and fails unless losses, parameters and Adam moments are
-bit-identical. ``--dtype bf16 --moments 8bit --masters split`` trains bf16
+bit-identical. ``--dtype bf16 --moments 8bit --master-weights split`` trains bf16
 weights with compressed optimizer state (each rank's shards quantized on
 their own); ``--check`` then has no torch reference to equal and is refused,
 while ``--checkpoint`` still checks that a resumed run repeats every loss.
@@ -29,9 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tierstore import StoreConfig, TierStore, parse_bytes
+from tierstore import StoreConfig, TierStore, default_nvme_path, parse_bytes
 from tierstore._checkpoint import read_safetensors
-from tierstore._config import default_nvme_path
 from tierstore.integrations import (
     OffloadedAdamW,
     consolidate_checkpoint,
@@ -39,8 +38,8 @@ from tierstore.integrations import (
     offload_fsdp,
     save_checkpoint,
 )
-from tierstore.integrations._layouts import MASTERS, MOMENTS
 
+from . import flags
 from .demo import DTYPES, default_budgets
 from .rss import peak_rss_bytes
 from .vit import PRESETS, SyntheticImages, ViT, num_params
@@ -119,8 +118,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows = []
         with TierStore(config) as store:
             off = offload_fsdp(model, store)
-            opt = OffloadedAdamW(off, lr=args.lr, weight_decay=0.01, step_in_backward=args.step_in_backward,
-                                 moments=args.moments, master=args.masters)
+            opt = OffloadedAdamW(off, lr=args.lr, weight_decay=0.01, step_in_backward=args.optimizer_step == "in-backward",
+                                 moments=args.moments, master=args.master)
             store.flush()
             for step in range(args.steps):
                 if args.checkpoint and step == args.save_at:
@@ -204,8 +203,8 @@ def _resume(args, config, data, rank: int, world: int, losses: list[float]) -> b
     model = _shard(_model(args.preset, args.dtype))
     with TierStore(config) as store:
         off = offload_fsdp(model, store)
-        opt = OffloadedAdamW(off, lr=args.lr, weight_decay=0.01, step_in_backward=args.step_in_backward,
-                             moments=args.moments, master=args.masters)
+        opt = OffloadedAdamW(off, lr=args.lr, weight_decay=0.01, step_in_backward=args.optimizer_step == "in-backward",
+                             moments=args.moments, master=args.master)
         extra = load_checkpoint(args.checkpoint, off, opt)
         again = [_train_step(model, opt, data, s, args.batch_size, rank, world)
                  for s in range(extra["step"], args.steps)]
@@ -298,32 +297,31 @@ def _bytes(text: str) -> int:
     return parse_bytes(text, name="budget")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The example's command line (its vocabulary: tierstore/tools/flags.py)."""
     p = argparse.ArgumentParser(prog="python -m tierstore.tools.fsdp_train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small", choices=list(PRESETS))
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=8, help="images per rank per step (default 8)")
-    p.add_argument("--nvme-path", help="directory on the drive for the swap files (default: $TIERSTORE_NVME_PATH, "
-                   "else ~/.cache/tierstore)")
-    p.add_argument("--prefetch-depth", type=int, default=2)
-    p.add_argument("--host-budget", type=_bytes, help="per rank, e.g. 64MiB (default: a third of the rank's state)")
-    p.add_argument("--device-budget", type=_bytes, help="per rank (default: a quarter of the weights with CUDA, 1 MiB without)")
+    flags.add_nvme_path(p)
+    flags.add_prefetch_depth(p)
+    flags.add_budgets(p, per_rank=True, parse=_bytes)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--step-in-backward", action="store_true",
-                   help="step each shard as soon as its gradient is reduced, overlapping backward")
-    p.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="the weights' dtype (default fp32)")
-    p.add_argument("--moments", default="fp32", choices=MOMENTS,
-                   help="how AdamW's moments are stored (default fp32)")
-    p.add_argument("--masters", default="fp32", choices=MASTERS,
-                   help="masters of bf16 weights: fp32, split (exact, 2 bytes) or none (default fp32; the demo's "
-                   "--master, named apart from torchrun's --master-addr)")
+    flags.add_optimizer_step(p)
+    flags.add_dtype(p, choices=list(DTYPES))
+    flags.add_layout(p)
     p.add_argument("--check", action="store_true", help="also train without offload and compare bit for bit "
                    "(fp32 weights and moments: the layout that is torch's AdamW)")
     p.add_argument("--json", metavar="FILE", help="rank 0 writes the figures here")
     p.add_argument("--checkpoint", metavar="DIR", help="save a checkpoint here before step --save-at, then "
                    "resume a fresh model from it and check it gives the same losses")
     p.add_argument("--save-at", type=int, default=1, help="step before which to save (default 1)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.check and (args.dtype, args.moments) != ("fp32", "fp32"):
         p.error("--check compares with torch's AdamW bit for bit, which only fp32 weights with fp32 moments are; "

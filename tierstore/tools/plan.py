@@ -30,7 +30,7 @@ from tierstore import Tier
 from tierstore._config import default_grad_backlog_bytes
 from tierstore._placement import layered_trace, plan_placement, room_bytes
 
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _OPTIMIZERS = ("adamw", "sgd", "none")
 # bytes a parameter of both moments, and of the master of a bf16/fp16 weight, per OffloadedAdamW layout
 _MOMENT_BYTES = {"fp32": 8.0, "bf16": 4.0, "8bit": 2.0 + 8 / 256}
@@ -62,6 +62,12 @@ class PlanConfig:
     compute_seconds: float | None = None  # one step's forward and backward, for the predicted step
     tensors: int | None = None  # parameter tensors of the model (the offload's own work is per tensor)
     tensor_seconds: float | None = None  # the offload's own work per parameter tensor and step (see below)
+    tokens: int | None = None  # tokens a step computes per rank, for the activations on the device
+    hidden: int | None = None  # the model's width, for the activations on the device
+    compute_device: str = "cpu"  # where forward and backward run: "cpu", or "cuda" (the device tier's)
+    device_name: str | None = None  # what measured the compute, as printed
+    link_gbps: float | None = None  # host<->device copies, GB/s (pinned memory), for the predicted step
+    update_seconds: float | None = None  # OffloadedAdamW's CPU update of this rank's parameters, one step
     unit: str = "GB"  # what sizes print in
     source: str | None = None  # where the parameter count came from, for the first line
 
@@ -70,8 +76,8 @@ class PlanConfig:
             raise ValueError(f"params={self.params} must be > 0 (e.g. 7e9)")
         if self.ranks < 1:
             raise ValueError(f"ranks={self.ranks} must be >= 1")
-        if self.dtype not in _DTYPE_BYTES:
-            raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(_DTYPE_BYTES)}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
         if self.optimizer not in _OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r}: choose one of {', '.join(_OPTIMIZERS)}")
         if self.layers < 1:
@@ -82,16 +88,30 @@ class PlanConfig:
             raise ValueError(f"moments={self.moments!r}: choose one of {', '.join(_MOMENT_BYTES)}")
         if self.master not in _MASTER_BYTES:
             raise ValueError(f"master={self.master!r}: choose one of {', '.join(_MASTER_BYTES)}")
-        for name in ("tensors", "tensor_seconds"):
+        if self.master == "split" and self.dtype == "fp16":
+            raise ValueError("master='split' needs bf16 weights (an fp16 value is not the top half of an fp32 one): "
+                             "--master-weights fp32, or --dtype bf16")
+        if self.compute_device not in ("cpu", "cuda"):
+            raise ValueError(f"compute_device={self.compute_device!r}: choose cpu or cuda")
+        for name in ("tensors", "tensor_seconds", "tokens", "hidden", "link_gbps", "update_seconds"):
             if (value := getattr(self, name)) is not None and not value >= 0:
                 raise ValueError(f"{name}={value} must be >= 0")
         if self.unit not in UNITS:
             raise ValueError(f"unit={self.unit!r}: choose one of {', '.join(UNITS)}")
 
 
+def training_state_bytes(params: int, dtype: str, optimizer: str, moments: str, master: str) -> int:
+    """The weights and optimizer state of ``params`` parameters: Adam's moments in their layout, and the master
+    of a bf16/fp16 weight."""
+    adam = optimizer == "adamw"
+    per = DTYPE_BYTES[dtype] + (_MOMENT_BYTES[moments] if adam else 0.0) + (
+        _MASTER_BYTES[master] if adam and dtype != "fp32" else 0.0)
+    return int(params * per)
+
+
 def make_plan(cfg: PlanConfig) -> dict[str, Any]:
     """Totals, per-rank holdings, homes per tier and per-step traffic, all in bytes."""
-    p, n, b = cfg.params, cfg.ranks, _DTYPE_BYTES[cfg.dtype]
+    p, n, b = cfg.params, cfg.ranks, DTYPE_BYTES[cfg.dtype]
     moments = int(_MOMENT_BYTES[cfg.moments] * p) if cfg.optimizer == "adamw" else 0
     master = int(_MASTER_BYTES[cfg.master] * p) if cfg.optimizer == "adamw" and cfg.dtype != "fp32" else 0
     # gradients as the offloaded model keeps them from backward to the step: fp32 for bf16/fp16 weights
@@ -99,8 +119,9 @@ def make_plan(cfg: PlanConfig) -> dict[str, Any]:
     totals = {"weights": p * b, "grads": p * b, "moments": moments, "master": master,
               "optimizer_state": moments + master, "kept_grads": kept_grads}
     per_rank = {k: v / n for k, v in totals.items()}
+    working = _device_working_set(cfg, per_rank["weights"])
     free = {
-        Tier.DEVICE: float(cfg.device_budget_bytes or 0),
+        Tier.DEVICE: max(0.0, float(cfg.device_budget_bytes or 0) - working["bytes"]),
         Tier.HOST: float(cfg.host_budget_bytes or 0) * (1 - cfg.prefetch_reserve),
         Tier.NVME: float("inf") if cfg.nvme_budget_bytes is None else float(cfg.nvme_budget_bytes),
     }
@@ -139,21 +160,48 @@ def make_plan(cfg: PlanConfig) -> dict[str, Any]:
         "device_to_host": per_rank["grads"] if stepped_on_cpu else 0.0,
     }
     placement, placed = _placement(cfg, per_rank, homes)
-    checks = _checks(cfg, homes, by_tier, per_rank)
+    checks = _checks(cfg, homes, by_tier, per_rank, working)
     plan = {"config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "totals": totals,
             "per_rank": per_rank, "homes": homes, "per_rank_by_tier": by_tier, "traffic_per_step": traffic,
-            "fits": not checks["problems"], "checks": checks, "placement": placement}
+            "fits": not checks["problems"], "checks": checks, "placement": placement, "device_working_set": working}
     plan["predicted_step"] = _predicted_step(cfg, plan, placed)
     return plan
 
 
+# [Note: The device's working set] Beside the weights homed on the device, a step there holds the activations
+# its backward needs and the layers in flight: the unit computing, the one read ahead, and the gradients of the
+# one whose backward just ran (they go down to the CPU's update a layer at a time). Activations of a transformer
+# layer in 16 bits: about 34 bytes per token and unit of width (Korthikanti et al., "Reducing Activation
+# Recomputation in Large Transformer Models", 2022: 34sbh, leaving out the attention scores that a fused
+# attention kernel never stores), twice that in fp32; none checkpointed.
+_ACTIVATION_BYTES = 34
+
+
+def _device_working_set(cfg: PlanConfig, weights: float) -> dict[str, float]:
+    """What a step holds on the device besides the weights homed there (see [Note: The device's working set])."""
+    if not cfg.device_budget_bytes and cfg.compute_device != "cuda":  # the host computes: no device to fill
+        return {"activations": 0.0, "layers_in_flight": 0.0, "bytes": 0.0}
+    activations = (_ACTIVATION_BYTES * cfg.hidden * cfg.tokens * cfg.layers * DTYPE_BYTES[cfg.dtype] / 2
+                   if cfg.tokens and cfg.hidden else 0.0)
+    in_flight = 3 * weights / cfg.layers
+    return {"activations": activations, "layers_in_flight": in_flight, "bytes": activations + in_flight}
+
+
 def _checks(cfg: PlanConfig, homes: dict[str, str | None], by_tier: dict[str, float],
-            per_rank: dict[str, float]) -> dict[str, Any]:
+            per_rank: dict[str, float], working: dict[str, float]) -> dict[str, Any]:
     """Why the plan does not fit (``problems``), against the budgets, this machine's RAM and the drive's free
-    space; ``drive_need``, ``drive_free``, ``ram`` as found."""
+    space; ``drive_need``, ``drive_free``, ``drive_path``, ``ram`` as found."""
     import psutil
 
     problems = []
+    device = cfg.device_budget_bytes
+    if device and working["bytes"] > device:
+        scale = UNITS[cfg.unit]
+        problems.append(f"a step holds {working['bytes'] / scale:.2f} {cfg.unit} on the device (activations of "
+                        f"{cfg.tokens} tokens {working['activations'] / scale:.2f}, three layers of weights and "
+                        f"gradients in flight {working['layers_in_flight'] / scale:.2f}), more than its budget of "
+                        f"{device / scale:.2f} {cfg.unit}: fewer --tokens a step, activation checkpointing, or a "
+                        f"larger --device-budget")
     for what, home in homes.items():
         if home is None:
             problems.append(f"the {what.replace('_', ' ')} ({per_rank[what] / UNITS[cfg.unit]:.2f} {cfg.unit} a "
@@ -165,17 +213,22 @@ def _checks(cfg: PlanConfig, homes: dict[str, str | None], by_tier: dict[str, fl
     # on the drive: what is homed there, and the gradients kept from backward (they reserve their bytes there)
     drive_need = by_tier["nvme"] + (per_rank["kept_grads"] if "nvme" in homes.values() else 0.0)
     free = cfg.free_bytes
-    if free is None and cfg.nvme_path is not None:
-        probe = cfg.nvme_path
+    path = cfg.nvme_path
+    if path is None and drive_need:  # state goes to the drive: check where the store would put it
+        from tierstore import default_nvme_path
+
+        path = default_nvme_path()
+    if free is None and path is not None:
+        probe = path
         while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
             probe = os.path.dirname(probe)
         free = psutil.disk_usage(probe).free
     local = drive_need * cfg.ranks  # every rank's share, on this machine's drive
     if free is not None and local > free:
-        problems.append(f"the drive at {cfg.nvme_path or 'the nvme path'} has {free / UNITS[cfg.unit]:.2f} "
+        problems.append(f"the drive at {path or 'the nvme path'} has {free / UNITS[cfg.unit]:.2f} "
                         f"{cfg.unit} free and this plan puts {local / UNITS[cfg.unit]:.2f} {cfg.unit} there"
                         + (f" ({cfg.ranks} ranks)" if cfg.ranks > 1 else ""))
-    return {"problems": problems, "drive_need": local, "drive_free": free, "ram": ram}
+    return {"problems": problems, "drive_need": local, "drive_free": free, "drive_path": path, "ram": ram}
 
 
 def _predicted_step(cfg: PlanConfig, plan: dict[str, Any], placed: Any) -> dict[str, Any] | None:
@@ -197,14 +250,25 @@ def _predicted_step(cfg: PlanConfig, plan: dict[str, Any], placed: Any) -> dict[
     if cfg.tensors is not None and cfg.tensor_seconds is not None:
         offload = cfg.tensors * cfg.tensor_seconds
     compute = cfg.compute_seconds + (offload or 0.0)
+    update = cfg.update_seconds or 0.0
+    if cfg.compute_device == "cpu" or not cfg.step_in_backward:
+        compute += update  # the same cores, or after the backward: in series
+    else:  # on the CPU while the device runs the backward (two thirds of the compute)
+        compute = max(compute, compute / 3 + update)
     if placed is not None:
         moved = placed.bytes_per_step
         step = placed.predicted_step_seconds(compute, rate, compute / 3)
     else:  # everything in memory, or no host budget to plan in
         moved = plan["traffic_per_step"]["nvme_read"] + plan["traffic_per_step"]["nvme_write"]
         step = max(compute, moved / rate)
+    link = None
+    if cfg.compute_device == "cuda" and cfg.link_gbps:
+        tr = plan["traffic_per_step"]
+        link = (tr["host_to_device"] + tr["device_to_host"]) / (cfg.link_gbps * 1e9)
+        step = max(step, link)  # copies run on their own streams, beside the compute and the drive
     return {"seconds": step, "compute_seconds": cfg.compute_seconds, "offload_seconds": offload,
-            "tensors": cfg.tensors, "drive_gbps": cfg.drive_gbps, "bytes_moved": moved}
+            "update_seconds": cfg.update_seconds, "link_seconds": link, "tensors": cfg.tensors,
+            "drive_gbps": cfg.drive_gbps, "bytes_moved": moved}
 
 
 def _placement(cfg: PlanConfig, per_rank: dict[str, float],
@@ -262,8 +326,14 @@ def format_plan(plan: dict[str, Any]) -> str:
             else "host none")
     drive = ("drive unlimited" if cfg["nvme_budget_bytes"] is None else f"drive {size(cfg['nvme_budget_bytes'])}")
     if checks["drive_free"] is not None:
-        drive += f" ({size(checks['drive_free'])} free at {cfg['nvme_path']})"
+        drive += f" ({size(checks['drive_free'])} free at {checks['drive_path']})"
     lines.append(f"budgets per rank: device {size(cfg['device_budget_bytes'])}, {host}, {drive}")
+    ws = plan["device_working_set"]
+    if ws["bytes"]:
+        acts = (f"activations of {cfg['tokens']} tokens {size(ws['activations'])} (none checkpointed), "
+                if ws["activations"] else "")
+        lines.append(f"on the device besides the weights homed there: {acts}three layers of weights and gradients "
+                     f"in flight {size(ws['layers_in_flight'])}")
     homes = plan["homes"]
     lines.append("homes: " + ", ".join(f"{what.replace('_', ' ')} {home or 'NONE'}" for what, home in homes.items())
                  + (f" (config: param_tier = \"{homes['weights']}\", optimizer_tier = "
@@ -286,8 +356,14 @@ def format_plan(plan: dict[str, Any]) -> str:
         own = (f", the offload's own work {step['offload_seconds']:.2f} s ({step['tensors']} tensors x "
                f"{1e3 * cfg['tensor_seconds']:.2f} ms)" if step["offload_seconds"] is not None
                else ", the offload's own work not counted: give --tensor-ms or --measure")
-        lines.append(f"predicted step: {step['seconds']:.2f} s (compute {step['compute_seconds']:.2f} s{own}; "
-                     f"{step['bytes_moved'] / scale:.2f} {unit} over the drive at {step['drive_gbps']:.2f} GB/s)")
+        on = f" on {cfg['device_name']}" if cfg.get("device_name") else ""
+        update = (f", the optimizer's CPU update {step['update_seconds']:.2f} s" if step["update_seconds"] is not None
+                  else "")
+        link = (f", host<->device copies {step['link_seconds']:.2f} s at {cfg['link_gbps']:.1f} GB/s"
+                if step["link_seconds"] is not None else "")
+        lines.append(f"predicted step: {step['seconds']:.2f} s (compute {step['compute_seconds']:.2f} s{on}{own}"
+                     f"{update}{link}; {step['bytes_moved'] / scale:.2f} {unit} over the drive at "
+                     f"{step['drive_gbps']:.2f} GB/s)")
     else:
         lines.append("predicted step: give --drive-gbps and --tflops (or --measure) to predict it")
     return "\n".join(lines)
@@ -305,13 +381,31 @@ def _fit_reasons(plan: dict[str, Any]) -> list[str]:
     return out
 
 
-def hf_model_size(path: str) -> tuple[int, int, int, str]:
-    """(parameters, parameter tensors, layers, description) of a transformers model from its ``config.json`` (a file or the
-    directory holding it), counted exactly on the meta device: embeddings included, a tied weight once."""
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan reads of a model: its size and shape, and the dtype its config names (None: none named)."""
+
+    params: int
+    tensors: int
+    layers: int
+    hidden: int
+    dtype: str | None
+    source: str
+
+
+def hf_model_size(path: str) -> ModelShape:
+    """A transformers model from its ``config.json`` (a file or the directory holding it), counted exactly on the
+    meta device (embeddings included, a tied weight once); layers, width and dtype as its config gives them."""
     import torch
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(path)
+    if not os.path.exists(path):
+        raise ValueError(f"--hf-config {path!r}: no such file or directory (give a config.json or its directory)")
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--hf-config {path!r} is not a transformers config transformers can read: {first}") from None
     archs = getattr(config, "architectures", None) or []
     auto = (transformers.AutoModelForCausalLM if any(a.endswith("ForCausalLM") for a in archs)
             else transformers.AutoModel)
@@ -319,44 +413,127 @@ def hf_model_size(path: str) -> tuple[int, int, int, str]:
         model = auto.from_config(config)
     tensors = list(model.parameters())  # a tied weight is one parameter
     params = sum(p.numel() for p in tensors)
-    layers = next((getattr(config, k) for k in ("num_hidden_layers", "n_layer", "num_layers")
-                   if isinstance(getattr(config, k, None), int)), 24)
-    return params, len(tensors), layers, f"{type(model).__name__} from {path}"
+
+    def first_int(*keys: str) -> int | None:
+        return next((getattr(config, k) for k in keys if isinstance(getattr(config, k, None), int)), None)
+
+    layers = first_int("num_hidden_layers", "n_layer", "num_layers") or 24
+    hidden = first_int("hidden_size", "n_embd", "d_model") or int((params / (12 * layers)) ** 0.5)
+    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", "float32": "fp32",
+             "bfloat16": "bf16", "float16": "fp16"}.get(named)
+    return ModelShape(params, len(tensors), layers, hidden, dtype, f"{type(model).__name__} from {path}")
 
 
-def measure_compute_tflops(dtype: str) -> float:
-    """This machine's matrix-product rate in ``dtype`` (TFLOPS; 1024 x 1024, the best of a few)."""
+def estimated_layers(params: int) -> int:
+    """Layers of a decoder of ``params`` parameters shaped as Llama's are (width 128 x layers, so about
+    12 x 128^2 x layers^3 parameters), to a multiple of 4: 32 for 7B, 40 for 13B."""
+    return max(4, round((params / (12 * 128**2)) ** (1 / 3) / 4) * 4)
+
+
+def measure_compute_tflops(dtype: str) -> tuple[float, str]:
+    """The matrix-product rate in ``dtype`` (TFLOPS, the best of a few) of the device that will compute: CUDA's
+    when there is one (4096 x 4096), else this CPU's (1024 x 1024); and that device's name."""
     import time
 
     import torch
 
     t = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    a = torch.randn(1024, 1024).to(t)
+    cuda = torch.cuda.is_available()
+    n = 4096 if cuda else 1024
+    a = torch.randn(n, n, device="cuda" if cuda else "cpu").to(t)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     a @ a
+    sync()
     best = float("inf")
-    for _ in range(3):
+    for _ in range(3 if not cuda else 10):
         t0 = time.perf_counter()
         a @ a
+        sync()
         best = min(best, time.perf_counter() - t0)
-    return 2 * 1024**3 / best / 1e12
+    name = torch.cuda.get_device_name() if cuda else f"the CPU ({os.cpu_count()} cores)"
+    return 2 * n**3 / best / 1e12, name
+
+
+def measure_link_gbps(nbytes: int = 256 * 2**20) -> float | None:
+    """Host<->device copies from and to pinned memory, GB/s (the mean of both ways, the best of 3); None without
+    CUDA."""
+    import time
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    rates = []
+    for dst, src in ((dev, host), (host, dev)):
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        rates.append(nbytes / best / 1e9)
+    return sum(rates) / 2
+
+
+def measure_update_seconds(dtype: str, moments: str, master: str, params: int = 8 * 2**20) -> float:
+    """OffloadedAdamW's update on this CPU, seconds per parameter: a model of ``params`` parameters in ``dtype``
+    whose state is in the host tier (no drive in it), stepped after backward with its threads; the best of 3."""
+    import time
+
+    import torch
+
+    from tierstore import TierStore
+    from tierstore.integrations import OffloadedAdamW, offload_model
+
+    t = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    width = 1024
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(params // width**2)]).to(t)
+    n = sum(p.numel() for p in model.parameters())
+    with TierStore(host_budget_bytes=64 * n + 2**28, device_budget_bytes="1MiB") as store:
+        off = offload_model(model, store, home="host")
+        opt = OffloadedAdamW(off, moments=moments, master=master, home="host")
+        try:
+            best = float("inf")
+            for i in range(4):
+                model(torch.randn(4, width, generator=torch.Generator().manual_seed(i)).to(t)).float().sum().backward()
+                t0 = time.perf_counter()
+                opt.step()
+                opt.wait()
+                if i:  # the first builds the state
+                    best = min(best, time.perf_counter() - t0)
+                opt.zero_grad()
+        finally:
+            opt.close()
+    return best / n
 
 
 def median_step_seconds(model: Any, opt: Any, data: Any, batch_size: int, *, warmup: int, steps: int,
-                        dtype: Any = None) -> float:
+                        dtype: Any = None, device: str = "cpu") -> float:
     """The median time of ``steps`` training steps of a ViT on ``data`` (forward, backward, the optimizer's
-    step, zero_grad), after ``warmup``; inputs in ``dtype`` (None: as they come), the loss in fp32."""
+    step, zero_grad), after ``warmup``; inputs in ``dtype`` (None: as they come) on ``device``, the loss in
+    fp32."""
     import statistics
     import time
 
     import torch.nn.functional as F
 
+    import torch
+
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     times = []
     for i in range(warmup + steps):
         x, y = data.batch(i, batch_size)
+        x, y = x.to(device=device, dtype=dtype or x.dtype), y.to(device)
+        sync()
         t0 = time.perf_counter()
-        F.cross_entropy(model(x if dtype is None else x.to(dtype)).float(), y).backward()
+        F.cross_entropy(model(x).float(), y).backward()
         opt.step()
         opt.zero_grad()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[warmup:])
 
@@ -393,5 +570,7 @@ def measure_tensor_seconds(nvme_path: str, step_in_backward: bool, steps: int = 
     return max(0.0, offloaded - alone) / tensors
 
 
-__all__ = ["PlanConfig", "format_plan", "hf_model_size", "make_plan", "measure_compute_tflops",
+__all__ = ["DTYPE_BYTES", "ModelShape", "PlanConfig", "estimated_layers", "format_plan", "hf_model_size", "make_plan",
+           "training_state_bytes",
+           "measure_compute_tflops", "measure_link_gbps", "measure_update_seconds",
            "measure_tensor_seconds", "median_step_seconds"]
