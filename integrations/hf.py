@@ -14,15 +14,16 @@ offloaded model bigger than RAM would die at its first checkpoint. So:
   (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` and their
   index past ``max_shard_size``), each borrowed from the store in the host
   tier while its bytes are written. A peft model saves its adapter as peft
-  does, from a state dict whose offloaded values are read only when peft
-  takes them (the frozen base never is). The files are plain safetensors:
+  does, from a state dict of every tensor but the frozen base's, of which only
+  what peft keeps is read (see :func:`_adapter_state_dict`). The files are plain safetensors:
   ``from_pretrained`` and peft load them.
 - :func:`stream_checkpoints` makes a ``Trainer`` save an ``OffloadedAdamW``'s
   state with :func:`~tierstore.integrations.save_checkpoint` (weights left to
   ``save_pretrained``) in ``checkpoint-N/tierstore_optimizer``, and on
   ``resume_from_checkpoint`` load the weights with
   :func:`~tierstore.integrations.load_safetensors` (adapters as peft loads
-  them) and the state with :func:`~tierstore.integrations.load_checkpoint`.
+  them: ``load_adapter`` of an offloaded peft model reads none of the frozen
+  base) and the state with :func:`~tierstore.integrations.load_checkpoint`.
 - :func:`save_merged` writes a peft LoRA model merged into its base, each
   base weight plus its adapters' product computed as peft's merge computes
   it, one weight at a time.
@@ -65,6 +66,27 @@ def is_hf_model(model: nn.Module) -> bool:
     """Whether ``model.save_pretrained`` is transformers' or peft's."""
     owner = next((c for c in type(model).__mro__ if "save_pretrained" in c.__dict__), None)
     return owner is not None and owner.__module__.startswith(("transformers.", "peft."))
+
+
+def methods_for(model: nn.Module, off: OffloadBase) -> dict[str, Any]:
+    """What ``offload_model`` installs on a transformers or peft ``model`` instance (``remove()`` takes them off):
+    ``save_pretrained`` (tensor by tensor), and a peft model's ``load_adapter`` (its frozen base never read)."""
+    if not is_hf_model(model):
+        return {}
+    methods: dict[str, Any] = {"save_pretrained": partial(save_pretrained, off)}
+    if _is_peft(model):
+        methods["load_adapter"] = partial(load_adapter, off)
+    return methods
+
+
+def load_adapter(model: nn.Module | OffloadBase, *args: Any, **kwargs: Any) -> Any:
+    """peft's ``model.load_adapter(...)`` (how ``Trainer`` resumes a peft model) of an offloaded peft model,
+    without the base in memory: peft takes ``model.state_dict()`` to learn the model's keys and shapes, which
+    would read every offloaded tensor; here those values are left unread (meta tensors of their shapes) while
+    peft loads the adapter, which then goes into the store as any ``load_state_dict`` does."""
+    model, off = _offloaded(model)
+    with off.state_dict_unread():
+        return type(model).load_adapter(model, *args, **kwargs)
 
 
 def _is_peft(model: nn.Module) -> bool:

@@ -30,7 +30,8 @@ state). Not with ``assign=True``.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from types import SimpleNamespace
@@ -62,7 +63,7 @@ from ._unit import (
     refuse_whole_model,
     unit_modules,
 )
-from .hf import is_hf_model, save_pretrained
+from .hf import methods_for
 
 
 @dataclass
@@ -91,7 +92,8 @@ class OffloadedModel(OffloadBase):
         self.stats = OffloadStats()
         self._handles: list[Any] = []
         self._loading: list[StoredParam] = []  # held by a load_state_dict() (see [Note: Loading a state dict])
-        self._save_pretrained: Any = None  # the model's save_pretrained, where it has transformers' or peft's
+        self._installed: dict[str, Any] = {}  # transformers' and peft's methods made ours (see hf.methods_for)
+        self._unread = False  # state_dict() leaves offloaded values unread (see state_dict_unread)
         meta = check_meta(model, init_fn, real_parameters)
         plan = partial(plan_units, model, units, resident_threshold_bytes, store, compute_tier)
         offloaded, owned_by = plan()  # checked before any write
@@ -109,8 +111,9 @@ class OffloadedModel(OffloadBase):
         self._hook_units(units, owned_by)
         self.pass_state.hook_gradients()
         self._hook_state_dicts()
-        if is_hf_model(model):  # see [Note: Saving the transformers way, tensor by tensor]
-            model.save_pretrained = self._save_pretrained = partial(save_pretrained, self)
+        self._installed = methods_for(model, self)  # see [Note: Saving the transformers way, tensor by tensor]
+        for name, method in self._installed.items():
+            setattr(model, name, method)
         # Until a step has been recorded, guess that forward uses the units in definition order.
         self._schedule(prefetch_depth=prefetch_depth, prefetch_bytes=prefetch_bytes, placement=placement,
                        trace=[u.name for u in self._units.values() if u.params], grad_of=self._grad_of)
@@ -259,6 +262,8 @@ class OffloadedModel(OffloadBase):
 
     def _fill_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         """A module's state_dict post-hook: its own offloaded parameters' values (in place of placeholders)."""
+        if self._unread:
+            return
         for pname, p in module._parameters.items():
             sp = self.params.get(id(p)) if p is not None else None
             if sp is not None and prefix + pname in state_dict:
@@ -266,6 +271,17 @@ class OffloadedModel(OffloadBase):
 
 
     # ---- public ------------------------------------------------------------------------
+    @contextmanager
+    def state_dict_unread(self) -> Iterator[None]:
+        """Within it, ``model.state_dict()`` gives each offloaded parameter as a meta tensor of its shape and dtype
+        instead of reading its value: for code that takes a state dict for its keys and shapes only (peft's
+        ``load_adapter``), which would otherwise read the whole model into memory."""
+        self._unread, before = True, self._unread
+        try:
+            yield
+        finally:
+            self._unread = before
+
     def in_forward_or_backward(self) -> bool:
         """Whether a forward or backward of the model holds parameters now (a checkpoint waits for the step)."""
         return any(sp.holds for sp in self.params.values())
@@ -323,8 +339,9 @@ class OffloadedModel(OffloadBase):
                 raise RuntimeError(f"cannot remove offload while {sp.name!r} is in use (inside forward/backward)")
         self._detach([*self._handles, *(h for u in self._units.values() for h in u.hooks)])
         self._handles.clear()
-        if self._save_pretrained is not None and self.model.__dict__.get("save_pretrained") is self._save_pretrained:
-            del self.model.save_pretrained
+        for name, method in self._installed.items():
+            if self.model.__dict__.get(name) is method:
+                delattr(self.model, name)
         self.grads.clear()
         for sp in self.params.values():
             value = self.store.read(sp.key).to(self.compute_device)

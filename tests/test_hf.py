@@ -88,6 +88,35 @@ def test_saving_an_adapter_reads_none_of_the_frozen_base(embeddings, nvme_dir, t
     assert any("embed_tokens" in k for k in ours) == embeddings
 
 
+def test_loading_an_adapter_reads_none_of_the_frozen_base(nvme_dir, tmp_path):
+    """peft's load_adapter (Trainer's resume of a peft model) takes model.state_dict() for its keys and shapes:
+    on an offloaded peft model it reads none of the frozen base, and the adapter's values land in the store."""
+    ref, model, units = lora_pair("llama")
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "lora_" in name:
+                p.add_(0.5)  # an adapter the offloaded model does not have yet
+    ref.save_pretrained(tmp_path / "adapter")
+    store = _store(nvme_dir, model)
+    read: list[str] = []
+    try:
+        off = offload_model(model, store, units=units)
+        frozen = {f"param/{n}" for n, p in model.named_parameters() if not p.requires_grad}
+        store_read = store.read
+        store.read = lambda key, *a, **k: (read.append(key), store_read(key, *a, **k))[1]
+        model.load_adapter(tmp_path / "adapter", adapter_name="default", is_trainable=True)
+        assert not set(read) & frozen
+        store.read = store_read
+        for name, p in ref.named_parameters():
+            assert torch.equal(off.read_param(name), p.detach()), name
+        assert torch.is_tensor(model.state_dict()["base_model.model.lm_head.weight"])  # read again outside it
+        assert not model.state_dict()["base_model.model.lm_head.weight"].is_meta
+        off.remove()
+        assert "load_adapter" not in model.__dict__ and "save_pretrained" not in model.__dict__
+    finally:
+        store.close()
+
+
 def test_save_merged_writes_what_peft_merges(nvme_dir, tmp_path):
     ref, model, units = lora_pair("llama")
     store = _store(nvme_dir, model)
