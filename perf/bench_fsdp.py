@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"bench fsdp: ViT-{args.preset}, {meta['params'] / 1e6:.0f}M parameters, {meta['ranks']} ranks "
           f"({meta['backend']}), batch {args.batch_size} per rank, host budget "
           f"{meta['host_budget_bytes'] / 2**20:.0f} MiB per rank; optimizer "
-          f"{'in' if args.step_in_backward else 'after'} backward; medians of steps 2..{args.steps} x {args.rounds} run(s)")
+          f"{args.optimizer_step.replace('-', ' ')}; medians of steps 2..{args.steps} x {args.rounds} run(s)")
     resident = statistics.median(reference)
     print(f"FSDP2 alone (no offload, same processes as each round's first run): {resident:.3f} s")
     print(f"{'depth':>5} {'step s':>8} {'stall s':>8} {'read MiB':>9} {'write MiB':>9} {'vs depth 0':>10} "
