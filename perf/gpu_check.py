@@ -1,20 +1,30 @@
-"""The CUDA paths in one short run (a few minutes on one GPU): pinned host pools, copy streams and events,
-offloaded training on the GPU, the demo and ``bench step``. Prints each check's figures and PASS or FAIL.
+"""The CUDA paths in one prepared run (about 5 minutes on one H200): pinned host memory against its budget, the
+host<->device link, the drive against fio, a 1.4B Llama step offloaded against the same model resident. Prints
+each check's figures and PASS, FAIL or SKIP, and writes them all as JSON.
 
-    python perf/gpu_check.py --nvme-path /mnt/nvme [--json out.json]
+    python perf/gpu_check.py --nvme-path /mnt/nvme --json gpu.json
 
 Checks:
-1. environment: torch, the GPU, its memory;
-2. host to device through the store (a pinned host copy read by ``get(key, "device")``) against a plain
-   ``tensor.to("cuda", non_blocking=True)`` from pinned memory, GB/s and their ratio; the bytes must match;
-3. ordering: a random workload of gets, changes and releases through both memory tiers under budgets of a
+1. environment: torch, the GPU, its memory, the CPU cores;
+2. pinned host memory: a host tier of ``--pinned-mib`` filled and cycled through the device, the bytes it holds
+   page-locked against its budget (equal to the arenas held, none through torch's caching host allocator), a
+   host buffer ``is_pinned()``, and nothing locked once the store closes (see [Note: Pinned host memory]);
+3. the link: host to device (``get(key, "device")``) and device to host (a changed device copy written back)
+   through the store, against ``tensor.to(..., non_blocking=True)`` from and into pinned memory, GB/s and their
+   ratio; the bytes must match;
+4. the drive: the store's reads and writes against fio on ``--nvme-path`` (``tierstore bench drive``);
+5. ordering: a random workload of gets, changes and releases through both memory tiers under budgets of a
    few copies, every value checked (what tests/test_device.py checks against a simulated device on CPU);
-4. offloaded training of the tiny ViT with compute on the GPU against resident training on the GPU:
+6. offloaded training of the tiny ViT with compute on the GPU against resident training on the GPU:
    losses and parameters bit-identical after 3 steps;
-5. ``tierstore demo --preset small`` and ``bench step --preset base --depths 0,2``: their figures.
+7. a Llama of 1.4B parameters (hidden 2048, 24 layers) in bf16 built on meta, offloaded with 8-bit moments and
+   split masters under a host budget of a third of its state, trained after backward (2 micro-batches, clipping
+   to 1.0) on the GPU, against a model of its shape resident on the GPU with torch's fused AdamW: step time, stall,
+   drive bytes a step and the ratio.
 
-Without CUDA, ``--simulate`` runs checks 3 and 4 on ``tierstore.testing.SimulatedDevice`` (CPU), so the script
-is exercised by the test suite; the real checks say they need a GPU.
+``--tiny`` runs every check at a tiny size, on the GPU where there is one, else on the CPU (checks 5 and 6 on
+``tierstore.testing.SimulatedDevice``, the CUDA-only ones skipped): the test suite runs it so the script cannot
+rot.
 """
 
 from __future__ import annotations
@@ -22,6 +32,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
+import os
+import statistics
 import tempfile
 import time
 import traceback
@@ -46,41 +59,95 @@ def _store(path: str, simulate: bool, **kw: Any) -> ts.TierStore:
     return ts.TierStore(nvme_path=path, device=SimulatedDevice() if simulate else None, **kw)
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def check_environment(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    out: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.cuda.is_available(), "cpus": os.cpu_count()}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         out.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1))
     return out
 
 
-def check_host_to_device(args: argparse.Namespace) -> dict[str, Any]:
+def check_pinned(args: argparse.Namespace) -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"skipped": "needs a GPU"}
-    n = args.h2d_mib * MIB
+    budget = args.pinned_mib * MIB
+    n = budget // 7 + 12345  # odd sizes: no buffer a power of two
+    stats = getattr(torch.cuda, "host_memory_stats", None)  # torch's caching host allocator, where it says
+
+    def cached() -> int | None:
+        return stats().get("allocated_bytes.all.current", 0) if stats is not None else None
+
+    before = cached()
+    with _store(args.nvme_path, False, host_budget_bytes=budget, device_budget_bytes=2 * n) as store:
+        for i in range(10):  # more than the host tier holds: arenas given back and made again
+            store.put(f"p{i}", torch.full((n,), i, dtype=torch.uint8), home="nvme").wait()
+            store.get(f"p{i}", "device")
+            store.release(f"p{i}", "device")
+        pinned = store.get("p9", "host").is_pinned()
+        store.release("p9", "host")
+        mem = store.memory()["host"]
+        through_torch = None if before is None else cached() - before
+    after = store.memory()["host"]["pinned_bytes"]
+    ok = pinned and mem["pinned_bytes"] == mem["held_bytes"] <= budget and after == 0 and not through_torch
+    res = {"budget_bytes": budget, "pinned_bytes": mem["pinned_bytes"], "held_bytes": mem["held_bytes"],
+           "peak_bytes": mem["peak_bytes"], "is_pinned": pinned, "through_torch_allocator_bytes": through_torch,
+           "pinned_after_close": after}
+    if not ok:
+        raise AssertionError(f"pinned memory off its budget: {res}")
+    return res
+
+
+def check_link(args: argparse.Namespace) -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        return {"skipped": "needs a GPU"}
+    n = args.link_mib * MIB
     src = torch.randint(0, 255, (n,), dtype=torch.uint8).pin_memory()
-    best_ref, best_ours = float("inf"), float("inf")
+    back = torch.empty_like(src).pin_memory()
+    best = {k: float("inf") for k in ("h2d", "h2d_ref", "d2h", "d2h_ref")}
+
+    def timed(key: str, fn: Callable[[], Any]) -> Any:
+        _sync()
+        t0 = time.perf_counter()
+        out = fn()
+        _sync()
+        best[key] = min(best[key], time.perf_counter() - t0)
+        return out
+
     with _store(args.nvme_path, False, host_budget_bytes=2 * n, device_budget_bytes=2 * n) as store:
         store.put("x", src, home="host").wait()
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            ref = src.to("cuda", non_blocking=True)
-            torch.cuda.synchronize()
-            best_ref = min(best_ref, time.perf_counter() - t0)
+        for i in range(3):
+            ref = timed("h2d_ref", lambda: src.to("cuda", non_blocking=True))
+            timed("d2h_ref", lambda: back.copy_(ref, non_blocking=True))
             del ref
             store.evict("x", "device")
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            got = store.get("x", "device")
-            torch.cuda.synchronize()
-            best_ours = min(best_ours, time.perf_counter() - t0)
-            same = torch.equal(got.cpu(), src)
-            store.release("x", "device")
-            if not same:
+            got = timed("h2d", lambda: store.get("x", "device"))
+            if not torch.equal(got.cpu(), src):
                 raise AssertionError("the device copy differs from the host bytes")
-    ours, ref = n / best_ours / 1e9, n / best_ref / 1e9
-    return {"store_gbps": round(ours, 2), "to_cuda_gbps": round(ref, 2), "ratio": round(ours / ref, 3)}
+            got.fill_(i)  # changed on the device: evicting it writes it back to the host copy
+            store.mark_dirty("x", "device")
+            store.release("x", "device")
+            timed("d2h", lambda: store.evict("x", "device"))
+            if not bool((store.read("x") == i).all()):
+                raise AssertionError("the host copy lacks what the device wrote")
+            store.put("x", src, home="host").wait()
+    rate = {k: n / v / 1e9 for k, v in best.items()}
+    return {"mib": args.link_mib, "h2d_store_gbps": round(rate["h2d"], 2), "h2d_to_gbps": round(rate["h2d_ref"], 2),
+            "h2d_ratio": round(rate["h2d"] / rate["h2d_ref"], 3), "d2h_store_gbps": round(rate["d2h"], 2),
+            "d2h_to_gbps": round(rate["d2h_ref"], 2), "d2h_ratio": round(rate["d2h"] / rate["d2h_ref"], 3)}
+
+
+def check_drive(args: argparse.Namespace) -> dict[str, Any]:
+    from tierstore.tools.bench_drive import DriveBenchConfig, run_drive_bench
+
+    res = run_drive_bench(DriveBenchConfig(path=args.nvme_path, size_mib=args.drive_mib, rounds=1),
+                          log=lambda *a: None)
+    keys = ("store_read_gbps", "fio_read_gbps", "read_ratio", "store_write_gbps", "fio_write_gbps", "write_ratio")
+    return {k: res.get(k) for k in keys}
 
 
 def check_ordering(args: argparse.Namespace) -> dict[str, Any]:
@@ -126,8 +193,8 @@ def check_training(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def check_demo_and_bench(args: argparse.Namespace) -> dict[str, Any]:
-    if not torch.cuda.is_available():
-        return {"skipped": "needs a GPU"}
+    if not torch.cuda.is_available() or args.tiny:
+        return {"skipped": "needs a GPU, at full size"}
     # Six demo steps: the placement's trial ends at the fifth (see integrations/_placing.py).
     demo = run_demo(preset="small", steps=6, batch_size=16, nvme_path=args.nvme_path, prefetch_depth="auto",
                     host_budget_bytes=None, device_budget_bytes=None)
@@ -136,19 +203,115 @@ def check_demo_and_bench(args: argparse.Namespace) -> dict[str, Any]:
     return {"demo": demo, "bench_step": bench}
 
 
+def _llama(tiny: bool, dtype: torch.dtype) -> tuple[Any, Any, int]:
+    """transformers' Llama config of the check (tiny, or 1.4B), its decoder layer class, tokens a sequence."""
+    import transformers
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    hidden, layers, heads, inter, vocab, tokens = ((128, 4, 4, 352, 1024, 32) if tiny
+                                                   else (2048, 24, 16, 5632, 32000, 512))
+    config = transformers.LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                                      num_key_value_heads=heads, intermediate_size=inter, vocab_size=vocab,
+                                      max_position_embeddings=tokens, tie_word_embeddings=False, use_cache=False,
+                                      dtype=dtype)
+    return config, LlamaDecoderLayer, tokens
+
+
+def _llama_steps(model: Any, opt: Any, config: Any, tokens: int, batch: int, steps: int, device: str,
+                 store: ts.TierStore | None = None) -> list[dict[str, float]]:
+    """Training steps as Trainer takes them (2 micro-batches, clipping to 1.0, the optimizer after backward):
+    each one's seconds, loss, and with a store its stall seconds and drive bytes."""
+    out = []
+    for step in range(steps):
+        before = store.stats_dict() if store is not None else None
+        _sync()
+        t0 = time.perf_counter()
+        total = 0.0
+        for micro in range(2):
+            ids = torch.randint(0, config.vocab_size, (batch, tokens),
+                                generator=torch.Generator().manual_seed(10 * step + micro)).to(device)
+            loss = model(input_ids=ids, labels=ids).loss / 2
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        if store is not None:
+            opt.wait()  # the step's write-behind belongs to it
+        _sync()
+        row = {"seconds": time.perf_counter() - t0, "loss": total}
+        if store is not None:
+            after = store.stats_dict()
+            row["stall_seconds"] = after["stall_seconds"] - before["stall_seconds"]
+            row["drive_bytes"] = sum(after[k] - before[k] for k in ("bytes_read_nvme", "bytes_written_nvme"))
+        out.append(row)
+    return out
+
+
+def check_llama(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        import transformers
+    except ImportError:
+        return {"skipped": "needs transformers (pip install tierstore[hf])"}
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    config, layer, tokens = _llama(args.tiny, torch.bfloat16)
+    batch, steps = (1, 3) if args.tiny else (4, args.llama_steps)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    params = sum(p.numel() for p in model.parameters())
+    state = params * (2 + 2 + 2 + 8 / 256)  # bf16 weights, 8-bit moments, the split masters' low halves
+    host = int(state // 3)
+    device_budget = max(4 * MIB, params * 2 // 4) if cuda else MIB
+    with _store(args.nvme_path, False, host_budget_bytes=host, device_budget_bytes=device_budget) as store:
+        off = offload_model(model, store, units=[layer], init_fn=model._init_weights)
+        opt = OffloadedAdamW(off, lr=1e-5, moments="8bit", master="split")
+        try:
+            ours = _llama_steps(model, opt, config, tokens, batch, steps, device, store)
+        finally:
+            opt.close()
+        peak_host = store.memory()["host"]["peak_bytes"]
+    del model, off, opt
+    resident = transformers.LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16)
+    ref_opt = torch.optim.AdamW(resident.parameters(), lr=1e-5, fused=cuda)
+    ref = _llama_steps(resident, ref_opt, config, tokens, batch, steps, device)
+    del resident, ref_opt
+    timed = slice(1, None)  # the first step records the trace
+    ours_s = statistics.median(r["seconds"] for r in ours[timed])
+    ref_s = statistics.median(r["seconds"] for r in ref[timed])
+    if not all(math.isfinite(r["loss"]) for r in ours):
+        raise AssertionError(f"offloaded losses not finite: {[r['loss'] for r in ours]}")
+    return {"device": device, "params": params, "tokens_a_step": 2 * batch * tokens, "host_budget_bytes": host,
+            "state_bytes": int(state), "host_peak_bytes": peak_host, "offloaded_step_s": round(ours_s, 3),
+            "resident_step_s": round(ref_s, 3), "ratio": round(ours_s / ref_s, 3),
+            "stall_s": [round(r["stall_seconds"], 3) for r in ours],
+            "drive_bytes_per_param": [round(r["drive_bytes"] / params, 2) for r in ours],
+            "losses": [round(r["loss"], 4) for r in ours], "resident_losses": [round(r["loss"], 4) for r in ref]}
+
+
 CHECKS: list[tuple[str, Callable[[argparse.Namespace], dict[str, Any]]]] = [
-    ("environment", check_environment), ("host to device", check_host_to_device), ("ordering", check_ordering),
-    ("training", check_training), ("demo and bench step", check_demo_and_bench)]
+    ("environment", check_environment), ("pinned host memory", check_pinned), ("link", check_link),
+    ("drive", check_drive), ("ordering", check_ordering), ("training", check_training),
+    ("llama step", check_llama), ("demo and bench step", check_demo_and_bench)]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nvme-path", default=None, help="directory on the drive (default: a temporary one)")
-    p.add_argument("--simulate", action="store_true", help="no GPU: checks 3 and 4 on a simulated device")
-    p.add_argument("--h2d-mib", type=int, default=256)
+    p.add_argument("--tiny", action="store_true", help="every check at a tiny size; without a GPU, the ordering "
+                   "and training checks on a simulated device")
+    p.add_argument("--pinned-mib", type=int, default=1024, help="the pinned host tier's budget (default 1024)")
+    p.add_argument("--link-mib", type=int, default=1024, help="MiB a link copy (default 1024)")
+    p.add_argument("--drive-mib", type=int, default=4096, help="MiB the drive check writes and reads (default 4096)")
     p.add_argument("--ordering-ops", type=int, default=2000)
+    p.add_argument("--llama-steps", type=int, default=4, help="steps of each Llama run, the first untimed")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    args.simulate = args.tiny and not torch.cuda.is_available()
+    if args.tiny:
+        args.pinned_mib, args.link_mib, args.drive_mib = 16, 16, 64
+        args.ordering_ops = min(args.ordering_ops, 300)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as tmp:
         args.nvme_path = tmp

@@ -130,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tflops", type=float, help="compute rate, for the predicted step")
     plan.add_argument("--tokens", type=int, help="tokens (or, with --preset, images) a step computes, per rank "
                       "(default: 2048 tokens; 32 images)")
+    plan.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                      help="what computes forward and backward (default: cuda when this machine has it, else cpu)")
+    plan.add_argument("--ram", help="the machine's RAM, to plan for another machine (default: this one's)")
+    plan.add_argument("--link-gbps", type=float, help="host<->device copies from pinned memory, GB/s, for the "
+                      "predicted step on a device (measured by --measure where there is one)")
+    plan.add_argument("--update-ns", type=float, help="OffloadedAdamW's CPU update, ns a parameter, for the "
+                      "predicted step (measured by --measure)")
     plan.add_argument("--tensor-ms", type=float, help="the offload's own work per parameter tensor and step, in ms, "
                       "for the predicted step (measured by --measure)")
     plan.add_argument("--measure", action="store_true",
@@ -309,7 +316,10 @@ def _plan_inputs(args: argparse.Namespace) -> dict:
         params, layers = _preset_params(args.preset), _preset_depth(args.preset)
         tensors, hidden = _preset_tensors(args.preset), _preset_width(args.preset)
     dtype = args.dtype or named_dtype or "fp32"
-    cuda = torch.cuda.is_available()
+    cuda = args.device == "cuda" if args.device else torch.cuda.is_available()
+    if args.measure and cuda and not torch.cuda.is_available():
+        raise ValueError("--device cuda --measure: this machine has no CUDA device to measure; give --tflops, "
+                         "--link-gbps and --update-ns instead")
     layers = args.layers or layers
     budgets = {f"{t}_budget_bytes": parse_bytes(v, name=f"--{t}-budget") if v else None
                for t, v in (("device", args.device_budget), ("host", args.host_budget), ("nvme", args.nvme_budget))}
@@ -348,15 +358,17 @@ def _plan_inputs(args: argparse.Namespace) -> dict:
         tflops, device_name = ((args.tflops, None) if args.tflops is not None else measure_compute_tflops(dtype))
         compute = 6 * params * per_rank_tokens / (tflops * 1e12)  # forward 2, backward 4 FLOPs a parameter, token
     # The optimizer's CPU update: a measured resident step of a preset on the CPU has torch's AdamW in it already.
-    update = None
-    if args.measure and args.optimizer == "adamw" and (args.preset is None or cuda):
+    update = args.update_ns * 1e-9 * params / args.ranks if args.update_ns is not None else None
+    if update is None and args.measure and args.optimizer == "adamw" and (args.preset is None or cuda):
         update = measure_update_seconds(dtype, args.moments, args.master) * params / args.ranks
+    link = args.link_gbps if args.link_gbps is not None else (measure_link_gbps() if args.measure else None)
     return {"params": params, "ranks": args.ranks, "dtype": dtype, "optimizer": args.optimizer,
             "layers": layers, "moments": args.moments, "master": args.master, "step_in_backward": in_backward,
             "nvme_path": args.nvme_path, "drive_gbps": drive, "compute_seconds": compute, "tensors": tensors,
             "tensor_seconds": tensor_seconds, "unit": unit, "source": source, "tokens": per_rank_tokens,
             "hidden": hidden, "compute_device": "cuda" if cuda else "cpu", "device_name": device_name,
-            "link_gbps": measure_link_gbps() if args.measure else None, "update_seconds": update, **budgets}
+            "link_gbps": link, "update_seconds": update,
+            "ram_bytes": parse_bytes(args.ram, name="--ram") if args.ram else None, **budgets}
 
 
 def _preset_tokens(preset: str) -> int:
