@@ -23,10 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierstore import Tier, TierStore
-from tierstore._memory import TierPool
-from tierstore._placement import Placement
-from tierstore._schedule import LaterUses, PrefetchPolicy, unit_victim_order
+from tierstore import Tier, TierStore, TierStoreError
+from tierstore.memory import TierPool
+from tierstore.scheduling import LaterUses, Placement, PrefetchPolicy, unit_victim_order
 
 from ._contract import OPTIMIZER_PREFIX, OffloadedParameters
 from ._meta import unmaterialize
@@ -35,7 +34,7 @@ from ._placing import AUTO_START_DEPTH, Placer, StepStarts
 STATE_KEY = "_tierstore_offload"  # the attribute of an offloaded module that holds its OffloadBase
 
 
-class OffloadedParameterError(RuntimeError):
+class OffloadedParameterError(TierStoreError):
     """An offloaded parameter's values were needed where tierstore cannot fetch them, or can no longer be
     trusted."""
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tierstore import Tier
-from tierstore._copies import dense_strides
+from tierstore.memory import dense_strides
 
 from ._meta import materialize
 from ._param import StoredParam, placeholder_of

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tierstore import Tier, TierStore
-from tierstore._schedule import LaterUses, PrefetchPolicy
+from tierstore.scheduling import LaterUses, PrefetchPolicy
 
 OPTIMIZER_PREFIX = "adam/"
 OPTIMIZER_STATE = ("exp_avg", "exp_avg_sq", "master")

@@ -55,7 +55,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from tierstore import Tier, TierStore
-from tierstore._copies import dense_strides
+from tierstore.memory import dense_strides
 
 from ._contract import MASTERED_DTYPES
 

@@ -25,7 +25,7 @@ import tempfile
 import threading
 import warnings
 
-from tierstore._config import user_cache_path
+from tierstore.swap import user_cache_path
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compressed_adamw.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from tierstore import Tier, TierStore
-from tierstore._copies import dense_strides
-from tierstore._memory import TierPool
-from tierstore._schedule import LaterUses
+from tierstore.memory import dense_strides
+from tierstore.memory import TierPool
+from tierstore.scheduling import LaterUses
 
 from ._contract import OPTIMIZER_STATE, OffloadedParameters, moment_dtype, optimizer_key
 from ._layouts import StateLayout, decode_state, encode_state, join_master, split_master

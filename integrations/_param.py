@@ -90,7 +90,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tierstore._copies import contiguous_strides, dense_strides
+from tierstore.memory import contiguous_strides, dense_strides
 
 from ._base import OffloadedParameterError
 from ._grads import StoredGrad

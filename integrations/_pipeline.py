@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from tierstore import Handle, Tier, TierStore
+from tierstore import Handle, Tier, TierStore, TierStoreError
 
 from . import _adamw
 from ._contract import optimizer_key
@@ -34,7 +34,7 @@ def state_keys(name: str, key: str | None, p: torch.nn.Parameter, layout: StateL
     return keys
 
 
-class UnrestorableUpdateError(RuntimeError):
+class UnrestorableUpdateError(TierStoreError):
     """An update failed half-way and the state of before it is gone (see ``StatePipeline.update``)."""
 
 

@@ -1,5 +1,5 @@
 """What an offloaded model keeps resident and how far it reads ahead, decided at the start of each step from the
-steps before: the placement (``tierstore._placement``) from the recorded trace and the budget, and with
+steps before: the placement (``tierstore.scheduling``) from the recorded trace and the budget, and with
 ``prefetch_depth="auto"`` the depth from the measured drive rate and compute time per use.
 
 [Note: Re-planning] The placement is planned once a step has been recorded,
@@ -53,7 +53,7 @@ read was in flight: the rate of the drive, not of one transfer waiting behind
 others) and the compute time between uses (the clock given to ``on_use`` stops
 while the training thread stalls, so a stall does not pass for compute), up
 to as deep as the room left for copies in flight allows (see
-``tierstore._placement.choose_depth`` and [Note: Not as deep as the room
+``tierstore.scheduling.choose_depth`` and [Note: Not as deep as the room
 allows]). It is chosen again each step, so it follows the drive and the
 compute as they change.
 
@@ -79,10 +79,10 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from tierstore import Tier, TierStore
-from tierstore._config import check_prefetch_depth
-from tierstore._memory import TierPool
-from tierstore._placement import Placement, StepTrace, choose_depth, plan_placement, room_bytes, size_text
-from tierstore._schedule import LaterUses, PrefetchPolicy
+from tierstore.scheduling import check_prefetch_depth
+from tierstore.memory import TierPool
+from tierstore.scheduling import Placement, StepTrace, choose_depth, plan_placement, room_bytes, size_text
+from tierstore.scheduling import LaterUses, PrefetchPolicy
 
 from ._contract import OPTIMIZER_PREFIX
 
@@ -337,7 +337,7 @@ class Placer:
 
     def room(self, host: int | None = None) -> int:
         """Bytes of ``host`` (the host budget) left for copies in flight (see
-        ``tierstore._placement.room_bytes``), parameters waiting for updates behind backward among them (see
+        ``tierstore.scheduling.room_bytes``), parameters waiting for updates behind backward among them (see
         [Note: Updates behind backward])."""
         host = self.store.config.host_budget_bytes if host is None else host
         return room_bytes(host, largest_unit_bytes=self._largest_unit(), units_in_flight=self._units_in_flight(),

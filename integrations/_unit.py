@@ -81,7 +81,7 @@ import torch
 from torch import nn
 
 from tierstore import Tier, TierStore
-from tierstore._memory import PAGE_BYTES, TierPool
+from tierstore.memory import PAGE_BYTES, TierPool
 
 from ._base import OffloadedParameterError
 from ._param import OffloadedParameter, StoredParam, leaves

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from tierstore import CheckpointError, Tier, TierStore, TierStoreError
-from tierstore._checkpoint import (
+from tierstore.files import (
     MANIFEST,
     PinnedCheckpoint,
     TensorSource,

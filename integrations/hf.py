@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from tierstore import CheckpointError, parse_bytes
-from tierstore._checkpoint import TensorSource, read_raw, safetensors_entries, write_safetensors_file
+from tierstore.files import TensorSource, read_raw, safetensors_entries, write_safetensors_file
 
 from ._base import OffloadBase
 from .checkpoint import (

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from tierstore import Tier, TierStore
-from tierstore._memory import TierPool
+from tierstore.memory import TierPool
 
 from ._base import STATE_KEY, OffloadBase, OffloadedParameterError, UnitStats, check_not_offloaded
 from ._build import check_names_free, put_parameters, room_for, to_compute_device

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from tierstore import Tier, TierStore
-from tierstore._config import default_grad_backlog_bytes
+from tierstore.scheduling import default_grad_backlog_bytes
 
 from . import _adamw
 from ._adamw import HYPER, check_hyper

@@ -32,7 +32,7 @@ LAYOUTS = (("8bit", "split"), ("8bit", "none"), ("bf16", "split"), ("fp32", "fp3
 
 def _state(moments: str, master: str, n: int) -> dict:
     import torch
-    from tierstore.integrations import _layouts as L
+    from tierstore.integrations import layouts as L
 
     g = torch.Generator().manual_seed(0)
     fp = torch.randn(n, generator=g)
@@ -74,8 +74,7 @@ def _time(update, rounds: int) -> tuple[float, float]:
 
 def run_layout(moments: str, master: str, n: int, rounds: int, threads: int) -> dict:
     import torch
-    from tierstore.integrations import _adamw
-    from tierstore.integrations import _layouts as L
+    from tierstore.integrations import layouts as L
 
     st = _state(moments, master, n)
     hyper = (1e-3, (0.9, 0.999), 1e-8, 0.01, False)
@@ -85,7 +84,7 @@ def run_layout(moments: str, master: str, n: int, rounds: int, threads: int) -> 
         grad = st["grad"].float()
 
         def fp32(step: float) -> None:
-            _adamw.adamw_update(st["weight"], st["exp_avg"], st["exp_avg_sq"], grad, step, hyper, "fused")
+            L.adamw_update(st["weight"], st["exp_avg"], st["exp_avg_sq"], grad, step, hyper, "fused")
 
         torch.set_num_threads(1)
         res["cpu_s"], _ = _time(fp32, rounds)
@@ -101,7 +100,7 @@ def run_layout(moments: str, master: str, n: int, rounds: int, threads: int) -> 
         return call
 
     torch.set_num_threads(1)
-    native = L._native.kernel() is not None
+    native = L.native_kernel_built()
     res["native"] = native
     res["cpu_s"], _ = _time(update(native, 1), rounds)
     res["torch_cpu_s"], _ = _time(update(False, 1), rounds)
@@ -121,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import torch
-    from tierstore._config import default_nvme_path
+    from tierstore import default_nvme_path
     from tierstore.tools.bench_drive import measure_drive
 
     path = args.nvme_path or default_nvme_path()

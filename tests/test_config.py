@@ -33,8 +33,11 @@ def test_json_and_toml(tmp_path):
 def test_unknown_key_lists_valid_keys(tmp_path):
     j = tmp_path / "c.json"
     j.write_text(json.dumps({"host_budget": 5}))
-    with pytest.raises(ValueError, match=r"unknown config key\(s\) 'host_budget'; valid keys: .*host_budget_bytes"):
+    with pytest.raises(ValueError, match=r"unknown setting\(s\) 'host_budget' \(did you mean 'host_budget_bytes'\?\); "
+                                         r"the settings are: .*host_budget_bytes"):
         ts.load_config(j)
+    with pytest.raises(ts.UnknownSettingError):  # the same error as TierStore(host_budget=...) raises
+        ts.TierStore(host_budget=5)
 
 
 def test_bad_values_name_the_key():

@@ -73,3 +73,40 @@ def test_the_check_sees_an_upward_import_inside_a_function(tmp_path):
     path = tmp_path / "probe.py"
     path.write_text("def f():\n    from .tools.demo import run_demo\n    from tierstore.integrations import x\n")
     assert [t for _, t in _imports("tierstore.probe", path)] == ["tierstore.tools.demo", "tierstore.integrations"]
+
+
+def _private_imports(path: pathlib.Path, package: str) -> list[str]:
+    """Imports in ``path`` (a module of ``package``) of a private module of another package of the project:
+    ``tierstore._x`` from outside the core, ``tierstore.integrations._x`` from outside the integrations."""
+    name = f"{package}.{path.stem}"
+    out = []
+    for line, target in _imports(name, path):
+        parts = target.split(".")
+        for depth in range(1, len(parts)):
+            owner, leaf = ".".join(parts[:depth]), parts[depth]
+            if owner in ("tierstore", "tierstore.integrations") and leaf.startswith("_") and owner != package:
+                out.append(f"line {line}: {target}")
+                break
+    return out
+
+
+@pytest.mark.parametrize("folder, package", [("integrations", "tierstore.integrations"),
+                                             ("tierstore/tools", "tierstore.tools"), ("perf", "perf"),
+                                             ("examples", "examples")])
+def test_the_layers_above_use_only_public_names(folder, package):
+    """The core's public modules (tierstore, .memory, .scheduling, .files, .swap) and the integrations' (those
+    without a leading underscore) are the whole API between the layers: no private module of a layer below is
+    imported from above it, so a change inside the core cannot break an integration without a public name
+    changing. Tests may reach in."""
+    found = {p.name: _private_imports(p, package) for p in sorted((ROOT / folder).glob("*.py"))}
+    assert not {k: v for k, v in found.items() if v}
+
+
+def test_the_check_sees_a_private_import(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text("from tierstore._memory import TierPool\nfrom tierstore.integrations import _layouts\n"
+                    "from tierstore.memory import TierPool\nfrom .flags import DTYPES\n")
+    assert _private_imports(path, "tierstore.tools") == ["line 1: tierstore._memory",
+                                                         "line 2: tierstore.integrations._layouts"]
+    # the integrations' own private modules are theirs to import
+    assert _private_imports(path, "tierstore.integrations") == ["line 1: tierstore._memory"]

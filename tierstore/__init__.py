@@ -14,7 +14,6 @@ from ._types import (
     CheckpointIntegrityError,
     CheckpointNotFoundError,
     CheckpointWriteError,
-    CopyState,
     IntegrityError,
     StoreClosedError,
     StoreFullError,
@@ -22,6 +21,7 @@ from ._types import (
     TierBudgetError,
     TierIOError,
     TierStoreError,
+    UnknownSettingError,
 )
 
 __version__ = "0.1.0"
@@ -31,7 +31,6 @@ __all__ = [
     "CheckpointIntegrityError",
     "CheckpointNotFoundError",
     "CheckpointWriteError",
-    "CopyState",
     "Handle",
     "IntegrityError",
     "StoreClosedError",
@@ -43,6 +42,7 @@ __all__ = [
     "TierIOError",
     "TierStore",
     "TierStoreError",
+    "UnknownSettingError",
     "Timeline",
     "default_nvme_path",
     "from_deepspeed",

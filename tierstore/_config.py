@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ._types import Tier
+from ._types import Tier, UnknownSettingError
 
 _UNITS = {
     "": 1, "b": 1,
@@ -154,13 +155,20 @@ class StoreConfig:
 _FIELDS = {f.name for f in dataclasses.fields(StoreConfig)}
 
 
+def check_settings(names: Iterable[str], what: str) -> None:
+    """Raise :class:`UnknownSettingError` for any of ``names`` that StoreConfig lacks, naming the closest one
+    of each and listing them all."""
+    unknown = sorted(set(names) - _FIELDS)
+    if unknown:
+        hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, _FIELDS, 1)) else repr(k)
+                 for k in unknown]
+        raise UnknownSettingError(f"{what} has unknown setting(s) {', '.join(hints)}; the settings are: "
+                                  f"{', '.join(sorted(_FIELDS))}")
+
+
 def from_dict(values: Mapping[str, Any]) -> StoreConfig:
     """Build a config from a mapping; an unknown key is an error that lists the valid ones."""
-    unknown = sorted(set(values) - _FIELDS)
-    if unknown:
-        raise ValueError(
-            f"unknown config key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(sorted(_FIELDS))}"
-        )
+    check_settings(values, "the config")
     return StoreConfig(**values)
 
 

@@ -9,7 +9,6 @@ threads), moving bytes (``_transfers.py``: fills, prefetches, write-backs), the 
 from __future__ import annotations
 
 import contextlib
-import difflib
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -20,7 +19,7 @@ import psutil
 import torch
 
 from ._allocator import set_mmap_threshold
-from ._config import StoreConfig
+from ._config import StoreConfig, check_settings
 from ._copies import Copy, Entry, StoreState, check_put, dense_strides
 from ._device import Device, default_device
 from ._memory import TierPool
@@ -495,13 +494,7 @@ class TierStore:
 
 def _settle_config(config: StoreConfig | None, overrides: dict[str, Any]) -> StoreConfig:
     """The config a TierStore was given, with keyword overrides applied; misspelt settings name the closest."""
-    fields = StoreConfig.__dataclass_fields__
-    unknown = sorted(set(overrides) - set(fields))
-    if unknown:
-        hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, fields, 1)) else repr(k)
-                 for k in unknown]
-        raise TypeError(f"TierStore got unknown settings {', '.join(hints)}; the settings are: "
-                        f"{', '.join(fields)}")
+    check_settings(overrides, "TierStore(...)")
     if config is None:
         config = StoreConfig(**overrides)
     elif overrides:

@@ -30,16 +30,13 @@ class Tier(enum.IntEnum):
         return self.name.lower()
 
 
-class CopyState(enum.Enum):
-    """What a copy of a tensor in one tier holds."""
-
-    LOADING = "loading"  # bytes are being read into it; not readable yet
-    CLEAN = "clean"  # same bytes as the home tier
-    DIRTY = "dirty"  # newer than home; must be written back before it is dropped
-
-
 class TierStoreError(RuntimeError):
     """Base class of every runtime error tierstore raises."""
+
+
+class UnknownSettingError(TierStoreError, TypeError, ValueError):
+    """A setting the store's config does not have: the same error from ``TierStore(**settings)``, ``from_dict``
+    and a config file (a ``TypeError`` as for any unknown keyword, a ``ValueError`` as for any bad value)."""
 
 
 class StoreClosedError(TierStoreError):

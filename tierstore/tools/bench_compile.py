@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tierstore import StoreConfig, TierStore
-from tierstore._placement import count_text, size_text
+from tierstore.scheduling import count_text, size_text
 from tierstore.integrations import OffloadedAdamW, offload_model
 
 from .bench_step import STEPS_PER_SAMPLE, WARMUP_STEPS, _offloaded_sample, _resident_step

@@ -24,7 +24,7 @@ import psutil
 import torch
 
 from tierstore import StoreConfig, Tier, TierStore
-from tierstore._memory import aligned_empty
+from tierstore.memory import aligned_empty
 
 MIB = 1024**2
 

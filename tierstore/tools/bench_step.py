@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from tierstore import StoreConfig, TierStore
-from tierstore._placement import count_text, size_text
+from tierstore.scheduling import count_text, size_text
 from tierstore.integrations import OffloadedAdamW, offload_model
 
 from .bench_drive import measure_drive

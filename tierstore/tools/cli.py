@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.cmd == "gc":
-            from tierstore._ownership import describe, reclaim_swap
+            from tierstore.swap import describe, reclaim_swap
 
             if args.path and args.nvme_path and args.path != args.nvme_path:
                 raise ValueError(f"two paths given ({args.path!r} and --nvme-path {args.nvme_path!r}): give one")
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _layouts(text: str | None) -> list[str]:
     """'8bit/split,bf16' -> ['8bit/split', 'bf16/fp32'], each checked."""
-    from tierstore.integrations._layouts import StateLayout
+    from tierstore.integrations.layouts import StateLayout
 
     out = []
     for part in (text or "").split(","):
@@ -334,7 +334,7 @@ def _plan_inputs(args: argparse.Namespace) -> dict:
                  if v.strip().lower().endswith(u.lower())), "GB")
     in_backward = args.optimizer_step == "in-backward"
     if args.measure:  # what is measured runs as it will beside a store: under the allocator setting it makes
-        from tierstore._allocator import set_mmap_threshold
+        from tierstore.memory import set_mmap_threshold
 
         if (threshold := StoreConfig().malloc_mmap_threshold_bytes) is not None:
             set_mmap_threshold(threshold)

@@ -91,7 +91,7 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     if measure_drive_mib < 0:
         raise ValueError(f"--measure-drive {measure_drive_mib}: give the MiB each measurement moves, or 0 for none")
     torch_dtype = DTYPES[dtype]
-    from tierstore.integrations._layouts import StateLayout, packed_size
+    from tierstore.integrations.layouts import StateLayout, packed_size
 
     from .upcast import choice_text, compute_in_fp32, resolve_compute
 
@@ -128,9 +128,9 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     if moments == "fp32" and (master == "fp32" or not half):
         update = "torch's fused kernel"
     else:  # the compressed state's own update; tensors too small to compress keep torch's fused kernel
-        from tierstore.integrations import _native
+        from tierstore.integrations.layouts import native_kernel_built
 
-        update = "the compressed update's " + ("native kernel" if _native.kernel() is not None else "torch operations")
+        update = "the compressed update's " + ("native kernel" if native_kernel_built() else "torch operations")
     log(f"data: synthetic {cfg.image_size}x{cfg.image_size} images ({cfg.num_classes} random templates plus noise, "
         f"made in-process), batch {batch_size}; AdamW ({update}) lr {lr:g} after {warmup} warm-up step(s)")
     budgets = f"host {host / MIB:.1f} MiB" + (f", device {device / MIB:.1f} MiB" if cuda else

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tierstore import StoreConfig, TierStore, default_nvme_path, parse_bytes
-from tierstore._checkpoint import read_safetensors
+from tierstore.files import read_safetensors
 from tierstore.integrations import (
     OffloadedAdamW,
     consolidate_checkpoint,

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierstore import Tier
-from tierstore._config import default_grad_backlog_bytes
-from tierstore._placement import layered_trace, plan_placement, room_bytes
+from tierstore.scheduling import default_grad_backlog_bytes
+from tierstore.scheduling import layered_trace, plan_placement, room_bytes
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _OPTIMIZERS = ("adamw", "sgd", "none")
