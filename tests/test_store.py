@@ -310,7 +310,9 @@ def test_a_get_waits_for_room_another_thread_will_release(make_store):
     store.release("b", "host")
 
 
-def test_threads_waiting_on_each_other_fail_at_once_naming_who_holds_what(make_store):
+def test_threads_waiting_on_each_other_fail_at_once_naming_who_holds_what(make_store, monkeypatch):
+    """Without the check that neither thread can go on, this test waits out a bound longer than its timeout."""
+    monkeypatch.setattr("tierstore._room.BUDGET_WAIT_SECONDS", 3600.0)
     n = 64 * 1024
     store = make_store(host_budget_bytes=2 * n)
     for k in "abcd":
@@ -332,7 +334,6 @@ def test_threads_waiting_on_each_other_fail_at_once_naming_who_holds_what(make_s
     t = threading.Thread(target=other, name="worker")
     t.start()
     barrier.wait()
-    t0 = time.perf_counter()
     try:
         store.get("c", "host")
         store.release("c", "host")
@@ -341,7 +342,6 @@ def test_threads_waiting_on_each_other_fail_at_once_naming_who_holds_what(make_s
     finally:
         store.release("a", "host")  # whichever thread fails lets go, and the other goes on
     t.join()
-    assert time.perf_counter() - t0 < 5  # no waiting out the bound: the second to wait saw neither could go on
     assert len(errors) == 1 and "MainThread holds 1 (a); worker holds 1 (b)" in str(errors[0])
 
 
