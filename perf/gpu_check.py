@@ -203,7 +203,7 @@ def check_demo_and_bench(args: argparse.Namespace) -> dict[str, Any]:
     return {"demo": demo, "bench_step": bench}
 
 
-def _llama(tiny: bool, dtype: torch.dtype) -> tuple[Any, Any, int]:
+def _llama(tiny: bool) -> tuple[Any, Any, int]:
     """transformers' Llama config of the check (tiny, or 1.4B), its decoder layer class, tokens a sequence."""
     import transformers
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -212,8 +212,7 @@ def _llama(tiny: bool, dtype: torch.dtype) -> tuple[Any, Any, int]:
                                                    else (2048, 24, 16, 5632, 32000, 512))
     config = transformers.LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                                       num_key_value_heads=heads, intermediate_size=inter, vocab_size=vocab,
-                                      max_position_embeddings=tokens, tie_word_embeddings=False, use_cache=False,
-                                      dtype=dtype)
+                                      max_position_embeddings=tokens, tie_word_embeddings=False, use_cache=False)
     return config, LlamaDecoderLayer, tokens
 
 
@@ -255,12 +254,13 @@ def check_llama(args: argparse.Namespace) -> dict[str, Any]:
         return {"skipped": "needs transformers (pip install tierstore[hf])"}
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    config, layer, tokens = _llama(args.tiny, torch.bfloat16)
+    config, layer, tokens = _llama(args.tiny)
     batch, steps = (1, 3) if args.tiny else (4, args.llama_steps)
     torch.manual_seed(0)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
+    with torch.device("meta"):  # in bf16 as from_config makes it (the rotary tables stay fp32)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
     state = params * (2 + 2 + 2 + 8 / 256)  # bf16 weights, 8-bit moments, the split masters' low halves
     host = int(state // 3)
     device_budget = max(4 * MIB, params * 2 // 4) if cuda else MIB
@@ -273,7 +273,7 @@ def check_llama(args: argparse.Namespace) -> dict[str, Any]:
             opt.close()
         peak_host = store.memory()["host"]["peak_bytes"]
     del model, off, opt
-    resident = transformers.LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16)
+    resident = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device)
     ref_opt = torch.optim.AdamW(resident.parameters(), lr=1e-5, fused=cuda)
     ref = _llama_steps(resident, ref_opt, config, tokens, batch, steps, device)
     del resident, ref_opt
@@ -282,7 +282,8 @@ def check_llama(args: argparse.Namespace) -> dict[str, Any]:
     ref_s = statistics.median(r["seconds"] for r in ref[timed])
     if not all(math.isfinite(r["loss"]) for r in ours):
         raise AssertionError(f"offloaded losses not finite: {[r['loss'] for r in ours]}")
-    return {"device": device, "params": params, "tokens_a_step": 2 * batch * tokens, "host_budget_bytes": host,
+    return {"device": device, "params": params, "dtypes": dtypes, "tokens_a_step": 2 * batch * tokens,
+            "host_budget_bytes": host,
             "state_bytes": int(state), "host_peak_bytes": peak_host, "offloaded_step_s": round(ours_s, 3),
             "resident_step_s": round(ref_s, 3), "ratio": round(ours_s / ref_s, 3),
             "stall_s": [round(r["stall_seconds"], 3) for r in ours],

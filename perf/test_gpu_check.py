@@ -20,6 +20,7 @@ def test_gpu_check_tiny(tmp_path, capsys):
     assert res["ordering"]["copies"]["host->device"] > 50 and res["ordering"]["copies"]["device->host"] > 0
     assert len(res["training"]["losses"]) == 3 and all(a == b for a, b in res["training"]["losses"])
     llama = res["llama step"]
+    assert llama["dtypes"] == ["torch.bfloat16"]
     assert llama["offloaded_step_s"] > 0 and llama["resident_step_s"] > 0 and llama["ratio"] > 0
     assert llama["host_peak_bytes"] <= llama["host_budget_bytes"] < llama["state_bytes"]
     assert all(b > 0 for b in llama["drive_bytes_per_param"]) and len(llama["losses"]) == 3
