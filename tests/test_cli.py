@@ -99,7 +99,8 @@ def test_each_command_accepts_its_concepts_flags(tmp_path):
     ["bench", "step", "--compile", "--layouts", "8bit/split"],
     ["bench", "step", "--budget-sweep", "2,3", "--trace", "t.json"],
     ["bench", "step", "--budget-sweep", "2,3", "--layouts", "8bit/split"],
-], ids=["compile-depths", "compile-dtype", "compile-layouts", "sweep-trace", "sweep-layouts"])
+    ["bench", "step", "--budget-sweep", "2,3", "--host-budget", "64MiB"],
+], ids=["compile-depths", "compile-dtype", "compile-layouts", "sweep-trace", "sweep-layouts", "sweep-host-budget"])
 def test_a_flag_the_mode_ignores_is_an_error(argv, capsys):
     with pytest.raises(SystemExit, match="2"):
         cli.main(argv)

@@ -30,10 +30,10 @@ def _add_drive(sub: argparse._SubParsersAction) -> None:
 
 
 # bench step's flags each of its modes uses (any other given is an error: see flags.refuse_ignored)
-_STEP_COMMON = {"cmd", "bench", "command_parser", "preset", "batch_size", "rounds", "nvme_path", "host_budget", "device_budget",
+_STEP_COMMON = {"cmd", "bench", "command_parser", "preset", "batch_size", "rounds", "nvme_path", "device_budget",
                 "json"}
 _STEP_MODES = {
-    "--compile": _STEP_COMMON | {"compile"},
+    "--compile": _STEP_COMMON | {"compile", "host_budget"},
     "--budget-sweep": _STEP_COMMON | {"budget_sweep", "depths", "optimizer_step", "dtype", "fused", "plot"},
 }
 
