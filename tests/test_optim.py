@@ -164,6 +164,28 @@ def test_read_ahead_issues_each_state_key_at_most_twice_a_step(make_store, monke
     assert late == []
 
 
+def test_the_read_ahead_window_counts_the_gradients_it_reads(make_store):
+    """Read ahead of an update brings its state and its gradient kept in the store: the window counts both, so
+    what it issues fits the bytes it is given (counting the state alone, it held up to 1.7x of them with fp32
+    gradients beside 8-bit state, and its reads evicted each other before their updates)."""
+    from tierstore.integrations._grads import store_key_of
+    from tierstore.integrations._pipeline import state_keys
+
+    _, model, data = _tiny_pair()
+    store = make_store(host_budget_bytes="1MiB")
+    opt = OffloadedAdamW(offload_model(model, store, prefetch_depth=2), lr=1e-3)
+    x, y = data.batch(0, 4)
+    F.cross_entropy(model(x), y).backward()
+    items = [(name, key, p, p.grad) for name, key, p in opt._items]
+    kept = [item for item in items if store_key_of(item[3]) is not None]
+    assert kept  # the gradients are in the store until the step
+    for name, key, p, grad in kept:
+        state = sum(store.info(k)["nbytes"] for k in state_keys(name, key, p, opt.layout))
+        assert opt._pipeline._read_bytes((name, key, p, grad)) == state + store.info(store_key_of(grad))["nbytes"]
+    opt.step()
+    opt.close()
+
+
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
 def test_tensors_larger_than_an_update_slice_are_bit_identical(make_store, monkeypatch, in_backward):
     _SLICE = 1 << 18  # slices small enough for a quick test: [Note: Sliced updates]
