@@ -8,10 +8,9 @@ import argparse
 from collections.abc import Callable, Iterable
 
 from tierstore import default_nvme_path
+from tierstore.integrations.layouts import MASTERS, MOMENTS
 
 DTYPES = ("fp32", "bf16", "fp16")
-MOMENTS = ("fp32", "bf16", "8bit")
-MASTERS = ("fp32", "split", "none")
 OPTIMIZER_STEPS = ("in-backward", "after-backward")
 
 NVME_PATH_HELP = ("directory on the drive for the swap files (default: $TIERSTORE_NVME_PATH, else "
