@@ -78,6 +78,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
     ``differentiable`` must be False. It is a ``torch.optim.Optimizer``, so learning-rate
     schedulers drive it through ``param_groups``; its state lives in the store
     (read it with :meth:`state_dict`), not in ``self.state``.
+
+    ``keep_grads``: after backward, ``step()`` leaves each gradient in place
+    until ``zero_grad()``, as torch's optimizers do (the default). With
+    ``keep_grads=False`` it lets each go as soon as its update has applied it
+    (``p.grad`` is None after, as when stepping in backward): a gradient kept
+    in the store is then never written to the drive only for ``zero_grad()`` to
+    drop it, which the room the step's read-ahead takes otherwise forces. Loops
+    that read no gradient after ``step()`` (transformers' ``Trainer``, most
+    training loops) lose nothing; the numbers are the same either way.
     """
 
     steps_offloaded_parameters = True  # other torch optimizers are refused over offloaded parameters
@@ -88,7 +97,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                  home: Tier | str | None = None, step_in_backward: bool = False,
                  max_grad_backlog_bytes: int | str | None = None, maximize: bool = False, amsgrad: bool = False,
                  foreach: bool | None = None, fused: bool | None = None, capturable: bool = False,
-                 differentiable: bool = False, moments: str | None = None, master: str | None = None) -> None:
+                 differentiable: bool = False, moments: str | None = None, master: str | None = None,
+                 keep_grads: bool = True) -> None:
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         check_hyper(defaults, "")
         check_flags(offloaded, amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
@@ -132,6 +142,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._group_of = {self._name_of[id(p)]: g for g in self.param_groups for p in g["params"]}
         self._pipeline.state_bytes = self._state.create(home)
         self.step_in_backward = step_in_backward
+        self.keep_grads = keep_grads
         self._queue: list[tuple] = []  # (name, key, param, grad) in the order they are stepped
         self._done = 0  # how many of the queue are stepped
         # name -> (the gradient its last update applied, that gradient's version), and why the last step()
@@ -292,6 +303,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for i, (name, key, p, grad) in enumerate(work):
                 self._pipeline.read_ahead(work, i)
                 self._timed_step(name, key, p, grad)
+                if not self.keep_grads:  # applied: it goes now, not written home for zero_grad() to drop
+                    if key is not None:
+                        self.offloaded.grads.pop(key, None)
+                    p.grad = None
                 updated += 1
                 self._done = i + 1
         except BaseException as e:

@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama-150m")
     p.add_argument("--host-budget", default=None, help="default: the preset's")
     p.add_argument("--tokens", type=int, default=64, help="tokens a micro-batch (default 64)")
+    p.add_argument("--keep-grads", choices=["yes", "no"], default="yes",
+                   help="OffloadedAdamW's keep_grads: yes keeps each gradient until zero_grad() (the default), no "
+                        "lets it go once applied")
     p.add_argument("--nvme-path", required=True, help="directory on the drive for the swap files")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     moved: dict[tuple[str, str, str], int] = collections.defaultdict(int)
     with ts.TierStore(nvme_path=args.nvme_path, host_budget_bytes=host, device_budget_bytes="1MiB") as store:
         off = offload_model(model, store, units=[LlamaDecoderLayer], init_fn=model._init_weights)
-        opt = OffloadedAdamW(off, lr=1e-4, moments="8bit", master="split")
+        opt = OffloadedAdamW(off, lr=1e-4, moments="8bit", master="split", keep_grads=args.keep_grads == "yes")
         try:
             for step in range(3):
                 timeline = store.record_timeline() if step == 2 else None
@@ -92,14 +95,16 @@ def main(argv: list[str] | None = None) -> dict:
     once = 2 * 2 * weights + grads * (2 + 1 + 1) + 2 * state  # 2 micro-batches
     total = sum(moved.values())
     print(f"{params / 1e6:.1f}M parameters, host budget {host / 2**20:.0f} MiB, Trainer's loop (2 micro-batches of "
-          f"{args.tokens} tokens, clip 1.0, after backward), bf16, 8-bit moments, split masters; bytes a parameter:")
+          f"{args.tokens} tokens, clip 1.0, after backward), bf16, 8-bit moments, split masters, keep_grads "
+          f"{args.keep_grads}; bytes a parameter:")
     kinds = sorted({(w, d) for _, w, d in moved})
     print(f"{'phase':<15}" + "".join(f"{w + ' ' + d:>18}" for w, d in kinds))
     for phase in PHASES:
         print(f"{phase:<15}" + "".join(f"{moved.get((phase, w, d), 0) / params:>18.2f}" for w, d in kinds))
     print(f"moved a step (ours): {total / params:.1f} B/param ({total / 1e9:.2f} GB); each use once, nothing kept "
           f"(the reference): {once / params:.1f} B/param; ratio {total / once:.2f}")
-    out = {"preset": args.preset, "params": params, "host_budget_bytes": host, "moved_bytes": total,
+    out = {"preset": args.preset, "keep_grads": args.keep_grads, "params": params, "host_budget_bytes": host,
+           "moved_bytes": total,
            "once_bytes": once, "ratio": total / once,
            "table": [{"phase": ph, "what": w, "direction": d, "bytes": b} for (ph, w, d), b in sorted(moved.items())]}
     if args.json:
