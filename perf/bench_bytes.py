@@ -20,7 +20,7 @@ import argparse
 import collections
 import json
 
-from bench_trainer import PRESETS
+from bench_trainer import PRESETS, llama_config
 
 PHASES = ("micro-batch 1", "micro-batch 2", "clip", "step")
 
@@ -52,11 +52,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--nvme-path", required=True, help="directory on the drive for the swap files")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
-    (hidden, layers, heads, inter, vocab), default_host = PRESETS[args.preset]
-    host = ts.parse_bytes(args.host_budget or default_host, name="--host-budget")
-    config = transformers.LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                                      num_key_value_heads=heads, intermediate_size=inter, vocab_size=vocab,
-                                      tie_word_embeddings=False, use_cache=False)
+    config, host = llama_config(args.preset, args.host_budget, tokens=max(256, args.tokens))
+    vocab = config.vocab_size
     torch.manual_seed(0)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

@@ -31,6 +31,20 @@ PRESETS = {
 MODES = ("plain", "save", "resume")
 
 
+def llama_config(preset: str, host_budget: str | None = None, tokens: int = 256) -> tuple:
+    """transformers' LlamaConfig of ``preset`` (no cache, untied head, ``tokens`` positions) and the host budget in
+    bytes it runs under (``host_budget`` as given, else the preset's)."""
+    import transformers
+
+    import tierstore as ts
+
+    (hidden, layers, heads, inter, vocab), default_host = PRESETS[preset]
+    config = transformers.LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                                      num_key_value_heads=heads, intermediate_size=inter, vocab_size=vocab,
+                                      max_position_embeddings=tokens, tie_word_embeddings=False, use_cache=False)
+    return config, ts.parse_bytes(host_budget or default_host, name="--host-budget")
+
+
 def _child(args: argparse.Namespace) -> dict:
     import torch
     import transformers
@@ -40,12 +54,9 @@ def _child(args: argparse.Namespace) -> dict:
     from tierstore.integrations import OffloadedAdamW, offload_model, stream_checkpoints
     from tierstore.tools.rss import peak_rss_bytes
 
-    (hidden, layers, heads, inter, vocab), default_host = PRESETS[args.preset]
-    host = ts.parse_bytes(args.host_budget or default_host, name="--host-budget")
+    config, host = llama_config(args.preset, args.host_budget)
+    vocab = config.vocab_size
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    config = transformers.LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                                      num_key_value_heads=heads, intermediate_size=inter, vocab_size=vocab,
-                                      max_position_embeddings=256, tie_word_embeddings=False, use_cache=False)
 
     class Tokens(torch.utils.data.Dataset):
         def __len__(self) -> int:
