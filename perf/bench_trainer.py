@@ -79,7 +79,8 @@ def _child(args: argparse.Namespace) -> dict:
     try:
         t0 = time.perf_counter()
         off = offload_model(model, store, units=[LlamaDecoderLayer], init_fn=init)
-        opt = OffloadedAdamW(off, lr=1e-4, moments=args.moments, master=args.master)
+        opt = OffloadedAdamW(off, lr=1e-4, moments=args.moments, master=args.master,
+                             keep_grads=args.keep_grads == "yes")
         built_s = time.perf_counter() - t0
         steps = args.steps + (1 if args.mode == "resume" else 0)
         training = transformers.TrainingArguments(
@@ -128,6 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--master-weights", dest="master", default="split",
                    help="OffloadedAdamW's master weights: fp32, split or none")
     p.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA of rank R on a frozen base")
+    p.add_argument("--keep-grads", choices=["yes", "no"], default="yes",
+                   help="OffloadedAdamW's keep_grads: no lets each gradient go once applied")
     p.add_argument("--steps", type=int, default=2, help="steps before the checkpoint resumed from")
     p.add_argument("--batch-size", type=int, default=1, help="sequences a micro-batch")
     p.add_argument("--tokens", type=int, default=64, help="tokens a sequence")
