@@ -136,10 +136,16 @@ class OffloadBase(OffloadedParameters):
         # Which of its copies eviction should drop first (Belady over its trace and its optimizer's queue).
         self.victim_order = unit_victim_order(self.policy, self._key_units, self.later_uses)
         self._victim_token = self.store.add_victim_order(
-            self.victim_order, owns=lambda k: k in self._key_units or k in self.later_uses.after)
+            self.victim_order, owns=self._owns)
         # What stays in the host tier for the whole run, and the depth with "auto" (see integrations/_placing.py).
         self.placer = Placer(self.store, self.policy, self.later_uses, unit_keys=self._unit_keys, place=placement,
                              auto_depth=auto, grad_of=grad_of)
+
+    def _owns(self, key: str) -> bool:
+        """Whether this model's victim order ranks ``key``: its parameters, their optimizer state and kept
+        gradients."""
+        later = self.later_uses
+        return key in self._key_units or key in later.after or key in later.grads
 
     def _unit_keys(self) -> dict[str, list[tuple[str, int]]]:
         return {u.name: [(r.key, TierPool.capacity_for(r.nbytes)) for r in u.params]

@@ -7,10 +7,15 @@ under the same budgets as everything else: its home is ``grad_tier`` (the
 optimizer's tier by default), and with an NVMe home it is put with
 ``write_home=False``, so it stays in the host tier while there is room and
 reaches the drive only when that room is needed (a model whose gradients fit
-costs the drive nothing for them). No owner ranks them for eviction, so they
-are the first to go to the drive when the host tier is full (see [Note:
-Several owners' victim orders]): nothing reads them before the optimizer's
-step, while the weights and state around them are read sooner. Accumulation adds into the stored copy
+costs the drive nothing for them). The model's victim order ranks them as it
+ranks optimizer state (``LaterUses.grads``; see [Note: Who uses a copy
+next]): a gradient is next used by the next backward through its parameter,
+which adds to it, or once backward is past, by the update (its place in the
+optimizer's queue). So while backward reads the weights of the units ahead,
+the gradients just made go to the drive first, and one read ahead for its
+update stays until it is used. Left unranked they went first even then: in
+Trainer's loop at 170.6M each gradient the update read ahead was evicted and
+read again (1.7-1.9x its bytes in the step). Accumulation adds into the stored copy
 (read, add, mark dirty). The optimizer reads each gradient ahead with its
 state (see [Note: Pipelined step]) and the gradients go at ``zero_grad()``.
 Gradients handed to an optimizer that steps in backward do not pass through

@@ -17,6 +17,7 @@ from tierstore.memory import dense_strides
 from tierstore.memory import TierPool
 from tierstore.scheduling import LaterUses
 
+from ._grads import grad_key
 from ._contract import OPTIMIZER_STATE, OffloadedParameters, moment_dtype, optimizer_key
 from ._layouts import StateLayout, decode_state, encode_state, join_master, split_master
 from ._optim_params import Item
@@ -37,11 +38,13 @@ class AdamWState:
     def attach(self, later: LaterUses) -> None:
         """Tell eviction when this state is used: right after its parameter's last use in a step (see [Note: Who
         uses a copy next]); ``use_keys`` lists every store key one update uses, built once (eviction asks for the
-        queue's keys on each allocation)."""
-        self.use_keys = {name: tuple(dict.fromkeys((key, *state_keys(name, key, p, self.layout))))
+        queue's keys on each allocation). A gradient kept in the store (see [Note: Gradients in the tiers]) is used
+        alike: the next backward adds to it, and the update reads it with the state."""
+        self.use_keys = {name: tuple(dict.fromkeys((key, grad_key(key), *state_keys(name, key, p, self.layout))))
                          for name, key, p in self.items if key is not None}
         for name, key, p in self.items:
             if key is not None:
+                later.grads[grad_key(key)] = key
                 for k in state_keys(name, key, p, self.layout):
                     if k != key:
                         later.after[k] = key

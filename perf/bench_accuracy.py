@@ -10,12 +10,16 @@ model from the same initial weights on the same batches, with a warm-up and cosi
 - ``torch``: the reference, resident ``torch.optim.AdamW``, fp32 weights;
 - ``W/M/S``: offloaded with weights W (fp32 or bf16), moments M (fp32, bf16, 8bit) and masters S (fp32,
   split, none; "-" for fp32 weights, which need none), through OffloadedAdamW's layouts
-  (see [Note: Compressed optimizer state]);
+  (see [Note: Compressed optimizer state]); gradients kept in fp32 from backward to the step;
+- ``W/M/S/bf16``: the same with the gradients kept (and accumulated) in the weights' dtype
+  (``offload_model(..., grad_dtype="param")``), as torch keeps them;
 - ``torchao``: torchao's ``AdamW8bit``, resident, fp32 weights, where torchao imports.
 
 bf16 weights are computed in fp32: each Linear and Embedding casts its weight up in its forward (this CPU's
 bf16 matrix product is hundreds of times slower than its fp32 one); gradients reach the weights as bf16,
-and the optimizer keeps them in fp32 from there. Printed per layout: the bytes a parameter costs at rest
+and the optimizer keeps them in fp32 from there (unless the layout says bf16). ``--accumulation N`` adds N
+micro-batches into each step (each of ``--batch`` sequences, their losses divided by N) and ``--clip X`` clips
+the gradients' global norm to X before each step, as transformers' Trainer does. Printed per layout: the bytes a parameter costs at rest
 (weights and optimizer state, from the store), the final loss (mean of the last 50 steps), the mean loss over
 the whole run, the loss on held-out batches, and each against the reference's.
 """
@@ -31,7 +35,7 @@ import tempfile
 import time
 
 LAYOUTS = ("torch", "fp32/fp32/-", "bf16/fp32/fp32", "fp32/8bit/-", "bf16/bf16/split", "bf16/8bit/split",
-           "bf16/8bit/none", "torchao")
+           "bf16/8bit/split/bf16", "bf16/8bit/none", "torchao")
 
 
 def markov_chain(vocab: int, successors: int, seed: int):
@@ -88,7 +92,9 @@ def run_layout(args: argparse.Namespace, layout: str, probs) -> dict | None:
     import tierstore as ts
     from tierstore.integrations import OffloadedAdamW, offload_model
 
-    weights, moments, master = ("fp32", "fp32", "-") if layout in ("torch", "torchao") else layout.split("/")
+    parts = ["fp32", "fp32", "-"] if layout in ("torch", "torchao") else layout.split("/")
+    weights, moments, master = parts[:3]
+    grads = parts[3] if len(parts) > 3 else "fp32"
     model = build(args, torch.bfloat16 if weights == "bf16" else torch.float32)
     params = sum(p.numel() for p in model.parameters())
     store = None
@@ -109,7 +115,8 @@ def run_layout(args: argparse.Namespace, layout: str, probs) -> dict | None:
 
         tmp = tempfile.mkdtemp(prefix="bench-accuracy-", dir=args.nvme_path)
         store = ts.TierStore(nvme_path=tmp, host_budget_bytes="1GiB")
-        off = offload_model(model, store, units=[LlamaDecoderLayer])
+        off = offload_model(model, store, units=[LlamaDecoderLayer],
+                            grad_dtype="param" if grads == weights else "float32")
         opt = OffloadedAdamW(off, moments=moments, master="fp32" if master == "-" else master, **hyper)
         at_rest = sum(store.info(k)["nbytes"] for k in store.keys())
     warmup = max(1, args.steps // 20)
@@ -123,13 +130,18 @@ def run_layout(args: argparse.Namespace, layout: str, probs) -> dict | None:
     losses = []
     t0 = time.perf_counter()
     for step in range(args.steps):
-        ids = batch(probs, args.batch, args.length, seed=1_000_000 + step)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        loss = 0.0
+        for micro in range(args.accumulation):
+            ids = batch(probs, args.batch, args.length, seed=1_000_000 + step * args.accumulation + micro)
+            part = model(input_ids=ids, labels=ids).loss / args.accumulation
+            part.backward()
+            loss += part.item()
+        if args.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         sched.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(loss)
     seconds = time.perf_counter() - t0
     with torch.no_grad():
         held_out = sum(model(input_ids=(ids := batch(probs, args.batch, args.length, seed=i)), labels=ids).loss.item()
@@ -155,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--length", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--accumulation", type=int, default=1, help="micro-batches a step (default 1)")
+    p.add_argument("--clip", type=float, default=None, help="clip the gradients' global norm to this (default none)")
     p.add_argument("--nvme-path", default=None, help="where the offloaded runs' swap files go (default: a temp dir)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -167,7 +181,9 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     probs, floor = markov_chain(args.vocab, 16, seed=0)
     print(f"corpus: Markov chain over {args.vocab} tokens, entropy rate (the loss floor) {floor:.4f} nats; "
-          f"{args.steps} steps of {args.batch}x{args.length} tokens")
+          f"{args.steps} steps of {args.accumulation}x{args.batch}x{args.length} tokens, clip "
+          f"{'none' if args.clip is None else args.clip}")
+    head = {"entropy_rate": floor, "steps": args.steps, "accumulation": args.accumulation, "clip": args.clip}
     results = []
     for layout in layouts:
         r = run_layout(args, layout, probs)
@@ -177,17 +193,17 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{r['mean_loss']:.4f}, held-out {r['held_out_loss']:.4f}", flush=True)
             if args.json:  # as each layout ends: a long run stopped part-way keeps what it measured
                 with open(args.json, "w") as f:
-                    json.dump({"entropy_rate": floor, "steps": args.steps, "results": results}, f, indent=1)
+                    json.dump({**head, "results": results}, f, indent=1)
     ref = next((r for r in results if r["layout"] == "torch"), None)
-    print(f"\n{'layout (weights/moments/master)':32s} {'B/param':>8s} {'final':>8s} {'mean':>8s} {'held-out':>9s} "
+    print(f"\n{'layout (weights/moments/master[/grads])':40s} {'B/param':>8s} {'final':>8s} {'mean':>8s} {'held-out':>9s} "
           f"{'vs torch (final, held-out)':>28s}")
     for r in results:
         bpp = "-" if r["bytes_per_param"] is None else f"{r['bytes_per_param']:.2f}"
         vs = "" if ref is None else (f"{r['final_loss'] / ref['final_loss']:.4f}x, "
                                      f"{r['held_out_loss'] / ref['held_out_loss']:.4f}x")
-        print(f"{r['layout']:32s} {bpp:>8s} {r['final_loss']:8.4f} {r['mean_loss']:8.4f} {r['held_out_loss']:9.4f} "
+        print(f"{r['layout']:40s} {bpp:>8s} {r['final_loss']:8.4f} {r['mean_loss']:8.4f} {r['held_out_loss']:9.4f} "
               f"{vs:>28s}")
-    out = {"entropy_rate": floor, "steps": args.steps, "results": results}
+    out = {**head, "results": results}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

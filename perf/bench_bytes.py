@@ -9,7 +9,7 @@ backward. The third step is recorded on the store's timeline and each drive tran
 gradients, moments, masters) and direction, in each phase (each micro-batch's forward and backward, clipping, the
 optimizer's step). Printed: the table in bytes a parameter, our total, and the reference: each use of a tensor
 moving it once and nothing kept in the host tier (each weight read for each micro-batch's forward and backward,
-each fp32 gradient written once a micro-batch and read back once a micro-batch after the first and by the
+each gradient written once a micro-batch and read back once a micro-batch after the first and by the
 update, each state tensor read and written once); and their ratio. Above 1: bytes moved twice (re-reads under
 eviction, write-backs of what is dropped after); below 1: what the host tier kept.
 """
@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--keep-grads", choices=["yes", "no"], default="yes",
                    help="OffloadedAdamW's keep_grads: yes keeps each gradient until zero_grad() (the default), no "
                         "lets it go once applied")
+    p.add_argument("--grad-dtype", choices=["float32", "param"], default="float32",
+                   help="offload_model's grad_dtype: the kept gradients in fp32 (the default) or in the weights' "
+                        "dtype (param)")
     p.add_argument("--nvme-path", required=True, help="directory on the drive for the swap files")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -60,7 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
     params = sum(p.numel() for p in model.parameters())
     moved: dict[tuple[str, str, str], int] = collections.defaultdict(int)
     with ts.TierStore(nvme_path=args.nvme_path, host_budget_bytes=host, device_budget_bytes="1MiB") as store:
-        off = offload_model(model, store, units=[LlamaDecoderLayer], init_fn=model._init_weights)
+        off = offload_model(model, store, units=[LlamaDecoderLayer], init_fn=model._init_weights,
+                            grad_dtype=args.grad_dtype)
         opt = OffloadedAdamW(off, lr=1e-4, moments="8bit", master="split", keep_grads=args.keep_grads == "yes")
         try:
             for step in range(3):
@@ -88,19 +92,19 @@ def main(argv: list[str] | None = None) -> dict:
             weights = sum(store.info(k)["nbytes"] for k in store.keys() if k.startswith("param/"))
         finally:
             opt.close()
-    grads = 4 * params  # fp32, kept in the store from backward to the step
+    grads = (4 if args.grad_dtype == "float32" else 2) * params  # kept in the store from backward to the step
     once = 2 * 2 * weights + grads * (2 + 1 + 1) + 2 * state  # 2 micro-batches
     total = sum(moved.values())
     print(f"{params / 1e6:.1f}M parameters, host budget {host / 2**20:.0f} MiB, Trainer's loop (2 micro-batches of "
-          f"{args.tokens} tokens, clip 1.0, after backward), bf16, 8-bit moments, split masters, keep_grads "
-          f"{args.keep_grads}; bytes a parameter:")
+          f"{args.tokens} tokens, clip 1.0, after backward), bf16, 8-bit moments, split masters, {args.grad_dtype} "
+          f"gradients, keep_grads {args.keep_grads}; bytes a parameter:")
     kinds = sorted({(w, d) for _, w, d in moved})
     print(f"{'phase':<15}" + "".join(f"{w + ' ' + d:>18}" for w, d in kinds))
     for phase in PHASES:
         print(f"{phase:<15}" + "".join(f"{moved.get((phase, w, d), 0) / params:>18.2f}" for w, d in kinds))
     print(f"moved a step (ours): {total / params:.1f} B/param ({total / 1e9:.2f} GB); each use once, nothing kept "
           f"(the reference): {once / params:.1f} B/param; ratio {total / once:.2f}")
-    out = {"preset": args.preset, "keep_grads": args.keep_grads, "params": params, "host_budget_bytes": host,
+    out = {"preset": args.preset, "keep_grads": args.keep_grads, "grad_dtype": args.grad_dtype, "params": params, "host_budget_bytes": host,
            "moved_bytes": total,
            "once_bytes": once, "ratio": total / once,
            "table": [{"phase": ph, "what": w, "direction": d, "bytes": b} for (ph, w, d), b in sorted(moved.items())]}

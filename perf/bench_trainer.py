@@ -7,7 +7,11 @@ norm 1, the optimizer after backward): **plain** (no checkpoint), **save** (a ch
 ``stream_checkpoints``, then ``save_pretrained``) and **resume** (from save's last checkpoint, one step more).
 Prints each one's peak RSS, the drive bytes moved a step and the step time, and the ratio of save's and resume's
 peak RSS to plain's (the reference). With ``--lora R`` the base is frozen and LoRA of rank R trains on every
-attention and MLP projection (peft).
+attention and MLP projection (peft). ``--runs plain`` runs the one without checkpoints alone.
+
+``--measure-drive MIB`` then measures, in each process after its training, the drive's mixed read+write rate
+(the store's, at the read share of the last step, moving MIB MiB) and prints each step's rate against it: the
+step moves its bytes at that fraction of what the drive can do.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from tierstore.tools.upcast import COMPUTE_CHOICES
 
 MIB = 1024**2
 # Llama shapes: (hidden, layers, heads, intermediate, vocab), the host budget they run under by default
@@ -52,11 +58,14 @@ def _child(args: argparse.Namespace) -> dict:
 
     import tierstore as ts
     from tierstore.integrations import OffloadedAdamW, offload_model, stream_checkpoints
+    from tierstore.tools.bench_drive import measure_drive
     from tierstore.tools.rss import peak_rss_bytes
+    from tierstore.tools.upcast import compute_in_fp32, resolve_compute
 
     config, host = llama_config(args.preset, args.host_budget)
     vocab = config.vocab_size
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    compute, _ = resolve_compute(args.compute, dtype)
 
     class Tokens(torch.utils.data.Dataset):
         def __len__(self) -> int:
@@ -69,6 +78,8 @@ def _child(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).to(dtype)
+    if compute == "fp32":
+        compute_in_fp32(model)
     init = model._init_weights
     if args.lora:
         import peft
@@ -78,7 +89,7 @@ def _child(args: argparse.Namespace) -> dict:
     store = ts.TierStore(nvme_path=args.nvme_path, host_budget_bytes=host, device_budget_bytes="1MiB")
     try:
         t0 = time.perf_counter()
-        off = offload_model(model, store, units=[LlamaDecoderLayer], init_fn=init)
+        off = offload_model(model, store, units=[LlamaDecoderLayer], init_fn=init, grad_dtype=args.grad_dtype)
         opt = OffloadedAdamW(off, lr=1e-4, moments=args.moments, master=args.master,
                              keep_grads=args.keep_grads == "yes")
         built_s = time.perf_counter() - t0
@@ -91,18 +102,20 @@ def _child(args: argparse.Namespace) -> dict:
         trainer = transformers.Trainer(model=model, args=training, train_dataset=Tokens(), optimizers=(opt, None))
         stream_checkpoints(trainer)
         moved: list[int] = []
+        read: list[int] = []
         seconds: list[float] = []
 
         class Meter(transformers.TrainerCallback):
             def on_step_begin(self, *_: object, **__: object) -> None:
                 s = store.stats_dict()
-                self.start = (time.perf_counter(), s["bytes_read_nvme"] + s["bytes_written_nvme"])
+                self.start = (time.perf_counter(), s["bytes_read_nvme"] + s["bytes_written_nvme"], s["bytes_read_nvme"])
 
             def on_step_end(self, *_: object, **__: object) -> None:
                 opt.wait()  # the step's write-behind belongs to it
                 s = store.stats_dict()
                 seconds.append(time.perf_counter() - self.start[0])
                 moved.append(s["bytes_read_nvme"] + s["bytes_written_nvme"] - self.start[1])
+                read.append(s["bytes_read_nvme"] - self.start[2])
 
         trainer.add_callback(Meter())
         resume = os.path.join(args.output, f"checkpoint-{args.steps}") if args.mode == "resume" else None
@@ -115,9 +128,15 @@ def _child(args: argparse.Namespace) -> dict:
         drive = store.memory()["nvme"]["peak_bytes"]
     finally:
         store.close()
-    return {"mode": args.mode, "params": params, "host_budget_bytes": host, "peak_rss_bytes": peak_rss_bytes(),
-            "drive_bytes": drive, "build_s": built_s, "step_seconds": seconds, "bytes_moved": moved,
-            "losses": losses}
+    out = {"mode": args.mode, "compute": "fp32" if compute == "fp32" else args.dtype, "params": params,
+           "host_budget_bytes": host, "peak_rss_bytes": peak_rss_bytes(),
+           "drive_bytes": drive, "build_s": built_s, "step_seconds": seconds, "bytes_moved": moved,
+           "bytes_read": read, "losses": losses}
+    if args.measure_drive:  # after training, so that it costs the peak nothing
+        share = read[-1] / max(1, moved[-1])
+        out["drive"] = measure_drive(args.nvme_path or tempfile.gettempdir(), size_mib=args.measure_drive,
+                                     read_fraction=round(share, 2))
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -125,12 +144,22 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama-150m")
     p.add_argument("--host-budget", default=None, help="default: the preset's")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    p.add_argument("--compute", default="auto", choices=COMPUTE_CHOICES,
+                   help="compute bf16 weights in bf16 (param) or in fp32; auto (the default) times both here and "
+                        "takes the faster (see tierstore/tools/upcast.py)")
     p.add_argument("--moments", default="8bit", help="OffloadedAdamW's moments: fp32, bf16 or 8bit")
     p.add_argument("--master-weights", dest="master", default="split",
                    help="OffloadedAdamW's master weights: fp32, split or none")
     p.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA of rank R on a frozen base")
     p.add_argument("--keep-grads", choices=["yes", "no"], default="yes",
                    help="OffloadedAdamW's keep_grads: no lets each gradient go once applied")
+    p.add_argument("--grad-dtype", choices=["float32", "param"], default="float32",
+                   help="offload_model's grad_dtype: what the kept gradients are stored in (param: the weights' "
+                        "dtype, as torch keeps them)")
+    p.add_argument("--runs", default=",".join(MODES), help=f"which of {', '.join(MODES)} (default all; resume needs "
+                                                            "save)")
+    p.add_argument("--measure-drive", type=int, default=0, metavar="MIB",
+                   help="measure the drive's mixed rate after training, moving MIB MiB (default: not measured)")
     p.add_argument("--steps", type=int, default=2, help="steps before the checkpoint resumed from")
     p.add_argument("--batch-size", type=int, default=1, help="sequences a micro-batch")
     p.add_argument("--tokens", type=int, default=64, help="tokens a sequence")
@@ -142,20 +171,24 @@ def main(argv: list[str] | None = None) -> dict:
     if args.mode:
         print(json.dumps(_child(args)))
         return {}
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    if not runs or set(runs) - set(MODES) or ("resume" in runs and "save" not in runs):
+        p.error(f"--runs {args.runs!r}: a comma-separated list of {', '.join(MODES)}; resume needs save before it")
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as scratch:
         output = args.output or scratch
         results = []
-        for mode in MODES:
+        for mode in [m for m in MODES if m in runs]:
             cmd = [sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:]),
                    "--mode", mode, "--output", output]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode:
                 raise RuntimeError(f"the {mode} run failed:\n{done.stderr[-4000:]}")
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    plain = results[0]["peak_rss_bytes"]
+    plain = results[0]["peak_rss_bytes"]  # the first run's: plain's, unless it was not run
     print(f"{results[0]['params'] / 1e6:.1f}M parameters, host budget {results[0]['host_budget_bytes'] / MIB:.0f} "
-          f"MiB, {'LoRA r=%d' % args.lora if args.lora else 'full fine-tune'}, {args.dtype}, "
-          f"{args.moments} moments, {args.master} masters")
+          f"MiB, {'LoRA r=%d' % args.lora if args.lora else 'full fine-tune'}, {args.dtype} computed in "
+          f"{results[0]['compute']}, "
+          f"{args.moments} moments, {args.master} masters, {args.grad_dtype} gradients, keep_grads {args.keep_grads}")
     print(f"{'run':<8}{'peak RSS MiB':>14}{'vs plain':>10}{'drive GB':>10}{'moved GB/step':>15}{'s/step':>9}")
     for r in results:
         r["rss_ratio"] = r["peak_rss_bytes"] / plain
@@ -163,6 +196,18 @@ def main(argv: list[str] | None = None) -> dict:
         secs = " ".join(f"{s:.1f}" for s in r["step_seconds"])
         print(f"{r['mode']:<8}{r['peak_rss_bytes'] / MIB:>14.0f}{r['rss_ratio']:>9.2f}x"
               f"{r['drive_bytes'] / 1e9:>10.2f}  {moved:>13}  {secs}")
+    for r in results:
+        params = r["params"]
+        print(f"{r['mode']}: {' '.join(f'{b / params:.1f}' for b in r['bytes_moved'])} B/param a step; drive peak "
+              f"{r['drive_bytes'] / params:.2f} B/param; losses {' '.join(f'{x:.4f}' for x in r['losses'])}")
+        if "drive" in r:
+            d = r["drive"]
+            rates = [b / s / 1e9 for b, s in zip(r["bytes_moved"], r["step_seconds"])]
+            r["drive_ratio"] = [x / d["mixed_gbps"] for x in rates]
+            print(f"  the drive's mixed rate after training ({d['read_fraction']:.0%} reads): {d['mixed_gbps']:.2f} "
+                  f"GB/s (read {d['read_gbps']:.2f}, write {d['write_gbps']:.2f}); the steps moved "
+                  f"{' '.join(f'{x:.2f}' for x in rates)} GB/s = "
+                  f"{' '.join(f'{x:.2f}' for x in r['drive_ratio'])}x of it")
     out = {"preset": args.preset, "lora": args.lora, "dtype": args.dtype, "moments": args.moments,
            "master": args.master, "results": results}
     if args.json:

@@ -5,9 +5,11 @@ import pytest
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
-def test_bench_bytes_tiny(tmp_path, capsys):
+@pytest.mark.parametrize("grad_dtype", ["float32", "param"])
+def test_bench_bytes_tiny(tmp_path, capsys, grad_dtype):
     pytest.importorskip("transformers")
-    res = bench_bytes.main(["--preset", "llama-tiny", "--nvme-path", str(tmp_path)])
+    res = bench_bytes.main(["--preset", "llama-tiny", "--grad-dtype", grad_dtype, "--nvme-path", str(tmp_path)])
+    assert res["grad_dtype"] == grad_dtype
     assert res["moved_bytes"] == sum(r["bytes"] for r in res["table"]) > 0
     assert res["once_bytes"] > 0 and res["ratio"] == res["moved_bytes"] / res["once_bytes"]
     phases = {r["phase"] for r in res["table"]}

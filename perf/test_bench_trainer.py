@@ -20,3 +20,16 @@ def test_bench_trainer_tiny(tmp_path, capsys, lora):
     out = capsys.readouterr().out
     assert "vs plain" in out and "peak RSS" in out
     assert os.listdir(tmp_path) == ["out.json"]
+
+
+def test_bench_trainer_tiny_plain_alone_with_the_drive_measured(tmp_path, capsys):
+    """``--runs plain`` runs one process; ``--measure-drive`` sets each step's rate against the drive's."""
+    pytest.importorskip("transformers")
+    res = bench_trainer.main(["--preset", "llama-tiny", "--steps", "2", "--runs", "plain", "--grad-dtype", "param",
+                              "--keep-grads", "no", "--measure-drive", "8", "--nvme-path", str(tmp_path)])
+    (r,) = res["results"]
+    assert r["mode"] == "plain" and len(r["losses"]) == 2 and len(r["drive_ratio"]) == 2
+    assert r["drive"]["mixed_gbps"] > 0 and all(x > 0 for x in r["drive_ratio"])
+    assert "x of it" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_trainer.main(["--runs", "resume", "--nvme-path", str(tmp_path)])

@@ -159,8 +159,8 @@ def test_resident_threshold_keeps_small_params(make_store):
 
 
 def test_eviction_keeps_what_the_optimizer_still_needs(make_store):
-    """A parameter whose gradient is complete, and its state, rank as needed by their place in the
-    optimizer's queue; once stepped they rank as never needed (first to go)."""
+    """A parameter whose gradient is complete, its state and its kept gradient rank as needed by their place in
+    the optimizer's queue; once stepped they rank as never needed (first to go)."""
     torch.manual_seed(0)
     model = ViT(PRESETS["tiny"])
     store = make_store()
@@ -171,15 +171,16 @@ def test_eviction_keeps_what_the_optimizer_still_needs(make_store):
         _train(model, data, 1, opt)
         (first, k1, p1), (_, k2, _) = [(n, k, p) for n, k, p in off.named_offloaded()][:2]
         state = [f"adam/{first}/exp_avg", f"adam/{first}/exp_avg_sq"]
-        assert all(off.later_uses.after[k] == k1 for k in state)
+        grad = "grad/" + k1.partition("/")[2]
+        assert all(off.later_uses.after[k] == k1 for k in state) and off.later_uses.grads[grad] == k1
 
         def order():
-            return off.victim_order(None, [k1, *state, k2])
+            return off.victim_order(None, [k1, *state, grad, k2])
 
-        assert order() == [k1, *state, k2]  # after the step none is used again: ties keep their order
+        assert order() == [k1, *state, grad, k2]  # after the step none is used again: ties keep their order
         opt._queue = [(first, k1, p1, None)]  # as the backward hook queues it
-        assert off.later_uses.queued() == {k: 0 for k in (k1, *state)}
-        assert order() == [k2, k1, *state]
+        assert off.later_uses.queued() == {k: 0 for k in (k1, grad, *state)}
+        assert order() == [k2, k1, *state, grad]
     finally:
         opt.close()
     assert off.later_uses.queues == []

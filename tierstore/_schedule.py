@@ -18,7 +18,9 @@ optimizer state is used right after the unit's last place in the step (its
 backward); once backward is past it, a parameter and its state wait in the
 optimizer's queue, whose position counts as the distance. Without the queue
 those copies would look unused and go first, and the optimizer, which runs
-behind backward, would read them back.
+behind backward, would read them back. A gradient kept for a step taken after
+backward is ranked as its parameter's state: the next backward through the
+unit adds to it, then the update reads it from the queue.
 """
 
 from __future__ import annotations
@@ -143,6 +145,9 @@ class LaterUses:
 
     after: dict[str, str] = field(default_factory=dict)
     """Key -> the parameter key after whose last use in a step it is used (optimizer state)."""
+    grads: dict[str, str] = field(default_factory=dict)
+    """Gradient key -> its parameter's key: a gradient kept from backward to the optimizer's step is used by the
+    next backward through its parameter (which adds to it) and by the update (in a queue), as state is."""
     queues: list[Callable[[], Mapping[str, int]]] = field(default_factory=list)
     """Each returns the keys waiting for a consumer, with their position in its queue."""
     in_backward: bool = True
@@ -165,15 +170,16 @@ def unit_victim_order(policy: PrefetchPolicy, key_units: Mapping[str, Sequence[H
     farthest from now go first (Belady).
 
     The next use of a key is the nearest next use in the trace of the units that use it (``key_units``:
-    parameters; a tied or shared parameter is used by several); else, for a key of ``later.after``, the
-    last use in this step of its parameter's units, plus a half; else its position in a ``later`` queue;
-    else never (inf), and those go first of all. ``key_units`` may grow while it is installed.
+    parameters; a tied or shared parameter is used by several); else, for a key of ``later.after`` or
+    ``later.grads``, the last use in this step of its parameter's units, plus a half; else its position in a
+    ``later`` queue; else never (inf), and those go first of all. ``key_units`` may grow while it is installed.
     """
     inf = float("inf")
 
     def order(tier: object, keys: list[str]) -> list[str]:
         waiting = later.queued() if later is not None else {}
         after = later.after if later is not None else {}
+        grads = later.grads if later is not None else {}
         memo: dict[tuple[str, Hashable], float] = {}
 
         def unit_distance(how: str, g: Hashable) -> float:
@@ -188,7 +194,7 @@ def unit_victim_order(policy: PrefetchPolicy, key_units: Mapping[str, Sequence[H
         def distance(k: str) -> float:
             if (d := nearest("next", k)) != inf:
                 return d
-            if (d := nearest("last", after.get(k))) != inf:
+            if (d := nearest("last", after.get(k) or grads.get(k))) != inf:
                 return d + 0.5
             return waiting.get(k, inf)
 
