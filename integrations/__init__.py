@@ -4,6 +4,7 @@
 """
 
 from ._contract import OffloadedParameters
+from ._pipeline import UnrestorableUpdateError
 from .checkpoint import (
     consolidate_checkpoint,
     load_checkpoint,
@@ -24,6 +25,7 @@ __all__ = [
     "OffloadedModel",
     "OffloadedParameters",
     "OffloadedParameterError",
+    "UnrestorableUpdateError",
     "consolidate_checkpoint",
     "load_base_weights",
     "load_checkpoint",

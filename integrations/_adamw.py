@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch.optim.adamw import adamw as torch_adamw
+from tierstore import TierValueError
 
 SLICE = 1 << 20  # elements per slice of the update of a tensor larger than WHOLE_MAX: [Note: Sliced updates]
 WHOLE_MAX = 1 << 22
@@ -22,23 +23,23 @@ IMPLS = ("single", "foreach", "fused")
 def impl_of(foreach: bool | None, fused: bool | None) -> str:
     """The implementation torch.optim.AdamW runs on CPU tensors given these flags (see [Note: Which AdamW])."""
     if foreach and fused:  # torch's own refusal
-        raise ValueError("fused=True and foreach=True cannot be given together (as torch.optim.AdamW refuses): "
-                         "pick one")
+        raise TierValueError("fused=True and foreach=True cannot be given together (as torch.optim.AdamW refuses): "
+                             "pick one")
     return "fused" if fused else "foreach" if foreach else "single"
 
 
 def check_hyper(group: dict[str, Any], where: str) -> None:
     lr, betas, eps, wd, maximize = (group[k] for k in HYPER)
     if not lr >= 0.0:
-        raise ValueError(f"{where}lr={lr} must be >= 0")
+        raise TierValueError(f"{where}lr={lr} must be >= 0")
     if not (len(betas) == 2 and 0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-        raise ValueError(f"{where}betas={betas} must be two numbers, each in [0, 1)")
+        raise TierValueError(f"{where}betas={betas} must be two numbers, each in [0, 1)")
     if not eps >= 0.0:
-        raise ValueError(f"{where}eps={eps} must be >= 0")
+        raise TierValueError(f"{where}eps={eps} must be >= 0")
     if not wd >= 0.0:
-        raise ValueError(f"{where}weight_decay={wd} must be >= 0")
+        raise TierValueError(f"{where}weight_decay={wd} must be >= 0")
     if not isinstance(maximize, bool):
-        raise ValueError(f"{where}maximize={maximize!r} must be True or False")
+        raise TierValueError(f"{where}maximize={maximize!r} must be True or False")
 
 
 def adamw_update(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
@@ -94,8 +95,8 @@ def _fused_in_layout_of_param(param: torch.Tensor, exp_avg: torch.Tensor, exp_av
     copies = [t if t.stride() == param.stride() else torch.empty_like(param, dtype=t.dtype).copy_(t)
               for t in (exp_avg, exp_avg_sq, grad)]
     if any(t.stride() != param.stride() for t in copies):  # empty_like keeps the strides of dense memory only
-        raise ValueError(f"fused=True cannot step a parameter of shape {tuple(param.shape)} with strides "
-                         f"{param.stride()}: its memory has gaps or overlaps; use fused=False")
+        raise TierValueError(f"fused=True cannot step a parameter of shape {tuple(param.shape)} with strides "
+                             f"{param.stride()}: its memory has gaps or overlaps; use fused=False")
     adamw_update(param, *copies, step, hyper, "fused")
     for mine, copy in zip((exp_avg, exp_avg_sq), copies):
         if copy is not mine:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierstore import Tier, TierStore, TierStoreError
+from tierstore import Tier, TierKeyError, TierStore, TierStoreError, TierTypeError, TierValueError
 from tierstore.memory import TierPool
 from tierstore.scheduling import LaterUses, Placement, PrefetchPolicy, unit_victim_order
 
@@ -64,11 +64,11 @@ def offloaded_of(model: nn.Module) -> OffloadBase | None:
 def check_not_offloaded(model: nn.Module, wrapper: str) -> None:
     """Refuse a module that is not a module, or that is offloaded already (either way)."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"{wrapper} needs an nn.Module, not {type(model).__name__}")
+        raise TierTypeError(f"{wrapper} needs an nn.Module, not {type(model).__name__}")
     off = offloaded_of(model)
     if off is not None:
-        raise ValueError(f"this module is already offloaded (by {type(off).__name__}); call .remove() on it "
-                         f"first")
+        raise TierValueError(f"this module is already offloaded (by {type(off).__name__}); call .remove() on it "
+                             f"first")
 
 
 class OffloadBase(OffloadedParameters):
@@ -106,7 +106,7 @@ class OffloadBase(OffloadedParameters):
 
     # ---- construction -------------------------------------------------------------------
     @contextmanager
-    def _putting(self) -> Iterator[tuple[list, list[Callable[[], None]]]]:
+    def putting(self) -> Iterator[tuple[list, list[Callable[[], None]]]]:
         """The put/undo transaction: yields (store put handles, undo steps of a meta build); on any error the
         store holds nothing of the model and the model is as it was given."""
         handles: list = []
@@ -165,14 +165,14 @@ class OffloadBase(OffloadedParameters):
         self.placer.start_step()
         self.stats.prefetch_depth = self.policy.depth
 
-    def _prefetch_after(self, unit: Any, tier: Tier) -> None:
+    def prefetch_after(self, unit: Any, tier: Tier) -> None:
         """``unit`` is about to be used: read ahead the units the policy names."""
         for name in self.policy.on_use(unit.name, self.placer.clock()):
             for r in self._units[name].params:
                 self.store.prefetch(r.key, tier)
                 self.stats.prefetches_issued += 1
 
-    def _add_stall(self, unit: Any, since: float) -> None:
+    def add_stall(self, unit: Any, since: float) -> None:
         by_unit = self.stats.stall_seconds_by_unit
         by_unit[unit.name] = by_unit.get(unit.name, 0.0) + time.perf_counter() - since
 
@@ -190,7 +190,7 @@ class OffloadBase(OffloadedParameters):
             return self.store.read(r.key)
         if name in self.resident:
             return self.resident[name].detach().cpu().clone()
-        raise KeyError(f"no parameter named {name!r}")
+        raise TierKeyError(f"no parameter named {name!r}")
 
     def units(self) -> dict[str, list[str]]:
         """Each unit that holds parameters (module name, ``""`` for the root) with the names of what it fetches
@@ -261,10 +261,10 @@ class OffloadBase(OffloadedParameters):
         self.model.__dict__.pop(STATE_KEY, None)
 
     def __deepcopy__(self, memo: dict) -> Any:
-        raise TypeError(_NOT_COPYABLE)
+        raise TierTypeError(_NOT_COPYABLE)
 
     def __reduce_ex__(self, protocol: object) -> Any:
-        raise TypeError(_NOT_COPYABLE)
+        raise TierTypeError(_NOT_COPYABLE)
 
 
 _NOT_COPYABLE = ("an offloaded model cannot be copied or pickled: its parameters live in the store and its module "

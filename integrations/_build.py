@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tierstore import Tier
+from tierstore import Tier, TierValueError
 from tierstore.memory import dense_strides
 
 from ._meta import materialize
@@ -21,26 +21,26 @@ from ._param import StoredParam, placeholder_of
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .offload import OffloadedModel
+    from ._contract import ModelOffload
 
 
-def check_names_free(off: OffloadedModel, offloaded: dict[int, tuple[str, int]]) -> None:
+def check_names_free(off: ModelOffload, offloaded: dict[int, tuple[str, int]]) -> None:
     """Refuse a model whose parameter names another model already keeps in the store."""
     taken = [name for name, _ in offloaded.values() if f"{off.prefix}{name}" in off.store]
     if taken:
-        raise ValueError(
+        raise TierValueError(
             f"the store already holds an offloaded parameter named {taken[0]!r} ({len(taken)} of this model's "
             f"names are taken): a store keeps a model's parameters and optimizer state under their names, so "
             f"another model offloaded into it must not share them. Give each model its own TierStore, or "
             f"call .remove() on the other model's offload first")
 
 
-def put_parameters(off: OffloadedModel, meta: bool, init_fn: Callable[[nn.Module], None] | None,
+def put_parameters(off: ModelOffload, meta: bool, init_fn: Callable[[nn.Module], None] | None,
                    real_parameters: str | None, threshold: int) -> None:
     """Give every parameter of ``off.model`` of ``threshold`` bytes or more to the store (the rest stay resident),
-    materializing a meta model module by module; all or nothing (see ``OffloadBase._putting``)."""
+    materializing a meta model module by module; all or nothing (see ``OffloadBase.putting``)."""
     model = off.model
-    with off._putting() as (handles, undo):
+    with off.putting() as (handles, undo):
         if meta:  # materialized module by module: one module's tensors in memory at a time
             done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
             for mname, module in model.named_modules():
@@ -54,7 +54,7 @@ def put_parameters(off: OffloadedModel, meta: bool, init_fn: Callable[[nn.Module
                 _put(off, name, p, handles, threshold, wait=False)
 
 
-def _put(off: OffloadedModel, name: str, p: nn.Parameter, handles: list[Any], threshold: int, *, wait: bool) -> None:
+def _put(off: ModelOffload, name: str, p: nn.Parameter, handles: list[Any], threshold: int, *, wait: bool) -> None:
     """Give ``p``'s bytes to the store (or keep it resident when small)."""
     nbytes = p.numel() * p.element_size()
     if nbytes < threshold:
@@ -70,7 +70,7 @@ def _put(off: OffloadedModel, name: str, p: nn.Parameter, handles: list[Any], th
         sp.param.data = sp.placeholder
 
 
-def to_compute_device(off: OffloadedModel) -> None:
+def to_compute_device(off: ModelOffload) -> None:
     """What stays in memory (parameters under the threshold, buffers) computes beside the fetched parameters,
     so it goes to their device: a model built on the CPU (or on meta) then runs on the GPU."""
     if off.compute_device.type == "cpu":
@@ -85,7 +85,7 @@ def to_compute_device(off: OffloadedModel) -> None:
                     module._buffers[name] = b.to(off.compute_device)
 
 
-def room_for(off: OffloadedModel, offloaded: dict[int, tuple[str, int]]) -> None:
+def room_for(off: ModelOffload, offloaded: dict[int, tuple[str, int]]) -> None:
     """With the drive as the parameters' home, check its room for them before anything is written."""
     if off.home is Tier.NVME:
         off.store.require_nvme_room(sum(nbytes for _, nbytes in offloaded.values()), "offloading {size} of parameters")

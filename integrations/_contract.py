@@ -9,7 +9,8 @@ The optimizer's store keys are spelt here and nowhere else.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol, runtime_checkable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -122,5 +123,52 @@ class OffloadedParameters(Protocol):
     def readahead_room(self) -> int | None: ...
 
 
-__all__ = ["OPTIMIZER_PREFIX", "OPTIMIZER_STATE", "GradientSource", "OffloadedParameters", "optimizer_key",
-           "zero_grads"]
+class KeptGradients(GradientSource, Protocol):
+    """What backward does with a model's gradients (``_grads.GradientStore``): keeps them for a later step, adding
+    each backward's into the kept one, or hands each to an optimizer stepping in backward."""
+
+    def accumulate(self, param_key: str, grad: torch.Tensor, param_dtype: torch.dtype) -> None: ...
+
+    def hand_over(self, param_key: str, grad: torch.Tensor) -> None: ...
+
+
+class ModelOffload(OffloadedParameters, Protocol):
+    """What the levels of ``offload_model`` below its public face (a parameter, ``_param.py``; a unit,
+    ``_unit.py``; the pass, ``_pass.py``; the build, ``_build.py``) use of the offload they belong to
+    (``offload.OffloadedModel``), so that none of them imports the level above (see docs/code-map.md):
+
+    - ``compute_tier``/``compute_device``: where a held parameter's copy lives and computes; ``prefix`` of its
+      store keys; ``params``: id(parameter) -> its ``StoredParam``; ``resident_ids``: ids of the parameters kept
+      in memory; ``pass_state``: the model's ``PassState``;
+    - ``unit_of(sp)``: the unit that owns a parameter; ``learned(unit, sp)``: a unit was seen to read it;
+    - ``prefetch_after(unit, tier)``: a unit is about to be used (read ahead what follows it);
+      ``add_stall(unit, since)``: a unit waited for its parameters from ``since`` until now;
+    - ``keep_handle(handle)``: a hook's handle, removed with the offload; ``backward_ended()``;
+    - ``putting()``: the all-or-nothing transaction that gives parameters to the store.
+    """
+
+    grads: KeptGradients
+    compute_tier: Tier
+    compute_device: torch.device
+    prefix: str
+    params: dict[int, Any]
+    resident_ids: set[int]
+    pass_state: Any
+
+    def unit_of(self, sp: Any) -> Any: ...
+
+    def learned(self, unit: Any, sp: Any) -> None: ...
+
+    def prefetch_after(self, unit: Any, tier: Tier) -> None: ...
+
+    def add_stall(self, unit: Any, since: float) -> None: ...
+
+    def keep_handle(self, handle: Any) -> None: ...
+
+    def backward_ended(self) -> None: ...
+
+    def putting(self) -> AbstractContextManager[tuple[list, list[Callable[[], None]]]]: ...
+
+
+__all__ = ["OPTIMIZER_PREFIX", "OPTIMIZER_STATE", "GradientSource", "KeptGradients", "ModelOffload",
+           "OffloadedParameters", "optimizer_key", "zero_grads"]

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tierstore import TierStoreError, TierValueError
 
 TESTED_TORCH = ("2.13", "2.14")
 
@@ -38,7 +39,7 @@ TESTED_TORCH = ("2.13", "2.14")
 def check_torch_version(allow_untested: bool) -> None:
     version = torch.__version__.split("+")[0]
     if not allow_untested and not any(version == v or version.startswith(v + ".") for v in TESTED_TORCH):
-        raise RuntimeError(
+        raise TierStoreError(
             f"tierstore's FSDP2 integration uses FSDP2 internals tested with torch {', '.join(TESTED_TORCH)}; "
             f"this is torch {torch.__version__}. Pass allow_untested_torch=True to try it anyway "
             "(and compare against a run without offload)."
@@ -64,11 +65,11 @@ def group_params(group: Any) -> list[nn.Parameter]:
 def check_group_supported(name: str, group: Any) -> None:
     for fp in group.fsdp_params:
         if fp.offload_to_cpu:
-            raise ValueError(f"FSDP module {name or '<root>'!r} uses CPUOffloadPolicy; tierstore replaces it "
-                             "(host and NVMe tiers): apply fully_shard without offload_policy")
+            raise TierValueError(f"FSDP module {name or '<root>'!r} uses CPUOffloadPolicy; tierstore replaces it "
+                                 "(host and NVMe tiers): apply fully_shard without offload_policy")
     if group._use_post_forward_mesh:
-        raise ValueError(f"FSDP module {name or '<root>'!r} reshards after forward to a smaller mesh "
-                         "(reshard_after_forward=int), which tierstore does not support; use True or False")
+        raise TierValueError(f"FSDP module {name or '<root>'!r} reshards after forward to a smaller mesh "
+                             "(reshard_after_forward=int), which tierstore does not support; use True or False")
 
 
 def local_shard(param: nn.Parameter) -> torch.Tensor:

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from tierstore import Tier, TierStore
+from tierstore import Tier, TierStore, TierStoreError, TierValueError
 from tierstore.memory import dense_strides
 
 from ._contract import MASTERED_DTYPES
@@ -79,8 +79,8 @@ _LISTWISE = ("_foreach_", "_amp_foreach_non_finite_check_and_unscale_")
 def check_grad_dtype(grad_dtype: object) -> None:
     """``grad_dtype`` is one of GRAD_DTYPES, else a ValueError that says which to choose."""
     if grad_dtype not in GRAD_DTYPES:
-        raise ValueError(f"grad_dtype={grad_dtype!r}: choose 'float32' (bf16/fp16 gradients kept and accumulated in "
-                         f"fp32) or 'param' (in the parameter's dtype, as torch keeps them)")
+        raise TierValueError(f"grad_dtype={grad_dtype!r}: choose 'float32' (bf16/fp16 gradients kept and accumulated "
+                             f"in fp32) or 'param' (in the parameter's dtype, as torch keeps them)")
 
 
 def grad_home(store: TierStore, grad_tier: Tier | None = None) -> Tier:
@@ -207,8 +207,8 @@ class GradientStore:
         """``func`` on a stored gradient: see [Note: A stored gradient read from outside]."""
         with self._lock:
             if self._records.get(rec.param_key) is not rec:
-                raise RuntimeError("this gradient was dropped (zero_grad() or a new assignment to .grad since it was "
-                                   "read): read param.grad again")
+                raise TierStoreError("this gradient was dropped (zero_grad() or a new assignment to .grad since it was "
+                                     "read): read param.grad again")
             if func in _SCALINGS and not kwargs and len(args) == 2 and _is_scalar(args[1]):
                 rec.scales.append(args[1].detach().clone() if isinstance(args[1], torch.Tensor) else args[1])
                 rec.norm = None
@@ -333,8 +333,8 @@ def _writes_grad(func: Any, args: Any, kwargs: Any) -> bool:
 def _swap(tree: Any, rec: _Record, t: torch.Tensor) -> Any:
     def real(g: StoredGrad) -> torch.Tensor:
         if g._record is not rec:
-            raise RuntimeError("an operation on two stored gradients at once; read one of them first "
-                               "(.clone() makes an ordinary tensor of it)")
+            raise TierStoreError("an operation on two stored gradients at once; read one of them first "
+                                 "(.clone() makes an ordinary tensor of it)")
         return t
     return tree_map_only(StoredGrad, real, tree)
 
@@ -383,8 +383,8 @@ class StoredGrad(torch.Tensor):
                 return _one_by_one(func, args, kwargs)
             first = args[0] if isinstance(args[0], StoredGrad) and _writes_grad(func, args[:1], {}) else None
             if first is None and _writes_grad(func, args, kwargs):  # its write would land in a copy
-                raise RuntimeError(f"{func.overloadpacket.__name__} would write a stored gradient while reading "
-                                   "another: read the others first (.clone() makes an ordinary tensor of one)")
+                raise TierStoreError(f"{func.overloadpacket.__name__} would write a stored gradient while reading "
+                                     "another: read the others first (.clone() makes an ordinary tensor of one)")
             values = {id(x._record): x._grads.read(x._record) for x in mine if first is None or x._record is not
                       first._record}
             args, kwargs = tree_map_only(StoredGrad, lambda x: values.get(id(x._record), x), (args, kwargs))
@@ -421,7 +421,7 @@ class _ReadOnlyView(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if _writes(func, args, kwargs, _ReadOnlyView):
-            raise RuntimeError(
+            raise TierStoreError(
                 f"{func.overloadpacket.__name__} would write into a view of an offloaded parameter's gradient "
                 f"(p.grad[...] or p.grad.view(...)), which is a copy: the gradient lives in the store and would "
                 f"not change. Write the gradient itself (p.grad.mul_(...), p.grad.copy_(new), p.grad = new)")

@@ -18,18 +18,41 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from ._pipeline import UnrestorableUpdateError
+import torch
 
-if TYPE_CHECKING:
-    from .optim import OffloadedAdamW
+from tierstore import TierStore, TierStoreError
+
+from ._contract import OffloadedParameters
+from ._pipeline import StatePipeline, UnrestorableUpdateError
+
+
+class SteppingOptimizer(Protocol):
+    """What the worker uses of the optimizer it steps for (``OffloadedAdamW``): its model, store and items, its
+    queue of updates (``_queue``, ``_done`` of them done) and the update of one parameter (``_timed_step``, with
+    ``_pipeline`` reading ahead), the backlog bound, the parameters it keeps no state for (``_frozen``) and what
+    it says of one, and the count of failed backward passes it last saw (``_backwards_failed``)."""
+
+    offloaded: OffloadedParameters
+    store: TierStore
+    max_grad_backlog_bytes: int
+    _items: list[tuple[str, str | None, torch.nn.Parameter]]
+    _frozen: list[tuple[str, str | None, torch.nn.Parameter]]
+    _queue: list[tuple[str, str | None, torch.nn.Parameter, Any]]
+    _done: int
+    _backwards_failed: int
+    _pipeline: StatePipeline
+
+    def _timed_step(self, name: str, key: str | None, p: torch.nn.Parameter, grad: Any) -> None: ...
+
+    def _thawed_message(self, names: list[str]) -> str: ...
 
 
 class BackwardSteps:
     """The updates one optimizer starts during backward, on its one worker thread."""
 
-    def __init__(self, opt: OffloadedAdamW) -> None:
+    def __init__(self, opt: SteppingOptimizer) -> None:
         self.opt = opt
         self.by_key = {key: (name, key, p) for name, key, p in opt._items if key is not None}
         self.early: dict[str, Future] = {}  # key -> update started in this backward
@@ -48,7 +71,7 @@ class BackwardSteps:
         """The model's backward completed this parameter's gradient: queue its update."""
         opt = self.opt
         if key not in self.by_key:
-            raise RuntimeError(opt._thawed_message([n for n, k, _ in opt._frozen if k == key]))
+            raise TierStoreError(opt._thawed_message([n for n, k, _ in opt._frozen if k == key]))
         name, key_, p = self.by_key[key]
         if key in self.early:
             if opt.offloaded.backwards_failed != opt._backwards_failed:
@@ -57,8 +80,8 @@ class BackwardSteps:
                     f"their updates stand and the rest never came, so the model is part of a step ahead and no "
                     f"step can finish it; load a checkpoint to go on")
                 raise UnrestorableUpdateError(opt.offloaded.broken)
-            raise RuntimeError(f"{name}: a second backward before step(); step_in_backward=True steps each "
-                               "parameter after one backward, so gradient accumulation needs step_in_backward=False")
+            raise TierStoreError(f"{name}: a second backward before step(); step_in_backward=True steps each "
+                                 "parameter after one backward, so gradient accumulation needs step_in_backward=False")
         grad = opt.offloaded.grads.get(key)
         assert self._worker is not None
         self._wait_for_backlog()

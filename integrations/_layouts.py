@@ -83,6 +83,7 @@ import torch
 
 from . import _native
 from ._contract import MASTERED_DTYPES
+from tierstore import TierStoreError, TierValueError
 
 MOMENTS = ("fp32", "bf16", "8bit")
 MASTERS = ("fp32", "split", "none")
@@ -179,7 +180,7 @@ def join_master(weight: torch.Tensor, low: torch.Tensor, *, split: str = "neares
     if split == "nearest":
         hi = hi - (lo >> np.uint16(15))  # where the low half rounded the weight up (uint16 arithmetic wraps)
     elif split != "truncated":
-        raise ValueError(f"split={split!r}: choose 'nearest' or 'truncated'")
+        raise TierValueError(f"split={split!r}: choose 'nearest' or 'truncated'")
     out = torch.empty_strided(weight.shape, weight.stride(), dtype=torch.float32)
     flat(out).view(torch.int32).numpy().view(np.uint32)[:] = (hi.astype(np.uint32) << np.uint32(16)) | lo
     return out
@@ -250,11 +251,11 @@ class StateLayout:
 
     def __post_init__(self) -> None:
         if self.moments not in MOMENTS:
-            raise ValueError(f"moments={self.moments!r}: choose one of {', '.join(map(repr, MOMENTS))}")
+            raise TierValueError(f"moments={self.moments!r}: choose one of {', '.join(map(repr, MOMENTS))}")
         if self.master not in MASTERS:
-            raise ValueError(f"master={self.master!r}: choose one of {', '.join(map(repr, MASTERS))}")
+            raise TierValueError(f"master={self.master!r}: choose one of {', '.join(map(repr, MASTERS))}")
         if self.split not in ("nearest", "truncated"):
-            raise ValueError(f"split={self.split!r}: choose 'nearest' (or 'truncated', to read old state)")
+            raise TierValueError(f"split={self.split!r}: choose 'nearest' (or 'truncated', to read old state)")
 
     def as_dict(self) -> dict[str, str]:
         out = {"moments": self.moments, "master": self.master}
@@ -296,9 +297,9 @@ class StateLayout:
             return
         half = [name for name, key, p in items if key is not None and p.dtype == torch.float16]
         if half:
-            raise ValueError(f"master={self.master!r} needs bf16 weights (an fp16 value is not the top half of an "
-                             f"fp32 one), but {', '.join(half[:4])} {'are' if len(half) > 1 else 'is'} fp16: use "
-                             f"master='fp32', or make the model bf16")
+            raise TierValueError(f"master={self.master!r} needs bf16 weights (an fp16 value is not the top half of an "
+                                 f"fp32 one), but {', '.join(half[:4])} {'are' if len(half) > 1 else 'is'} fp16: use "
+                                 f"master='fp32', or make the model bf16")
 
     def moment_tensor(self, how: str, moment_dtype: torch.dtype, shape: torch.Size,
                       stride: tuple[int, ...] | None) -> torch.Tensor:
@@ -462,7 +463,7 @@ def compressed_update(*, moments: str, master: str | None, weight: torch.Tensor,
     c = Constants.of(step, hyper)
     fn = _native.kernel() if native is not False else None
     if native and fn is None:
-        raise RuntimeError("the native kernel of the compressed update is not built (see the warning above)")
+        raise TierStoreError("the native kernel of the compressed update is not built (see the warning above)")
     if fn is not None and not _native_fits(moments, w, m_flat, v_flat, g):
         fn = None
     args = _native_args(moments, master, w, lo, m_flat, v_flat, g, c) if fn is not None else None

@@ -40,6 +40,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from tierstore import TierValueError
 
 
 REAL_PARAMETERS = ("initialize", "keep")
@@ -51,7 +52,8 @@ def check_meta(model: nn.Module, init_fn: Callable[[nn.Module], None] | None,
     be initialized (its ``reset_parameters()``, or ``init_fn``), else an error naming them, and that parameters
     not on meta have been said what to do with (see [Note: Real parameters in a model built on meta])."""
     if real_parameters not in (None, *REAL_PARAMETERS):
-        raise ValueError(f"real_parameters={real_parameters!r}: choose one of {', '.join(map(repr, REAL_PARAMETERS))}")
+        raise TierValueError(f"real_parameters={real_parameters!r}: choose one of "
+                             f"{', '.join(map(repr, REAL_PARAMETERS))}")
     # A parametrization's original tensors are initialized through the module it parametrizes (see [Note:
     # Parametrized tensors on the meta device]).
     on_meta = [(mname, m) for mname, m in model.named_modules() if not isinstance(m, parametrize.ParametrizationList)
@@ -62,7 +64,7 @@ def check_meta(model: nn.Module, init_fn: Callable[[nn.Module], None] | None,
         return False
     real = [name for name, p in model.named_parameters() if not p.is_meta]
     if real and real_parameters is None:
-        raise ValueError(
+        raise TierValueError(
             f"the model is on the meta device but {len(real)} of its parameters are not: {', '.join(real[:4])}"
             f"{f' and {len(real) - 4} more' if len(real) > 4 else ''}. A constructor that ignores torch.device('meta') (torch."
             f"FloatTensor(size), torch.Tensor(size): XLNet's attention builds its weights so) makes them of "
@@ -75,10 +77,10 @@ def check_meta(model: nn.Module, init_fn: Callable[[nn.Module], None] | None,
             on_meta += [(n, m) for n, m in real_owners if not any(m is o for _, o in on_meta)]
         cannot = [mname or "<root>" for mname, m in on_meta if not callable(getattr(m, "reset_parameters", None))]
         if cannot:
-            raise ValueError(f"the model is on the meta device and {len(cannot)} module(s) with tensors of their own "
-                             f"have no reset_parameters() to initialize them: {', '.join(cannot[:5])}"
-                             f"{'...' if len(cannot) > 5 else ''}. Pass init_fn=f, f(module) initializing a "
-                             f"module's own parameters and buffers (transformers: init_fn=model._init_weights)")
+            raise TierValueError(f"the model is on the meta device and {len(cannot)} module(s) with tensors of their "
+                                 f"own have no reset_parameters() to initialize them: {', '.join(cannot[:5])}"
+                                 f"{'...' if len(cannot) > 5 else ''}. Pass init_fn=f, f(module) initializing a "
+                                 f"module's own parameters and buffers (transformers: init_fn=model._init_weights)")
     return True
 
 
@@ -130,8 +132,8 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None,
         module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
     parametrized = _meta_parametrizations(module)
     if parametrized and in_place:
-        raise ValueError(f"{mname or '<root>'} has parametrized tensors ({', '.join(parametrized)}) on the meta "
-                         f"device, which a sharded model cannot initialize here: build that module eagerly")
+        raise TierValueError(f"{mname or '<root>'} has parametrized tensors ({', '.join(parametrized)}) on the meta "
+                             f"device, which a sharded model cannot initialize here: build that module eagerly")
     if not fresh and not meta_buffers and not parametrized:
         return fresh
     for t in (*fresh, *(module._buffers[name] for name in meta_buffers)):
@@ -190,8 +192,8 @@ def _meta_parametrizations(module: nn.Module) -> dict[str, torch.Tensor]:
                 with torch.no_grad():
                     out[tname] = getattr(module, tname)
             except Exception as e:
-                raise ValueError(f"the parametrized {tname!r} of {type(module).__name__} on the meta device: its "
-                                 f"parametrization cannot run there ({e}); build this module eagerly") from e
+                raise TierValueError(f"the parametrized {tname!r} of {type(module).__name__} on the meta device: its "
+                                     f"parametrization cannot run there ({e}); build this module eagerly") from e
     return out
 
 
@@ -213,8 +215,9 @@ def _set_originals(module: nn.Module, tname: str, value: torch.Tensor,
     for oname, t in zip(names, news, strict=True):
         old = plist._parameters[oname]
         if t.shape != old.shape or t.dtype != old.dtype:
-            raise ValueError(f"the parametrization of {tname!r} of {type(module).__name__} gives {oname} of shape "
-                             f"{tuple(t.shape)} and {t.dtype} from its value, not {tuple(old.shape)} and {old.dtype}")
+            raise TierValueError(f"the parametrization of {tname!r} of {type(module).__name__} gives {oname} of "
+                                 f"shape {tuple(t.shape)} and {t.dtype} from its value, not {tuple(old.shape)} and "
+                                 f"{old.dtype}")
         undo.append(_putter(plist._parameters, oname, old))
         fresh = nn.Parameter(t.detach().to("cpu", copy=True).contiguous(), requires_grad=old.requires_grad)
         done[id(old)] = (old, fresh)
@@ -256,10 +259,11 @@ def _refuse_unwritten(module: nn.Module, mname: str, tensors: list[tuple[str, to
     if left:
         how = f"init_fn({mname or '<root>'})" if init_fn is not None else f"{mname or '<root>'}.reset_parameters()"
         how += f" ({type(module).__name__})"
-        raise ValueError(f"the model is on the meta device and {how} left {', '.join(left)} (in whole or part) "
-                         f"unwritten: it would train on uninitialized memory. "
-                         f"Pass an init_fn that writes every parameter and buffer of each module it is given (any "
-                         f"values, zeros say, where load_safetensors replaces them next), or build the model eagerly")
+        raise TierValueError(f"the model is on the meta device and {how} left {', '.join(left)} (in whole or part) "
+                             f"unwritten: it would train on uninitialized memory. "
+                             f"Pass an init_fn that writes every parameter and buffer of each module it is given (any "
+                             f"values, zeros say, where load_safetensors replaces them next), or build the model "
+                             f"eagerly")
 
 
 def _initializes_real(module: nn.Module) -> bool:

@@ -26,6 +26,7 @@ import threading
 import warnings
 
 from tierstore.swap import user_cache_path
+from tierstore import TierOSError
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compressed_adamw.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
@@ -81,14 +82,14 @@ def _private_dir(path: str) -> None:
     os.makedirs(path, mode=0o700, exist_ok=True)
     st = os.stat(path)
     if st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise OSError(f"{path} belongs to another user or others can write to it: a compiled kernel is not "
-                      f"loaded from there; make it yours with mode 0700, or set XDG_CACHE_HOME")
+        raise TierOSError(f"{path} belongs to another user or others can write to it: a compiled kernel is not "
+                          f"loaded from there; make it yours with mode 0700, or set XDG_CACHE_HOME")
 
 
 def _build() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
-        raise OSError(f"no C compiler {compiler!r} on PATH (set CC, or install one, e.g. gcc)")
+        raise TierOSError(f"no C compiler {compiler!r} on PATH (set CC, or install one, e.g. gcc)")
     directory = cache_dir()
     _private_dir(directory)
     path = os.path.join(directory, f"compressed_adamw-{_machine_key(compiler)}.so")
@@ -99,7 +100,7 @@ def _build() -> ctypes.CDLL:
             done = subprocess.run([compiler, *FLAGS, "-o", tmp, SOURCE, "-lm"], capture_output=True, text=True,
                                   timeout=300)
             if done.returncode != 0:
-                raise OSError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+                raise TierOSError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
             os.chmod(tmp, 0o700)
             os.replace(tmp, path)  # another process's build of the same source is the same library
         finally:
@@ -108,7 +109,7 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
     lib.tierstore_compressed_adamw_args_size.restype = ctypes.c_int64
     if lib.tierstore_compressed_adamw_args_size() != ctypes.sizeof(UpdateArgs):
-        raise OSError(f"{path} does not match this tierstore (its arguments differ): remove it to rebuild")
+        raise TierOSError(f"{path} does not match this tierstore (its arguments differ): remove it to rebuild")
     fn = lib.tierstore_compressed_adamw
     fn.argtypes = [ctypes.POINTER(UpdateArgs), ctypes.c_int64, ctypes.c_int64]
     fn.restype = ctypes.c_int

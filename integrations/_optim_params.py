@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierstore import parse_bytes
+from tierstore import TierTypeError, TierValueError, parse_bytes
 
 from ._adamw import HYPER, check_hyper
 from ._contract import STEPPED_DTYPES, OffloadedParameters
@@ -27,19 +27,19 @@ def check_flags(offloaded: object, *, amsgrad: bool, capturable: bool, different
     unsupported = [f"{k}=True" for k, v in (("amsgrad", amsgrad), ("capturable", capturable),
                                               ("differentiable", differentiable)) if v]
     if unsupported:
-        raise ValueError(f"OffloadedAdamW does not support {', '.join(unsupported)} (torch.optim.AdamW's "
-                         f"amsgrad would keep a third state tensor per parameter; capturable and differentiable "
-                         f"are for CUDA graphs and higher-order optimization): leave them False")
+        raise TierValueError(f"OffloadedAdamW does not support {', '.join(unsupported)} (torch.optim.AdamW's "
+                             f"amsgrad would keep a third state tensor per parameter; capturable and differentiable "
+                             f"are for CUDA graphs and higher-order optimization): leave them False")
     if not isinstance(offloaded, OffloadedParameters):
-        raise TypeError(f"OffloadedAdamW steps offloaded parameters: pass what offload_model or offload_fsdp "
-                        f"returned, not {type(offloaded).__name__}")
+        raise TierTypeError(f"OffloadedAdamW steps offloaded parameters: pass what offload_model or offload_fsdp "
+                            f"returned, not {type(offloaded).__name__}")
 
 
 def positive_bytes(value: int | str | None, default: int, name: str) -> int:
     """A byte count given as an int or a size such as '64MiB'; ``default`` when None."""
     n = default if value is None else parse_bytes(value, name=name)
     if n < 1:
-        raise ValueError(f"{name}={value!r} must be at least 1 byte")
+        raise TierValueError(f"{name}={value!r} must be at least 1 byte")
     return n
 
 
@@ -52,22 +52,22 @@ def stepped_items(offloaded: OffloadedParameters) -> tuple[list[Item], list[Item
     frozen = [it for it in everything if not it[2].requires_grad]
     odd = [f"{name} ({p.dtype})" for name, _, p in items if p.dtype not in STEPPED_DTYPES]
     if odd:
-        raise TypeError(f"OffloadedAdamW steps fp32, fp64, bf16 and fp16 parameters, not {', '.join(odd[:4])}"
-                        f"{', ...' if len(odd) > 4 else ''}: freeze them (requires_grad_(False)) or convert "
-                        f"them before offload_model")
+        raise TierTypeError(f"OffloadedAdamW steps fp32, fp64, bf16 and fp16 parameters, not {', '.join(odd[:4])}"
+                            f"{', ...' if len(odd) > 4 else ''}: freeze them (requires_grad_(False)) or convert "
+                            f"them before offload_model")
     model = offloaded.model
     sparse = [n for n, m in model.named_modules()
               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
     if sparse:  # torch's AdamW refuses sparse gradients at its step too
-        raise ValueError(f"{', '.join(sparse[:4])}: sparse=True gives sparse gradients, which AdamW does not "
-                         f"step; build the embedding with sparse=False (the default)")
+        raise TierValueError(f"{', '.join(sparse[:4])}: sparse=True gives sparse gradients, which AdamW does not "
+                             f"step; build the embedding with sparse=False (the default)")
     taken = {id(p) for _, _, p in everything}
     added = [n for n, p in model.named_parameters() if id(p) not in taken and p.requires_grad]
     if added:  # they would never be stepped, and the model would train without them, silently
-        raise ValueError(f"{', '.join(added[:4])}{', ...' if len(added) > 4 else ''}: trainable parameters of "
-                         f"the model that offload_model did not take (modules added or replaced after it): "
-                         f"OffloadedAdamW steps only what it took. Build the whole model (heads, adapters) "
-                         f"before offload_model, or freeze these (requires_grad_(False))")
+        raise TierValueError(f"{', '.join(added[:4])}{', ...' if len(added) > 4 else ''}: trainable parameters of "
+                             f"the model that offload_model did not take (modules added or replaced after it): "
+                             f"OffloadedAdamW steps only what it took. Build the whole model (heads, adapters) "
+                             f"before offload_model, or freeze these (requires_grad_(False))")
     return items, frozen
 
 
@@ -80,10 +80,10 @@ def torch_groups(param_groups: list[dict[str, Any]] | None, defaults: dict[str, 
     groups = []
     for i, group in enumerate(param_groups or []):
         if not isinstance(group, dict) or "params" not in group:
-            raise TypeError(f"param_groups[{i}] must be a dict with a 'params' list")
+            raise TierTypeError(f"param_groups[{i}] must be a dict with a 'params' list")
         unknown = sorted(set(group) - {"params", *HYPER})
         if unknown:
-            raise ValueError(f"param_groups[{i}] has unknown keys {unknown}; valid: 'params', {', '.join(HYPER)}")
+            raise TierValueError(f"param_groups[{i}] has unknown keys {unknown}; valid: 'params', {', '.join(HYPER)}")
         params = [group["params"]] if isinstance(group["params"], (str, torch.Tensor)) else list(group["params"])
         names, named_frozen = [], False
         for p in params:
@@ -93,14 +93,14 @@ def torch_groups(param_groups: list[dict[str, Any]] | None, defaults: dict[str, 
                 continue  # never has a gradient: nothing to step
             if name not in by_name:
                 what = repr(p) if isinstance(p, str) else f"a tensor of shape {tuple(p.shape)}"
-                raise ValueError(f"param_groups[{i}]: {what} is not a parameter of the offloaded model "
-                                 f"(give parameter names, as in model.named_parameters(), or the parameters)")
+                raise TierValueError(f"param_groups[{i}]: {what} is not a parameter of the offloaded model "
+                                     f"(give parameter names, as in model.named_parameters(), or the parameters)")
             if name in seen:
-                raise ValueError(f"param_groups[{i}]: parameter {name!r} is already in param_groups[{seen[name]}]")
+                raise TierValueError(f"param_groups[{i}]: parameter {name!r} is already in param_groups[{seen[name]}]")
             seen[name] = i
             names.append(name)
         if not names and not named_frozen:
-            raise ValueError(f"param_groups[{i}] has no parameters")
+            raise TierValueError(f"param_groups[{i}] has no parameters")
         hyper = {k: v for k, v in group.items() if k != "params"}
         if "betas" in hyper:
             hyper["betas"] = tuple(hyper["betas"])
@@ -124,17 +124,17 @@ def check_group_states(groups: Any, mine: list[dict[str, Any]]) -> list[dict[str
     same groups of the same parameters (one group without ``"params"``, as older state dicts have, applies to
     every group), each with valid hyper-parameters. Raises ValueError."""
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-        raise ValueError("parameter groups must be a list of dicts")
+        raise TierValueError("parameter groups must be a list of dicts")
     if any(isinstance(n, int) for g in groups for n in g.get("params", ())):
-        raise ValueError("these parameter groups name parameters by index, as torch.optim's state_dict() does: "
-                         "OffloadedAdamW's state_dict() names them (which an index cannot be matched to "
-                         "safely). Load state saved by an OffloadedAdamW (or a checkpoint), or start its "
-                         "moments afresh")
+        raise TierValueError("these parameter groups name parameters by index, as torch.optim's state_dict() does: "
+                             "OffloadedAdamW's state_dict() names them (which an index cannot be matched to "
+                             "safely). Load state saved by an OffloadedAdamW (or a checkpoint), or start its "
+                             "moments afresh")
     if len(groups) == 1 and "params" not in groups[0]:
         groups = [{**groups[0], "params": g["params"]} for g in mine]
     if [g.get("params") for g in groups] != [g["params"] for g in mine]:
-        raise ValueError(f"the saved parameter groups ({len(groups)}) do not hold the same parameters as this "
-                         f"optimizer's ({len(mine)}); build it with the param_groups it was saved with")
+        raise TierValueError(f"the saved parameter groups ({len(groups)}) do not hold the same parameters as this "
+                             f"optimizer's ({len(mine)}); build it with the param_groups it was saved with")
     out = []
     for i, (saved, current) in enumerate(zip(groups, mine)):
         group = {**current, **{k: (tuple(v) if k == "betas" and isinstance(v, list) else v)
@@ -142,7 +142,7 @@ def check_group_states(groups: Any, mine: list[dict[str, Any]]) -> list[dict[str
         try:
             check_hyper(group, f"group {i}: ")
         except TypeError:
-            raise ValueError(f"group {i}: hyper-parameters of the wrong type: {saved}") from None
+            raise TierValueError(f"group {i}: hyper-parameters of the wrong type: {saved}") from None
         out.append(group)
     return out
 

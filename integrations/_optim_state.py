@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierstore import Tier, TierStore
+from tierstore import Tier, TierKeyError, TierStore, TierValueError
 from tierstore.memory import dense_strides
 from tierstore.memory import TierPool
 from tierstore.scheduling import LaterUses
@@ -53,7 +53,7 @@ class AdamWState:
     def item(self, name: str) -> tuple[str | None, nn.Parameter]:
         """(store key or None, parameter) of a parameter this optimizer steps."""
         if name not in self._by_name:
-            raise KeyError(f"optimizer state for unknown parameter {name!r}")
+            raise TierKeyError(f"optimizer state for unknown parameter {name!r}")
         return self._by_name[name]
 
     def param_layout(self, key: str | None, p: nn.Parameter) -> tuple[torch.Size, tuple[int, ...] | None]:
@@ -94,10 +94,10 @@ class AdamWState:
         if beside.get(name):
             what += f", beside the largest unit backward may hold meanwhile ({beside[name]} bytes)"
         if need > host_budget:
-            raise ValueError(f"host_budget_bytes={host_budget} ({host_budget / 2**20:.1f} MiB) is below what one "
-                             f"AdamW update of {name!r} needs at once: {need} bytes ({need / 2**20:.1f} MiB) for "
-                             f"{what}. Raise host_budget_bytes to at least that (a few times more lets the "
-                             f"optimizer read ahead)")
+            raise TierValueError(f"host_budget_bytes={host_budget} ({host_budget / 2**20:.1f} MiB) is below what one "
+                                 f"AdamW update of {name!r} needs at once: {need} bytes ({need / 2**20:.1f} MiB) for "
+                                 f"{what}. Raise host_budget_bytes to at least that (a few times more lets the "
+                                 f"optimizer read ahead)")
 
     # ---- made, reset and dropped ---------------------------------------------------------------
     def create(self, home: Tier) -> dict[str, int]:
@@ -229,8 +229,8 @@ class AdamWState:
             k = optimizer_key(name, what)
             info = self.store.info(k)
             if tuple(value.shape) != tuple(info["shape"]) or value.dtype != info["dtype"]:
-                raise ValueError(f"optimizer state {name}/{what} is {list(value.shape)} {value.dtype}, but "
-                                 f"this optimizer stores {info['shape']} {info['dtype']}: wrong model")
+                raise TierValueError(f"optimizer state {name}/{what} is {list(value.shape)} {value.dtype}, but "
+                                     f"this optimizer stores {info['shape']} {info['dtype']}: wrong model")
             self._write(k, lambda t, value=value: t.copy_(value))
 
     def load_values(self, name: str, values: dict[str, torch.Tensor]) -> None:

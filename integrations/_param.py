@@ -94,10 +94,10 @@ from tierstore.memory import contiguous_strides, dense_strides
 
 from ._base import OffloadedParameterError
 from ._grads import StoredGrad
+from tierstore import TierStoreError, TierValueError
 
 if TYPE_CHECKING:
-    from .offload import OffloadedModel
-    from ._unit import Unit
+    from ._contract import ModelOffload
 
 # ---- the parameter class ----------------------------------------------------------------
 _T = torch.Tensor
@@ -194,15 +194,15 @@ def kept_grad(sp: StoredParam, how: str, value: Any) -> torch.Tensor | None:
         for guard in sp.owner.grad_read_guards:
             why = guard()
             if why is not None:
-                raise RuntimeError(f"{sp.name}.grad: {why}")
+                raise TierStoreError(f"{sp.name}.grad: {why}")
         return grads.get(sp.key)
     if how == "__set__" and value[0] is not None:
         grad = value[0]
         if isinstance(grad, StoredGrad) and grads.get(sp.key) is grad:  # ``p.grad = p.grad``: nothing changes
             return None
         if grad.shape != sp.param.shape or grad.dtype not in (sp.param.dtype, grads.dtype_of(sp.param)):
-            raise ValueError(f"a gradient of shape {tuple(grad.shape)} and dtype {grad.dtype} for {sp.name!r} of "
-                             f"shape {tuple(sp.param.shape)} and dtype {sp.param.dtype}")
+            raise TierValueError(f"a gradient of shape {tuple(grad.shape)} and dtype {grad.dtype} for {sp.name!r} of "
+                                 f"shape {tuple(sp.param.shape)} and dtype {sp.param.dtype}")
         if isinstance(grad, StoredGrad):
             grad = grad.clone()
         grads[sp.key] = grad.detach().to(dtype=grads.dtype_of(sp.param))
@@ -371,7 +371,7 @@ class StoredParam:
     name: str
     key: str
     param: nn.Parameter
-    owner: OffloadedModel
+    owner: ModelOffload
     placeholder: torch.Tensor
     nbytes: int
     original_class: type
@@ -381,7 +381,7 @@ class StoredParam:
     written_through_data: bool = False  # its .data was taken in a forward, unheld (see [Note: A write through .data])
     held: torch.Tensor | None = None  # the store's copy while held
 
-    def hold(self, unit: Unit) -> None:
+    def hold(self, unit: Any) -> None:
         """One more hold, for ``unit``; the first fetches the store's copy into the compute tier (the wait is
         ``unit``'s stall)."""
         self.holds += 1
@@ -401,7 +401,7 @@ class StoredParam:
         self.version = self.param._version
         if self.param.numel():
             owner.pass_state.storage_owner[self.param.untyped_storage().data_ptr()] = self
-        owner._add_stall(unit, t0)
+        owner.add_stall(unit, t0)
 
     def unhold(self) -> None:
         """One hold fewer; the last writes home what a forward wrote and gives the copy back to the store."""

@@ -62,7 +62,7 @@ from ._param import StoredParam, call_weakly, leaves
 from ._unit import WHOLE_MODEL, eager
 
 if TYPE_CHECKING:
-    from .offload import OffloadedModel
+    from ._contract import ModelOffload
     from ._unit import Unit
 
 
@@ -92,7 +92,7 @@ def _graph_task() -> bool:
 class PassState:
     """The forward and backward passes of one offloaded model (see [Note: Pass phases])."""
 
-    def __init__(self, owner: OffloadedModel) -> None:
+    def __init__(self, owner: ModelOffload) -> None:
         self.owner = owner
         self.phase = Phase.IDLE
         self.forward_thread: int | None = None

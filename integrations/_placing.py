@@ -78,7 +78,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from tierstore import Tier, TierStore
+from tierstore import Tier, TierStore, TierTypeError
 from tierstore.scheduling import check_prefetch_depth
 from tierstore.memory import TierPool
 from tierstore.scheduling import Placement, StepTrace, choose_depth, plan_placement, room_bytes, size_text
@@ -109,7 +109,7 @@ def check_options(prefetch_depth: object, placement: object) -> None:
     if prefetch_depth is not None:
         check_prefetch_depth(prefetch_depth)
     if not isinstance(placement, bool):
-        raise TypeError(f"placement must be True or False, not {placement!r}")
+        raise TierTypeError(f"placement must be True or False, not {placement!r}")
 
 
 MAX_TRACES_REMEMBERED = 8

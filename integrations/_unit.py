@@ -80,14 +80,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tierstore import Tier, TierStore
+from tierstore import Tier, TierStore, TierTypeError, TierValueError
 from tierstore.memory import PAGE_BYTES, TierPool
 
 from ._base import OffloadedParameterError
 from ._param import OffloadedParameter, StoredParam, leaves
 
 if TYPE_CHECKING:
-    from .offload import OffloadedModel
+    from ._contract import ModelOffload
 
 DEFAULT_UNITS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention, nn.TransformerEncoderLayer,
                                                nn.TransformerDecoderLayer)
@@ -103,7 +103,7 @@ class Unit:
     name: str
     params: list[StoredParam]
     nbytes: int
-    owner: OffloadedModel
+    owner: ModelOffload
     module: nn.Module | None = None  # whose forward it hooks
     forward_started: list[float] = field(default_factory=list)  # a stack: a module may be re-entered
     backward_started: float | None = None
@@ -141,7 +141,7 @@ class Unit:
 
     def _use(self) -> None:
         if self.params:
-            self.owner._prefetch_after(self, self.owner.compute_tier)
+            self.owner.prefetch_after(self, self.owner.compute_tier)
 
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
         passes = self.owner.pass_state
@@ -261,7 +261,7 @@ class WrappedForward:
     modules), or without them the model's forward, which clears a pass stopped by Ctrl-C (see [Note: A forward
     stopped by Ctrl-C]); ``remove()`` undoes it, as a hook's handle does."""
 
-    def __init__(self, module: nn.Module, owner: OffloadedModel, pre: Callable[..., Any] | None = None,
+    def __init__(self, module: nn.Module, owner: ModelOffload, pre: Callable[..., Any] | None = None,
                  post: Callable[..., Any] | None = None) -> None:
         self.module, self.previous = module, module.__dict__.get("forward")
         forward = module.forward
@@ -337,15 +337,15 @@ def unit_modules(model: nn.Module, units: Sequence[type[nn.Module] | nn.Module |
             classes.append(u)
         elif isinstance(u, nn.Module):
             if not any(m is u for m in modules.values()):
-                raise ValueError(f"units: the {type(u).__name__} given is not a module of this model")
+                raise TierValueError(f"units: the {type(u).__name__} given is not a module of this model")
             ids.add(id(u))
         elif isinstance(u, str):
             if u not in modules:
-                raise ValueError(f"units: the model has no module named {u!r} (names as in model.named_modules())")
+                raise TierValueError(f"units: the model has no module named {u!r} (names as in model.named_modules())")
             names.add(u)
         else:
-            raise TypeError(f"units: each unit is an nn.Module class, a module of the model or a module name, "
-                            f"not {type(u).__name__}")
+            raise TierTypeError(f"units: each unit is an nn.Module class, a module of the model or a module name, "
+                                f"not {type(u).__name__}")
     out: dict[str, bool] = {}
     inside: list[str] = []
     for mname, module in modules.items():
@@ -409,7 +409,7 @@ def plan_units(model: nn.Module, units: Sequence[type[nn.Module] | nn.Module | s
     for mname, (_, ids) in owned_by.items():
         need = sum(TierPool.capacity_for(offloaded[i][1]) for i in ids)  # whole pages, as the pool hands out
         if need > budget:
-            raise ValueError(
+            raise TierValueError(
                 f"unit {mname or '<root>'!r} holds {need} bytes ({need / 2**20:.2f} MiB, each parameter in whole "
                 f"{PAGE_BYTES // 1024} KiB pages) of parameters at once, "
                 f"more than the {compute_tier.label} budget ({budget} bytes) it computes in: raise "

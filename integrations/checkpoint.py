@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierstore import CheckpointError, Tier, TierStore, TierStoreError
+from tierstore import CheckpointError, Tier, TierStore, TierStoreError, TierTypeError, TierValueError
 from tierstore.files import (
     MANIFEST,
     PinnedCheckpoint,
@@ -59,7 +59,7 @@ def _offloaded(model: nn.Module | Offloaded) -> tuple[nn.Module, Offloaded | Non
     if isinstance(model, OffloadBase):
         return model.model, model
     if not isinstance(model, nn.Module):
-        raise TypeError(f"expected an nn.Module, an OffloadedModel or an FSDPOffload, not {type(model).__name__}")
+        raise TierTypeError(f"expected an nn.Module, an OffloadedModel or an FSDPOffload, not {type(model).__name__}")
     return model, offloaded_of(model)
 
 
@@ -134,9 +134,9 @@ def save_checkpoint(path: str, model: nn.Module | Offloaded, optimizer: Offloade
     """
     model, off = _offloaded(model)
     if off is not None and off.in_forward_or_backward():
-        raise RuntimeError("cannot save a checkpoint inside forward or backward; save between steps")
+        raise TierStoreError("cannot save a checkpoint inside forward or backward; save between steps")
     if off is not None and off.broken:
-        raise RuntimeError(f"cannot save a checkpoint of values that mix two steps: {off.broken}")
+        raise TierStoreError(f"cannot save a checkpoint of values that mix two steps: {off.broken}")
     tensors, aliases = _model_tensors(model, off) if weights else ({}, {})
     store = off.store if off is not None else None
     sources = [tensor_source(store, name, v) for name, v in tensors.items()]
@@ -150,7 +150,7 @@ def save_checkpoint(path: str, model: nn.Module | Offloaded, optimizer: Offloade
         metadata["trace"] = off.policy.trace
     if optimizer is not None:
         if off is not None and optimizer.offloaded is not off:
-            raise ValueError("the optimizer belongs to a different model")
+            raise TierValueError("the optimizer belongs to a different model")
         files[OPTIMIZER_FILE] = [_store_source(optimizer.store, key, f"{name}/{what}")
                                  for name, what, key in optimizer.state_tensors()]
         metadata["optimizer"] = {"param_groups": optimizer.group_states(), "steps": dict(optimizer.steps),

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tierstore import Tier, TierStore
+from tierstore import Tier, TierStore, TierStoreError, TierValueError
 
 from . import _fsdp_internals as internals
 from ._base import STATE_KEY, OffloadBase, UnitStats, check_not_offloaded
@@ -140,14 +140,15 @@ class FSDPOffload(OffloadBase):
         for gname, _module, group in groups:
             internals.check_group_supported(gname, group)
         if not any(internals.group_params(group) for _, _, group in groups):
-            raise ValueError("no fully_shard-ed module with parameters found; apply fully_shard before offload_fsdp")
+            raise TierValueError("no fully_shard-ed module with parameters found; apply fully_shard before "
+                                 "offload_fsdp")
         meta = check_meta(model, init_fn, real_parameters)
         sharded = {id(p) for _, _, group in groups for p in internals.group_params(group)}
         outside = [n for n, p in model.named_parameters() if id(p) not in sharded]
         if outside:  # an optimizer of the shards would never step them
-            raise ValueError(f"{len(outside)} parameter(s) belong to no fully_shard-ed module: "
-                             f"{', '.join(outside[:4])}{', ...' if len(outside) > 4 else ''}; apply fully_shard to "
-                             f"the root module too (after its blocks), as FSDP2 recommends")
+            raise TierValueError(f"{len(outside)} parameter(s) belong to no fully_shard-ed module: "
+                                 f"{', '.join(outside[:4])}{', ...' if len(outside) > 4 else ''}; apply fully_shard to "
+                                 f"the root module too (after its blocks), as FSDP2 recommends")
         if home is Tier.NVME:
             need = sum(internals.local_shard(p).numel() * p.element_size() for _, _, g in groups
                        for p in internals.group_params(g))
@@ -175,7 +176,7 @@ class FSDPOffload(OffloadBase):
         """Every local shard given to the store (a meta model materialized module by module on the way); returns
         id(param) -> the padded shard's bytes."""
         put: dict[int, int] = {}
-        with self._putting() as (handles, undo):
+        with self.putting() as (handles, undo):
 
             def give(p: nn.Parameter, *, free: bool) -> None:
                 """Put ``p``'s local shard in the store; with ``free``, its memory goes once it is there."""
@@ -216,7 +217,7 @@ class FSDPOffload(OffloadBase):
         self.stats.unshards += 1
         if torch._C._current_graph_task_id() != -1:  # an all-gather for backward (its pre-backward hook)
             self.policy.backward_starts()
-        self._prefetch_after(su, Tier.HOST)
+        self.prefetch_after(su, Tier.HOST)
         t0 = time.perf_counter()
         for sh in su.params:
             storage = sh.local.untyped_storage()
@@ -229,7 +230,7 @@ class FSDPOffload(OffloadBase):
                 with torch.no_grad():
                     sh.local.copy_(self.store.get(sh.key, Tier.HOST))
                 self.store.release(sh.key, Tier.HOST)
-        self._add_stall(su, t0)
+        self.add_stall(su, t0)
         su.materialized = True
 
     def _gradients_ready(self, su: _ShardUnit, group: Any) -> None:
@@ -300,8 +301,8 @@ def offload_fsdp(model: nn.Module, store: TierStore, *, prefetch_depth: int | st
     internals.check_torch_version(allow_untested_torch)
     check_not_offloaded(model, "offload_fsdp")
     if not dist.is_initialized():
-        raise RuntimeError("offload_fsdp needs torch.distributed initialised (run under torchrun, "
-                           "init_process_group) and fully_shard applied")
+        raise TierStoreError("offload_fsdp needs torch.distributed initialised (run under torchrun, "
+                             "init_process_group) and fully_shard applied")
     cfg = store.config
     check_options(prefetch_depth, placement)
     state = FSDPOffload(model, store,

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierstore import CheckpointError, parse_bytes
+from tierstore import CheckpointError, TierTypeError, TierValueError, UnsupportedError, parse_bytes
 from tierstore.files import TensorSource, read_raw, safetensors_entries, write_safetensors_file
 
 from ._base import OffloadBase
@@ -96,7 +96,7 @@ def _is_peft(model: nn.Module) -> bool:
 def _offloaded(model: nn.Module | OffloadBase) -> tuple[nn.Module, OffloadBase]:
     model, off = _model_and_offload(model)
     if off is None:
-        raise ValueError(f"{type(model).__name__} is not offloaded: call offload_model(model, store) first")
+        raise TierValueError(f"{type(model).__name__} is not offloaded: call offload_model(model, store) first")
     return model, off
 
 
@@ -113,8 +113,8 @@ def save_pretrained(model: nn.Module | OffloadBase, save_directory: str | os.Pat
     if state_dict is not None:
         return original(state_dict=state_dict, max_shard_size=max_shard_size, **kwargs)
     if kwargs.get("push_to_hub"):
-        raise ValueError("save_pretrained(push_to_hub=True) of an offloaded model: save it, then upload the "
-                         "directory (huggingface_hub's upload_folder)")
+        raise TierValueError("save_pretrained(push_to_hub=True) of an offloaded model: save it, then upload the "
+                             "directory (huggingface_hub's upload_folder)")
     if _is_peft(model):
         return original(state_dict=_adapter_state_dict(model, off, kwargs), **kwargs)
     original(state_dict={}, max_shard_size=max_shard_size, **kwargs)  # everything but the tensors
@@ -321,7 +321,7 @@ def save_merged(model: nn.Module | OffloadBase, save_directory: str | os.PathLik
     the base model's (``from_pretrained`` of the base class loads them)."""
     model, off = _offloaded(model)
     if not _is_peft(model):
-        raise TypeError(f"save_merged takes a peft model (get_peft_model), not {type(model).__name__}")
+        raise TierTypeError(f"save_merged takes a peft model (get_peft_model), not {type(model).__name__}")
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
 
@@ -329,10 +329,10 @@ def save_merged(model: nn.Module | OffloadBase, save_directory: str | os.PathLik
     for name, m in layers.items():
         variant = any(a in getattr(m, "lora_variant", {}) or m.lora_bias.get(a) for a in m.active_adapters)
         if type(m) is not LoraLinear or variant:
-            raise NotImplementedError(f"save_merged merges plain LoRA on Linear (and GPT-2's Conv1D) layers; {name} "
+            raise UnsupportedError(f"save_merged merges plain LoRA on Linear (and GPT-2's Conv1D) layers; {name} "
                                       f"is a {type(m).__name__}{' with a LoRA variant or bias' if variant else ''}")
     if any(type(m).__name__ == "ModulesToSaveWrapper" for m in model.modules()):
-        raise NotImplementedError("save_merged: modules_to_save are not merged; save the adapter instead")
+        raise UnsupportedError("save_merged: modules_to_save are not merged; save the adapter instead")
     base = model.get_base_model()
     type(base).save_pretrained(base, save_directory, state_dict={}, max_shard_size=max_shard_size)
     tensors, _ = _model_tensors(model, off)

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierstore import Tier, TierStore
+from tierstore import Tier, TierStore, TierStoreError, TierTypeError, TierValueError
 from tierstore.memory import TierPool
 
 from ._base import STATE_KEY, OffloadBase, OffloadedParameterError, UnitStats, check_not_offloaded
@@ -298,8 +298,8 @@ class OffloadedModel(OffloadBase):
         model, bit for bit (tested). Returns the total norm.
         """
         if self.grad_ready_callbacks:
-            raise RuntimeError("clip_grad_norm_ needs every gradient before any is stepped, but an optimizer steps "
-                               "them during backward: use OffloadedAdamW(..., step_in_backward=False)")
+            raise TierStoreError("clip_grad_norm_ needs every gradient before any is stepped, but an optimizer steps "
+                                 "them during backward: use OffloadedAdamW(..., step_in_backward=False)")
         grads = self.grads_in_order()
         total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
         holders = [SimpleNamespace(grad=g) for g in grads]  # what clip_grads_with_norm_ reads of a parameter
@@ -336,7 +336,7 @@ class OffloadedModel(OffloadBase):
         an optimizer of it leaves the store."""
         for sp in self.params.values():
             if sp.holds:
-                raise RuntimeError(f"cannot remove offload while {sp.name!r} is in use (inside forward/backward)")
+                raise TierStoreError(f"cannot remove offload while {sp.name!r} is in use (inside forward/backward)")
         self._detach([*self._handles, *(h for u in self._units.values() for h in u.hooks)])
         self._handles.clear()
         for name, method in self._installed.items():
@@ -398,13 +398,13 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | s
     check_not_offloaded(model, "offload_model")
     cfg = store.config
     if compute_tier is not None and Tier.parse(compute_tier) is Tier.NVME:
-        raise ValueError("compute_tier='nvme': modules run on memory; choose 'device' or 'host'")
+        raise TierValueError("compute_tier='nvme': modules run on memory; choose 'device' or 'host'")
     check_options(prefetch_depth, placement)
     check_grad_dtype(grad_dtype)  # before anything is written
     refuse_whole_model(model)  # see [Note: Compiled units]
     scripted = [name or "the model" for name, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
     if scripted:
-        raise TypeError(
+        raise TierTypeError(
             f"{scripted[0]!r} is a TorchScript module (torch.jit.script or torch.jit.trace): its forward runs in "
             "TorchScript, where no hook runs to fetch an offloaded parameter. Offload the eager module, and script "
             "it for inference after training")

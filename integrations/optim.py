@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from tierstore import Tier, TierStore
+from tierstore import Tier, TierKeyError, TierStore, TierStoreError, TierValueError
 from tierstore.scheduling import default_grad_backlog_bytes
 
 from . import _adamw
@@ -109,7 +109,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if readahead is None:  # prefetch depth 0 turns off reading ahead, the optimizer's as well
             readahead = 0 if offloaded.policy.depth == 0 else sys.maxsize  # bytes bound it
         if readahead < 0:
-            raise ValueError(f"readahead={readahead} must be >= 0")
+            raise TierValueError(f"readahead={readahead} must be >= 0")
         self.offloaded = offloaded
         self.store: TierStore = offloaded.store
         host = self.store.config.host_budget_bytes
@@ -133,8 +133,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.layout.check(self._items)
         self._state.check_host_budget(host, step_in_backward)
         if any(optimizer_key(name, "exp_avg") in self.store for name, _, _ in self._items):
-            raise ValueError("this model already has an OffloadedAdamW (its state is in the store); keep using that "
-                             "one (opt.load_state_dict() replaces its state), or offload a fresh model")
+            raise TierValueError("this model already has an OffloadedAdamW (its state is in the store); keep using "
+                                 "that one (opt.load_state_dict() replaces its state), or offload a fresh model")
         self._building = True
         super().__init__(torch_groups(param_groups, defaults, self._items, self._frozen, self._name_of), defaults)
         self._building = False
@@ -170,8 +170,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         Not torch's own, which imports torch._dynamo on its first call: 68 MiB of RSS here.
         """
         if not getattr(self, "_building", False):
-            raise RuntimeError("OffloadedAdamW steps the parameters of the model it was given; pass param_groups= "
-                               "when constructing it")
+            raise TierStoreError("OffloadedAdamW steps the parameters of the model it was given; pass param_groups= "
+                                 "when constructing it")
         self.param_groups.append({**self.defaults, **param_group, "params": list(param_group["params"])})
 
     def _queued(self) -> dict[str, int]:
@@ -236,13 +236,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
         parameter the next backward gives no gradient (an expert no token chose, a branch not taken) is stepped
         with zeros."""
         if self._unfinished is not None:
-            raise RuntimeError(self._unfinished)
+            raise TierStoreError(self._unfinished)
         if not set_to_none and self.step_in_backward:
-            raise ValueError("zero_grad(set_to_none=False) keeps every gradient, zeroed, until the next step; with "
-                             "step_in_backward=True each gradient is applied and dropped as backward makes it, so "
-                             "there are none to keep (a parameter that gets no gradient would not be stepped with "
-                             "zeros, as torch would step it): call zero_grad() (set_to_none=True), or use "
-                             "step_in_backward=False")
+            raise TierValueError("zero_grad(set_to_none=False) keeps every gradient, zeroed, until the next step; with "
+                                 "step_in_backward=True each gradient is applied and dropped as backward makes it, so "
+                                 "there are none to keep (a parameter that gets no gradient would not be stepped with "
+                                 "zeros, as torch would step it): call zero_grad() (set_to_none=True), or use "
+                                 "step_in_backward=False")
         self.offloaded.zero_grad(set_to_none)
 
     def _was_applied(self, name: str, grad: torch.Tensor) -> bool:
@@ -292,13 +292,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     raise err
             thawed = [n for n, k, p in self._frozen if self._grad(n, k, p) is not None]
             if thawed:
-                raise RuntimeError(self._thawed_message(thawed))
+                raise TierStoreError(self._thawed_message(thawed))
             ready = [(n, k, p, g) for n, k, p in self._items
                      if k not in early and (g := self._grad(n, k, p)) is not None]
             work = [item for item in ready if not self._was_applied(item[0], item[3])]
             if ready and not work and not early and self._unfinished is None:
-                raise RuntimeError("step() again with the gradients the last step() applied: run backward() first "
-                                   "(after zero_grad()); a step applies a gradient once")
+                raise TierStoreError("step() again with the gradients the last step() applied: run backward() first "
+                                     "(after zero_grad()); a step applies a gradient once")
             self._queue = work
             for i, (name, key, p, grad) in enumerate(work):
                 self._pipeline.read_ahead(work, i)
@@ -405,14 +405,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         saved = StateLayout.from_dict(sd.get("state_layout", {}))
         # split masters of the first version convert without loss: the same masters, weights rounded from them
         if saved != self.layout and not convert and saved != dataclasses.replace(self.layout, split="truncated"):
-            raise ValueError(f"this optimizer state was saved with {saved.describe()}, and this OffloadedAdamW "
-                             f"stores {self.layout.describe()}: build it with the saved layout, or pass convert=True "
-                             f"to convert the state (rounded where the new layout has fewer bits)")
+            raise TierValueError(f"this optimizer state was saved with {saved.describe()}, and this OffloadedAdamW "
+                                 f"stores {self.layout.describe()}: build it with the saved layout, or pass "
+                                 f"convert=True to convert the state (rounded where the new layout has fewer bits)")
         self.load_group_states(sd["param_groups"])
         names = {n for n, _, _ in self._items}
         unknown = [name for name in sd["state"] if name not in names]
         if unknown:
-            raise KeyError(f"optimizer state for unknown parameter {unknown[0]!r}")
+            raise TierKeyError(f"optimizer state for unknown parameter {unknown[0]!r}")
         # The whole state is replaced, as torch's is: a parameter with no saved state starts afresh.
         self.reset_state(names - set(sd["state"]))
         for name, entry in sd["state"].items():
@@ -452,13 +452,13 @@ class OffloadedGradScaler(torch.amp.GradScaler):
         if not isinstance(optimizer, OffloadedAdamW) or not optimizer.offloaded.keeps_grads:
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)  # they are in param.grad
         if optimizer.step_in_backward:
-            raise RuntimeError("loss scaling needs every gradient checked before any update, but this optimizer "
-                               "steps them during backward: use OffloadedAdamW(..., step_in_backward=False)")
+            raise TierStoreError("loss scaling needs every gradient checked before any update, but this optimizer "
+                                 "steps them during backward: use OffloadedAdamW(..., step_in_backward=False)")
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for grad in optimizer.offloaded.grads_in_order():
             if not allow_fp16 and grad.dtype == torch.float16:
-                raise ValueError("Attempting to unscale FP16 gradients: keep the parameters fp32 and compute in "
-                                 "fp16 under torch.autocast")
+                raise TierValueError("Attempting to unscale FP16 gradients: keep the parameters fp32 and compute in "
+                                     "fp16 under torch.autocast")
             groups.setdefault((grad.device, grad.dtype), []).append(grad)
         found: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():

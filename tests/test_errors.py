@@ -217,3 +217,33 @@ def test_a_failed_optimizer_construction_leaves_nothing_behind(make_store):
 def test_a_misspelt_setting_is_named_with_the_valid_ones(nvme_dir):
     with pytest.raises(TypeError, match=r"'prefech_depth' \(did you mean 'prefetch_depth'\?\).*host_budget_bytes"):
         ts.TierStore(nvme_path=nvme_dir, prefech_depth=4)
+
+
+def test_every_error_raised_is_a_tierstore_error_and_the_builtin_of_its_kind(make_store, nvme_dir):
+    """Each of tierstore's own errors is a TierStoreError and the builtin a caller catches for its kind; no
+    module of the package or its integrations raises a bare builtin error (tierstore.testing's simulated I/O
+    faults raise OSError as the operating system would)."""
+    import ast
+    import builtins
+    import pathlib
+
+    for cls, builtin in ((ts.TierValueError, ValueError), (ts.TierTypeError, TypeError), (ts.TierKeyError, KeyError),
+                         (ts.UnsupportedError, NotImplementedError), (ts.TierOSError, OSError)):
+        assert issubclass(cls, ts.TierStoreError) and issubclass(cls, builtin)
+    with pytest.raises(ts.TierValueError) as bad:
+        ts.StoreConfig(host_budget_bytes="lots")
+    assert isinstance(bad.value, ValueError)
+    store = make_store()
+    with pytest.raises(ts.TierKeyError):
+        store.get("nothing")
+    root = pathlib.Path(ts.__file__).parent
+    bare = []
+    for path in [*root.rglob("*.py"), *(root.parent / "integrations").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                name = exc.id if isinstance(exc, ast.Name) else None
+                if isinstance(getattr(builtins, name or "", None), type) and name != "StopIteration" and not (
+                        path.name == "testing.py" and name == "OSError"):
+                    bare.append(f"{path.relative_to(root.parent)}:{node.lineno}: {name}")
+    assert not bare, bare

@@ -110,3 +110,48 @@ def test_the_check_sees_a_private_import(tmp_path):
                                                          "line 2: tierstore.integrations._layouts"]
     # the integrations' own private modules are theirs to import
     assert _private_imports(path, "tierstore.integrations") == ["line 1: tierstore._memory"]
+
+
+def _circles(modules: dict[str, pathlib.Path], package: str) -> list[list[str]]:
+    """The import circles among the modules of ``package`` (every import counts: inside functions and under
+    ``TYPE_CHECKING`` too), each as its modules' names, sorted."""
+    mine = {m for m in modules if m.startswith(package + ".")}
+    graph = {m: {t for _, t in _imports(m, modules[m]) if t in mine and t != m} for m in mine}
+    circles, index, low, stack, on = [], {}, {}, [], set()
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while not part or part[-1] != v:
+                part.append(stack.pop())
+                on.discard(part[-1])
+            if len(part) > 1:
+                circles.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_module_of_the_integrations_imports_one_that_imports_it():
+    """Each level of an offload is given what it uses (``_contract.ModelOffload``, a protocol) instead of
+    importing the level above it; no circle, type-checking imports included."""
+    assert _circles(_MODULES, "tierstore.integrations") == []
+
+
+def test_the_check_sees_a_circle_through_a_type_checking_import(tmp_path):
+    (tmp_path / "a.py").write_text("from .b import f\n")
+    (tmp_path / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import g\n")
+    (tmp_path / "c.py").write_text("from .a import f\n")
+    modules = {f"pkg.{n}": tmp_path / f"{n}.py" for n in "abc"}
+    assert _circles(modules, "pkg") == [["pkg.a", "pkg.b"]]

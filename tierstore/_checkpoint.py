@@ -46,6 +46,8 @@ from ._types import (
     CheckpointWriteError,
     TierIOError,
     TierStoreError,
+    TierTypeError,
+    TierValueError,
 )
 
 FORMAT = "tierstore-checkpoint"
@@ -98,8 +100,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _DTYPES[dtype]
     except KeyError:
-        raise TypeError(f"dtype {dtype} cannot be saved in safetensors; convert it to one of "
-                        f"{', '.join(str(d) for d in _DTYPES)}") from None
+        raise TierTypeError(f"dtype {dtype} cannot be saved in safetensors; convert it to one of "
+                            f"{', '.join(str(d) for d in _DTYPES)}") from None
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -112,7 +114,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, as a view (a write into them is a write into ``t``)."""
     if not t.is_contiguous():  # reshape would copy, and bytes read into the copy would be lost
-        raise ValueError("a checkpoint tensor's bytes are taken of contiguous tensors only")
+        raise TierValueError("a checkpoint tensor's bytes are taken of contiguous tensors only")
     return memoryview(t.detach().view(-1).view(torch.uint8).numpy())
 
 
@@ -132,7 +134,7 @@ def _write_safetensors(path: str, sources: list[TensorSource], file_label: str,
     offset = 0
     for s in sources:
         if s.name in header:
-            raise ValueError(f"tensor name {s.name!r} appears twice in {file_label}")
+            raise TierValueError(f"tensor name {s.name!r} appears twice in {file_label}")
         header[s.name] = {"dtype": dtype_name(s.dtype), "shape": list(s.shape),
                           "data_offsets": [offset, offset + s.nbytes]}
         offset += s.nbytes
@@ -236,7 +238,7 @@ def write_files(directory: str, files: dict[str, Iterable[TensorSource]], *, met
     """Write ``files`` (file name -> tensors), then the manifest, into ``directory``; everything fsynced."""
     for name in files:
         if os.sep in name or name in (MANIFEST, "", ".", ".."):
-            raise ValueError(f"bad checkpoint file name {name!r}")
+            raise TierValueError(f"bad checkpoint file name {name!r}")
     os.makedirs(directory, exist_ok=True)
     manifest: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION, "metadata": metadata or {},
                                 "tensors": {}, "headers": {}}

@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ._types import Tier, UnknownSettingError
+from ._types import Tier, TierTypeError, TierValueError, UnknownSettingError
 
 _UNITS = {
     "": 1, "b": 1,
@@ -25,7 +25,7 @@ _SIZE_RE = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-
 def parse_bytes(value: Any, *, name: str) -> int:
     """An int, float or a string such as '512MiB' or '4GB' as a byte count."""
     if isinstance(value, bool):
-        raise TypeError(f"{name} must be a byte count such as 1073741824 or '1GiB', not {value!r}")
+        raise TierTypeError(f"{name} must be a byte count such as 1073741824 or '1GiB', not {value!r}")
     if isinstance(value, int):
         return value
     if isinstance(value, float) and value.is_integer():
@@ -36,9 +36,9 @@ def parse_bytes(value: Any, *, name: str) -> int:
             n = float(m.group(1)) * _UNITS[m.group(2).lower()]
             if n.is_integer():
                 return int(n)
-            raise ValueError(f"{name}={value!r} is {n} bytes, not a whole number: write it in a smaller unit "
-                             f"(e.g. '{int(n) // 1024}KiB') or as an integer")
-    raise ValueError(
+            raise TierValueError(f"{name}={value!r} is {n} bytes, not a whole number: write it in a smaller unit "
+                                 f"(e.g. '{int(n) // 1024}KiB') or as an integer")
+    raise TierValueError(
         f"{name}={value!r} is not a byte count; write an integer or a size such as '512MiB' or '4GB'"
     )
 
@@ -109,31 +109,31 @@ class StoreConfig:
                      "block_size_bytes", "file_size_bytes", "prefetch_bytes"):
             value = getattr(self, name)
             if value is not None and value <= 0:
-                raise ValueError(f"{name}={value} must be a positive number of bytes")
+                raise TierValueError(f"{name}={value} must be a positive number of bytes")
         if self.malloc_mmap_threshold_bytes is not None and not 0 < self.malloc_mmap_threshold_bytes <= 2**25:
-            raise ValueError(f"malloc_mmap_threshold_bytes={self.malloc_mmap_threshold_bytes} must be between 1 byte "
-                             f"and 32 MiB (glibc's limit), or None to leave the allocator alone")
+            raise TierValueError(f"malloc_mmap_threshold_bytes={self.malloc_mmap_threshold_bytes} must be between 1 "
+                                 f"byte and 32 MiB (glibc's limit), or None to leave the allocator alone")
         if self.resident_threshold_bytes < 0:
-            raise ValueError(f"resident_threshold_bytes={self.resident_threshold_bytes} must be >= 0")
+            raise TierValueError(f"resident_threshold_bytes={self.resident_threshold_bytes} must be >= 0")
         if self.block_size_bytes % 4096:
-            raise ValueError(
+            raise TierValueError(
                 f"block_size_bytes={self.block_size_bytes} must be a multiple of 4096 "
                 "(O_DIRECT needs aligned transfers); try 4194304 (4 MiB)"
             )
         if self.file_size_bytes % 4096:
-            raise ValueError(f"file_size_bytes={self.file_size_bytes} must be a multiple of 4096")
+            raise TierValueError(f"file_size_bytes={self.file_size_bytes} must be a multiple of 4096")
         for name in ("queue_depth", "io_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+                raise TierValueError(f"{name}={value!r} must be an integer >= 1")
         check_prefetch_depth(self.prefetch_depth)
         for name, choices in (("optimizer_moments", ("fp32", "bf16", "8bit")),
                               ("optimizer_master", ("fp32", "split", "none"))):
             if getattr(self, name) not in choices:
-                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(map(repr, choices))}")
+                raise TierValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(map(repr, choices))}")
         for name in ("direct_io", "verify_checksums", "pin_host_memory"):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be true or false, not {getattr(self, name)!r}")
+                raise TierTypeError(f"{name} must be true or false, not {getattr(self, name)!r}")
         for name in ("param_tier", "optimizer_tier", "grad_tier"):
             if name != "grad_tier" or self.grad_tier is not None:
                 object.__setattr__(self, name, Tier.parse(getattr(self, name)))
@@ -180,8 +180,8 @@ def _toml_reader(path: str) -> Any:
         try:
             import tomli as tomllib
         except ImportError:
-            raise ValueError(f"reading {path!r} needs a TOML reader: Python 3.11+, or `pip install tomli` on "
-                             "Python 3.10 (or use a .json config)") from None
+            raise TierValueError(f"reading {path!r} needs a TOML reader: Python 3.11+, or `pip install tomli` on "
+                                 "Python 3.10 (or use a .json config)") from None
     return tomllib
 
 
@@ -196,26 +196,26 @@ def load_config(path: str | os.PathLike[str], **overrides: Any) -> StoreConfig:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:
-        raise ValueError(f"cannot read config file {path!r}: {e.strerror}") from e
+        raise TierValueError(f"cannot read config file {path!r}: {e.strerror}") from e
     if path.endswith(".toml"):
         tomllib = _toml_reader(path)
         try:
             values = tomllib.loads(raw.decode())
         except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"config file {path!r} is not valid TOML: {e}") from e
+            raise TierValueError(f"config file {path!r} is not valid TOML: {e}") from e
         values = values.get("tierstore", values)
     elif path.endswith(".json"):
         try:
             values = json.loads(raw)
         except json.JSONDecodeError as e:
-            raise ValueError(f"config file {path!r} is not valid JSON: {e}") from e
+            raise TierValueError(f"config file {path!r} is not valid JSON: {e}") from e
         if isinstance(values, dict) and ("zero_optimization" in values or "aio" in values):
             config, _ = from_deepspeed(values)
             return config.replace(**overrides) if overrides else config
     else:
-        raise ValueError(f"config file {path!r} must end in .json or .toml")
+        raise TierValueError(f"config file {path!r} must end in .json or .toml")
     if not isinstance(values, dict):
-        raise ValueError(f"config file {path!r} must hold a table/object of keys")
+        raise TierValueError(f"config file {path!r} must hold a table/object of keys")
     return from_dict({**values, **overrides})
 
 
@@ -228,13 +228,13 @@ def _ds_tier(value: Any) -> Tier:
         return Tier.HOST
     if v == "none":
         return Tier.DEVICE
-    raise ValueError(f"DeepSpeed offload device {value!r} must be 'nvme', 'cpu' or 'none'")
+    raise TierValueError(f"DeepSpeed offload device {value!r} must be 'nvme', 'cpu' or 'none'")
 
 
 def check_prefetch_depth(depth: object) -> None:
     """``depth`` is "auto" or an integer >= 0, else a ValueError that says so."""
     if depth != "auto" and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
-        raise ValueError(f"prefetch_depth={depth!r} must be \"auto\" or an integer >= 0 (0 turns prefetch off)")
+        raise TierValueError(f"prefetch_depth={depth!r} must be \"auto\" or an integer >= 0 (0 turns prefetch off)")
 
 
 _AUTO = object()
@@ -249,13 +249,13 @@ def _ds_read(dotted: str, value: Any, convert: Callable[[Any], Any], ignored: li
     try:
         return convert(value)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"DeepSpeed config key {dotted}={value!r} cannot be read ({e}); give a number, or "
-                         f"\"auto\" for tierstore's default") from None
+        raise TierValueError(f"DeepSpeed config key {dotted}={value!r} cannot be read ({e}); give a number, or "
+                             f"\"auto\" for tierstore's default") from None
 
 
 def _ds_int(value: Any) -> int:
     if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-        raise ValueError("not an integer")
+        raise TierValueError("not an integer")
     return int(value)
 
 

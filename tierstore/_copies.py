@@ -24,7 +24,7 @@ from ._memory import Buffer, TierPool
 from ._monitor import Monitor
 from ._nvme import Extent, NvmeEngine
 from ._stats import StoreStats
-from ._types import StoreClosedError, Tier
+from ._types import StoreClosedError, Tier, TierKeyError, TierTypeError, TierValueError
 
 UNSUPPORTED_DTYPES = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
 
@@ -75,7 +75,7 @@ class CopyMap(dict):
         self._index[tier].pop(copy, None)
 
     def _refused(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("an entry's copies change by [tier] = copy and del [tier] only (they keep the index)")
+        raise TierTypeError("an entry's copies change by [tier] = copy and del [tier] only (they keep the index)")
 
     pop = popitem = clear = update = setdefault = __ior__ = _refused  # type: ignore[assignment]
 
@@ -168,17 +168,17 @@ def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
 def check_put(key: object, tensor: object, home: Tier, has_nvme: bool) -> None:
     """What ``put()`` refuses, before anything changes."""
     if not isinstance(key, str) or not key:
-        raise TypeError(f"key must be a non-empty str, not {key!r}")
+        raise TierTypeError(f"key must be a non-empty str, not {key!r}")
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"put({key!r}) needs a torch.Tensor, not {type(tensor).__name__}")
+        raise TierTypeError(f"put({key!r}) needs a torch.Tensor, not {type(tensor).__name__}")
     if tensor.dtype in UNSUPPORTED_DTYPES or tensor.is_quantized or tensor.is_sparse:
-        raise TypeError(f"put({key!r}): dtype {tensor.dtype} / layout {tensor.layout} is not supported; "
-                        "store a dense tensor (dequantize or .to_dense() it first)")
+        raise TierTypeError(f"put({key!r}): dtype {tensor.dtype} / layout {tensor.layout} is not supported; "
+                            "store a dense tensor (dequantize or .to_dense() it first)")
     if not tensor.is_contiguous() and dense_strides(tensor) is None:
-        raise ValueError(f"put({key!r}): the tensor has gaps or overlaps in its memory (a slice, an expand); pass "
-                         f"tensor.contiguous()")
+        raise TierValueError(f"put({key!r}): the tensor has gaps or overlaps in its memory (a slice, an expand); pass "
+                             f"tensor.contiguous()")
     if home is Tier.NVME and not has_nvme:
-        raise ValueError(f"put({key!r}, home='nvme') needs nvme_path set in the config")
+        raise TierValueError(f"put({key!r}, home='nvme') needs nvme_path set in the config")
 
 
 class StoreState:
@@ -224,7 +224,7 @@ class StoreState:
             return self.entries[key]
         except KeyError:
             self.check_open()  # after close() every key is gone: say so, not "put() it first"
-            raise KeyError(f"unknown key {key!r}: put() it into the store first") from None
+            raise TierKeyError(f"unknown key {key!r}: put() it into the store first") from None
 
     def view(self, entry: Entry, copy: Copy) -> torch.Tensor:
         """The copy as a tensor, ready for whoever reads it next (see [Note: Ordering device work])."""

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from ._memory import Buffer
-from ._types import Tier, TierStoreError
+from ._types import Tier, TierStoreError, UnsupportedError
 
 
 class Device:
@@ -60,7 +60,7 @@ class Device:
     def pin(self, data: torch.Tensor) -> Callable[[], None]:
         """Page-lock the host memory of ``data`` in place (a host tier arena, when :attr:`pins_host`); returns
         what unlocks it (see [Note: Pinned host memory])."""
-        raise NotImplementedError(f"{type(self).__name__} pins no host memory")
+        raise UnsupportedError(f"{type(self).__name__} pins no host memory")
 
     def ready_for_cpu(self, buf: Buffer) -> None:
         """Block until no pending work writes ``buf`` (a host buffer the CPU or the drive reads next)."""

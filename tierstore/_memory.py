@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._types import Tier
+from ._types import Tier, TierOSError, TierValueError
 
 PAGE_BYTES = 4096
 # Size of the arenas a pool takes its budget in (a larger request gets an arena of its own size).
@@ -85,10 +85,10 @@ def _give_pages_back(data: torch.Tensor, offset: int, length: int) -> None:
     """
     assert _libc is not None
     if (data.data_ptr() + offset) % PAGE_BYTES or length % PAGE_BYTES:
-        raise ValueError(f"giving back pages of an unaligned range (offset {offset}, length {length})")
+        raise TierValueError(f"giving back pages of an unaligned range (offset {offset}, length {length})")
     if _libc.madvise(ctypes.c_void_p(data.data_ptr() + offset), ctypes.c_size_t(length), _MADV_DONTNEED) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"madvise(MADV_DONTNEED) failed: {err}")
+        raise TierOSError(err, f"madvise(MADV_DONTNEED) failed: {err}")
 
 
 def align_up(n: int, alignment: int = PAGE_BYTES) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from ._types import TierStoreError
 
 
 class Monitor:
@@ -63,7 +64,7 @@ class Monitor:
     def _let_go(self) -> tuple[int, int]:
         me = threading.get_ident()
         if self._owner != me:
-            raise RuntimeError("the store's lock is not held by this thread")
+            raise TierStoreError("the store's lock is not held by this thread")
         depth, self._owner, self._depth = self._depth, None, 0
         self._free.notify()
         return me, depth

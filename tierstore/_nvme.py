@@ -43,7 +43,7 @@ from ._config import StoreConfig
 from ._memory import PAGE_BYTES, align_up, insert_free_range
 from ._ownership import describe, make_swap_directory, reclaim_swap
 from ._stats import StoreStats
-from ._types import IntegrityError, StoreFullError, Tier, TierBudgetError, TierIOError
+from ._types import IntegrityError, StoreFullError, Tier, TierBudgetError, TierIOError, TierStoreError, TierValueError
 
 # Space left free on the filesystem beyond what a new swap file takes.
 FREE_SPACE_RESERVE_BYTES = 64 * 1024**2
@@ -124,7 +124,7 @@ class _IoWorkers:
 
     def put(self, job: tuple) -> None:
         if self._stopped:
-            raise RuntimeError("the I/O threads were stopped")
+            raise TierStoreError("the I/O threads were stopped")
         if len(self._started) < self.threads:
             with self._lock:
                 while len(self._started) < self.threads:
@@ -201,12 +201,13 @@ class NvmeEngine:
     def __init__(self, config: StoreConfig, *, syscalls: Syscalls | None = None,
                  stats: StoreStats | None = None) -> None:
         if config.nvme_path is None:
-            raise ValueError("the NVMe tier needs nvme_path: set it to a directory on a fast local drive")
+            raise TierValueError("the NVMe tier needs nvme_path: set it to a directory on a fast local drive")
         base = config.nvme_path
         if not os.path.isdir(base):
-            raise ValueError(f"nvme_path {base!r} does not exist or is not a directory; create it or choose another")
+            raise TierValueError(f"nvme_path {base!r} does not exist or is not a directory; create it or choose "
+                                 "another")
         if not os.access(base, os.W_OK | os.X_OK):
-            raise ValueError(f"nvme_path {base!r} is not writable by this process; choose a writable directory")
+            raise TierValueError(f"nvme_path {base!r} is not writable by this process; choose a writable directory")
         self.config = config
         self.stats = stats or StoreStats()
         self._sys = syscalls or Syscalls()
@@ -218,7 +219,7 @@ class NvmeEngine:
         try:
             self.directory, lock_fd = make_swap_directory(base)  # mode 0700, locked while this store lives
         except OSError as e:
-            raise ValueError(f"cannot create a swap directory under nvme_path {base!r}: {e.strerror}") from e
+            raise TierValueError(f"cannot create a swap directory under nvme_path {base!r}: {e.strerror}") from e
         self._fds: list[int] = [lock_fd]
         self._finalizer = weakref.finalize(self, _cleanup, self.directory, self._fds)
         _live_engines.add(self)
@@ -345,7 +346,7 @@ class NvmeEngine:
         if self._closed:
             raise TierIOError(f"{label}: the I/O engine is closed")
         if buf.numel() < ext.length:
-            raise ValueError(f"buffer of {buf.numel()} bytes is smaller than extent of {ext.length}")
+            raise TierValueError(f"buffer of {buf.numel()} bytes is smaller than extent of {ext.length}")
         mv = memoryview(buf.numpy())
         blocks = range(0, ext.length, self.block_size)
         batch = _Batch(Future(), len(blocks), label, time.perf_counter(), [None] * len(blocks))

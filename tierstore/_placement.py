@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from ._types import TierValueError
 
 MIB = 1024**2
 
@@ -86,14 +87,14 @@ class StepTrace:
 
     def __post_init__(self) -> None:
         if self.forward_events is not None and not 0 <= self.forward_events <= len(self.events):
-            raise ValueError(f"forward_events={self.forward_events} must be within the {len(self.events)} events")
+            raise TierValueError(f"forward_events={self.forward_events} must be within the {len(self.events)} events")
         for event in self.events:
             for k in event:
                 if k not in self.nbytes:
-                    raise ValueError(f"key {k!r} is used in the trace but has no size in nbytes")
+                    raise TierValueError(f"key {k!r} is used in the trace but has no size in nbytes")
         bad = [k for k, n in self.nbytes.items() if n < 0]
         if bad:
-            raise ValueError(f"negative sizes for {bad[:4]}")
+            raise TierValueError(f"negative sizes for {bad[:4]}")
 
     def uses(self) -> dict[str, list[int]]:
         """Key -> the events that use it, in order (a key used twice in one event counts once)."""
@@ -165,7 +166,7 @@ def layered_trace(layers: int, *, weight_bytes: int, state_bytes: Mapping[str, i
     unit's update (its weights and each kind of state in ``state_bytes``) right after its backward, or all after
     backward. Every key changes each step."""
     if layers < 1:
-        raise ValueError(f"layers={layers} must be >= 1")
+        raise TierValueError(f"layers={layers} must be >= 1")
     weights = [f"w{i}" for i in range(layers)]
     updates = {w: (w, *(f"{kind}{w}" for kind in state_bytes)) for w in weights}
     events: list[tuple[str, ...]] = [(w,) for w in weights]
@@ -267,7 +268,7 @@ def lower_bound_bytes(trace: StepTrace, budget_bytes: int) -> int:
 def plan_placement(trace: StepTrace, *, budget_bytes: int, room_bytes: int) -> Placement:
     """Keep the keys that save the most bytes per byte, within ``budget_bytes - room_bytes``."""
     if budget_bytes < 0 or room_bytes < 0:
-        raise ValueError(f"budget_bytes={budget_bytes} and room_bytes={room_bytes} must be >= 0")
+        raise TierValueError(f"budget_bytes={budget_bytes} and room_bytes={room_bytes} must be >= 0")
     room_bytes = min(room_bytes, budget_bytes)  # the room is part of the budget
     keys = [k for k in trace.uses() if k not in trace.transient]  # a transient key is never kept
     alone = moved_bytes(trace, frozenset(keys), room_bytes)  # each key's cost with everything streaming
@@ -331,9 +332,9 @@ def choose_depth(read_seconds: Sequence[float], compute_seconds: Sequence[float]
     """
     n = len(read_seconds)
     if len(compute_seconds) != n:
-        raise ValueError("read_seconds and compute_seconds must have one entry per use")
+        raise TierValueError("read_seconds and compute_seconds must have one entry per use")
     if max_depth < 1:
-        raise ValueError(f"max_depth={max_depth} must be >= 1")
+        raise TierValueError(f"max_depth={max_depth} must be >= 1")
     if not any(read_seconds):
         return 1
     stalls = [predicted_stall(read_seconds, compute_seconds, depth) for depth in range(1, max_depth + 1)]

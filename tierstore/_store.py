@@ -28,7 +28,7 @@ from ._room import BUDGET_WAIT_SECONDS, Room
 from ._stats import StoreStats
 from ._timeline import Timeline
 from ._transfers import Transfers, done_future
-from ._types import StoreFullError, Tier, TierStoreError
+from ._types import StoreFullError, Tier, TierStoreError, TierTypeError, TierValueError
 
 
 class Handle:
@@ -75,8 +75,8 @@ def _check_budgets_fit_memory(config: StoreConfig, separate_device_memory: bool)
         budgets.append(("device_budget_bytes", config.device_budget_bytes))
     if sum(v for _, v in budgets) > total:
         given = " + ".join(f"{name}={value / 2**30:.2f} GiB" for name, value in budgets)
-        raise ValueError(f"{given} exceeds this machine's memory ({total / 2**30:.2f} GiB); lower them (host "
-                         f"memory also holds the model's activations and the program itself)")
+        raise TierValueError(f"{given} exceeds this machine's memory ({total / 2**30:.2f} GiB); lower them (host "
+                             f"memory also holds the model's activations and the program itself)")
 
 
 
@@ -136,7 +136,7 @@ class TierStore:
         entry = Entry(key, tensor.shape, tensor.dtype, nbytes, home, stride=dense_strides(tensor))
         with state.lock:
             if key in state.entries:
-                raise ValueError(f"key {key!r} is already in the store; drop() it first or use another key")
+                raise TierValueError(f"key {key!r} is already in the store; drop() it first or use another key")
             self._room.check_fits(key, nbytes, home)
             state.register(entry)
         if nbytes == 0:
@@ -247,7 +247,7 @@ class TierStore:
             if entry.nbytes == 0:
                 return
             if copy is None or copy.pins == 0:
-                raise ValueError(f"release({key!r}, {tier.label!r}) without a matching get()")
+                raise TierValueError(f"release({key!r}, {tier.label!r}) without a matching get()")
             # Released by the thread that got it, or (a hand-over) by another: one of the holders lets go.
             holder = threading.get_ident()
             if holder not in copy.holders:
@@ -272,7 +272,7 @@ class TierStore:
                 return
             copy = entry.copies.get(tier)
             if copy is None or copy.pins == 0 or copy.version != entry.version:
-                raise ValueError(f"mark_dirty({key!r}, {tier.label!r}): get() the tensor in that tier first")
+                raise TierValueError(f"mark_dirty({key!r}, {tier.label!r}): get() the tensor in that tier first")
             entry.version += 1
             copy.version = entry.version
             for other in list(entry.copies.values()):
@@ -337,7 +337,7 @@ class TierStore:
         with self._state.lock:
             entry = self._state.lookup(key)
             if tier is entry.home:
-                raise ValueError(f"evict({key!r}, {tier.label!r}): that is its home tier; use drop() to remove it")
+                raise TierValueError(f"evict({key!r}, {tier.label!r}): that is its home tier; use drop() to remove it")
             self._transfers.evict(entry, tier)
 
     def drop(self, key: str) -> None:
@@ -446,10 +446,10 @@ class TierStore:
         ``owner``'s last one; an empty one ends it. A changed kept copy is written home when it goes, or by
         :meth:`flush`, not after each change (see [Note: Kept copies] in _room.py)."""
         if isinstance(keys, str):
-            raise TypeError(f"keep() takes a collection of keys, not the string {keys!r}: pass [{keys!r}]")
+            raise TierTypeError(f"keep() takes a collection of keys, not the string {keys!r}: pass [{keys!r}]")
         tier = Tier.parse(tier)
         if tier is Tier.NVME:
-            raise ValueError("keep() is for the memory tiers ('device' or 'host'); the nvme tier holds everything")
+            raise TierValueError("keep() is for the memory tiers ('device' or 'host'); the nvme tier holds everything")
         with self._state.lock:
             self._room.set_kept(owner, tier, frozenset(keys))
 
@@ -500,14 +500,14 @@ def _settle_config(config: StoreConfig | None, overrides: dict[str, Any]) -> Sto
     elif overrides:
         config = config.replace(**overrides)
     if not isinstance(config, StoreConfig):
-        raise TypeError(f"config must be a StoreConfig, not {type(config).__name__}")
+        raise TierTypeError(f"config must be a StoreConfig, not {type(config).__name__}")
     return config
 
 
 def _memory_tier(tier: Tier | str) -> Tier:
     tier = Tier.parse(tier)
     if tier is Tier.NVME:
-        raise ValueError("NVMe copies are files, not tensors: get or prefetch into 'host' or 'device'")
+        raise TierValueError("NVMe copies are files, not tensors: get or prefetch into 'host' or 'device'")
     return tier
 
 

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from ._copies import Copy, Entry, StoreState
 from ._room import Room
-from ._types import StoreClosedError, Tier, TierStoreError
+from ._types import StoreClosedError, Tier, TierKeyError, TierStoreError, TierValueError
 
 
 def done_future(result: object = True) -> Future:
@@ -60,7 +60,7 @@ class Transfers:
 
     def _check_alive(self, entry: Entry) -> None:
         if entry.dropped:
-            raise KeyError(f"key {entry.key!r} was dropped")
+            raise TierKeyError(f"key {entry.key!r} was dropped")
         if self.state.closed:
             raise StoreClosedError("the store was closed while a transfer was pending")
 
@@ -209,7 +209,7 @@ class Transfers:
         state = self.state
         while (copy := entry.copies.get(tier)) is not None:
             if copy.pins:
-                raise ValueError(f"evict({entry.key!r}, {tier.label!r}): the copy is held; release() it first")
+                raise TierValueError(f"evict({entry.key!r}, {tier.label!r}): the copy is held; release() it first")
             if copy.busy:
                 state.wait_for(copy.loading or entry.writeback or done_future())
                 if copy.io_refs and entry.writeback is None:

@@ -23,7 +23,7 @@ class Tier(enum.IntEnum):
             except KeyError:
                 pass
         choices = ", ".join(t.name.lower() for t in cls)
-        raise ValueError(f"unknown tier {value!r}; choose one of: {choices}")
+        raise TierValueError(f"unknown tier {value!r}; choose one of: {choices}")
 
     @property
     def label(self) -> str:
@@ -31,7 +31,28 @@ class Tier(enum.IntEnum):
 
 
 class TierStoreError(RuntimeError):
-    """Base class of every runtime error tierstore raises."""
+    """Base class of every error tierstore raises. Each is also the builtin error a caller would catch for its
+    kind: a bad argument is also a ``ValueError``, a wrong type a ``TypeError``, an unknown key a ``KeyError``."""
+
+
+class TierValueError(TierStoreError, ValueError):
+    """An argument, setting or input that cannot be used; the message says what to pass instead."""
+
+
+class TierTypeError(TierStoreError, TypeError):
+    """An argument of a type that cannot be used; the message names the types that can."""
+
+
+class TierKeyError(TierStoreError, KeyError):
+    """No such key in the store, parameter of the model or state of the optimizer."""
+
+
+class UnsupportedError(TierStoreError, NotImplementedError):
+    """Something tierstore does not do (a kind of adapter it cannot merge, a device that pins nothing)."""
+
+
+class TierOSError(TierStoreError, OSError):
+    """A call into the operating system, or a tool it runs (the C compiler), failed; names the call."""
 
 
 class UnknownSettingError(TierStoreError, TypeError, ValueError):

@@ -22,7 +22,7 @@ import torch
 from ._device import Device
 from ._memory import Buffer
 from ._nvme import Syscalls
-from ._types import Tier
+from ._types import Tier, TierStoreError, TierValueError
 
 __all__ = ["FaultySyscalls", "NoDirectSyscalls", "SimulatedDevice", "SlowSyscalls", "checked_workload"]
 
@@ -37,7 +37,7 @@ class FaultySyscalls(Syscalls):
 
     def __init__(self, fail_at: int | None = None, *, mode: str = "eio") -> None:
         if mode not in ("eio", "enospc", "short"):
-            raise ValueError(f"mode must be 'eio', 'enospc' or 'short', not {mode!r}")
+            raise TierValueError(f"mode must be 'eio', 'enospc' or 'short', not {mode!r}")
         self.fail_at = fail_at
         self.mode = mode
         self.calls = 0
@@ -101,7 +101,7 @@ class _LateEvent:
 
     def synchronize(self) -> None:
         if not self._done.wait(60):
-            raise RuntimeError("a simulated device copy never finished")
+            raise TierStoreError("a simulated device copy never finished")
 
 
 class _Stream:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tierstore import StoreConfig, TierStore
+from tierstore import StoreConfig, TierStore, TierValueError
 from tierstore.scheduling import count_text, size_text
 from tierstore.integrations import OffloadedAdamW, offload_model
 
@@ -37,7 +37,7 @@ def _compile_blocks(model: ViT) -> None:
 def run_compile_bench(*, preset: str, batch_size: int, nvme_path: str, rounds: int, host_budget_bytes: int | None,
                       device_budget_bytes: int | None, log: Callable[[str], None] = print) -> dict[str, Any]:
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+        raise TierValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
     cfg = PRESETS[preset]
     torch.manual_seed(0)
     base = ViT(cfg)

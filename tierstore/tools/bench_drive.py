@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 import torch
 
-from tierstore import StoreConfig, Tier, TierStore
+from tierstore import StoreConfig, Tier, TierStore, TierValueError
 from tierstore.memory import aligned_empty
 
 MIB = 1024**2
@@ -47,13 +47,13 @@ class DriveBenchConfig:
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.path):
-            raise ValueError(f"--path {self.path!r} is not a directory; create it or choose another")
+            raise TierValueError(f"--path {self.path!r} is not a directory; create it or choose another")
         if self.size_mib < 1:
-            raise ValueError(f"--size-mib {self.size_mib} must be >= 1")
+            raise TierValueError(f"--size-mib {self.size_mib} must be >= 1")
         if self.tensor_mib < 1:
-            raise ValueError(f"--tensor-mib {self.tensor_mib} must be >= 1")
+            raise TierValueError(f"--tensor-mib {self.tensor_mib} must be >= 1")
         if self.rounds < 1:
-            raise ValueError(f"--rounds {self.rounds} must be >= 1")
+            raise TierValueError(f"--rounds {self.rounds} must be >= 1")
 
 
 def fio_available() -> bool:
@@ -184,8 +184,8 @@ def run_drive_bench(cfg: DriveBenchConfig, *, log=print) -> dict[str, Any]:
     need = cfg.size_mib * MIB * (3 if cfg.integrity else 2) + 256 * MIB
     free = psutil.disk_usage(cfg.path).free
     if free < need:
-        raise ValueError(f"{cfg.path!r} has {free / 1e9:.1f} GB free; this run needs {need / 1e9:.1f} GB. "
-                         "Lower --size-mib or pick another --path")
+        raise TierValueError(f"{cfg.path!r} has {free / 1e9:.1f} GB free; this run needs {need / 1e9:.1f} GB. "
+                             "Lower --size-mib or pick another --path")
     has_fio = fio_available()
     if not has_fio:
         log("fio is not installed (Debian: apt-get install fio); reporting the store's figures alone")

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierstore import StoreConfig, TierStore
+from tierstore import StoreConfig, TierStore, TierStoreError, TierValueError
 from tierstore.integrations import offload_model
 
 from .bench_drive import measure_drive
@@ -89,7 +89,7 @@ def run_peers_bench(*, path: str, layers: int = 24, width: int = 4096, batch_siz
                     prefetch_depth: int | str = 4, host_budget_bytes: int | None = None,
                     device_budget_bytes: int | None = None, log=print) -> dict[str, Any]:
     if layers < 1 or width < 1 or batch_size < 1 or rounds < 1:
-        raise ValueError("--layers, --width, --batch-size and --rounds must be >= 1")
+        raise TierValueError("--layers, --width, --batch-size and --rounds must be >= 1")
     try:
         import accelerate  # noqa: F401
 
@@ -128,7 +128,7 @@ def run_peers_bench(*, path: str, layers: int = 24, width: int = 4096, batch_siz
             if reference is None:
                 reference = out
             if not torch.equal(out, reference):
-                raise AssertionError(f"{name}'s output differs from the others'")
+                raise TierStoreError(f"{name}'s output differs from the others'")
             samples[name].append(seconds)
     med = {k: statistics.median(v) for k, v in samples.items() if v}
     drives.append(measure_drive(path, size_mib=measure_mib, read_fraction=0.5))

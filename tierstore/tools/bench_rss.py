@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 from typing import Any
+from tierstore import TierStoreError
 
 MIB = 1024**2
 OVERHEAD_BYTES = 64 * MIB
@@ -40,7 +41,7 @@ def measure_rss(*, preset: str, batch_size: int, nvme_path: str, host_budget_byt
     proc = subprocess.run([sys.executable, "-m", "tierstore.tools.bench_rss", json.dumps(args)], env=env,
                           capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"the RSS probe failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise TierStoreError(f"the RSS probe failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -65,7 +66,7 @@ def _probe(*, preset: str, batch_size: int, nvme_path: str, host_budget_bytes: i
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     before = rss_bytes()
     if not reset_peak_rss():
-        raise RuntimeError("this kernel does not let a process reset its peak RSS (/proc/self/clear_refs)")
+        raise TierStoreError("this kernel does not let a process reset its peak RSS (/proc/self/clear_refs)")
     loss = F.cross_entropy(model(x), y)
     activations = peak_rss_bytes() - before  # what forward saved for backward, and its temporaries
     loss.backward()

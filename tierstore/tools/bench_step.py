@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tierstore import StoreConfig, TierStore
+from tierstore import StoreConfig, TierStore, TierStoreError, TierValueError
 from tierstore.scheduling import count_text, size_text
 from tierstore.integrations import OffloadedAdamW, offload_model
 
@@ -106,9 +106,9 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
     """``layouts``: optimizer state layouts ("moments/master", e.g. "8bit/split") also run at the last depth, in
     the same rounds (see [Note: Compressed optimizer state])."""
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+        raise TierValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
     if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        raise TierValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     torch_dtype = DTYPES[dtype]
     cfg = PRESETS[preset]
     torch.manual_seed(0)
@@ -308,11 +308,11 @@ def run_budget_sweep(*, preset: str, batch_size: int, depths: list[int], nvme_pa
     """``bench step`` at host budgets of state/k for each k in ``divisors``: per budget, the best depth's step
     time and bytes per step against the resident step and the bound, to show what a smaller budget costs."""
     if not divisors or any(k < 1 for k in divisors):
-        raise ValueError(f"--budget-sweep {divisors}: give divisors of the state, each >= 1 (e.g. 2,3,6,10)")
+        raise TierValueError(f"--budget-sweep {divisors}: give divisors of the state, each >= 1 (e.g. 2,3,6,10)")
     torch.manual_seed(0)
     if preset not in PRESETS or dtype not in DTYPES:
-        raise ValueError(f"unknown preset {preset!r} or dtype {dtype!r}; presets: {', '.join(PRESETS)}; "
-                         f"dtypes: {', '.join(DTYPES)}")
+        raise TierValueError(f"unknown preset {preset!r} or dtype {dtype!r}; presets: {', '.join(PRESETS)}; "
+                             f"dtypes: {', '.join(DTYPES)}")
     with torch.device("meta"):
         n = num_params(ViT(PRESETS[preset]))
     state = n * (12 if dtype == "fp32" else 14)
@@ -387,7 +387,7 @@ def _resident_in_fresh_process(preset: str, batch_size: int, dtype: str, fused: 
     proc = subprocess.run([sys.executable, "-m", "tierstore.tools.bench_step", args], capture_output=True,
                           text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"the resident reference's process failed:\n{proc.stderr[-2000:]}")
+        raise TierStoreError(f"the resident reference's process failed:\n{proc.stderr[-2000:]}")
     return [tuple(s) for s in json.loads(proc.stdout.strip().splitlines()[-1])]
 
 
@@ -444,7 +444,7 @@ def check_plotting() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError as e:
-        raise ValueError("--plot needs matplotlib: pip install 'tierstore[bench]' (or matplotlib)") from e
+        raise TierValueError("--plot needs matplotlib: pip install 'tierstore[bench]' (or matplotlib)") from e
 
 
 def plot_step_bench(result: dict[str, Any], path: str) -> None:

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from tierstore import StoreConfig, TierStoreError, __version__, default_nvme_path, parse_bytes
+from tierstore import StoreConfig, TierStoreError, TierValueError, __version__, default_nvme_path, parse_bytes
 
 from . import flags as F
 from .upcast import COMPUTE_CHOICES
@@ -161,10 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             from tierstore.swap import describe, reclaim_swap
 
             if args.path and args.nvme_path and args.path != args.nvme_path:
-                raise ValueError(f"two paths given ({args.path!r} and --nvme-path {args.nvme_path!r}): give one")
+                raise TierValueError(f"two paths given ({args.path!r} and --nvme-path {args.nvme_path!r}): give one")
             path = args.path or F.nvme_path(args)
             if not os.path.isdir(path):
-                raise ValueError(f"{path!r} is not a directory")
+                raise TierValueError(f"{path!r} is not a directory")
             reclaimed = reclaim_swap(path)
             print(f"{path}: {describe(reclaimed)}" if reclaimed else f"{path}: nothing to reclaim")
             return 0
@@ -276,9 +276,9 @@ def _count(text: str) -> int:
     try:
         value = float(text.strip()[:-1]) * scale if scale else float(text)
     except ValueError:
-        raise ValueError(f"--params {text!r}: give a count such as 7e9, 7B or 350M") from None
+        raise TierValueError(f"--params {text!r}: give a count such as 7e9, 7B or 350M") from None
     if not value >= 1 or value != value:
-        raise ValueError(f"--params {text!r} must be at least 1")
+        raise TierValueError(f"--params {text!r} must be at least 1")
     return int(value)
 
 
@@ -288,7 +288,7 @@ def _preset_params(preset: str) -> int:
     from .vit import PRESETS, ViT, num_params
 
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+        raise TierValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
     with torch.device("meta"):
         return num_params(ViT(PRESETS[preset]))
 
@@ -318,8 +318,8 @@ def _plan_inputs(args: argparse.Namespace) -> dict:
     dtype = args.dtype or named_dtype or "fp32"
     cuda = args.device == "cuda" if args.device else torch.cuda.is_available()
     if args.measure and cuda and not torch.cuda.is_available():
-        raise ValueError("--device cuda --measure: this machine has no CUDA device to measure; give --tflops, "
-                         "--link-gbps and --update-ns instead")
+        raise TierValueError("--device cuda --measure: this machine has no CUDA device to measure; give --tflops, "
+                             "--link-gbps and --update-ns instead")
     layers = args.layers or layers
     budgets = {f"{t}_budget_bytes": parse_bytes(v, name=f"--{t}-budget") if v else None
                for t, v in (("device", args.device_budget), ("host", args.host_budget), ("nvme", args.nvme_budget))}
@@ -339,8 +339,8 @@ def _plan_inputs(args: argparse.Namespace) -> dict:
         if (threshold := StoreConfig().malloc_mmap_threshold_bytes) is not None:
             set_mmap_threshold(threshold)
         if args.nvme_path is None and (args.drive_gbps is None or args.tensor_ms is None):
-            raise ValueError("--measure measures the drive and the offload at --nvme-path: give it (or give "
-                             "--drive-gbps and --tensor-ms)")
+            raise TierValueError("--measure measures the drive and the offload at --nvme-path: give it (or give "
+                                 "--drive-gbps and --tensor-ms)")
     drive = args.drive_gbps
     if drive is None and args.measure:
         from .bench_drive import measure_drive

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tierstore import StoreConfig, TierStore
+from tierstore import StoreConfig, TierStore, TierValueError
 from tierstore.integrations import OffloadedAdamW, offload_model
 
 from .rss import peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -79,17 +79,17 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
              compute: str = "auto", measure_drive_mib: int = 0, log=print) -> dict[str, Any]:
 
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+        raise TierValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
     if steps < 1 or batch_size < 1:
-        raise ValueError("--steps and --batch-size must be >= 1")
+        raise TierValueError("--steps and --batch-size must be >= 1")
     lr = PRESET_LR[preset] if lr is None else lr
     if not lr > 0:
-        raise ValueError(f"--lr {lr} must be > 0")
+        raise TierValueError(f"--lr {lr} must be > 0")
     warmup = max(1, steps // 2)
     if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        raise TierValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     if measure_drive_mib < 0:
-        raise ValueError(f"--measure-drive {measure_drive_mib}: give the MiB each measurement moves, or 0 for none")
+        raise TierValueError(f"--measure-drive {measure_drive_mib}: give the MiB each measurement moves, or 0 for none")
     torch_dtype = DTYPES[dtype]
     from tierstore.integrations.layouts import StateLayout, packed_size
 
@@ -100,7 +100,7 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     try:
         compute, product_s = resolve_compute(compute, torch_dtype, on_cpu=not cuda)
     except ValueError as e:
-        raise ValueError(f"--{e}") from None
+        raise TierValueError(f"--{e}") from None
     # Before the model exists, so that the measurement's own memory is not in the figures of RSS.
     drive_gbps = [_drive_mixed_gbps(nvme_path, measure_drive_mib, 0.55)] if measure_drive_mib else []
     rss_start = rss_bytes()  # the whole process from here, the model's construction included

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from tierstore import Tier
+from tierstore import Tier, TierValueError
 from tierstore.scheduling import default_grad_backlog_bytes
 from tierstore.scheduling import layered_trace, plan_placement, room_bytes
 
@@ -73,31 +73,31 @@ class PlanConfig:
 
     def __post_init__(self) -> None:
         if self.params <= 0:
-            raise ValueError(f"params={self.params} must be > 0 (e.g. 7e9)")
+            raise TierValueError(f"params={self.params} must be > 0 (e.g. 7e9)")
         if self.ranks < 1:
-            raise ValueError(f"ranks={self.ranks} must be >= 1")
+            raise TierValueError(f"ranks={self.ranks} must be >= 1")
         if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
+            raise TierValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
         if self.optimizer not in _OPTIMIZERS:
-            raise ValueError(f"optimizer={self.optimizer!r}: choose one of {', '.join(_OPTIMIZERS)}")
+            raise TierValueError(f"optimizer={self.optimizer!r}: choose one of {', '.join(_OPTIMIZERS)}")
         if self.layers < 1:
-            raise ValueError(f"layers={self.layers} must be >= 1")
+            raise TierValueError(f"layers={self.layers} must be >= 1")
         if not 0 <= self.prefetch_reserve < 1:
-            raise ValueError(f"prefetch_reserve={self.prefetch_reserve} must be in [0, 1)")
+            raise TierValueError(f"prefetch_reserve={self.prefetch_reserve} must be in [0, 1)")
         if self.moments not in _MOMENT_BYTES:
-            raise ValueError(f"moments={self.moments!r}: choose one of {', '.join(_MOMENT_BYTES)}")
+            raise TierValueError(f"moments={self.moments!r}: choose one of {', '.join(_MOMENT_BYTES)}")
         if self.master not in _MASTER_BYTES:
-            raise ValueError(f"master={self.master!r}: choose one of {', '.join(_MASTER_BYTES)}")
+            raise TierValueError(f"master={self.master!r}: choose one of {', '.join(_MASTER_BYTES)}")
         if self.master == "split" and self.dtype == "fp16":
-            raise ValueError("master='split' needs bf16 weights (an fp16 value is not the top half of an fp32 one): "
-                             "--master-weights fp32, or --dtype bf16")
+            raise TierValueError("master='split' needs bf16 weights (an fp16 value is not the top half of an fp32 "
+                                 "one): --master-weights fp32, or --dtype bf16")
         if self.compute_device not in ("cpu", "cuda"):
-            raise ValueError(f"compute_device={self.compute_device!r}: choose cpu or cuda")
+            raise TierValueError(f"compute_device={self.compute_device!r}: choose cpu or cuda")
         for name in ("tensors", "tensor_seconds", "tokens", "hidden", "link_gbps", "update_seconds"):
             if (value := getattr(self, name)) is not None and not value >= 0:
-                raise ValueError(f"{name}={value} must be >= 0")
+                raise TierValueError(f"{name}={value} must be >= 0")
         if self.unit not in UNITS:
-            raise ValueError(f"unit={self.unit!r}: choose one of {', '.join(UNITS)}")
+            raise TierValueError(f"unit={self.unit!r}: choose one of {', '.join(UNITS)}")
 
 
 def training_state_bytes(params: int, dtype: str, optimizer: str, moments: str, master: str) -> int:
@@ -400,12 +400,13 @@ def hf_model_size(path: str) -> ModelShape:
     import transformers
 
     if not os.path.exists(path):
-        raise ValueError(f"--hf-config {path!r}: no such file or directory (give a config.json or its directory)")
+        raise TierValueError(f"--hf-config {path!r}: no such file or directory (give a config.json or its directory)")
     try:
         config = transformers.AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"--hf-config {path!r} is not a transformers config transformers can read: {first}") from None
+        raise TierValueError(f"--hf-config {path!r} is not a transformers config transformers can read: "
+                             f"{first}") from None
     archs = getattr(config, "architectures", None) or []
     auto = (transformers.AutoModelForCausalLM if any(a.endswith("ForCausalLM") for a in archs)
             else transformers.AutoModel)

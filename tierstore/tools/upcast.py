@@ -18,6 +18,7 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tierstore import TierValueError
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -190,8 +191,8 @@ def resolve_compute(compute: str, dtype: torch.dtype, *, on_cpu: bool = True) ->
     computing on a GPU (``on_cpu=False``) computes "auto" in its weights' dtype ([Note: Which dtype computes
     faster])."""
     if compute not in COMPUTE_CHOICES:
-        raise ValueError(f"compute {compute!r}: choose auto (the faster here, measured), param (the weights' "
-                         "dtype) or fp32")
+        raise TierValueError(f"compute {compute!r}: choose auto (the faster here, measured), param (the weights' "
+                             "dtype) or fp32")
     if dtype not in _HALF:
         return "param", None
     if compute != "auto":
@@ -226,7 +227,7 @@ def compute_in_fp32(model: nn.Module) -> int:
             n += 1
         elif type(m) is nn.Embedding and m.weight.dtype in _HALF:
             if m.max_norm is not None:  # renormalizes the weight in place: the cast copy would be renormalized
-                raise ValueError("compute_in_fp32 cannot patch an Embedding with max_norm (it writes its weight)")
+                raise TierValueError("compute_in_fp32 cannot patch an Embedding with max_norm (it writes its weight)")
             m.forward = types.MethodType(_embedding, m)
             n += 1
     return n

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from tierstore import TierValueError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,9 +23,9 @@ class ViTConfig:
 
     def __post_init__(self) -> None:
         if self.image_size % self.patch_size:
-            raise ValueError(f"image_size={self.image_size} must be a multiple of patch_size={self.patch_size}")
+            raise TierValueError(f"image_size={self.image_size} must be a multiple of patch_size={self.patch_size}")
         if self.dim % self.heads:
-            raise ValueError(f"dim={self.dim} must be a multiple of heads={self.heads}")
+            raise TierValueError(f"dim={self.dim} must be a multiple of heads={self.heads}")
 
 
 PRESETS = {
