@@ -81,9 +81,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tierstore import TierStoreError, TierValueError
+
 from . import _native
 from ._contract import MASTERED_DTYPES
-from tierstore import TierStoreError, TierValueError
 
 MOMENTS = ("fp32", "bf16", "8bit")
 MASTERS = ("fp32", "split", "none")

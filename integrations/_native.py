@@ -11,6 +11,15 @@ a machine without a compiler trains the same numbers, only slower (measured
 here: ``perf/bench_update.py``). ``TIERSTORE_NATIVE=0`` chooses the torch
 operations; a compiler that fails gives one warning saying why, then the
 torch operations.
+
+The build is a few lines rather than ``torch.utils.cpp_extension.load``: that
+builds a C++ Python extension (pybind11, the Python headers, ninja) where
+this is one C function called through ctypes, which lets the GIL go during
+the call; and its cache is keyed by the source and flags, not by the CPU that
+``-march=native`` compiled for (a home directory shared by machines of two
+kinds would load one's library on the other). Here the key holds the
+compiler's version and the CPU's flags too, and the cache directory must be
+this user's alone.
 """
 
 from __future__ import annotations
@@ -25,8 +34,8 @@ import tempfile
 import threading
 import warnings
 
-from tierstore.swap import user_cache_path
 from tierstore import TierOSError
+from tierstore.swap import user_cache_path
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compressed_adamw.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
@@ -49,6 +58,21 @@ class UpdateArgs(ctypes.Structure):
         ("omb2", ctypes.c_float), ("bc2_sqrt", ctypes.c_float), ("eps", ctypes.c_float),
         ("step_size", ctypes.c_float),
     ]
+
+
+def matches(lib: ctypes.CDLL) -> bool:
+    """Whether the library's update_args is :class:`UpdateArgs`: the same size, the same fields in the same
+    order, each at the same offset."""
+    lib.tierstore_compressed_adamw_args_size.restype = ctypes.c_int64
+    lib.tierstore_compressed_adamw_args_names.restype = ctypes.c_char_p
+    lib.tierstore_compressed_adamw_args_offsets.restype = ctypes.c_int64
+    lib.tierstore_compressed_adamw_args_offsets.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
+    names = [name for name, _ in UpdateArgs._fields_]
+    offsets = (ctypes.c_int64 * len(names))()
+    count = lib.tierstore_compressed_adamw_args_offsets(offsets, len(names))
+    theirs = lib.tierstore_compressed_adamw_args_names().decode().rstrip(",").split(",")
+    return (lib.tierstore_compressed_adamw_args_size() == ctypes.sizeof(UpdateArgs) and theirs == names
+            and count == len(names) and list(offsets) == [getattr(UpdateArgs, name).offset for name in names])
 
 
 _lock = threading.Lock()
@@ -107,8 +131,7 @@ def _build() -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(path)
-    lib.tierstore_compressed_adamw_args_size.restype = ctypes.c_int64
-    if lib.tierstore_compressed_adamw_args_size() != ctypes.sizeof(UpdateArgs):
+    if not matches(lib):
         raise TierOSError(f"{path} does not match this tierstore (its arguments differ): remove it to rebuild")
     fn = lib.tierstore_compressed_adamw
     fn.argtypes = [ctypes.POINTER(UpdateArgs), ctypes.c_int64, ctypes.c_int64]

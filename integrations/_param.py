@@ -90,11 +90,11 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from tierstore import TierStoreError, TierValueError
 from tierstore.memory import contiguous_strides, dense_strides
 
 from ._base import OffloadedParameterError
 from ._grads import StoredGrad
-from tierstore import TierStoreError, TierValueError
 
 if TYPE_CHECKING:
     from ._contract import ModelOffload

@@ -10,6 +10,7 @@
  * Gradient (kind): 0 fp32, 1 bf16. All arrays hold the parameter's elements in the same (memory) order. */
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -178,3 +179,22 @@ int tierstore_compressed_adamw(const update_args *a, int64_t start, int64_t stop
 
 /* The size of update_args, so the caller can check its own declaration against this one. */
 int64_t tierstore_compressed_adamw_args_size(void) { return (int64_t)sizeof(update_args); }
+
+/* The fields of update_args in declaration order, each with its byte offset: the caller checks its own
+ * declaration field by field, by name and place. */
+#define UPDATE_ARGS_FIELDS(X) X(n) X(moments) X(weight) X(grad) X(maximize) X(m) X(v) X(m_scales) X(v_scales) \
+    X(map_m) X(map_v) X(table_m) X(table_v) X(w) X(low) X(seed_lo) X(seed_hi) X(g) X(decay) X(b1) X(omb1) X(b2) \
+    X(omb2) X(bc2_sqrt) X(eps) X(step_size)
+#define FIELD_OFFSET(f) (int64_t)offsetof(update_args, f),
+#define FIELD_NAME(f) #f ","
+
+/* The fields' names, each followed by a comma. */
+const char *tierstore_compressed_adamw_args_names(void) { return UPDATE_ARGS_FIELDS(FIELD_NAME); }
+
+/* Each field's byte offset into ``out`` (at most ``len``); returns how many fields there are. */
+int64_t tierstore_compressed_adamw_args_offsets(int64_t *out, int64_t len) {
+    static const int64_t at[] = {UPDATE_ARGS_FIELDS(FIELD_OFFSET)};
+    int64_t count = (int64_t)(sizeof at / sizeof at[0]);
+    for (int64_t i = 0; i < count && i < len; i++) out[i] = at[i];
+    return count;
+}

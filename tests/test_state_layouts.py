@@ -451,6 +451,22 @@ def test_a_kernel_cache_others_can_write_is_refused(monkeypatch, tmp_path):
     assert len(built) == 1 and built[0].stat().st_mode & 0o077 == 0
 
 
+def test_the_kernel_s_arguments_match_their_ctypes_mirror_field_by_field(monkeypatch):
+    """The library reports each field's name and offset, not only the struct's size: two fields of one size
+    swapped in the mirror keep the size and the offsets and are still refused."""
+    import ctypes
+
+    fn = L._native.kernel()
+    if fn is None:
+        pytest.skip("no C compiler")
+    assert L._native.matches(fn.library)
+    fields = list(L._native.UpdateArgs._fields_)
+    at = [name for name, _ in fields].index("seed_lo")
+    fields[at], fields[at + 1] = fields[at + 1], fields[at]  # seed_hi before seed_lo: the same size
+    swapped = type("Swapped", (ctypes.Structure,), {"_fields_": fields})
+    monkeypatch.setattr(L._native, "UpdateArgs", swapped)
+    assert not L._native.matches(fn.library)
+
 def _old_split(master, weight, low):
     """The first version's split: the weight is the master's top half, truncated toward zero."""
     bits = master.contiguous().view(torch.int32).numpy().view(np.uint32)
