@@ -17,8 +17,8 @@ from tierstore.memory import dense_strides
 from tierstore.memory import TierPool
 from tierstore.scheduling import LaterUses
 
-from ._grads import grad_key
 from ._contract import OPTIMIZER_STATE, OffloadedParameters, moment_dtype, optimizer_key
+from ._grads import grad_key
 from ._layouts import StateLayout, decode_state, encode_state, join_master, split_master
 from ._optim_params import Item
 from ._pipeline import state_keys

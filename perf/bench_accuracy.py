@@ -15,13 +15,13 @@ model from the same initial weights on the same batches, with a warm-up and cosi
   (``offload_model(..., grad_dtype="param")``), as torch keeps them;
 - ``torchao``: torchao's ``AdamW8bit``, resident, fp32 weights, where torchao imports.
 
-bf16 weights are computed in fp32: each Linear and Embedding casts its weight up in its forward (this CPU's
-bf16 matrix product is hundreds of times slower than its fp32 one); gradients reach the weights as bf16,
-and the optimizer keeps them in fp32 from there (unless the layout says bf16). ``--accumulation N`` adds N
-micro-batches into each step (each of ``--batch`` sequences, their losses divided by N) and ``--clip X`` clips
-the gradients' global norm to X before each step, as transformers' Trainer does. Printed per layout: the bytes a parameter costs at rest
-(weights and optimizer state, from the store), the final loss (mean of the last 50 steps), the mean loss over
-the whole run, the loss on held-out batches, and each against the reference's.
+bf16 weights are computed in fp32: each Linear and Embedding casts its weight up in its forward (this CPU's bf16
+matrix product is hundreds of times slower than its fp32 one); gradients reach the weights as bf16, and the
+optimizer keeps them in fp32 from there (unless the layout says bf16). ``--accumulation N`` adds N micro-batches
+into each step (each of ``--batch`` sequences, their losses divided by N) and ``--clip X`` clips the gradients'
+global norm to X before each step, as transformers' Trainer does. Printed per layout: the bytes a parameter costs
+at rest (weights and optimizer state, from the store), the final loss (mean of the last 50 steps), the mean loss
+over the whole run, the loss on held-out batches, and each against the reference's.
 """
 
 from __future__ import annotations
@@ -195,8 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
                 with open(args.json, "w") as f:
                     json.dump({**head, "results": results}, f, indent=1)
     ref = next((r for r in results if r["layout"] == "torch"), None)
-    print(f"\n{'layout (weights/moments/master[/grads])':40s} {'B/param':>8s} {'final':>8s} {'mean':>8s} {'held-out':>9s} "
-          f"{'vs torch (final, held-out)':>28s}")
+    print(f"\n{'layout (weights/moments/master[/grads])':40s} {'B/param':>8s} {'final':>8s} {'mean':>8s} "
+          f"{'held-out':>9s} {'vs torch (final, held-out)':>28s}")
     for r in results:
         bpp = "-" if r["bytes_per_param"] is None else f"{r['bytes_per_param']:.2f}"
         vs = "" if ref is None else (f"{r['final_loss'] / ref['final_loss']:.4f}x, "

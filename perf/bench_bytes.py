@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{phase:<15}" + "".join(f"{moved.get((phase, w, d), 0) / params:>18.2f}" for w, d in kinds))
     print(f"moved a step (ours): {total / params:.1f} B/param ({total / 1e9:.2f} GB); each use once, nothing kept "
           f"(the reference): {once / params:.1f} B/param; ratio {total / once:.2f}")
-    out = {"preset": args.preset, "keep_grads": args.keep_grads, "grad_dtype": args.grad_dtype, "params": params, "host_budget_bytes": host,
-           "moved_bytes": total,
+    out = {"preset": args.preset, "keep_grads": args.keep_grads, "grad_dtype": args.grad_dtype, "params": params,
+           "host_budget_bytes": host, "moved_bytes": total,
            "once_bytes": once, "ratio": total / once,
            "table": [{"phase": ph, "what": w, "direction": d, "bytes": b} for (ph, w, d), b in sorted(moved.items())]}
     if args.json:

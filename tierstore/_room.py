@@ -17,27 +17,28 @@ first), then the owners give up their farthest copy in turn, round robin.
 order and frees a changed copy by writing it home first: a clean copy ranked
 after it waits for that write, although dropping it would cost nothing now
 (unless no write-back can start, its staging tier being full: then the clean
-copies after it go). It would cost a read later, and soon: the owners rank last what they use
-next, such as the unit just read ahead. Freeing clean copies first, ahead of
-their rank, made backward in Trainer's loop (gradients written as it goes,
-filling the host tier with changed copies) drop the next unit's weights read
-ahead for it and read them again: each weight was read twice in each
-backward (170.6M Llama, 160 MiB host budget, fp32 gradients: the step moved
-38.4 B/param against 34.7 in the same order, weights read 4.9-5.2 B/param a
-micro-batch against 3.5).
+copies after it go). It would cost a read later, and soon: the owners rank
+last what they use next, such as the unit just read ahead. Freeing clean
+copies first, ahead of their rank, made backward in Trainer's loop (gradients
+written as it goes, filling the host tier with changed copies) drop the next
+unit's weights read ahead for it and read them again: each weight was read
+twice in each backward (170.6M Llama, 160 MiB host budget, fp32 gradients: the
+step moved 38.4 B/param against 34.7 in the same order, weights read 4.9-5.2
+B/param a micro-batch against 3.5).
 
 [Note: Kept copies] An owner may ask that some copies stay in a tier for the
-whole run (a placement: see tierstore/_placement.py). A prefetch never
-evicts them, and never starts their write-back: it skips instead. A get()
-takes them only when nothing else can go, last of all, so that a plan that
-was too hopeful costs bytes, never a failure (counted as kept_evictions).
-Copies an owner stops keeping are written home then, if changed: left
-behind by a dropped placement, they would rank first for eviction and each
-allocation would wait for their write-back in turn, while copies read ahead
-for a near use went and were read again. Measured on the 1B ViT (bf16, 8-bit moments, split masters, batch 1,
-700 MiB host budget): the step after its placement was dropped moved 14.9
-GiB (its optimizer state read 1.3 times) against 12.7 without the write-backs
-and 12.7 in the steps after.
+whole run (a placement: see tierstore/_placement.py). A prefetch never evicts
+them, and never starts their write-back: it skips instead. A get() takes them
+only when nothing else can go, last of all, so that a plan that was too
+hopeful costs bytes, never a failure (counted as kept_evictions). Copies an
+owner stops keeping are written home then, if changed, so that the allocations
+that need their room later find them clean instead of waiting for each write
+in turn; when eviction still freed clean copies first (before [Note: Changed
+copies keep their rank]), the changed ones outstayed the copies read ahead for
+a near use, which went and were read again. Measured on the 1B ViT (bf16,
+8-bit moments, split masters, batch 1, 700 MiB host budget): the step after
+its placement was dropped moved 14.9 GiB (its optimizer state read 1.3 times)
+against 12.7 without the write-backs and 12.7 in the steps after.
 """
 
 from __future__ import annotations
