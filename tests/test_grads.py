@@ -220,3 +220,46 @@ def test_a_stored_gradient_behaves_as_a_tensor_of_its_values(make_store, tmp_pat
     g.add_(model[1].weight.grad)  # one stored gradient into another
     r.add_(ref[1].weight.grad)
     assert torch.equal(g, r) and torch.equal(g + model[1].weight.grad, r + ref[1].weight.grad)
+
+
+def test_a_backward_writing_gradients_reads_each_weight_once(make_store):
+    """Trainer's loop under a host budget of 6 layers: the second micro-batch's backward adds into kept
+    gradients, filling the host tier with changed copies. Eviction writes them to the drive rather than drop
+    the next layer's weights read ahead for it (see [Note: Changed copies keep their rank]): no weight is read
+    twice in that backward (with clean copies freed first, 7 of the 9 read were read two or three times). The
+    update then reads each kept gradient once: ranked as its parameter's state, one read ahead stays for it."""
+    import collections
+
+    torch.manual_seed(0)
+    width, layers = 256, 12
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    store = make_store(host_budget_bytes=6 * width * width * 4)
+    off = offload_model(model, store, prefetch_depth=2)
+    opt = OffloadedAdamW(off, lr=1e-3, keep_grads=False)
+    x = torch.randn(4, width)
+    reads: collections.Counter = collections.Counter()
+    try:
+        for step in range(3):
+            for micro in range(2):
+                loss = model(x + micro).square().mean() / 2
+                timeline = store.record_timeline() if (step, micro) == (2, 1) else None
+                loss.backward()
+                if timeline is not None:
+                    reads.update(e["args"]["key"] for e in timeline.events() if e.get("cat") == "transfer"
+                                 and e["name"].startswith("nvme->") and e["args"]["key"].startswith("param/"))
+                    store.record_timeline(False)
+            assert any(k.startswith("grad/") and set(store.info(k)["copies"]) == {"nvme"} for k in store.keys())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            timeline = store.record_timeline() if step == 2 else None
+            opt.step()
+            opt.wait()
+            if timeline is not None:
+                grad_reads = collections.Counter(
+                    e["args"]["key"] for e in timeline.events() if e.get("cat") == "transfer"
+                    and e["name"].startswith("nvme->") and e["args"]["key"].startswith("grad/"))
+                store.record_timeline(False)
+            opt.zero_grad()
+    finally:
+        opt.close()
+    assert reads and max(reads.values()) == 1, reads
+    assert grad_reads and max(grad_reads.values()) == 1, grad_reads

@@ -283,6 +283,30 @@ def test_victim_order_policy_is_used(make_store):
     assert "device" not in store.info("b")["copies"]
 
 
+def test_a_clean_copy_ranked_after_a_changed_one_waits_for_its_write_back(make_store):
+    """Eviction keeps the victim order past changed copies (see [Note: Changed copies keep their rank]): the
+    changed copy ranked first is written home and goes; the clean one ranked last (read ahead for a near use)
+    stays, although dropping it would have cost no write."""
+    n = 64 * 1024
+    store = make_store(host_budget_bytes=2 * n)
+    for k in "abc":
+        store.put(k, torch.full((n // 4,), float(ord(k))), home="nvme").wait()
+        store.evict(k, "host")  # the put staged it there
+    store.set_victim_order(lambda tier, keys: sorted(keys))  # "a" goes first, then "b"
+    store.get("a", "host").add_(1)
+    store.mark_dirty("a", "host")
+    store.release("a", "host")  # changed, in the host tier only
+    store.prefetch("b", "host").wait()  # clean, read ahead
+    assert store.info("a")["copies"]["host"]["state"] == "dirty" and "host" in store.info("b")["copies"]
+    store.get("c", "host")
+    store.release("c", "host")
+    assert "host" in store.info("b")["copies"] and "host" not in store.info("a")["copies"]
+    read = store.stats_dict()["bytes_read_nvme"]
+    store.get("b", "host")  # no read: it stayed
+    store.release("b", "host")
+    assert store.stats_dict()["bytes_read_nvme"] == read
+    assert torch.equal(store.read("a"), torch.full((n // 4,), float(ord("a")) + 1))  # written home first
+
 def test_a_get_waits_for_room_another_thread_will_release(make_store):
     n = 64 * 1024
     store = make_store(host_budget_bytes=2 * n)
