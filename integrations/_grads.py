@@ -38,7 +38,12 @@ on a resident model, one gradient in memory at a time. Two operations that
 clipping does to every gradient cost no read at all, with the same bits: the
 2-norm of each gradient is computed as it is stored (after each
 accumulation), and a multiplication by a scalar (the clip coefficient) is
-recorded and applied when the gradient is next read. A view of a stored
+recorded and applied when the gradient is next read; the optimizer's update
+applies it to a copy (``values_of(..., keep_stored=True)``), so a gradient
+kept after its update is unchanged by it and its room is freed with no write
+(applied in place, each clipped gradient was written back to the drive only
+for ``zero_grad()`` to drop it: 4.1 bytes a parameter a step in Trainer's
+loop at 170.6M with fp32 gradients, 38.7 against 34.7 in all). A view of a stored
 gradient (``p.grad[0]``, ``p.grad.view(-1)``) is a copy that refuses writes,
 since a write into it could not reach the gradient: write the gradient
 itself (``p.grad[0] = 0`` raises, ``p.grad.mul_(...)`` works). An operation
@@ -274,13 +279,27 @@ def generation(grad: torch.Tensor) -> int:
 
 
 @contextlib.contextmanager
-def values_of(grad: torch.Tensor) -> Iterator[torch.Tensor]:
+def values_of(grad: torch.Tensor, *, keep_stored: bool = False) -> Iterator[torch.Tensor]:
     """The values of a gradient ``GradientSource.get`` gave, as an ordinary tensor for the length of the block
-    (a stored one held in the host tier, read-only)."""
+    (a stored one held in the host tier, read-only). With ``keep_stored`` the stored bytes stay as they are:
+    products recorded but not yet applied (the clip coefficient) are applied to a copy, so that a gradient kept
+    after its update is still clean, and dropping it from the host tier costs no write (see [Note: Gradients in
+    the tiers])."""
     if not isinstance(grad, StoredGrad):
         yield grad
         return
     grads, rec = grad._grads, grad._record
+    if keep_stored and rec.scales:
+        with grads._lock:
+            t = grads.store.get(rec.key, Tier.HOST)
+            try:
+                scaled = t.clone()
+                for s in rec.scales:
+                    scaled.mul_(s)  # as _held applies them: the same bits
+            finally:
+                grads.store.release(rec.key, Tier.HOST)
+            yield scaled
+        return
     with grads._lock, grads._held(rec, write=False) as t:
         yield t
 

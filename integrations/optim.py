@@ -80,13 +80,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
     (read it with :meth:`state_dict`), not in ``self.state``.
 
     ``keep_grads``: after backward, ``step()`` leaves each gradient in place
-    until ``zero_grad()``, as torch's optimizers do (the default). With
-    ``keep_grads=False`` it lets each go as soon as its update has applied it
-    (``p.grad`` is None after, as when stepping in backward): a gradient kept
-    in the store is then never written to the drive only for ``zero_grad()`` to
-    drop it, which the room the step's read-ahead takes otherwise forces. Loops
-    that read no gradient after ``step()`` (transformers' ``Trainer``, most
-    training loops) lose nothing; the numbers are the same either way.
+    until ``zero_grad()``, as torch's optimizers do (the default); the update
+    applies a recorded clip coefficient to a copy, so the stored gradient is not
+    changed and making room drops it with no write. With ``keep_grads=False`` it
+    lets each go as soon as its update has applied it (``p.grad`` is None after,
+    as when stepping in backward), and its room with it. Loops that read no
+    gradient after ``step()`` (transformers' ``Trainer``, most training loops)
+    lose nothing; the numbers are the same either way.
     """
 
     steps_offloaded_parameters = True  # other torch optimizers are refused over offloaded parameters
@@ -303,7 +303,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for i, (name, key, p, grad) in enumerate(work):
                 self._pipeline.read_ahead(work, i)
                 self._timed_step(name, key, p, grad)
-                if not self.keep_grads:  # applied: it goes now, not written home for zero_grad() to drop
+                if not self.keep_grads:  # applied: it goes now, and its room with it
                     if key is not None:
                         self.offloaded.grads.pop(key, None)
                     p.grad = None
@@ -341,7 +341,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         timeline = self.store.timeline
         with timeline.span(f"adamw {name}", "optimizer") if timeline is not None else contextlib.nullcontext():
             try:
-                with values_of(grad) as values:  # a stored gradient is read into the host tier for its update
+                # a stored gradient is read into the host tier for its update; one kept after it stays unchanged
+                with values_of(grad, keep_stored=self.keep_grads) as values:
                     self._pipeline.update(name, key, p, values, step, lambda: self._hyper(name))
             except UnrestorableUpdateError as e:  # no later step or forward may use the half-updated values
                 self.offloaded.broken = str(e)

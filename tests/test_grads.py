@@ -263,3 +263,28 @@ def test_a_backward_writing_gradients_reads_each_weight_once(make_store):
         opt.close()
     assert reads and max(reads.values()) == 1, reads
     assert grad_reads and max(grad_reads.values()) == 1, grad_reads
+
+
+def test_a_gradient_kept_after_its_update_is_not_changed_by_it(make_store):
+    """With ``keep_grads`` (the default) the update applies the recorded clip coefficient to a copy: the stored
+    gradient keeps its bytes, so the room the next updates need drops it with no write to the drive, and
+    ``p.grad`` still reads the clipped values torch's does."""
+    ref, model = _pair()
+    store = make_store()
+    off = offload_model(model, store)
+    opt = OffloadedAdamW(off, lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    try:
+        for m in (ref, model):
+            _backward(m, 0)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01)
+        keys = [k for k in store.keys() if k.startswith("grad/")]
+        before = {k: store.read(k) for k in keys}  # as stored: the coefficient is recorded, not applied
+        opt.step()
+        ropt.step()
+        assert keys and all(torch.equal(store.read(k), before[k]) for k in keys)
+        for p, r in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, r.grad)
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+    finally:
+        opt.close()
