@@ -689,3 +689,23 @@ def test_changing_what_is_kept_while_other_threads_write_and_evict_loses_no_valu
     store.keep(owner, [])
     for k in keys:
         assert torch.equal(store.read(k), torch.full((mib // 16,), last[k])), k
+
+
+def test_a_prefetch_overtaken_by_a_get_of_its_key_reads_nothing(make_store):
+    """A prefetch that got room only after the caller had get() the key itself skips (see [Note: A prefetch
+    overtaken by its get]): reading it then would serve a use that is over, and a failure of that read would be
+    reported by a get in a later step. One asked for again after that get reads, for the later use."""
+    n = 64 * 1024
+    store = make_store(host_budget_bytes=4 * n)
+    store.put("b", torch.ones(n // 4), home="nvme").wait()
+    store.evict("b", "host")
+    state = store._state
+    entry = state.lookup("b")
+    read = store.stats_dict()["bytes_read_nvme"]
+    with state.lock:
+        entry.prefetch_asked[ts.Tier.HOST] = next(state.tick)  # asked for ...
+        entry.last_get = next(state.tick)  # ... then a get() came first
+        assert store._transfers.materialize(entry, ts.Tier.HOST, may_skip=True, prefetch_into=ts.Tier.HOST) is None
+    assert store.stats_dict()["bytes_read_nvme"] == read and "host" not in store.info("b")["copies"]
+    store.prefetch("b", "host").wait()  # asked again: for the next use
+    assert store.stats_dict()["bytes_read_nvme"] == read + n and "host" in store.info("b")["copies"]

@@ -95,6 +95,8 @@ class Entry:
     writeback: Future | None = None
     prefetches: dict[Tier, Future] = field(default_factory=dict)
     dropped: bool = False
+    last_get: int = 0  # the store's tick at its latest get() (see [Note: A prefetch overtaken by its get])
+    prefetch_asked: dict[Tier, int] = field(default_factory=dict)  # the tick of the latest prefetch() into a tier
 
     def reported(self, err: BaseException) -> None:
         """``err`` was raised to a caller: the next get() does not raise it again (call under the state lock)."""

@@ -177,6 +177,7 @@ class TierStore:
                 if copy is not None:
                     copy.last_use = next(state.tick)
                 return Handle(done_future(), key, tier)
+            entry.prefetch_asked[tier] = next(state.tick)
             pending = entry.prefetches.get(tier)
             if pending is not None and not pending.done():
                 return Handle(pending, key, tier)
@@ -200,6 +201,7 @@ class TierStore:
         start = time.perf_counter()
         with state.lock:
             entry = state.lookup(key)
+            entry.last_get = next(state.tick)
             self.stats.add("get_calls")
             if entry.error is not None:
                 err, entry.error = entry.error, None

@@ -6,6 +6,16 @@ threads, which only do syscalls, and the mover threads, which run prefetches
 end to end (allocate, read, copy between tiers). A mover waits only on engine
 futures, on write-backs (engine work), and on copies that a mover already
 running is loading, so no cycle of waits can form.
+
+[Note: A prefetch overtaken by its get] A prefetch may wait for room (for a
+write-back to free a changed copy: see [Note: Changed copies keep their
+rank]) while the caller goes on and get()s the key itself, uses it and
+releases it. Had the prefetch then read it, the read would be for a use that
+is over: bytes for nothing, and a failure of that read would be kept for the
+next get(), in a later step, though this one went well. So once it has room
+a prefetch skips (counted in prefetch_skipped) when a get() of the key came
+after the latest prefetch() asking for it (one asked for again while it was
+pending reads for the later use).
 """
 
 from __future__ import annotations
@@ -34,9 +44,11 @@ class Transfers:
         self.movers = ThreadPoolExecutor(mover_threads, thread_name_prefix="tierstore-mover")
 
     # ---- filling a copy ----------------------------------------------------------------
-    def materialize(self, entry: Entry, tier: Tier, *, may_skip: bool) -> Copy | None:
+    def materialize(self, entry: Entry, tier: Tier, *, may_skip: bool, prefetch_into: Tier | None = None
+                    ) -> Copy | None:
         """A current, readable copy of ``entry`` in ``tier``; None only with ``may_skip`` (a prefetch) when the
-        tier is full of held copies."""
+        tier is full of held copies, or (a prefetch into ``prefetch_into``) when a get() of the entry came after
+        the latest prefetch() asked for it."""
         while True:
             self._check_alive(entry)
             copy = entry.copies.get(tier)
@@ -51,10 +63,10 @@ class Transfers:
                 if src is None:
                     raise TierStoreError(f"{entry.key!r} has no readable copy (an earlier write failed?)")
                 if tier is Tier.DEVICE and src.tier is Tier.NVME:  # the drive reaches the device through the host
-                    if self.materialize(entry, Tier.HOST, may_skip=may_skip) is None:
+                    if self.materialize(entry, Tier.HOST, may_skip=may_skip, prefetch_into=prefetch_into) is None:
                         return None
                     continue
-                filled = self._fill(entry, tier, src, may_skip=may_skip)
+                filled = self._fill(entry, tier, src, may_skip=may_skip, prefetch_into=prefetch_into)
                 if filled is not False:
                     return filled
 
@@ -82,13 +94,18 @@ class Transfers:
         else:
             self.state.free_copy(entry, copy)
 
-    def _fill(self, entry: Entry, tier: Tier, src: Copy, *, may_skip: bool) -> Copy | None | bool:
+    def _fill(self, entry: Entry, tier: Tier, src: Copy, *, may_skip: bool, prefetch_into: Tier | None = None
+              ) -> Copy | None | bool:
         """Allocate a copy in ``tier`` and fill it from ``src`` with the lock let go. The copy, None when a
         prefetch skipped, or False when the entry changed while waiting for room (the caller looks again)."""
         state = self.state
         version = entry.version
         buf = self.room.alloc(tier, entry.nbytes, may_skip=may_skip, for_key=entry.key)
         if buf is None:
+            return None
+        if prefetch_into is not None and entry.last_get > entry.prefetch_asked.get(prefetch_into, entry.last_get):
+            # see [Note: A prefetch overtaken by its get]
+            state.pools[tier].free(buf)
             return None
         if entry.dropped or tier in entry.copies or src.version != entry.version \
                 or entry.copies.get(src.tier) is not src:
@@ -137,7 +154,7 @@ class Transfers:
     def _prefetch_task(self, entry: Entry, tier: Tier, fut: Future) -> None:
         try:
             with self.state.lock:
-                copy = self.materialize(entry, tier, may_skip=True)
+                copy = self.materialize(entry, tier, may_skip=True, prefetch_into=tier)
                 if copy is None:
                     self.state.stats.add("prefetch_skipped")
             fut.set_result(copy is not None)
