@@ -174,12 +174,20 @@ def main(argv: list[str] | None = None) -> dict:
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     if not runs or set(runs) - set(MODES) or ("resume" in runs and "save" not in runs):
         p.error(f"--runs {args.runs!r}: a comma-separated list of {', '.join(MODES)}; resume needs save before it")
+    # "auto" is timed once, here: timed in each run, the runs could compute in different dtypes and differ
+    compute = args.compute
+    if compute == "auto":
+        import torch
+
+        from tierstore.tools.upcast import resolve_compute
+
+        compute = resolve_compute("auto", torch.bfloat16 if args.dtype == "bf16" else torch.float32)[0]
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as scratch:
         output = args.output or scratch
         results = []
         for mode in [m for m in MODES if m in runs]:
             cmd = [sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:]),
-                   "--mode", mode, "--output", output]
+                   "--mode", mode, "--output", output, "--compute", compute]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode:
                 raise RuntimeError(f"the {mode} run failed:\n{done.stderr[-4000:]}")

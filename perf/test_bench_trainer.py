@@ -16,6 +16,7 @@ def test_bench_trainer_tiny(tmp_path, capsys, lora):
     res = bench_trainer.main(["--preset", "llama-tiny", "--steps", "2", "--lora", str(lora), *extra,
                               "--nvme-path", str(tmp_path), "--json", str(tmp_path / "out.json")])
     assert [r["mode"] for r in res["results"]] == ["plain", "save", "resume"]
+    assert len({r["compute"] for r in res["results"]}) == 1  # "auto" chose once, for every run
     for r in res["results"]:
         assert r["peak_rss_bytes"] > 0 and r["rss_ratio"] > 0 and all(x == x for x in r["losses"])
     assert len(res["results"][2]["losses"]) == 3  # the 2 logged up to the checkpoint, then one more
