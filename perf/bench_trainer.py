@@ -35,6 +35,7 @@ PRESETS = {
     "llama-tiny": ((128, 4, 4, 352, 1024), "4MiB"),
 }
 MODES = ("plain", "save", "resume")
+WAIT_COUNTERS = ("stall_seconds", "hits", "late_prefetches", "misses", "prefetch_skipped", "budget_waits")
 
 
 def llama_config(preset: str, host_budget: str | None = None, tokens: int = 256) -> tuple:
@@ -105,10 +106,13 @@ def _child(args: argparse.Namespace) -> dict:
         read: list[int] = []
         seconds: list[float] = []
 
+        waits: list[dict[str, float]] = []  # a step's stall time and what its gets found (store counters)
+
         class Meter(transformers.TrainerCallback):
             def on_step_begin(self, *_: object, **__: object) -> None:
                 s = store.stats_dict()
                 self.start = (time.perf_counter(), s["bytes_read_nvme"] + s["bytes_written_nvme"], s["bytes_read_nvme"])
+                self.counts = {k: s[k] for k in WAIT_COUNTERS}
 
             def on_step_end(self, *_: object, **__: object) -> None:
                 opt.wait()  # the step's write-behind belongs to it
@@ -116,6 +120,7 @@ def _child(args: argparse.Namespace) -> dict:
                 seconds.append(time.perf_counter() - self.start[0])
                 moved.append(s["bytes_read_nvme"] + s["bytes_written_nvme"] - self.start[1])
                 read.append(s["bytes_read_nvme"] - self.start[2])
+                waits.append({k: s[k] - self.counts[k] for k in WAIT_COUNTERS})
 
         trainer.add_callback(Meter())
         resume = os.path.join(args.output, f"checkpoint-{args.steps}") if args.mode == "resume" else None
@@ -131,7 +136,7 @@ def _child(args: argparse.Namespace) -> dict:
     out = {"mode": args.mode, "compute": "fp32" if compute == "fp32" else args.dtype, "params": params,
            "host_budget_bytes": host, "peak_rss_bytes": peak_rss_bytes(),
            "drive_bytes": drive, "build_s": built_s, "step_seconds": seconds, "bytes_moved": moved,
-           "bytes_read": read, "losses": losses}
+           "bytes_read": read, "waits": waits, "losses": losses}
     if args.measure_drive:  # after training, so that it costs the peak nothing
         share = read[-1] / max(1, moved[-1])
         out["drive"] = measure_drive(args.nvme_path or tempfile.gettempdir(), size_mib=args.measure_drive,
@@ -208,6 +213,10 @@ def main(argv: list[str] | None = None) -> dict:
         params = r["params"]
         print(f"{r['mode']}: {' '.join(f'{b / params:.1f}' for b in r['bytes_moved'])} B/param a step; drive peak "
               f"{r['drive_bytes'] / params:.2f} B/param; losses {' '.join(f'{x:.4f}' for x in r['losses'])}")
+        for i, w in enumerate(r["waits"]):
+            print(f"  step {i + 1}: stalled {w['stall_seconds']:.1f} s; gets {w['hits']:.0f} found, "
+                  f"{w['late_prefetches']:.0f} waited on a prefetch, {w['misses']:.0f} fetched; "
+                  f"{w['prefetch_skipped']:.0f} prefetches skipped; {w['budget_waits']:.0f} waits for room")
         if "drive" in r:
             d = r["drive"]
             rates = [b / s / 1e9 for b, s in zip(r["bytes_moved"], r["step_seconds"])]

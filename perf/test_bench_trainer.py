@@ -19,13 +19,15 @@ def test_bench_trainer_tiny(tmp_path, capsys, lora):
     assert len({r["compute"] for r in res["results"]}) == 1  # "auto" chose once, for every run
     for r in res["results"]:
         assert r["peak_rss_bytes"] > 0 and r["rss_ratio"] > 0 and all(x == x for x in r["losses"])
+        assert len(r["waits"]) == len(r["step_seconds"])  # each step's gets: every one found, waited or fetched
+        assert all(w["hits"] + w["late_prefetches"] + w["misses"] > 0 and w["stall_seconds"] >= 0 for w in r["waits"])
     assert len(res["results"][2]["losses"]) == 3  # the 2 logged up to the checkpoint, then one more
     if not lora:
         for r in res["results"]:
             assert r["drive"]["mixed_gbps"] > 0 and len(r["drive_ratio"]) == len(r["bytes_moved"]) > 0
             assert all(x > 0 for x in r["drive_ratio"])
     out = capsys.readouterr().out
-    assert "vs plain" in out and "peak RSS" in out and ("x of it" in out) == (not lora)
+    assert "vs plain" in out and "peak RSS" in out and ("x of it" in out) == (not lora) and "prefetches skipped" in out
     assert os.listdir(tmp_path) == ["out.json"]
 
 

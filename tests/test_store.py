@@ -709,3 +709,28 @@ def test_a_prefetch_overtaken_by_a_get_of_its_key_reads_nothing(make_store):
     assert store.stats_dict()["bytes_read_nvme"] == read and "host" not in store.info("b")["copies"]
     store.prefetch("b", "host").wait()  # asked again: for the next use
     assert store.stats_dict()["bytes_read_nvme"] == read + n and "host" in store.info("b")["copies"]
+
+
+def test_a_prefetch_overtaken_by_a_get_still_fetching_reads_for_it(make_store):
+    """A get() of the key that is still fetching it (waiting for room, as the prefetch was) is the use the
+    prefetch was for: the prefetch fills the copy and reads it once, and the get finds it (see [Note: A prefetch
+    overtaken by its get])."""
+    n = 64 * 1024
+    store = make_store(host_budget_bytes=4 * n)
+    store.put("b", torch.ones(n // 4), home="nvme").wait()
+    store.evict("b", "host")
+    state = store._state
+    entry = state.lookup("b")
+    read = store.stats_dict()["bytes_read_nvme"]
+    with state.lock:
+        entry.prefetch_asked[ts.Tier.HOST] = next(state.tick)
+        entry.last_get = next(state.tick)
+        entry.getting += 1  # a get() came after the prefetch() and waits for room too
+        try:
+            copy = store._transfers.materialize(entry, ts.Tier.HOST, may_skip=True, prefetch_into=ts.Tier.HOST)
+        finally:
+            entry.getting -= 1
+    assert copy is not None and store.stats_dict()["bytes_read_nvme"] == read + n
+    assert torch.equal(store.get("b", "host"), torch.ones(n // 4))
+    store.release("b", "host")
+    assert store.stats_dict()["bytes_read_nvme"] == read + n

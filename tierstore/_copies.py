@@ -96,6 +96,7 @@ class Entry:
     prefetches: dict[Tier, Future] = field(default_factory=dict)
     dropped: bool = False
     last_get: int = 0  # the store's tick at its latest get() (see [Note: A prefetch overtaken by its get])
+    getting: int = 0  # get() calls of this entry fetching it now
     prefetch_asked: dict[Tier, int] = field(default_factory=dict)  # the tick of the latest prefetch() into a tier
 
     def reported(self, err: BaseException) -> None:

@@ -215,9 +215,11 @@ class TierStore:
                 # A get that finds its copy still loading waited on a late prefetch; any other had to fetch.
                 late = copy is not None and copy.loading is not None
                 self.stats.add("late_prefetches" if late else "misses")
+                entry.getting += 1
                 try:
                     copy = self._transfers.materialize(entry, tier, may_skip=False)
                 finally:
+                    entry.getting -= 1
                     self.stats.add_wait(start, time.perf_counter(), key=key, tier=tier.label)
             assert copy is not None
             me = threading.get_ident()

@@ -14,8 +14,11 @@ releases it. Had the prefetch then read it, the read would be for a use that
 is over: bytes for nothing, and a failure of that read would be kept for the
 next get(), in a later step, though this one went well. So once it has room
 a prefetch skips (counted in prefetch_skipped) when a get() of the key came
-after the latest prefetch() asking for it (one asked for again while it was
-pending reads for the later use).
+after the latest prefetch() asking for it and is over (one asked for again
+while it was pending reads for the later use). A get still fetching the key
+is the use the prefetch was for: the prefetch fills the copy and the get
+waits for it, as it would have without the race (skipping there would hand
+the room back to a get that has to wait for it again and read alone).
 """
 
 from __future__ import annotations
@@ -103,9 +106,11 @@ class Transfers:
         buf = self.room.alloc(tier, entry.nbytes, may_skip=may_skip, for_key=entry.key)
         if buf is None:
             return None
-        if prefetch_into is not None and entry.last_get > entry.prefetch_asked.get(prefetch_into, entry.last_get):
+        if prefetch_into is not None and not entry.getting \
+                and entry.last_get > entry.prefetch_asked.get(prefetch_into, entry.last_get):
             # see [Note: A prefetch overtaken by its get]
             state.pools[tier].free(buf)
+            state.lock.notify_all()  # the room goes to whoever waits for it
             return None
         if entry.dropped or tier in entry.copies or src.version != entry.version \
                 or entry.copies.get(src.tier) is not src:
