@@ -16,6 +16,7 @@ from .fsdp import FSDPOffload, offload_fsdp
 from .hf import load_base_weights, save_merged, save_pretrained, stream_checkpoints
 from .offload import DEFAULT_UNITS, OffloadedModel, OffloadedParameterError, offload_model
 from .optim import OffloadedAdamW, OffloadedGradScaler
+from .policies import OptimizerStatePolicy, ParamOffloadPolicy
 
 __all__ = [
     "DEFAULT_UNITS",
@@ -25,6 +26,8 @@ __all__ = [
     "OffloadedModel",
     "OffloadedParameters",
     "OffloadedParameterError",
+    "OptimizerStatePolicy",
+    "ParamOffloadPolicy",
     "UnrestorableUpdateError",
     "consolidate_checkpoint",
     "load_base_weights",

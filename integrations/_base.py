@@ -122,12 +122,13 @@ class OffloadBase(OffloadedParameters):
             raise
 
     def _schedule(self, *, prefetch_depth: int | str, prefetch_bytes: int | None, placement: bool,
-                  trace: list[str] | None = None, grad_of: Callable[[str], tuple[str, int] | None] | None = None
-                  ) -> None:
+                  trace: list[str] | None = None, grad_of: Callable[[str], tuple[str, int] | None] | None = None,
+                  forward_uses: int | None = None) -> None:
         """The prefetch policy over the units, the eviction order and the placement (once the units exist)."""
         auto = prefetch_depth == "auto"
         self.policy = PrefetchPolicy(depth=AUTO_START_DEPTH if auto else int(prefetch_depth), max_bytes=prefetch_bytes,
-                                     unit_bytes={u.name: u.nbytes for u in self._units.values()}, trace=trace)
+                                     unit_bytes={u.name: u.nbytes for u in self._units.values()}, trace=trace,
+                                     forward_uses=forward_uses)
         self.stats.prefetch_depth = self.policy.depth
         self._by_key = {r.key: r for r in self.params.values()}
         for u in self._units.values():

@@ -69,6 +69,7 @@ from tierstore import Tier, TierStore, TierStoreError, TierValueError
 from tierstore.memory import dense_strides
 
 from ._contract import MASTERED_DTYPES
+from .policies import OptimizerStatePolicy
 
 GRAD_PREFIX = "grad/"
 _aten = torch.ops.aten
@@ -90,9 +91,9 @@ def check_grad_dtype(grad_dtype: object) -> None:
 
 
 def grad_home(store: TierStore, grad_tier: Tier | None = None) -> Tier:
-    """Where kept gradients live: ``grad_tier``, else the config's ``grad_tier``, else its ``optimizer_tier``; the
+    """Where kept gradients live: ``grad_tier``, else the optimizer state's home the store's settings give; the
     host tier without a drive (see [Note: Gradients in the tiers])."""
-    home = grad_tier or store.config.grad_tier or store.config.optimizer_tier
+    home = grad_tier if grad_tier is not None else OptimizerStatePolicy.of(store).home
     return Tier.HOST if home is Tier.NVME and store.swap_directory is None else home
 
 

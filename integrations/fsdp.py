@@ -50,6 +50,7 @@ from ._contract import zero_grads
 from ._grads import GradientStore, StoredGrad, grad_home
 from ._meta import check_meta, materialize
 from ._placing import check_options
+from .policies import ParamOffloadPolicy
 
 
 @dataclass(eq=False)
@@ -131,7 +132,7 @@ class FSDPOffload(OffloadBase):
 
     def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int | str, prefetch_bytes: int | None,
                  home: Tier, init_fn: Callable[[nn.Module], None] | None = None, placement: bool = True,
-                 real_parameters: str | None = None) -> None:
+                 real_parameters: str | None = None, grad_tier: Tier | None = None) -> None:
         super().__init__(model, store, home)
         self.stats = FSDPOffloadStats()
         self.on_load = None  # a load into the shards cannot tell an optimizer of it: load before creating one
@@ -168,7 +169,7 @@ class FSDPOffload(OffloadBase):
                                              lambda su=su, group=group: self._gradients_ready(su, group))
         self._schedule(prefetch_depth=prefetch_depth, prefetch_bytes=prefetch_bytes, placement=placement)
         # in FSDP2's dtype, which it accumulates in (see [Note: Gradient shards in the tiers])
-        self.grads = _ShardGrads(self._by_key, GradientStore(store, grad_home(store), "param"))
+        self.grads = _ShardGrads(self._by_key, GradientStore(store, grad_home(store, grad_tier), "param"))
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
 
     def _put_shards(self, groups: list, sharded: set[int], names: dict[int, str], meta: bool,
@@ -287,11 +288,15 @@ def offload_fsdp(model: nn.Module, store: TierStore, *, prefetch_depth: int | st
                  prefetch_bytes: int | None = None, home: Tier | str | None = None,
                  init_fn: Callable[[nn.Module], None] | None = None,
                  allow_untested_torch: bool = False, placement: bool = True,
-                 real_parameters: str | None = None) -> FSDPOffload:
+                 real_parameters: str | None = None, policy: ParamOffloadPolicy | None = None) -> FSDPOffload:
     """Give this rank's FSDP2 shards of ``model`` a home in ``store`` (NVMe by default).
 
     Call after ``fully_shard`` (on the blocks, then the root) and before the
-    first forward. Defaults come from ``store.config``. A model built on the
+    first forward. ``prefetch_depth``, ``prefetch_bytes`` and ``home`` override
+    ``policy`` (a :class:`ParamOffloadPolicy`), which defaults to the one the
+    store's settings give; its ``grad_tier`` is the home of the gradient
+    shards, and its ``resident_threshold_bytes`` is not used here (FSDP2 shards
+    every parameter). A model built on the
     meta device (then ``fully_shard``-ed, as FSDP2's recipe has it) is given
     memory and initialized one module at a time, each module's shards written
     to the store before the next (``reset_parameters()``, or ``init_fn(module)``;
@@ -303,12 +308,12 @@ def offload_fsdp(model: nn.Module, store: TierStore, *, prefetch_depth: int | st
     if not dist.is_initialized():
         raise TierStoreError("offload_fsdp needs torch.distributed initialised (run under torchrun, "
                              "init_process_group) and fully_shard applied")
-    cfg = store.config
     check_options(prefetch_depth, placement)
+    chosen = (policy or ParamOffloadPolicy.of(store)).overridden(
+        prefetch_depth=prefetch_depth, prefetch_bytes=prefetch_bytes, home=home)
     state = FSDPOffload(model, store,
-                        prefetch_depth=cfg.prefetch_depth if prefetch_depth is None else prefetch_depth,
-                        prefetch_bytes=cfg.prefetch_bytes if prefetch_bytes is None else prefetch_bytes,
-                        home=Tier.parse(home if home is not None else cfg.param_tier), init_fn=init_fn,
+                        prefetch_depth=chosen.prefetch_depth, prefetch_bytes=chosen.prefetch_bytes,
+                        home=chosen.home, grad_tier=chosen.grad_tier, init_fn=init_fn,
                         placement=placement, real_parameters=real_parameters)
     setattr(model, STATE_KEY, state)
     return state

@@ -51,6 +51,7 @@ from ._meta import check_meta
 from ._param import OffloadedParameter, StoredParam, refuse_other_optimizers_from_now
 from ._pass import PassState
 from ._placing import check_options
+from .policies import ParamOffloadPolicy
 from ._unit import (
     DEFAULT_UNITS,
     HOOK_SHY,
@@ -114,9 +115,11 @@ class OffloadedModel(OffloadBase):
         self._installed = methods_for(model, self)  # see [Note: Saving the transformers way, tensor by tensor]
         for name, method in self._installed.items():
             setattr(model, name, method)
-        # Until a step has been recorded, guess that forward uses the units in definition order.
+        # Until a step has been recorded, guess that forward uses the units in definition order and backward in
+        # the reverse (a wrong guess departs from the trace: the rest of that step fetches on demand).
+        forward = [u.name for u in self._units.values() if u.params]
         self._schedule(prefetch_depth=prefetch_depth, prefetch_bytes=prefetch_bytes, placement=placement,
-                       trace=[u.name for u in self._units.values() if u.params], grad_of=self._grad_of)
+                       trace=forward + forward[::-1], forward_uses=len(forward), grad_of=self._grad_of)
         refuse_other_optimizers_from_now()
 
     # ---- construction ------------------------------------------------------------------
@@ -363,11 +366,14 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | s
                   units: Sequence[type[nn.Module] | nn.Module | str] = DEFAULT_UNITS,
                   init_fn: Callable[[nn.Module], None] | None = None, placement: bool = True,
                   real_parameters: str | None = None, grad_tier: Tier | str | None = None,
-                  grad_dtype: str = "float32") -> OffloadedModel:
+                  grad_dtype: str = "float32", policy: ParamOffloadPolicy | None = None) -> OffloadedModel:
     """Move ``model``'s parameters into ``store`` and fetch them just in time.
 
-    Defaults come from ``store.config`` (prefetch_depth, prefetch_bytes,
-    resident_threshold_bytes, param_tier). ``compute_tier`` is where
+    ``prefetch_depth``, ``prefetch_bytes``, ``resident_threshold_bytes``,
+    ``home`` and ``grad_tier`` are a :class:`ParamOffloadPolicy`'s choices:
+    each keyword given overrides ``policy``, which defaults to the one the
+    store's settings give (``ParamOffloadPolicy.of(store)``: ``prefetch_depth``,
+    ``param_tier``, ... in a config file). ``compute_tier`` is where
     parameters are held while their module runs: the device tier with CUDA;
     without it the host tier, since both would be CPU memory and a second copy
     would only cost bandwidth and budget (pass "device" to use it anyway).
@@ -383,20 +389,22 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | s
     a model has off the meta device are an error unless ``real_parameters``
     says to ``"initialize"`` them with their modules or to ``"keep"`` them (see
     [Note: Real parameters in a model built on meta]).
-    ``prefetch_depth="auto"`` (the store config's default) chooses the depth
+    ``prefetch_depth="auto"`` (the default) chooses the depth
     each step from the measured drive rate and compute time per unit. With
     ``placement`` (the default), once a step has been recorded the parameters
     and optimizer state that save the most drive traffic stay in the host
     tier for the whole run and the rest stream (see ``off.placement``).
     Gradients kept from backward to the optimizer's step are tensors of the
     store (see [Note: Gradients in the tiers]): their home is ``grad_tier``
-    (the store config's ``grad_tier``, else its ``optimizer_tier``), and a
+    (else the optimizer state's home, ``OptimizerStatePolicy.of(store).home``), and a
     bf16/fp16 parameter's is kept in fp32 unless ``grad_dtype="param"``.
     Parameter names and state_dict keys are unchanged;
     :meth:`OffloadedModel.remove` undoes it.
     """
     check_not_offloaded(model, "offload_model")
-    cfg = store.config
+    chosen = (policy or ParamOffloadPolicy.of(store)).overridden(
+        prefetch_depth=prefetch_depth, prefetch_bytes=prefetch_bytes, home=home,
+        resident_threshold_bytes=resident_threshold_bytes, grad_tier=grad_tier)
     if compute_tier is not None and Tier.parse(compute_tier) is Tier.NVME:
         raise TierValueError("compute_tier='nvme': modules run on memory; choose 'device' or 'host'")
     check_options(prefetch_depth, placement)
@@ -410,18 +418,17 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | s
             "it for inference after training")
     state = OffloadedModel(
         model, store,
-        prefetch_depth=cfg.prefetch_depth if prefetch_depth is None else prefetch_depth,
-        prefetch_bytes=cfg.prefetch_bytes if prefetch_bytes is None else prefetch_bytes,
-        resident_threshold_bytes=(cfg.resident_threshold_bytes if resident_threshold_bytes is None
-                                  else resident_threshold_bytes),
-        home=Tier.parse(home if home is not None else cfg.param_tier),
+        prefetch_depth=chosen.prefetch_depth,
+        prefetch_bytes=chosen.prefetch_bytes,
+        resident_threshold_bytes=chosen.resident_threshold_bytes,
+        home=chosen.home,
         compute_tier=(Tier.parse(compute_tier) if compute_tier is not None
                       else Tier.DEVICE if store.device.type != "cpu" else Tier.HOST),
         units=units,
         init_fn=init_fn,
         placement=placement,
         real_parameters=real_parameters,
-        grad_tier=Tier.parse(grad_tier) if grad_tier is not None else None,
+        grad_tier=chosen.grad_tier,
         grad_dtype=grad_dtype,
     )
     setattr(model, STATE_KEY, state)

@@ -54,6 +54,7 @@ from ._optim_params import (
 )
 from ._optim_state import AdamWState
 from ._pipeline import StatePipeline, UnrestorableUpdateError
+from .policies import OptimizerStatePolicy
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -98,14 +99,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
                  max_grad_backlog_bytes: int | str | None = None, maximize: bool = False, amsgrad: bool = False,
                  foreach: bool | None = None, fused: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, moments: str | None = None, master: str | None = None,
-                 keep_grads: bool = True) -> None:
+                 keep_grads: bool = True, policy: OptimizerStatePolicy | None = None) -> None:
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         check_hyper(defaults, "")
         check_flags(offloaded, amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
         impl = _adamw.impl_of(foreach, fused)
-        config = offloaded.store.config
-        self.layout = StateLayout(moments if moments is not None else config.optimizer_moments,
-                                  master if master is not None else config.optimizer_master)
+        chosen = (policy or OptimizerStatePolicy.of(offloaded.store)).overridden(
+            moments=moments, master=master, home=home)
+        self.layout = StateLayout(chosen.moments, chosen.master)
         if readahead is None:  # prefetch depth 0 turns off reading ahead, the optimizer's as well
             readahead = 0 if offloaded.policy.depth == 0 else sys.maxsize  # bytes bound it
         if readahead < 0:
@@ -125,7 +126,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             impl=impl, layout=self.layout,
             # stepping in backward, one thread beside backward's compute; after it, the CPU's threads are the update's
             threads=1 if step_in_backward else torch.get_num_threads())
-        home = Tier.parse(home if home is not None else self.store.config.optimizer_tier)
+        home = chosen.home
         self.steps: dict[str, float] = {}
         self._items, self._frozen = stepped_items(offloaded)
         self._name_of = {id(p): name for name, _, p in (*self._items, *self._frozen)}

@@ -4,13 +4,14 @@ import pytest
 
 import tierstore as ts
 from tierstore import Tier
+from tierstore.integrations import OptimizerStatePolicy, ParamOffloadPolicy
 
 
 def test_keywords_and_sizes():
     c = ts.StoreConfig(host_budget_bytes="2GiB", device_budget_bytes="1.5GB", param_tier="host")
     assert c.host_budget_bytes == 2 * 1024**3
     assert c.device_budget_bytes == 1_500_000_000
-    assert c.param_tier is Tier.HOST
+    assert ParamOffloadPolicy.of(c).home is Tier.HOST and c.layer_settings == {"param_tier": Tier.HOST}
 
 
 def test_frozen():
@@ -23,7 +24,7 @@ def test_json_and_toml(tmp_path):
     j = tmp_path / "c.json"
     j.write_text(json.dumps({"host_budget_bytes": "64MiB", "queue_depth": 4, "prefetch_depth": 3}))
     c = ts.load_config(j, queue_depth=8)
-    assert (c.host_budget_bytes, c.queue_depth, c.prefetch_depth) == (64 * 1024**2, 8, 3)
+    assert (c.host_budget_bytes, c.queue_depth, ParamOffloadPolicy.of(c).prefetch_depth) == (64 * 1024**2, 8, 3)
     t = tmp_path / "c.toml"
     t.write_text('[tierstore]\nnvme_path = "/tmp"\nblock_size_bytes = "2MiB"\nverify_checksums = true\n')
     c = ts.load_config(t)
@@ -80,11 +81,12 @@ DS = {
 def test_deepspeed_mapping_reports_unhonoured_keys(tmp_path):
     with pytest.warns(UserWarning, match="does not honour these DeepSpeed config keys") as rec:
         cfg, ignored = ts.from_deepspeed(DS)
-    assert cfg.param_tier is Tier.NVME and cfg.optimizer_tier is Tier.HOST
+    params, state = ParamOffloadPolicy.of(cfg), OptimizerStatePolicy.of(cfg)
+    assert params.home is Tier.NVME and state.home is Tier.HOST
     assert cfg.nvme_path == "/local_nvme" and cfg.pin_host_memory
-    assert cfg.prefetch_depth == 4
+    assert params.prefetch_depth == 4
     assert (cfg.block_size_bytes, cfg.queue_depth, cfg.io_threads) == (1048576, 8, 2)
-    assert cfg.resident_threshold_bytes == 20000
+    assert params.resident_threshold_bytes == 20000
     assert set(ignored) == {
         "zero_optimization.offload_param.buffer_size", "zero_optimization.offload_optimizer.fast_init",
         "zero_optimization.overlap_comm", "aio.single_submit", "aio.overlap_events", "train_batch_size"}
@@ -110,9 +112,10 @@ def test_deepspeed_config_as_transformers_writes_it_loads_with_auto_values():
                                 "stage3_param_persistence_threshold": "auto", "stage3_prefetch_bucket_size": "auto"}}
     with pytest.warns(UserWarning, match=r"stage3_param_persistence_threshold=auto \(tierstore's default\)"):
         cfg, ignored = ts.from_deepspeed(ds)
-    default = ts.StoreConfig()
-    assert cfg.resident_threshold_bytes == default.resident_threshold_bytes
-    assert cfg.prefetch_depth == default.prefetch_depth and cfg.optimizer_tier is Tier.NVME
+    default = ParamOffloadPolicy()
+    assert ParamOffloadPolicy.of(cfg).resident_threshold_bytes == default.resident_threshold_bytes
+    assert ParamOffloadPolicy.of(cfg).prefetch_depth == default.prefetch_depth
+    assert OptimizerStatePolicy.of(cfg).home is Tier.NVME
     assert "zero_optimization.offload_param.buffer_count=auto (tierstore's default)" in ignored
     bad = {"zero_optimization": {"stage3_param_persistence_threshold": "1e4x"}}
     with pytest.raises(ValueError, match=r"stage3_param_persistence_threshold='1e4x' cannot be read"):

@@ -222,6 +222,16 @@ def test_a_stored_gradient_behaves_as_a_tensor_of_its_values(make_store, tmp_pat
     assert torch.equal(g, r) and torch.equal(g + model[1].weight.grad, r + ref[1].weight.grad)
 
 
+def _layers_under_a_small_budget(make_store, width: int, layers: int):
+    """``layers`` Linear layers offloaded under a host budget of half of them, with an optimizer that steps
+    after backward and lets each gradient go once applied."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    store = make_store(host_budget_bytes=layers // 2 * width * width * 4)
+    off = offload_model(model, store, prefetch_depth=2)
+    return model, store, OffloadedAdamW(off, lr=1e-3, keep_grads=False)
+
+
 def test_a_backward_writing_gradients_reads_each_weight_once(make_store):
     """Trainer's loop under a host budget of 6 layers: the second micro-batch's backward adds into kept
     gradients, filling the host tier with changed copies. Eviction writes them to the drive rather than drop
@@ -230,12 +240,8 @@ def test_a_backward_writing_gradients_reads_each_weight_once(make_store):
     update then reads each kept gradient once: ranked as its parameter's state, one read ahead stays for it."""
     import collections
 
-    torch.manual_seed(0)
     width, layers = 256, 12
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
-    store = make_store(host_budget_bytes=6 * width * width * 4)
-    off = offload_model(model, store, prefetch_depth=2)
-    opt = OffloadedAdamW(off, lr=1e-3, keep_grads=False)
+    model, store, opt = _layers_under_a_small_budget(make_store, width, layers)
     x = torch.randn(4, width)
     reads: collections.Counter = collections.Counter()
     try:
@@ -263,6 +269,29 @@ def test_a_backward_writing_gradients_reads_each_weight_once(make_store):
         opt.close()
     assert reads and max(reads.values()) == 1, reads
     assert grad_reads and max(grad_reads.values()) == 1, grad_reads
+
+
+def test_the_first_backward_reads_its_weights_ahead(make_store):
+    """Before a step was recorded, the guessed trace runs forward through the units in definition order and
+    backward in reverse: every weight the first backward reads from the drive was asked for ahead of its use
+    (with a guess of forward alone, the first backward left it and fetched each on demand)."""
+    width, layers = 256, 12
+    model, store, opt = _layers_under_a_small_budget(make_store, width, layers)
+    asked: list[str] = []
+    prefetch = store.prefetch
+    store.prefetch = lambda key, tier="device": (asked.append(key), prefetch(key, tier))[1]
+    try:
+        loss = model(torch.randn(4, width)).square().mean()
+        asked.clear()
+        timeline = store.record_timeline()
+        loss.backward()
+        store.record_timeline(False)
+        read = {e["args"]["key"] for e in timeline.events() if e.get("cat") == "transfer"
+                and e["name"].startswith("nvme->") and e["args"]["key"].startswith("param/")}
+        assert len(read) >= layers // 2 and read <= set(asked), (sorted(read), asked)
+        opt.step()
+    finally:
+        opt.close()
 
 
 def test_a_gradient_kept_after_its_update_is_not_changed_by_it(make_store):

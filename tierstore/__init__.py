@@ -5,7 +5,17 @@ engine moves them at the drive's speed and a trace-based scheduler reads them
 ahead of use.
 """
 
-from ._config import StoreConfig, default_nvme_path, from_deepspeed, from_dict, load_config, parse_bytes
+from ._config import (
+    LayerSetting,
+    StoreConfig,
+    declared_layer_settings,
+    default_nvme_path,
+    from_deepspeed,
+    from_dict,
+    load_config,
+    parse_bytes,
+    register_layer_settings,
+)
 from ._nvme import Syscalls
 from ._store import Handle, TierStore, open_store
 from ._timeline import Timeline
@@ -38,6 +48,7 @@ __all__ = [
     "CheckpointWriteError",
     "Handle",
     "IntegrityError",
+    "LayerSetting",
     "TierValueError",
     "TierTypeError",
     "StoreClosedError",
@@ -54,10 +65,12 @@ __all__ = [
     "UnknownSettingError",
     "UnsupportedError",
     "Timeline",
+    "declared_layer_settings",
     "default_nvme_path",
     "from_deepspeed",
     "from_dict",
     "load_config",
     "open_store",
     "parse_bytes",
+    "register_layer_settings",
 ]

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import importlib.metadata
 import json
 import os
 import re
+import types
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -45,7 +48,8 @@ def parse_bytes(value: Any, *, name: str) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StoreConfig:
-    """Everything the store, the I/O engine and the prefetch scheduler are tuned by."""
+    """What the store and its I/O engine are tuned by; the settings of the layers above ride along, unread, in
+    ``layer_settings``."""
 
     nvme_path: str | None = None
     """Directory under which the private swap directory is made; required for the NVMe tier."""
@@ -71,27 +75,13 @@ class StoreConfig:
     """Checksum every block written to the NVMe tier and verify it on read."""
     pin_host_memory: bool = True
     """Pin host-tier buffers when CUDA is available (ignored without CUDA)."""
-    prefetch_depth: int | str = "auto"
-    """How many parameter groups ahead of use the scheduler keeps in flight; "auto" chooses it each step from the
-    measured drive rate and compute time per group (0 turns prefetch off)."""
-    prefetch_bytes: int | None = None
-    """If set, also stop prefetching once this many bytes are in flight ahead of use."""
-    param_tier: Tier = Tier.NVME
-    """Home tier of offloaded parameters."""
-    optimizer_tier: Tier = Tier.NVME
-    """Home tier of offloaded optimizer state (fp32 master weights and moments)."""
-    optimizer_moments: str = "fp32"
-    """How OffloadedAdamW stores the AdamW moments: "fp32" (as torch keeps them), "bf16" or "8bit" (block-wise
-    dynamic quantization); see [Note: Compressed optimizer state]."""
-    optimizer_master: str = "fp32"
-    """How OffloadedAdamW keeps the master of a bf16 weight: "fp32" (a copy beside it), "split" (the weight is
-    its top half, the low half is stored apart: exact, 2 bytes more) or "none" (stochastic rounding)."""
-    resident_threshold_bytes: int = 0
-    """Parameters smaller than this stay resident in the device tier and are never offloaded."""
-    grad_tier: Tier | None = None
-    """Home tier of the gradients an offloaded model keeps from backward to the optimizer's step (None: the
-    optimizer's tier). With an NVMe home a gradient stays in the host tier while it has room, and goes to the drive
-    only when the room is needed."""
+    layer_settings: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+    """Settings of the layers above the core (offload_model's prefetch depth, OffloadedAdamW's moments, ...), by
+    name. The core reads none of them: it carries them so that one config file, one DeepSpeed config or one
+    ``TierStore(**settings)`` sets up the whole stack, and checks each when given by the rule of the layer that
+    declared it (see :func:`register_layer_settings`). Given flat (``StoreConfig(prefetch_depth=4)``,
+    ``prefetch_depth = 4`` in a file), they land here."""
+
     malloc_mmap_threshold_bytes: int | None = 128 * 1024
     """Fix the C allocator's mmap threshold at this size when a store is created, so that memory freed by tensors
     goes back to the system and RSS does not grow with the model (glibc only; a setting of the whole process; see
@@ -99,22 +89,19 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         for name in ("device_budget_bytes", "host_budget_bytes", "nvme_budget_bytes",
-                     "block_size_bytes", "file_size_bytes", "prefetch_bytes",
-                     "resident_threshold_bytes", "malloc_mmap_threshold_bytes"):
+                     "block_size_bytes", "file_size_bytes", "malloc_mmap_threshold_bytes"):
             value = getattr(self, name)
-            if value is None and name in ("nvme_budget_bytes", "prefetch_bytes", "malloc_mmap_threshold_bytes"):
+            if value is None and name in ("nvme_budget_bytes", "malloc_mmap_threshold_bytes"):
                 continue
             object.__setattr__(self, name, parse_bytes(value, name=name))
         for name in ("device_budget_bytes", "host_budget_bytes", "nvme_budget_bytes",
-                     "block_size_bytes", "file_size_bytes", "prefetch_bytes"):
+                     "block_size_bytes", "file_size_bytes"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise TierValueError(f"{name}={value} must be a positive number of bytes")
         if self.malloc_mmap_threshold_bytes is not None and not 0 < self.malloc_mmap_threshold_bytes <= 2**25:
             raise TierValueError(f"malloc_mmap_threshold_bytes={self.malloc_mmap_threshold_bytes} must be between 1 "
                                  f"byte and 32 MiB (glibc's limit), or None to leave the allocator alone")
-        if self.resident_threshold_bytes < 0:
-            raise TierValueError(f"resident_threshold_bytes={self.resident_threshold_bytes} must be >= 0")
         if self.block_size_bytes % 4096:
             raise TierValueError(
                 f"block_size_bytes={self.block_size_bytes} must be a multiple of 4096 "
@@ -126,17 +113,10 @@ class StoreConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TierValueError(f"{name}={value!r} must be an integer >= 1")
-        check_prefetch_depth(self.prefetch_depth)
-        for name, choices in (("optimizer_moments", ("fp32", "bf16", "8bit")),
-                              ("optimizer_master", ("fp32", "split", "none"))):
-            if getattr(self, name) not in choices:
-                raise TierValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(map(repr, choices))}")
         for name in ("direct_io", "verify_checksums", "pin_host_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise TierTypeError(f"{name} must be true or false, not {getattr(self, name)!r}")
-        for name in ("param_tier", "optimizer_tier", "grad_tier"):
-            if name != "grad_tier" or self.grad_tier is not None:
-                object.__setattr__(self, name, Tier.parse(getattr(self, name)))
+        object.__setattr__(self, "layer_settings", _checked_layer_settings(self.layer_settings))
         if self.nvme_path is not None:
             object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
 
@@ -145,25 +125,108 @@ class StoreConfig:
         return from_dict({**self.to_dict(), **changes})
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        for name in ("param_tier", "optimizer_tier", "grad_tier"):
-            if out[name] is not None:
-                out[name] = out[name].label
-        return out
+        """Every setting by name, flat (the layers' settings beside the core's, as a config file writes them);
+        tiers as their labels."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "layer_settings"}
+        out.update(self.layer_settings)
+        return {k: v.label if isinstance(v, Tier) else v for k, v in out.items()}
+
+    def __getattr__(self, name: str) -> Any:
+        # A layer's setting read as an attribute, as StoreConfig had them before layer_settings: its value, or
+        # its layer's default.
+        if name.startswith("_") or name not in (known := declared_layer_settings()):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        warnings.warn(f"config.{name} is a setting of {known[name].owner}: read config.layer_settings or the "
+                      f"layer's policy", DeprecationWarning, stacklevel=2)
+        return self.__dict__["layer_settings"].get(name, known[name].default)
 
 
-_FIELDS = {f.name for f in dataclasses.fields(StoreConfig)}
+_CORE_FIELDS = frozenset(f.name for f in dataclasses.fields(StoreConfig)) - {"layer_settings"}
+_store_config_init = StoreConfig.__init__
+
+
+@functools.wraps(_store_config_init)
+def _init_flat(self: StoreConfig, **settings: Any) -> None:
+    # A layer's setting may be given flat, beside the core's: it is kept in layer_settings.
+    above = {k: settings.pop(k) for k in list(settings) if k not in _CORE_FIELDS and k != "layer_settings"}
+    if above:
+        settings["layer_settings"] = {**settings.get("layer_settings", {}), **above}
+    _store_config_init(self, **settings)
+
+
+StoreConfig.__init__ = _init_flat  # type: ignore[method-assign]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSetting:
+    """A setting of a layer above the core, as that layer declared it."""
+
+    owner: str
+    """Who reads it, as an error message names it (e.g. ``"offload_model (ParamOffloadPolicy.prefetch_depth)"``)."""
+    default: Any
+    """Its value when not given."""
+    check: Callable[[Any], Any]
+    """The value given, normalized (``"host"`` -> ``Tier.HOST``); raises a TierValueError/TierTypeError naming
+    the setting for a bad one."""
+
+
+_LAYER_SETTINGS: dict[str, LayerSetting] = {}
+LAYER_SETTINGS_ENTRY_POINTS = "tierstore.layer_settings"
+"""The entry-point group under which packages name the modules that declare their settings on import (see
+[Note: Settings of the layers above])."""
+_discovered = False
+
+
+def register_layer_settings(owner: str, settings: Mapping[str, tuple[Any, Callable[[Any], Any]]]) -> None:
+    """Declare settings that a layer above the core reads: name -> (default, check). From then on StoreConfig,
+    config files and ``TierStore(**settings)`` accept them and keep them in ``StoreConfig.layer_settings``.
+
+    [Note: Settings of the layers above] One config file sets up the whole stack
+    (the store's budgets beside offload_model's prefetch depth and
+    OffloadedAdamW's moments), yet the core reads only its own settings. A
+    layer declares its own, with their defaults and checks; the core carries
+    them unread. So that ``TierStore(prefetch_depth=4)`` works before the layer
+    was imported, a name the core does not know first loads the modules named
+    in the entry-point group ``tierstore.layer_settings`` (the integrations
+    name ``tierstore.integrations.policies`` there), which declare theirs on
+    import: the core never imports a layer above it by name.
+    """
+    for name, (default, check) in settings.items():
+        if name in _CORE_FIELDS:
+            raise TierValueError(f"{owner} cannot declare setting {name!r}: the store reads a setting of that name")
+        _LAYER_SETTINGS[name] = LayerSetting(owner, default, check)
+
+
+def declared_layer_settings() -> Mapping[str, LayerSetting]:
+    """Every setting declared by a layer above, once the installed layers have declared theirs."""
+    global _discovered
+    if not _discovered:
+        _discovered = True
+        for ep in importlib.metadata.entry_points(group=LAYER_SETTINGS_ENTRY_POINTS):
+            ep.load()  # importing it declares its settings
+    return types.MappingProxyType(_LAYER_SETTINGS)
+
+
+def _checked_layer_settings(values: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(values, Mapping):
+        raise TierTypeError(f"layer_settings must be a mapping of setting names to values, not {values!r}")
+    check_settings(values, "the config")
+    known = declared_layer_settings()
+    return {name: known[name].check(value) for name, value in values.items()}
 
 
 def check_settings(names: Iterable[str], what: str) -> None:
-    """Raise :class:`UnknownSettingError` for any of ``names`` that StoreConfig lacks, naming the closest one
-    of each and listing them all."""
-    unknown = sorted(set(names) - _FIELDS)
+    """Raise :class:`UnknownSettingError` for any of ``names`` that neither StoreConfig nor a layer above (see
+    :func:`register_layer_settings`) knows, naming the closest one of each and listing them all."""
+    unknown = sorted(set(names) - _CORE_FIELDS - {"layer_settings"})
     if unknown:
-        hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, _FIELDS, 1)) else repr(k)
+        valid = _CORE_FIELDS | set(declared_layer_settings())
+        unknown = sorted(set(unknown) - valid)
+    if unknown:
+        hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, valid, 1)) else repr(k)
                  for k in unknown]
         raise UnknownSettingError(f"{what} has unknown setting(s) {', '.join(hints)}; the settings are: "
-                                  f"{', '.join(sorted(_FIELDS))}")
+                                  f"{', '.join(sorted(valid))}")
 
 
 def from_dict(values: Mapping[str, Any]) -> StoreConfig:
