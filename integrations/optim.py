@@ -26,7 +26,6 @@ the model's ``broken``), since their values would mix two steps.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 import time
 import weakref
@@ -35,7 +34,7 @@ from typing import Any
 
 import torch
 
-from tierstore import Tier, TierKeyError, TierStore, TierStoreError, TierValueError
+from tierstore import Tier, TierStore, TierStoreError, TierValueError
 from tierstore.scheduling import default_grad_backlog_bytes
 
 from . import _adamw
@@ -46,18 +45,17 @@ from ._in_backward import BackwardSteps
 from ._layouts import StateLayout
 from ._optim_params import (
     check_flags,
-    check_group_states,
-    group_states,
     positive_bytes,
     stepped_items,
     torch_groups,
 )
 from ._optim_state import AdamWState
+from ._optim_state_dict import StateDictIO
 from ._pipeline import StatePipeline, UnrestorableUpdateError
 from .policies import OptimizerStatePolicy
 
 
-class OffloadedAdamW(torch.optim.Optimizer):
+class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
     """AdamW over offloaded parameters (an ``OffloadedModel`` or ``FSDPOffload``: see
     :class:`~tierstore.integrations._contract.OffloadedParameters`), with optimizer state in the store.
 
@@ -204,33 +202,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._items = []
         self.steps = {}
 
-    def _resplit_truncated(self) -> None:
-        """Split masters loaded as the first version stored them, made again as this version stores them."""
-        self.wait()
-        self._state.resplit_truncated()
-        self.store.flush()
-
-    def _remake_masters(self, names: list[str]) -> None:
-        """The model loaded new values into these parameters: their fp32 masters are made from them, as this
-        optimizer made them when it was created (a bf16 master left as it was would overwrite the loaded value
-        at the next step)."""
-        self.wait()
-        self._state.remake_masters(names)
-
     def named_items(self) -> list[tuple[str, str | None, torch.nn.Parameter]]:
         """(name, store key or None for a resident parameter, parameter) of each parameter this optimizer steps."""
         return list(self._items)
-
-    def reset_state(self, names: list[str] | set[str]) -> None:
-        """Start these parameters' state afresh, as a new optimizer would: zero moments, no step, masters made
-        from the parameters' current values. What a load does for the parameters its saved state does not
-        hold (torch's ``load_state_dict`` replaces the whole state: nothing of a later step may survive)."""
-        self.wait()
-        chosen = set(names)
-        for name in chosen:
-            self.steps.pop(name, None)
-            self._applied.pop(name, None)
-        self._state.reset(chosen)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient, or zero each in place (``set_to_none=False``), as torch's optimizers do: then a
@@ -360,73 +334,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         changing the group during backward never mixes two learning rates in one update."""
         group = self._group_of[name]
         return tuple(group[k] for k in HYPER)
-
-    def state_tensors(self, steps: dict[str, float] | None = None) -> list[tuple[str, str, str]]:
-        """(parameter name, state name, store key) of every state tensor of parameters stepped so far (or,
-        given ``steps``, of those it names)."""
-        return self._state.tensors(self.steps if steps is None else steps)
-
-    def group_states(self) -> list[dict[str, Any]]:
-        """Each parameter group's hyper-parameters (and what a scheduler added, such as ``initial_lr``), with
-        ``"params"`` as parameter names: what state_dict() and checkpoints keep."""
-        return group_states(self.param_groups, self._name_of)
-
-    def check_group_states(self, groups: Any) -> list[dict[str, Any]]:
-        """``groups`` as :meth:`load_group_states` would apply them, checked without changing anything (see
-        ``_optim_params.check_group_states``). Raises ValueError."""
-        return check_group_states(groups, self.group_states())
-
-    def load_group_states(self, groups: list[dict[str, Any]]) -> None:
-        """Restore :meth:`group_states` (checked by :meth:`check_group_states` first)."""
-        for target, saved in zip(self.param_groups, self.check_group_states(groups)):
-            for k, v in saved.items():
-                if k != "params":
-                    target[k] = v
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain tensors (read from the store), like torch.optim's state_dict, keyed by parameter name: each piece
-        of state as the layout stores it (an 8-bit moment is its packed bytes: nothing is inflated, and a load
-        into the same layout gives back the same bits), with ``"state_layout"`` naming the layout."""
-        state: dict[str, dict[str, torch.Tensor]] = {}
-        for name, what, k in self.state_tensors():
-            state.setdefault(name, {"step": torch.tensor(self.steps[name])})[what] = self.store.read(k)
-        return {"state": state, "param_groups": self.group_states(), "state_layout": self.layout.as_dict()}
-
-    def decoded(self, name: str, what: str, stored: torch.Tensor, layout: StateLayout | None = None) -> torch.Tensor:
-        """The values of one piece of ``name``'s state stored under ``layout`` (this optimizer's by default), as
-        the fp32 layout holds them: fp32 moments, an fp32 master (a split one joined with the weight now in the
-        model)."""
-        return self._state.decoded(name, what, stored, layout)
-
-    def load_state_dict(self, sd: dict[str, Any], *, convert: bool = False) -> None:
-        """Load what :meth:`state_dict` gave. State saved under another layout (``"state_layout"``; the fp32
-        one where it names none, as torch.optim's state dicts) is refused unless ``convert=True``, which decodes
-        each piece and encodes it into this layout: converting to fewer bits rounds, a master the layout keeps
-        none of (``master="none"``) is dropped, and one the saved state lacks is made from the weight."""
-        self.wait()
-        saved = StateLayout.from_dict(sd.get("state_layout", {}))
-        # split masters of the first version convert without loss: the same masters, weights rounded from them
-        if saved != self.layout and not convert and saved != dataclasses.replace(self.layout, split="truncated"):
-            raise TierValueError(f"this optimizer state was saved with {saved.describe()}, and this OffloadedAdamW "
-                                 f"stores {self.layout.describe()}: build it with the saved layout, or pass "
-                                 f"convert=True to convert the state (rounded where the new layout has fewer bits)")
-        self.load_group_states(sd["param_groups"])
-        names = {n for n, _, _ in self._items}
-        unknown = [name for name in sd["state"] if name not in names]
-        if unknown:
-            raise TierKeyError(f"optimizer state for unknown parameter {unknown[0]!r}")
-        # The whole state is replaced, as torch's is: a parameter with no saved state starts afresh.
-        self.reset_state(names - set(sd["state"]))
-        for name, entry in sd["state"].items():
-            self._state.load(name, {what: v for what, v in entry.items() if what != "step"}, saved)
-            self.steps[name] = float(entry["step"])
-            self._applied.pop(name, None)
-        self.store.flush()
-
-    def load_values(self, name: str, values: dict[str, torch.Tensor]) -> None:
-        """Set one parameter's ``exp_avg``, ``exp_avg_sq`` and ``master`` from values of the fp32 layout
-        (encoded into this one)."""
-        self._state.load_values(name, values)
 
     def __repr__(self) -> str:
         groups = ", ".join(f"({len(g['params'])} params: " + ", ".join(f"{k}={g[k]}" for k in HYPER) + ")"

@@ -1,6 +1,8 @@
 """The tiered tensor store: keys, home tiers, cached copies, budgets, prefetch handles.
 
-``TierStore`` is the front; its parts each have one job: the copy state machine (``_copies.py``, see
+``TierStore`` is the front: the data path (put, get, prefetch, release) here, where copies live (write-back,
+eviction, dropping, kept copies, victim orders) in its base ``_residency.Residency``; its parts each have one job:
+the copy state machine (``_copies.py``, see
 [Note: Versions, not flags]), room in the memory tiers (``_room.py``: budgets, eviction, waiting for other
 threads), moving bytes (``_transfers.py``: fills, prefetches, write-backs), the device and the order of its work
 (``_device.py``) and the drive (``_nvme.py``).
@@ -8,10 +10,8 @@ threads), moving bytes (``_transfers.py``: fills, prefetches, write-backs), the 
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -22,48 +22,15 @@ from ._allocator import set_mmap_threshold
 from ._config import StoreConfig, check_settings
 from ._copies import Copy, Entry, StoreState, check_put, dense_strides
 from ._device import Device, default_device
+from ._handle import Handle
 from ._memory import TierPool
 from ._nvme import NvmeEngine, Syscalls
+from ._residency import Residency
 from ._room import BUDGET_WAIT_SECONDS, Room
 from ._stats import StoreStats
 from ._timeline import Timeline
 from ._transfers import Transfers, done_future
-from ._types import StoreFullError, Tier, TierStoreError, TierTypeError, TierValueError
-
-
-class Handle:
-    """Pending work on one key: ``wait()`` blocks and re-raises a failure; ``done()`` polls."""
-
-    def __init__(self, future: Future, key: str, tier: Tier,
-                 reported: Callable[[BaseException], None] | None = None) -> None:
-        self._future = future
-        self.key = key
-        self.tier = tier
-        self._reported = reported  # told of a failure wait() raised, so the key's next get() does not again
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> None:
-        try:
-            self._future.result(timeout)
-        except TimeoutError:
-            raise
-        except BaseException as e:
-            if self._reported is not None:
-                self._reported(e)
-            if isinstance(e, TierStoreError):
-                raise
-            raise TierStoreError(f"{self.key!r} -> {self.tier.label}: {e!r}") from e
-
-    @property
-    def skipped(self) -> bool:
-        """True if a prefetch was dropped because its tier was full of held copies."""
-        return self._future.done() and self._future.exception() is None and self._future.result() is False
-
-    def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
-        return f"Handle({self.key!r}, {self.tier.label}, {state})"
+from ._types import StoreFullError, Tier, TierTypeError, TierValueError
 
 
 def _check_budgets_fit_memory(config: StoreConfig, separate_device_memory: bool) -> None:
@@ -83,7 +50,7 @@ def _check_budgets_fit_memory(config: StoreConfig, separate_device_memory: bool)
 __all__ = ["BUDGET_WAIT_SECONDS", "Handle", "TierStore", "open_store"]
 
 
-class TierStore:
+class TierStore(Residency):
     """Keeps tensors in a device -> host -> NVMe hierarchy under per-tier byte budgets.
 
     A tensor is registered with :meth:`put` under a key and a *home* tier, which
@@ -283,82 +250,6 @@ class TierStore:
                 if other is not copy:
                     state.drop_if_stale(entry, other)
 
-    # ---- writing home, evicting, dropping ----------------------------------------------
-    def write_back(self, key: str) -> Handle:
-        """Start writing the newest bytes of ``key`` to its home tier."""
-        self._state.check_open()
-        with self._state.lock:
-            entry = self._state.lookup(key)
-            fut = self._transfers.start_writeback(entry)
-        return Handle(fut or done_future(), key, entry.home, self._reporter(entry))
-
-    def writing(self, key: str) -> Handle:
-        """The write-back of ``key`` in flight (a done handle when none): wait on it before changing the copy it
-        reads, without starting one."""
-        self._state.check_open()
-        with self._state.lock:
-            entry = self._state.lookup(key)
-            fut = entry.writeback
-        return Handle(fut or done_future(), key, entry.home, self._reporter(entry))
-
-    def _reporter(self, entry: Entry) -> Callable[[BaseException], None]:
-        """For a write's handle: a failed write is reported once, by the handle's wait() or else by the key's
-        next get(); the bytes stay in memory either way and a later write-back tries again."""
-        def reported(err: BaseException) -> None:
-            with self._state.lock:
-                entry.reported(err)
-        return reported
-
-    def flush(self) -> None:
-        """Write every dirty copy back to its home tier and wait; raises the first failure. A key another thread
-        drops meanwhile is skipped."""
-        state = self._state
-        state.check_open()
-        with state.lock:
-            while True:
-                pending = []
-                for e in list(state.entries.values()):
-                    try:
-                        fut = self._transfers.start_writeback(e)  # None when home is current
-                    except KeyError:
-                        if e.dropped:  # by another thread, while this one waited: nothing of it to write
-                            continue
-                        raise
-                    if fut is not None:
-                        pending.append((e, fut))
-                if not pending:
-                    return
-                for entry, fut in pending:
-                    state.wait_for(fut)
-                    if (err := fut.exception()) is not None and not entry.dropped:
-                        entry.reported(err)  # here, not again by the key's next get()
-                        raise err
-
-    def evict(self, key: str, tier: Tier | str) -> None:
-        """Drop the cached copy of ``key`` in ``tier``, writing it back first if it is dirty."""
-        self._state.check_open()
-        tier = Tier.parse(tier)
-        with self._state.lock:
-            entry = self._state.lookup(key)
-            if tier is entry.home:
-                raise TierValueError(f"evict({key!r}, {tier.label!r}): that is its home tier; use drop() to remove it")
-            self._transfers.evict(entry, tier)
-
-    def drop(self, key: str) -> None:
-        """Remove ``key`` and free every copy, discarding unwritten changes."""
-        self._state.check_open()
-        with self._state.lock:
-            self._state.drop_entry(self._state.lookup(key))
-
-    def undo_puts(self, handles: list[Handle]) -> None:
-        """Take back what the puts of ``handles`` registered (their writes finished or failed): what a
-        constructor that fails part-way calls, so that nothing of it is left in the store."""
-        for h in handles:
-            with contextlib.suppress(BaseException):
-                h.wait()
-            if self.contains(h.key):
-                self.drop(h.key)
-
     # ---- what is there -----------------------------------------------------------------
     def contains(self, key: str) -> bool:
         with self._state.lock:
@@ -400,11 +291,6 @@ class TierStore:
         """The timeline being recorded, or None."""
         return self.stats.timeline
 
-    def is_waiting_for_room(self, thread_ident: int) -> bool:
-        """Whether that thread is waiting for other threads to release memory (see [Note: Waiting for room])."""
-        with self._state.lock:
-            return self._room.is_waiting(thread_ident)
-
     def nvme_room_bytes(self) -> int:
         """Bytes the NVMe tier could still take (0 without one): what a caller checks before writing a model."""
         return self._state.engine.room_bytes() if self._state.engine is not None else 0
@@ -427,40 +313,6 @@ class TierStore:
     def direct_io(self) -> bool:
         """Whether the NVMe tier reads and writes with O_DIRECT (False without one, or where refused)."""
         return bool(self._state.engine and self._state.engine.direct)
-
-    # ---- eviction policy ---------------------------------------------------------------
-    def set_victim_order(self, fn: Callable[[Tier, list[str]], list[str]] | None) -> None:
-        """Install an eviction policy for every key: given a tier and candidate keys (least recently used
-        first), return them in the order they should be evicted. None restores LRU."""
-        self._room.victim_order = fn
-
-    def add_victim_order(self, fn: Callable[[Tier, list[str]], list[str]], owns: Callable[[str], bool]) -> object:
-        """Install the eviction policy of one owner (an offloaded model) for the keys ``owns`` says are its own;
-        returns a token for :meth:`remove_victim_order`. See [Note: Several owners' victim orders]."""
-        with self._state.lock:
-            return self._room.add_owner_order(fn, owns)
-
-    def remove_victim_order(self, token: object) -> None:
-        with self._state.lock:
-            self._room.owner_orders.pop(token, None)
-
-    def keep(self, owner: object, keys: Iterable[str], tier: Tier | str = Tier.HOST) -> None:
-        """Keep the copies of ``keys`` in ``tier`` once they are there, for the whole run: a prefetch never
-        evicts them, a get() only when nothing else can go (counted as ``kept_evictions``). The set replaces
-        ``owner``'s last one; an empty one ends it. A changed kept copy is written home when it goes, or by
-        :meth:`flush`, not after each change (see [Note: Kept copies] in _room.py)."""
-        if isinstance(keys, str):
-            raise TierTypeError(f"keep() takes a collection of keys, not the string {keys!r}: pass [{keys!r}]")
-        tier = Tier.parse(tier)
-        if tier is Tier.NVME:
-            raise TierValueError("keep() is for the memory tiers ('device' or 'host'); the nvme tier holds everything")
-        with self._state.lock:
-            self._room.set_kept(owner, tier, frozenset(keys))
-
-    def kept(self, tier: Tier | str = Tier.HOST) -> frozenset[str]:
-        """The keys every owner keeps in ``tier`` (see :meth:`keep`)."""
-        with self._state.lock:
-            return self._room.kept_keys(Tier.parse(tier))
 
     # ---- lifetime ----------------------------------------------------------------------
     def close(self) -> None:
