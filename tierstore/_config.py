@@ -162,7 +162,8 @@ class LayerSetting:
     """A setting of a layer above the core, as that layer declared it."""
 
     owner: str
-    """Who reads it, as an error message names it (e.g. ``"offload_model (ParamOffloadPolicy.prefetch_depth)"``)."""
+    """Who reads it, as a message names it (the integrations name the policy field: ``"ParamOffloadPolicy.home"``
+    for ``param_tier``)."""
     default: Any
     """Its value when not given."""
     check: Callable[[Any], Any]
@@ -210,6 +211,8 @@ def declared_layer_settings() -> Mapping[str, LayerSetting]:
 def _checked_layer_settings(values: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(values, Mapping):
         raise TierTypeError(f"layer_settings must be a mapping of setting names to values, not {values!r}")
+    if not values:  # nothing to check: the layers above are not looked for
+        return {}
     check_settings(values, "the config")
     known = declared_layer_settings()
     return {name: known[name].check(value) for name, value in values.items()}
