@@ -102,3 +102,19 @@ def test_each_flat_setting_is_a_policy_field_with_its_default():
     for flat, (policy, field) in __import__("tierstore.integrations.policies", fromlist=["FLAT"]).FLAT.items():
         assert declared[flat].default == getattr(policy(), field)
         assert declared[flat].owner == f"{policy.__name__}.{field}"
+
+
+def test_a_layers_setting_is_known_before_its_layer_is_imported():
+    """In a fresh process: a config of the store's own settings imports nothing above the core; one with a layer's
+    setting finds the layer through its entry point (see [Note: Settings of the layers above])."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tierstore as ts\n"
+            "ts.StoreConfig(queue_depth=4)\n"
+            "assert 'tierstore.integrations' not in sys.modules\n"
+            "c = ts.StoreConfig(optimizer_moments='8bit')\n"
+            "print(c.layer_settings['optimizer_moments'], 'tierstore.integrations.policies' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["8bit", "True"]
