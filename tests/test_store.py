@@ -711,6 +711,39 @@ def test_a_prefetch_overtaken_by_a_get_of_its_key_reads_nothing(make_store):
     assert store.stats_dict()["bytes_read_nvme"] == read + n and "host" in store.info("b")["copies"]
 
 
+def test_a_failed_prefetch_read_for_a_get_fetching_the_key_is_not_kept_for_a_later_get(nvme_dir):
+    """A prefetch whose read fails while a get() of the key is fetching it: that get reads the key itself, and
+    the failure is not kept for the next get (which would raise it in a later step, after this use had its
+    bytes). With no get fetching, the next get reports it, as before (see [Note: A prefetch overtaken by its
+    get])."""
+    from tierstore.testing import FaultySyscalls
+
+    n = 64 * 1024
+    sysc = FaultySyscalls(None)
+    with ts.TierStore(nvme_path=nvme_dir, host_budget_bytes=4 * n, device_budget_bytes=n, block_size_bytes=n,
+                      file_size_bytes=4 * n, syscalls=sysc) as store:
+        for getting, kept in ((1, False), (0, True)):
+            store.put("b", torch.ones(n // 4), home="nvme").wait()
+            store.evict("b", "host")
+            state = store._state
+            entry = state.lookup("b")
+            sysc.fail_at = sysc.calls  # the prefetch's read fails
+            with state.lock:
+                entry.getting += getting
+                try:
+                    with pytest.raises(ts.TierIOError):
+                        store._transfers.materialize(entry, ts.Tier.HOST, may_skip=True, prefetch_into=ts.Tier.HOST)
+                finally:
+                    entry.getting -= getting
+            assert (entry.error is not None) == kept
+            if kept:
+                with pytest.raises(ts.TierStoreError):
+                    store.get("b", "host")
+            assert torch.equal(store.get("b", "host"), torch.ones(n // 4))  # read again: the fault was once
+            store.release("b", "host")
+            store.drop("b")
+
+
 def test_a_prefetch_overtaken_by_a_get_still_fetching_reads_for_it(make_store):
     """A get() of the key that is still fetching it (waiting for room, as the prefetch was) is the use the
     prefetch was for: the prefetch fills the copy and reads it once, and the get finds it (see [Note: A prefetch

@@ -18,7 +18,12 @@ after the latest prefetch() asking for it and is over (one asked for again
 while it was pending reads for the later use). A get still fetching the key
 is the use the prefetch was for: the prefetch fills the copy and the get
 waits for it, as it would have without the race (skipping there would hand
-the room back to a get that has to wait for it again and read alone).
+the room back to a get that has to wait for it again and read alone). If
+that prefetch's read fails, the get fetching the key reads it itself (or, if
+it waits on the failed copy, raises the failure): the failure is not kept
+for the next get, which would raise it in a later step, after this one had
+its bytes (as `test_a_step_stopped_by_an_io_error_finishes_when_called_again`
+once saw).
 """
 
 from __future__ import annotations
@@ -134,7 +139,7 @@ class Transfers:
         copy.loading = None
         if error is not None:
             state.free_copy(entry, copy)
-            if may_skip and not entry.dropped:  # a prefetch: the next get() reports it
+            if may_skip and not entry.dropped and not entry.getting:  # a prefetch: the next get() reports it
                 entry.error, entry.error_in_write = error, False
             done.set_exception(error)
             state.lock.notify_all()
