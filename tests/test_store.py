@@ -691,10 +691,10 @@ def test_changing_what_is_kept_while_other_threads_write_and_evict_loses_no_valu
         assert torch.equal(store.read(k), torch.full((mib // 16,), last[k])), k
 
 
-def test_a_prefetch_overtaken_by_a_get_of_its_key_reads_nothing(make_store):
-    """A prefetch that got room only after the caller had get() the key itself skips (see [Note: A prefetch
-    overtaken by its get]): reading it then would serve a use that is over, and a failure of that read would be
-    reported by a get in a later step. One asked for again after that get reads, for the later use."""
+def _prefetch_after_a_get(make_store, *, getting: int):
+    """A key of ``n`` bytes on the drive whose prefetch into the host tier gets room only after a get() of it
+    (``getting``: that get is still fetching it): the store, ``n``, what the prefetch's fill returned and the
+    bytes read from the drive before it."""
     n = 64 * 1024
     store = make_store(host_budget_bytes=4 * n)
     store.put("b", torch.ones(n // 4), home="nvme").wait()
@@ -705,7 +705,20 @@ def test_a_prefetch_overtaken_by_a_get_of_its_key_reads_nothing(make_store):
     with state.lock:
         entry.prefetch_asked[ts.Tier.HOST] = next(state.tick)  # asked for ...
         entry.last_get = next(state.tick)  # ... then a get() came first
-        assert store._transfers.materialize(entry, ts.Tier.HOST, may_skip=True, prefetch_into=ts.Tier.HOST) is None
+        entry.getting += getting
+        try:
+            copy = store._transfers.materialize(entry, ts.Tier.HOST, may_skip=True, prefetch_into=ts.Tier.HOST)
+        finally:
+            entry.getting -= getting
+    return store, n, copy, read
+
+
+def test_a_prefetch_overtaken_by_a_get_of_its_key_reads_nothing(make_store):
+    """A prefetch that got room only after the caller had get() the key itself skips (see [Note: A prefetch
+    overtaken by its get]): reading it then would serve a use that is over, and a failure of that read would be
+    reported by a get in a later step. One asked for again after that get reads, for the later use."""
+    store, n, copy, read = _prefetch_after_a_get(make_store, getting=0)
+    assert copy is None
     assert store.stats_dict()["bytes_read_nvme"] == read and "host" not in store.info("b")["copies"]
     store.prefetch("b", "host").wait()  # asked again: for the next use
     assert store.stats_dict()["bytes_read_nvme"] == read + n and "host" in store.info("b")["copies"]
@@ -748,21 +761,7 @@ def test_a_prefetch_overtaken_by_a_get_still_fetching_reads_for_it(make_store):
     """A get() of the key that is still fetching it (waiting for room, as the prefetch was) is the use the
     prefetch was for: the prefetch fills the copy and reads it once, and the get finds it (see [Note: A prefetch
     overtaken by its get])."""
-    n = 64 * 1024
-    store = make_store(host_budget_bytes=4 * n)
-    store.put("b", torch.ones(n // 4), home="nvme").wait()
-    store.evict("b", "host")
-    state = store._state
-    entry = state.lookup("b")
-    read = store.stats_dict()["bytes_read_nvme"]
-    with state.lock:
-        entry.prefetch_asked[ts.Tier.HOST] = next(state.tick)
-        entry.last_get = next(state.tick)
-        entry.getting += 1  # a get() came after the prefetch() and waits for room too
-        try:
-            copy = store._transfers.materialize(entry, ts.Tier.HOST, may_skip=True, prefetch_into=ts.Tier.HOST)
-        finally:
-            entry.getting -= 1
+    store, n, copy, read = _prefetch_after_a_get(make_store, getting=1)  # the get waits for room too
     assert copy is not None and store.stats_dict()["bytes_read_nvme"] == read + n
     assert torch.equal(store.get("b", "host"), torch.ones(n // 4))
     store.release("b", "host")
