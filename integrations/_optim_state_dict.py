@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tierstore import TierKeyError, TierStore, TierValueError
+from tierstore import TierBudgetError, TierKeyError, TierStore, TierValueError
 
 from ._layouts import StateLayout
 from ._optim_params import check_group_states, group_states
@@ -77,14 +77,39 @@ class StateDictIO:
                 if k != "params":
                     target[k] = v
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, beyond_host_budget: bool = False) -> dict[str, Any]:
         """Plain tensors (read from the store), like torch.optim's state_dict, keyed by parameter name: each piece
         of state as the layout stores it (an 8-bit moment is its packed bytes: nothing is inflated, and a load
-        into the same layout gives back the same bits), with ``"state_layout"`` naming the layout."""
+        into the same layout gives back the same bits), with ``"state_layout"`` naming the layout.
+
+        Every piece is read into memory at once, so a state larger than the store's host budget is refused (see
+        [Note: A whole state dict beyond the host budget]) unless ``beyond_host_budget=True``."""
+        tensors = self.state_tensors()
+        if not beyond_host_budget:
+            self._check_state_fits([k for _, _, k in tensors])
         state: dict[str, dict[str, torch.Tensor]] = {}
-        for name, what, k in self.state_tensors():
+        for name, what, k in tensors:
             state.setdefault(name, {"step": torch.tensor(self.steps[name])})[what] = self.store.read(k)
         return {"state": state, "param_groups": self.group_states(), "state_layout": self.layout.as_dict()}
+
+    def _check_state_fits(self, keys: list[str]) -> None:
+        """[Note: A whole state dict beyond the host budget] ``state_dict()`` returns every piece of state in
+        memory at once: for a state larger than the host budget that is more RAM than the user gave the store,
+        and for a 7B model more than the machine has. transformers' ``Trainer`` calls it at each checkpoint
+        (``torch.save(optimizer.state_dict())``), so without ``stream_checkpoints(trainer)`` a run would peak at
+        its first save or die there, with nothing said. So it raises instead, naming the streamed savers: the
+        one line for ``Trainer``, ``save_checkpoint`` for a loop of one's own. A state within the budget is
+        returned as torch returns it."""
+        budget = self.store.config.host_budget_bytes
+        total = sum(self.store.info(k)["nbytes"] for k in keys)
+        if total > budget:
+            raise TierBudgetError(
+                f"optimizer.state_dict() would read the whole optimizer state ({total / 2**20:.1f} MiB) into memory, "
+                f"more than the store's host budget ({budget / 2**20:.1f} MiB). Save it one tensor at a time "
+                f"instead: with transformers' Trainer, call tierstore.integrations.stream_checkpoints(trainer) "
+                f"once after building it; in a loop of your own, "
+                f"tierstore.integrations.save_checkpoint(path, model, optimizer). To read it all into memory "
+                f"anyway, call state_dict(beyond_host_budget=True)")
 
     def decoded(self, name: str, what: str, stored: torch.Tensor, layout: StateLayout | None = None) -> torch.Tensor:
         """The values of one piece of ``name``'s state stored under ``layout`` (this optimizer's by default), as

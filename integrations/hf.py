@@ -42,7 +42,15 @@ import torch
 from torch import nn
 
 from tierstore import CheckpointError, TierTypeError, TierValueError, UnsupportedError, parse_bytes
-from tierstore.files import TensorSource, read_raw, safetensors_entries, write_safetensors_file
+from tierstore.files import (
+    TensorSource,
+    commit,
+    discard,
+    new_directory,
+    read_raw,
+    safetensors_entries,
+    write_safetensors_file,
+)
 
 from ._base import OffloadBase
 from .checkpoint import (
@@ -60,6 +68,11 @@ OPTIMIZER_DIR = "tierstore_optimizer"
 SCHEDULER_NAME = "scheduler.pt"  # as Trainer names it
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+CHECKPOINT_PREFIX = "checkpoint"  # Trainer's checkpoint-N directories
+TRAINER_STATE_NAME = "trainer_state.json"  # as Trainer names it
+# Where a Trainer checkpoint is written before it takes its name (see [Note: A Trainer checkpoint appears whole]):
+# not a checkpoint-N name, so Trainer's resume never picks it.
+STAGING_NAME = ".tierstore-checkpoint"
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -308,8 +321,83 @@ def stream_checkpoints(trainer: Any) -> Any:
     trainer._save_optimizer_and_scheduler = save_optimizer_and_scheduler
     trainer._load_optimizer_and_scheduler = load_optimizer_and_scheduler
     trainer._load_from_checkpoint = load_from_checkpoint
+    trainer._save_checkpoint = partial(_save_checkpoint_whole, trainer, trainer._save_checkpoint)
     trainer._tierstore_streams = True
     return trainer
+
+
+def _save_checkpoint_whole(trainer: Any, save: Any, model: nn.Module, trial: Any, *args: Any, **kwargs: Any) -> None:
+    """[Note: A Trainer checkpoint appears whole] ``Trainer`` writes
+    ``checkpoint-N`` file by file (weights, optimizer, scheduler, RNG, and
+    ``trainer_state.json`` last), and ``resume_from_checkpoint=True`` takes the
+    highest-numbered ``checkpoint-N`` there is: a save killed part-way left one
+    it picked and refused ("Can't find a valid checkpoint", a missing
+    ``trainer_state.json``) until someone deleted it. So the save is written
+    whole into a private staging directory (``.tierstore-checkpoint.tmp-*``,
+    locked by this process; one a killed save left is removed by the next
+    save), every file fsynced, and renamed to ``checkpoint-N`` as the store's
+    own checkpoints are committed (see [Note: Atomic checkpoint commit]). A
+    resume after a kill then continues from the last whole checkpoint. What
+    Trainer does after the write with the directory's name is done here on
+    the committed one: the best checkpoint's path (written again into its
+    ``trainer_state.json`` where it changed) and the rotation of old
+    checkpoints (``save_total_limit``). Runs of several processes and
+    ``push_to_hub`` save as Trainer does."""
+    args_ = trainer.args
+    if not args_.should_save or args_.world_size > 1 or args_.push_to_hub:
+        return save(model, trial, *args, **kwargs)
+    run_dir = trainer._get_output_dir(trial=trial)
+    os.makedirs(run_dir, exist_ok=True)
+    name = f"{CHECKPOINT_PREFIX}-{trainer.state.global_step}"
+    final = os.path.join(run_dir, name)
+    staging = new_directory(os.path.join(run_dir, STAGING_NAME))
+    trainer._get_output_dir = lambda *_a, **_k: staging  # the instance's, over the class's method
+    try:
+        save(model, trial, *args, **kwargs)
+        written = os.path.join(staging, name)
+        _fsync_files(written)
+        commit(written, final)
+    finally:
+        del trainer._get_output_dir
+        discard(staging)
+    state = trainer.state
+    best = state.best_model_checkpoint
+    if best is not None and os.path.dirname(os.path.abspath(best)) == os.path.abspath(staging):
+        best = os.path.join(run_dir, os.path.basename(best))  # named by the save itself
+    best_step = getattr(state, "best_global_step", None)
+    if best_step and os.path.isdir(os.path.join(run_dir, f"{CHECKPOINT_PREFIX}-{best_step}")):
+        best = os.path.join(run_dir, f"{CHECKPOINT_PREFIX}-{best_step}")
+    if best != state.best_model_checkpoint:
+        state.best_model_checkpoint = best
+        tmp = os.path.join(final, TRAINER_STATE_NAME + ".tmp")
+        state.save_to_json(tmp)
+        _fsync_files(tmp)
+        os.replace(tmp, os.path.join(final, TRAINER_STATE_NAME))
+    _rotate_checkpoints(trainer, run_dir)
+
+
+def _fsync_files(path: str) -> None:
+    """fsync ``path`` (a file), or every file and directory under it."""
+    paths = [path] if os.path.isfile(path) else \
+        [os.path.join(d, n) for d, _, names in os.walk(path) for n in names] + [d for d, _, _ in os.walk(path)]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _rotate_checkpoints(trainer: Any, run_dir: str) -> None:
+    """Trainer's removal of old checkpoints past ``save_total_limit``, in ``run_dir``."""
+    rotate = getattr(trainer, "_rotate_checkpoints", None)
+    if rotate is not None:  # transformers 4
+        rotate(use_mtime=False, output_dir=run_dir)
+        return
+    from transformers.trainer_utils import rotate_checkpoints
+
+    rotate_checkpoints(output_dir=run_dir, save_total_limit=trainer.args.save_total_limit,
+                       best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
 
 
 # ---- merging adapters ------------------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ peft = pytest.importorskip("peft")
 pytest.importorskip("accelerate")  # Trainer's
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
+from conftest import child_script  # noqa: E402
 from test_peft import VOCAB, lora_pair  # noqa: E402
 
 
@@ -193,3 +196,81 @@ def test_stream_checkpoints_needs_an_offloaded_model(tmp_path):
     with pytest.raises(ValueError, match="offload_model"):
         stream_checkpoints(trainer)
 
+
+
+def _kill_child(*args: str) -> "subprocess.CompletedProcess[str]":
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run([sys.executable, child_script("trainer_kill_child.py"), *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_trainer_save_killed_part_way_resumes_from_the_last_whole_checkpoint(tmp_path):
+    """kill -9 at points of the save of checkpoint-2 (the weights written, the optimizer's state half written, the
+    optimizer and the RNG states written, the directory renamed into place), then resume_from_checkpoint=True in a
+    fresh process: every checkpoint-N there is whole, and the run ends where the uninterrupted run ends, bit for
+    bit (see [Note: A Trainer checkpoint appears whole])."""
+    (tmp_path / "nvme").mkdir()
+    dry = _kill_child(str(tmp_path / "nvme"), str(tmp_path / "whole"), "-1", "0", str(tmp_path / "whole.pt"))
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    stages = [line.removeprefix("stage ") for line in dry.stdout.splitlines() if line.startswith("stage ")]
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    tensors = [i for i, s in enumerate(stages) if s.startswith("tensor ")]
+    named = [stages.index(s) for s in ("model saved", "optimizer saved", "rng saved")]
+    points = sorted({*named, tensors[len(tensors) // 2], len(stages) - 2})  # the last: the whole directory renamed
+    assert stages[-2:] == ["renamed new", "done"]
+    for k in points:
+        out, nvme = tmp_path / f"out{k}", tmp_path / f"nvme{k}"
+        nvme.mkdir()
+        killed = _kill_child(str(nvme), str(out), str(k), "0", str(tmp_path / "unused.pt"))
+        assert killed.returncode == -9, (k, stages[k], killed.stderr[-3000:])
+        names = sorted(n for n in os.listdir(out) if n.startswith("checkpoint-"))
+        assert names == (["checkpoint-1", "checkpoint-2"] if k == len(stages) - 2 else ["checkpoint-1"]), \
+            (stages[k], names)
+        assert all("trainer_state.json" in os.listdir(out / n) for n in names)
+        resumed = _kill_child(str(nvme), str(out), "-1", "1", str(tmp_path / f"resumed{k}.pt"))
+        assert resumed.returncode == 0, (stages[k], resumed.stderr[-3000:])
+        assert _same(torch.load(tmp_path / f"resumed{k}.pt", weights_only=True), whole), stages[k]
+        assert not [n for n in os.listdir(out) if n.startswith(".tierstore-checkpoint")]  # the killed save's
+
+
+def test_trainer_without_the_line_stops_at_its_first_save_instead_of_reading_the_state_whole(nvme_dir, tmp_path):
+    """Without stream_checkpoints, Trainer's save calls optimizer.state_dict(): with an optimizer state beyond the
+    host budget that raises, naming the line (see [Note: A whole state dict beyond the host budget]), before any
+    state is read; within the budget, or asked for with beyond_host_budget=True, it is torch's state dict."""
+    model = _llama()
+    store = _store(nvme_dir, model)
+    try:
+        off = offload_model(model, store, units=_layer_units())
+        opt = OffloadedAdamW(off, lr=1e-2)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[], save_strategy="steps",
+            save_steps=1, use_cpu=True, seed=0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), optimizers=(opt, None))
+        with pytest.raises(ts.TierBudgetError, match=r"stream_checkpoints\(trainer\).*save_checkpoint"):
+            trainer.train()
+        assert store.memory()["host"]["peak_bytes"] <= store.config.host_budget_bytes
+        whole = opt.state_dict(beyond_host_budget=True)["state"]
+        assert sum(t.nbytes for s in whole.values() for k, t in s.items() if k != "step") \
+            > store.config.host_budget_bytes
+    finally:
+        store.close()
+
+
+def test_a_state_within_the_host_budget_is_returned_whole(nvme_dir):
+    model = _llama()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    store = ts.TierStore(nvme_path=nvme_dir, host_budget_bytes=4 * total, file_size_bytes="4MiB",
+                         block_size_bytes="64KiB")
+    try:
+        off = offload_model(model, store, units=_layer_units())
+        opt = OffloadedAdamW(off, lr=1e-2)
+        model(torch.randint(0, VOCAB, (2, 8)), labels=torch.randint(0, VOCAB, (2, 8))).loss.backward()
+        opt.step()
+        sd = opt.state_dict()
+        assert set(sd["state"]) == {n for n, p in model.named_parameters()}
+        assert sum(t.nbytes for s in sd["state"].values() for k, t in s.items() if k != "step") \
+            <= store.config.host_budget_bytes
+        opt.close()
+    finally:
+        store.close()

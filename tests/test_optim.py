@@ -50,7 +50,7 @@ def test_failed_update_leaves_state_as_before_the_step(make_store, monkeypatch):
     data = SyntheticImages(cfg)
     _train(model, data, 1, opt)
     before = {n: off.read_param(n) for n, _, _ in off.named_offloaded()}
-    moments = opt.state_dict()["state"]
+    moments = opt.state_dict(beyond_host_budget=True)["state"]
     x, y = data.batch(1, 8)
     F.cross_entropy(model(x), y).backward()
     _fail_fc1_update_half_way(monkeypatch)
@@ -58,7 +58,7 @@ def test_failed_update_leaves_state_as_before_the_step(make_store, monkeypatch):
         opt.step()
     opt.wait()
     assert torch.equal(off.read_param("blocks.0.fc1.weight"), before["blocks.0.fc1.weight"])
-    assert torch.equal(opt.state_dict()["state"]["blocks.0.fc1.weight"]["exp_avg"],
+    assert torch.equal(opt.state_dict(beyond_host_budget=True)["state"]["blocks.0.fc1.weight"]["exp_avg"],
                        moments["blocks.0.fc1.weight"]["exp_avg"])
     assert opt.steps["blocks.0.fc1.weight"] == 1.0
     assert not torch.equal(off.read_param("blocks.0.qkv.weight"), before["blocks.0.qkv.weight"])  # stepped
@@ -251,7 +251,7 @@ def test_tensors_larger_than_an_update_slice_are_bit_identical(make_store, monke
     finally:
         opt.close()
     _assert_same_parameters(model, ref)
-    ours = opt.state_dict()["state"]
+    ours = opt.state_dict(beyond_host_budget=True)["state"]
     for name, p in ref.named_parameters():
         assert torch.equal(ours[name]["exp_avg_sq"], ropt.state[p]["exp_avg_sq"]), name
 
@@ -344,7 +344,7 @@ def test_parameter_groups_and_a_scheduler_match_torch(make_store, in_backward):
     assert losses["ref"] == losses["ours"]
     assert [g["lr"] for g in opt.param_groups] == [ropt.param_groups[1]["lr"], ropt.param_groups[0]["lr"]] != [1e-3] * 2
     _assert_same_parameters(model, ref)
-    saved = opt.state_dict()["param_groups"]
+    saved = opt.state_dict(beyond_host_budget=True)["param_groups"]
     assert saved[0]["params"] == no_decay and saved[0]["initial_lr"] == 1e-3
 
 
@@ -378,7 +378,7 @@ def test_maximize_and_torch_adamw_keywords_match_torch(make_store, in_backward, 
                 o.step()
                 o.zero_grad()
             _assert_same_parameters(model, ref)
-        assert [g["maximize"] for g in opt.state_dict()["param_groups"]] == [False, True]
+        assert [g["maximize"] for g in opt.state_dict(beyond_host_budget=True)["param_groups"]] == [False, True]
     finally:
         opt.close()
 
@@ -449,7 +449,7 @@ def test_moments_take_their_parameters_layout_so_the_fused_update_copies_nothing
         model(x).float().square().mean().backward()
         opt.step()
         opt.zero_grad()
-    assert set(opt.state_dict()["state"]) == {n for n, _ in model.named_parameters()}
+    assert set(opt.state_dict(beyond_host_budget=True)["state"]) == {n for n, _ in model.named_parameters()}
 
 
 def test_parameter_groups_refuse_bad_input(make_store):
@@ -474,7 +474,7 @@ def test_parameter_groups_refuse_bad_input(make_store):
     twin = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     other = OffloadedAdamW(offload_model(twin, make_store()))
     with pytest.raises(ValueError, match="do not hold the same parameters"):
-        other.load_state_dict(opt.state_dict())
+        other.load_state_dict(opt.state_dict(beyond_host_budget=True))
 
 
 @pytest.mark.parametrize("unscale", [True, False], ids=["unscale-and-clip", "no-clip"])
@@ -834,9 +834,9 @@ def test_fp64_parameters_are_stepped_in_fp64(make_store, in_backward):
     store = make_store(host_budget_bytes="640KiB", device_budget_bytes="64KiB")
     off = offload_model(model, store)
     opt = OffloadedAdamW(off, lr=1e-2, step_in_backward=in_backward)
-    assert opt.state_dict()["state"] == {} and "adam/0.weight/master" not in store
+    assert opt.state_dict(beyond_host_budget=True)["state"] == {} and "adam/0.weight/master" not in store
     _train_both(ref, model, opt)
-    assert opt.state_dict()["state"]["0.weight"]["exp_avg"].dtype == torch.float64
+    assert opt.state_dict(beyond_host_budget=True)["state"]["0.weight"]["exp_avg"].dtype == torch.float64
     assert store.stats_dict()["bytes_read_nvme"] > 0
 
 
@@ -955,7 +955,7 @@ def test_a_torch_optimizer_state_dict_is_refused_by_name_not_by_guess(make_store
     opt = OffloadedAdamW(off)
     with pytest.raises(ValueError, match="by index, as torch.optim's state_dict"):
         opt.load_state_dict(ropt.state_dict())
-    assert opt.state_dict()["state"] == {}
+    assert opt.state_dict(beyond_host_budget=True)["state"] == {}
     opt.close()
 
 

@@ -342,10 +342,10 @@ def test_a_checkpoint_keeps_compressed_state_as_it_is_and_resumes_bit_identicall
     opt = OffloadedAdamW(off, lr=1e-2, moments="8bit", master="split")
     _train(model, opt, 3)
     save_checkpoint(str(tmp_path / "ck"), model, opt)
-    stored = opt.state_dict()
+    stored = opt.state_dict(beyond_host_budget=True)
     expected = _train(model, opt, 3, start=3)
     load_checkpoint(str(tmp_path / "ck"), model, opt)
-    for name, entry in opt.state_dict()["state"].items():
+    for name, entry in opt.state_dict(beyond_host_budget=True)["state"].items():
         for what, value in entry.items():
             assert torch.equal(value, stored["state"][name][what]), (name, what)
     assert _train(model, opt, 3, start=3) == expected
@@ -363,11 +363,11 @@ def test_a_state_dict_loads_into_its_own_layout_bit_identically_and_into_another
     model = _model()
     opt = OffloadedAdamW(offload_model(model, make_store()), lr=1e-2, moments="8bit", master="split")
     _train(model, opt, 3)
-    sd = copy.deepcopy(opt.state_dict())
+    sd = copy.deepcopy(opt.state_dict(beyond_host_budget=True))
     weights = copy.deepcopy(model.state_dict())
     assert sd["state_layout"] == {"moments": "8bit", "master": "split", "split": "nearest"}
     opt.load_state_dict(sd)
-    for name, entry in opt.state_dict()["state"].items():
+    for name, entry in opt.state_dict(beyond_host_budget=True)["state"].items():
         for what, value in entry.items():
             assert torch.equal(value, sd["state"][name][what])
 
@@ -379,7 +379,7 @@ def test_a_state_dict_loads_into_its_own_layout_bit_identically_and_into_another
         opt2.load_state_dict(sd)
     opt2.load_state_dict(sd, convert=True)
     name = "0.weight"
-    converted = opt2.state_dict()["state"][name]
+    converted = opt2.state_dict(beyond_host_budget=True)["state"][name]
     assert torch.equal(converted["exp_avg"], opt.decoded(name, "exp_avg", sd["state"][name]["exp_avg"]))
     assert torch.equal(converted["master"], opt.decoded(name, "master", sd["state"][name]["master"]))
     # both continue the same way up to the moments' quantization
@@ -487,7 +487,7 @@ def test_split_masters_of_the_first_version_load_exactly_with_rounded_weights(ma
         opt = OffloadedAdamW(off, lr=1e-2, moments="8bit", master="split")
         _train(model, opt, 3)
         save_checkpoint(str(tmp_path / "ck"), model, opt)
-        sd = copy.deepcopy(opt.state_dict())
+        sd = copy.deepcopy(opt.state_dict(beyond_host_budget=True))
         weights = copy.deepcopy(model.state_dict())
     masters = {name: _ref_truncated(weights[name], sd["state"][name]["master"]) for name in sd["state"]
                if "master" in sd["state"][name]}
@@ -501,7 +501,7 @@ def test_split_masters_of_the_first_version_load_exactly_with_rounded_weights(ma
         else:
             other.load_state_dict(weights)
             opt2.load_state_dict(sd)
-        now = opt2.state_dict()
+        now = opt2.state_dict(beyond_host_budget=True)
         loaded = dict(other.state_dict())
         for name, master in masters.items():
             assert torch.equal(opt2.decoded(name, "master", now["state"][name]["master"]), master), (how, name)
@@ -546,7 +546,7 @@ def test_two_threads_training_compressed_state_at_once_each_train_as_alone(make_
         opt.wait()
         results[seed] = (losses, {k: v.clone() for k, v in model.state_dict().items()},
                          {n: {w: t.clone() for w, t in e.items() if torch.is_tensor(t)}
-                          for n, e in opt.state_dict()["state"].items()})
+                          for n, e in opt.state_dict(beyond_host_budget=True)["state"].items()})
         opt.close()
 
     alone, together = {}, {}
@@ -625,7 +625,7 @@ def test_a_compressed_step_stopped_by_an_io_error_finishes_as_an_unbroken_run(ma
         assert sysc.failed == (fail_after is not None)
         result = ({k: v.clone() for k, v in model.state_dict().items()},
                   {n: {w: t.clone() for w, t in e.items() if torch.is_tensor(t)}
-                   for n, e in opt.state_dict()["state"].items()})
+                   for n, e in opt.state_dict(beyond_host_budget=True)["state"].items()})
         opt.close()
         store.close()
         return result, part_way
