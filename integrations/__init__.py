@@ -16,7 +16,15 @@ from .fsdp import FSDPOffload, offload_fsdp
 from .hf import load_base_weights, save_merged, save_pretrained, stream_checkpoints
 from .offload import DEFAULT_UNITS, OffloadedModel, OffloadedParameterError, offload_model
 from .optim import OffloadedAdamW, OffloadedGradScaler
-from .policies import OptimizerStatePolicy, ParamOffloadPolicy
+from .policies import (
+    OptimizerStatePolicy,
+    ParamOffloadPolicy,
+    Settings,
+    default_grad_backlog_bytes,
+    load_settings,
+    settings_from_deepspeed,
+    split_settings,
+)
 
 __all__ = [
     "DEFAULT_UNITS",
@@ -28,16 +36,21 @@ __all__ = [
     "OffloadedParameterError",
     "OptimizerStatePolicy",
     "ParamOffloadPolicy",
+    "Settings",
     "UnrestorableUpdateError",
     "consolidate_checkpoint",
+    "default_grad_backlog_bytes",
     "load_base_weights",
     "load_checkpoint",
     "load_parameters",
     "load_safetensors",
+    "load_settings",
     "offload_fsdp",
     "offload_model",
     "save_checkpoint",
     "save_merged",
     "save_pretrained",
+    "settings_from_deepspeed",
+    "split_settings",
     "stream_checkpoints",
 ]

@@ -126,21 +126,22 @@ class OffloadBase(OffloadedParameters):
                   forward_uses: int | None = None) -> None:
         """The prefetch policy over the units, the eviction order and the placement (once the units exist)."""
         auto = prefetch_depth == "auto"
-        self.policy = PrefetchPolicy(depth=AUTO_START_DEPTH if auto else int(prefetch_depth), max_bytes=prefetch_bytes,
+        self.prefetch_policy = PrefetchPolicy(depth=AUTO_START_DEPTH if auto else int(prefetch_depth),
+                                              max_bytes=prefetch_bytes,
                                      unit_bytes={u.name: u.nbytes for u in self._units.values()}, trace=trace,
                                      forward_uses=forward_uses)
-        self.stats.prefetch_depth = self.policy.depth
+        self.stats.prefetch_depth = self.prefetch_policy.depth
         self._by_key = {r.key: r for r in self.params.values()}
         for u in self._units.values():
             for r in u.params:
                 self._key_units[r.key] = (*self._key_units.get(r.key, ()), u.name)
         # Which of its copies eviction should drop first (Belady over its trace and its optimizer's queue).
-        self.victim_order = unit_victim_order(self.policy, self._key_units, self.later_uses)
+        self.victim_order = unit_victim_order(self.prefetch_policy, self._key_units, self.later_uses)
         self._victim_token = self.store.add_victim_order(
             self.victim_order, owns=self._owns)
         # What stays in the host tier for the whole run, and the depth with "auto" (see integrations/_placing.py).
-        self.placer = Placer(self.store, self.policy, self.later_uses, unit_keys=self._unit_keys, place=placement,
-                             auto_depth=auto, grad_of=grad_of)
+        self.placer = Placer(self.store, self.prefetch_policy, self.later_uses, unit_keys=self._unit_keys,
+                             place=placement, auto_depth=auto, grad_of=grad_of)
 
     def _owns(self, key: str) -> bool:
         """Whether this model's victim order ranks ``key``: its parameters, their optimizer state and kept
@@ -162,13 +163,13 @@ class OffloadBase(OffloadedParameters):
         Several forwards, one backward])."""
         if not self._steps.forward():
             return
-        self.policy.start_step()
+        self.prefetch_policy.start_step()
         self.placer.start_step()
-        self.stats.prefetch_depth = self.policy.depth
+        self.stats.prefetch_depth = self.prefetch_policy.depth
 
     def prefetch_after(self, unit: Any, tier: Tier) -> None:
         """``unit`` is about to be used: read ahead the units the policy names."""
-        for name in self.policy.on_use(unit.name, self.placer.clock()):
+        for name in self.prefetch_policy.on_use(unit.name, self.placer.clock()):
             for r in self._units[name].params:
                 self.store.prefetch(r.key, tier)
                 self.stats.prefetches_issued += 1

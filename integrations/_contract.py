@@ -80,13 +80,15 @@ class OffloadedParameters(Protocol):
     - ``grad_ready_callbacks``: called with a store key once that gradient is complete for this backward
       (an optimizer stepping in backward registers here); ``grad_read_guards``: each says why no gradient may
       be read now, or None; ``backwards_failed``: how many backward passes raised;
-    - ``later_uses`` and ``policy``: what eviction weighs (an optimizer adds its queue), the prefetch trace;
+    - ``later_uses`` and ``prefetch_policy``: what eviction weighs (an optimizer adds its queue), the prefetch trace;
     - ``on_remove``: called when the offload is removed (an optimizer drops its state); ``on_load``: called with
       the names of the parameters a load wrote (an optimizer remakes their masters), or None where the wrapper
       cannot tell of a load (weights are then loaded before an optimizer is made);
     - ``in_forward_or_backward()``: whether a forward or backward of the model is running now;
     - ``held_beside_updates()``: offloaded parameter name -> bytes of the host tier that backward may hold while
       that parameter's update runs in backward (what the optimizer's host budget must leave room for);
+    - ``follow_optimizer(home)``: the optimizer that steps these parameters keeps its state in ``home``: kept
+      gradients live there too, unless the offload's policy chose their tier (``grad_tier``);
     - ``readahead_room()``: host bytes an optimizer's read-ahead may fill under the placement (None: no
       placement yet);
     - ``broken``: None, or why the values can no longer be trusted (an update failed half-way and could not be
@@ -96,7 +98,7 @@ class OffloadedParameters(Protocol):
     model: nn.Module
     store: TierStore
     home: Tier
-    policy: PrefetchPolicy
+    prefetch_policy: PrefetchPolicy
     resident: dict[str, nn.Parameter]
     grads: GradientSource
     keeps_grads: bool
@@ -121,6 +123,8 @@ class OffloadedParameters(Protocol):
     def held_beside_updates(self) -> dict[str, int]: ...
 
     def readahead_room(self) -> int | None: ...
+
+    def follow_optimizer(self, home: Tier) -> None: ...
 
 
 class KeptGradients(GradientSource, Protocol):

@@ -90,10 +90,11 @@ def check_grad_dtype(grad_dtype: object) -> None:
                              f"in fp32) or 'param' (in the parameter's dtype, as torch keeps them)")
 
 
-def grad_home(store: TierStore, grad_tier: Tier | None = None) -> Tier:
-    """Where kept gradients live: ``grad_tier``, else the optimizer state's home the store's settings give; the
-    host tier without a drive (see [Note: Gradients in the tiers])."""
-    home = grad_tier if grad_tier is not None else OptimizerStatePolicy.of(store).home
+def grad_home(store: TierStore, grad_tier: Tier | None, optimizer_home: Tier | None = None) -> Tier:
+    """Where kept gradients live: ``grad_tier``, else the home of the state of the optimizer that steps them
+    (``OptimizerStatePolicy``'s default before one is built); the host tier without a drive (see [Note:
+    Gradients in the tiers])."""
+    home = grad_tier if grad_tier is not None else optimizer_home or OptimizerStatePolicy().home
     return Tier.HOST if home is Tier.NVME and store.swap_directory is None else home
 
 
@@ -129,16 +130,23 @@ class GradientStore:
     adds a backward's gradient; :func:`values_of` gives a gradient's values for the length of a ``with``.
     """
 
-    def __init__(self, store: TierStore, home: Tier, grad_dtype: str = "float32") -> None:
+    def __init__(self, store: TierStore, grad_tier: Tier | None, grad_dtype: str = "float32") -> None:
         check_grad_dtype(grad_dtype)
         self.store = store
-        self.home = home
+        self.grad_tier = grad_tier  # chosen by the offload's policy, or None: the optimizer's state's home
+        self.home = grad_home(store, grad_tier)
         self.grad_dtype = grad_dtype
         self._records: dict[str, _Record] = {}
         self._direct: dict[str, torch.Tensor] = {}  # handed to an optimizer stepping in backward
         self._lock = threading.RLock()
 
     # ---- what backward and the optimizer call --------------------------------------------
+
+    def follow(self, optimizer_home: Tier) -> None:
+        """An optimizer whose state lives in ``optimizer_home`` steps these gradients: unless the offload's policy
+        chose their tier, the gradients put from now on live there too."""
+        if self.grad_tier is None:
+            self.home = grad_home(self.store, None, optimizer_home)
     def accumulate(self, param_key: str, grad: torch.Tensor, param_dtype: torch.dtype) -> None:
         """Add a backward's gradient into the stored one (or store it: the first of a step)."""
         with self._lock:

@@ -79,12 +79,12 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from tierstore import Tier, TierStore, TierTypeError
-from tierstore.scheduling import check_prefetch_depth
 from tierstore.memory import TierPool
 from tierstore.scheduling import Placement, StepTrace, choose_depth, plan_placement, room_bytes, size_text
 from tierstore.scheduling import LaterUses, PrefetchPolicy
 
 from ._contract import OPTIMIZER_PREFIX
+from .policies import check_prefetch_depth
 
 MAX_AUTO_DEPTH = 16
 KEEP_BELOW = 0.97  # a placement is kept when its step moved less than this share of the baseline's bytes
@@ -164,7 +164,7 @@ class Placer:
                  unit_keys: Callable[[], Mapping[str, Sequence[tuple[str, int]]]], place: bool,
                  auto_depth: bool, grad_of: Callable[[str], tuple[str, int] | None] | None = None) -> None:
         self.store = store
-        self.policy = policy
+        self.prefetch_policy = policy
         self.later = later
         self.unit_keys = unit_keys  # unit name -> (store key, bytes) of the parameters its uses hold
         # parameter key -> (store key, bytes) of the gradient kept for an optimizer stepping after backward, or None
@@ -198,12 +198,12 @@ class Placer:
         read_bytes, written_bytes, read_seconds = (a - b for a, b in zip(now, self._drive_before))
         self._drive_before = now
         moved = read_bytes + written_bytes
-        if self.policy.steps < 2:  # nothing recorded yet
+        if self.prefetch_policy.steps < 2:  # nothing recorded yet
             return
         if self.place:
             self._try_placement(moved)
         if self.auto_depth and read_bytes and read_seconds > 0:
-            self.policy.depth = self._tuned_depth(read_bytes / read_seconds)
+            self.prefetch_policy.depth = self._tuned_depth(read_bytes / read_seconds)
 
     def _drive(self) -> tuple[float, float, float]:
         """(bytes read, bytes written, seconds some read was in flight) of the drive so far."""
@@ -213,10 +213,10 @@ class Placer:
     def _try_placement(self, moved: int) -> None:
         """One step of [Note: A placement on trial]; ``moved``: the drive bytes of the step that just ended, whose
         trace ``policy.trace`` is now."""
-        key = (tuple(self.policy.trace or ()), len(self.later.after), self.later.in_backward)
+        key = (tuple(self.prefetch_policy.trace or ()), len(self.later.after), self.later.in_backward)
         # At the first call the step before is the one that recorded the trace: the one that just ended repeated
         # it unless it recorded another.
-        again = key == self._last_key if self._last_key is not None else self.policy.traces_recorded == 1
+        again = key == self._last_key if self._last_key is not None else self.prefetch_policy.traces_recorded == 1
         seen = key in self._seen
         self._last_key = key
         _remember(self._seen, key, None)
@@ -224,7 +224,7 @@ class Placer:
             if self._trial_key is not None and not again:
                 return  # another trace's step during a trial (an evaluation forward): its bytes are not the trial's
             retry = self._retry.get(key)
-            if key in self._decided and again and retry is not None and self.policy.steps >= retry[0]:
+            if key in self._decided and again and retry is not None and self.prefetch_policy.steps >= retry[0]:
                 self._trial_key, self._trial = key, Trial.BASELINE  # its dropped placement is tried again
                 self._set(None)
             elif key in self._decided:  # a trace seen before (training again after an evaluation)
@@ -258,7 +258,7 @@ class Placer:
             else:
                 drops = self._retry.get(key, (0, 0))[1] + 1
                 after = min(MAX_RETRY_AFTER_STEPS, RETRY_AFTER_STEPS * 2 ** (drops - 1))
-                _remember(self._retry, key, (self.policy.steps + after, drops))
+                _remember(self._retry, key, (self.prefetch_policy.steps + after, drops))
                 verdict += f"; tried again after {after} steps"
             self._decide(key, self.placement if kept else None, verdict)
 
@@ -274,10 +274,10 @@ class Placer:
         resident = placement.resident if placement is not None else frozenset()
         self.store.keep(self, resident, Tier.HOST)
         # Reads ahead count only what streams, within their share of the room.
-        self.policy.unit_bytes.update({g: sum(n for k, n in keys if k not in resident)
+        self.prefetch_policy.unit_bytes.update({g: sum(n for k, n in keys if k not in resident)
                                         for g, keys in self.unit_keys().items()})
         if self._fixed_max_bytes is None:
-            self.policy.max_bytes = self._params_readahead()
+            self.prefetch_policy.max_bytes = self._params_readahead()
 
     def _size(self, key: str) -> int:
         if key not in self._sizes:
@@ -291,7 +291,7 @@ class Placer:
         units = self.unit_keys()
         events: list[tuple[str, ...]] = []
         nbytes: dict[str, int] = {}
-        for u in self.policy.trace or []:
+        for u in self.prefetch_policy.trace or []:
             keys = units.get(u, ())
             events.append(tuple(k for k, _ in keys))
             nbytes.update(keys)
@@ -312,7 +312,7 @@ class Placer:
                 keys = [*keys, grad[0]]
             updates.setdefault(at, []).append((param_key, *keys))
         ordered: list[tuple[str, ...]] = []
-        forward_uses = self.policy.forward_uses
+        forward_uses = self.prefetch_policy.forward_uses
         forward_events = None
         for i, event in enumerate(events):
             if i == forward_uses:
@@ -361,7 +361,7 @@ class Placer:
         """Units in the host tier at once for compute and read-ahead at a depth the user fixed: the one
         computing, the one before it (its hold ends as the next reads are issued) and the depth ahead. An auto
         depth is chosen within the room instead, so it asks for one computing and one ahead."""
-        return 2 if self.auto_depth else self.policy.depth + 2
+        return 2 if self.auto_depth else self.prefetch_policy.depth + 2
 
     def _params_readahead(self) -> int | None:
         """The parameters' read-ahead bound: half the room, or a fixed depth's units if more (the room was made
@@ -369,7 +369,7 @@ class Placer:
         half = self.readahead_room()
         if half is None or self.auto_depth:
             return half
-        return max(half, self.policy.depth * self._largest_unit())
+        return max(half, self.prefetch_policy.depth * self._largest_unit())
 
     def readahead_room(self) -> int | None:
         """Bytes that reads ahead of use may fill (the parameters' and the optimizer's each): half the room."""
@@ -377,9 +377,9 @@ class Placer:
 
 
     def _tuned_depth(self, drive_bytes_per_second: float) -> int:
-        uses, clock = self.policy.last_step
-        if not uses or uses != self.policy.trace:
-            return self.policy.depth
+        uses, clock = self.prefetch_policy.last_step
+        if not uses or uses != self.prefetch_policy.trace:
+            return self.prefetch_policy.depth
         kept = self.store.kept(Tier.HOST)
         units = self.unit_keys()
         streamed = [sum(n for k, n in units.get(g, ()) if k not in kept) for g in uses]

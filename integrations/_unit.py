@@ -209,7 +209,7 @@ class Unit:
             return
         passes.queue_end_backward()
         if not passes.backward_used:
-            self.owner.policy.backward_starts()
+            self.owner.prefetch_policy.backward_starts()
         passes.backward_used.add(self.name)
         self._use()
         for sp in self.params:

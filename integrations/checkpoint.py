@@ -55,7 +55,7 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 
 
-def _offloaded(model: nn.Module | Offloaded) -> tuple[nn.Module, Offloaded | None]:
+def model_and_offload(model: nn.Module | Offloaded) -> tuple[nn.Module, Offloaded | None]:
     if isinstance(model, OffloadBase):
         return model.model, model
     if not isinstance(model, nn.Module):
@@ -86,7 +86,7 @@ def _plain_source(name: str, tensor: torch.Tensor) -> TensorSource:
 
 
 def tensor_source(store: TierStore | None, name: str, v: Any) -> TensorSource:
-    """What saves one tensor of :func:`_model_tensors`: a store key borrowed from the host tier, or the tensor."""
+    """What saves one tensor of :func:`model_tensors`: a store key borrowed from the host tier, or the tensor."""
     return _store_source(store, v, name) if isinstance(v, str) and store is not None else _plain_source(name, v)
 
 
@@ -98,11 +98,11 @@ def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _placement(off: Offloaded | None, value: Any) -> str:
-    """Where a tensor of :func:`_model_tensors` lives: the wrapper's home tier for store keys."""
+    """Where a tensor of :func:`model_tensors` lives: the wrapper's home tier for store keys."""
     return off.home.label if isinstance(value, str) and off is not None else "resident"
 
 
-def _model_tensors(model: nn.Module, off: Offloaded | None) -> tuple[dict[str, Any], dict[str, str]]:
+def model_tensors(model: nn.Module, off: Offloaded | None) -> tuple[dict[str, Any], dict[str, str]]:
     """name -> (store key or the tensor itself), and alias -> saved name for tied parameters."""
     offloaded = {id(p): key for _, key, p in off.named_offloaded()} if off is not None else {}
     seen: dict[int, str] = {}
@@ -132,12 +132,12 @@ def save_checkpoint(path: str, model: nn.Module | Offloaded, optimizer: Offloade
     see): each writes its shards to ``path/rank<r>``, and rank 0 commits the
     whole directory once all have written. Returns the (rank's) manifest.
     """
-    model, off = _offloaded(model)
+    model, off = model_and_offload(model)
     if off is not None and off.in_forward_or_backward():
         raise TierStoreError("cannot save a checkpoint inside forward or backward; save between steps")
     if off is not None and off.broken:
         raise TierStoreError(f"cannot save a checkpoint of values that mix two steps: {off.broken}")
-    tensors, aliases = _model_tensors(model, off) if weights else ({}, {})
+    tensors, aliases = model_tensors(model, off) if weights else ({}, {})
     store = off.store if off is not None else None
     sources = [tensor_source(store, name, v) for name, v in tensors.items()]
     files = {MODEL_FILE: sources}
@@ -147,7 +147,7 @@ def save_checkpoint(path: str, model: nn.Module | Offloaded, optimizer: Offloade
         "extra": extra or {},
     }
     if off is not None:
-        metadata["trace"] = off.policy.trace
+        metadata["trace"] = off.prefetch_policy.trace
     if optimizer is not None:
         if off is not None and optimizer.offloaded is not off:
             raise TierValueError("the optimizer belongs to a different model")
@@ -228,7 +228,7 @@ def load_checkpoint(path: str, model: nn.Module | Offloaded, optimizer: Offloade
     With ``strict``, a parameter missing from the checkpoint or a tensor the
     model lacks is an error.
     """
-    model, off = _offloaded(model)
+    model, off = model_and_offload(model)
     error: BaseException | None = None
     try:
         load = _check_load(path, model, off, optimizer, strict)
@@ -275,7 +275,7 @@ def _apply_load(model: nn.Module, off: Offloaded | None, optimizer: OffloadedAda
     if off is not None:
         off.zero_grad()
         if meta.get("trace") is not None:
-            off.policy.trace = list(meta["trace"])
+            off.prefetch_policy.trace = list(meta["trace"])
     if optimizer is not None:
         _load_optimizer(optimizer, directory, manifest["tensors"].get(OPTIMIZER_FILE, {}), meta["optimizer"])
     if store is not None:
@@ -313,7 +313,7 @@ def _check_pinned(model: nn.Module, off: Offloaded | None, optimizer: OffloadedA
     if not isinstance(meta.get("extra", {}), dict) or not isinstance(meta.get("trace") or [], list):
         raise CheckpointError(f"{where}: malformed metadata (extra, trace)")
     entries = manifest["tensors"].get(MODEL_FILE, {})
-    tensors, _ = _model_tensors(model, off)
+    tensors, _ = model_tensors(model, off)
     missing = sorted(set(tensors) - set(entries))
     unexpected = sorted(set(entries) - set(tensors))
     if strict and (missing or unexpected):
@@ -444,20 +444,20 @@ def load_safetensors(path: str, model: nn.Module | Offloaded, *, strict: bool = 
     taken from the parameters). Returns the names loaded.
     """
     entries = safetensors_entries(path)
-    return _load_tensors(model, {name: (e["shape"], lambda name=name, e=e: read_raw(name, e))
+    return load_tensors(model, {name: (e["shape"], lambda name=name, e=e: read_raw(name, e))
                                  for name, e in entries.items()}, strict=strict, source=path, where="the file")
 
 
-def _load_tensors(model: nn.Module | Offloaded, entries: dict[str, tuple[list[int], Callable[[], torch.Tensor]]],
+def load_tensors(model: nn.Module | Offloaded, entries: dict[str, tuple[list[int], Callable[[], torch.Tensor]]],
                   *, strict: bool, source: str, where: str) -> list[str]:
     """Write ``entries`` (name -> (shape, a function reading the tensor)) into the model's tensors, wherever
     they live, after checking names and shapes; one tensor read at a time."""
-    model, off = _offloaded(model)
+    model, off = model_and_offload(model)
     on_load = off.on_load if off is not None else None  # where an optimizer's masters are remade from loaded values
     if off is not None and off.on_remove and on_load is None:
         raise CheckpointError("load weights before creating the model's OffloadedAdamW: its fp32 masters and "
                               "moments were made from the parameters as they are now")
-    tensors, aliases = _model_tensors(model, off)
+    tensors, aliases = model_tensors(model, off)
     by_saved = {}  # the name in the source -> the model's name (a tied parameter may be saved under either)
     for name in entries:
         target = aliases.get(name, name)

@@ -47,7 +47,7 @@ from tierstore import Tier, TierStore, TierStoreError, TierValueError
 from . import _fsdp_internals as internals
 from ._base import STATE_KEY, OffloadBase, UnitStats, check_not_offloaded
 from ._contract import zero_grads
-from ._grads import GradientStore, StoredGrad, grad_home
+from ._grads import GradientStore, StoredGrad
 from ._meta import check_meta, materialize
 from ._placing import check_options
 from .policies import ParamOffloadPolicy
@@ -169,7 +169,7 @@ class FSDPOffload(OffloadBase):
                                              lambda su=su, group=group: self._gradients_ready(su, group))
         self._schedule(prefetch_depth=prefetch_depth, prefetch_bytes=prefetch_bytes, placement=placement)
         # in FSDP2's dtype, which it accumulates in (see [Note: Gradient shards in the tiers])
-        self.grads = _ShardGrads(self._by_key, GradientStore(store, grad_home(store, grad_tier), "param"))
+        self.grads = _ShardGrads(self._by_key, GradientStore(store, grad_tier, "param"))
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
 
     def _put_shards(self, groups: list, sharded: set[int], names: dict[int, str], meta: bool,
@@ -217,7 +217,7 @@ class FSDPOffload(OffloadBase):
         """Before FSDP2 all-gathers ``su``: its shards' storage back, filled from the store."""
         self.stats.unshards += 1
         if torch._C._current_graph_task_id() != -1:  # an all-gather for backward (its pre-backward hook)
-            self.policy.backward_starts()
+            self.prefetch_policy.backward_starts()
         self.prefetch_after(su, Tier.HOST)
         t0 = time.perf_counter()
         for sh in su.params:
@@ -264,6 +264,9 @@ class FSDPOffload(OffloadBase):
         """None: a shard restored for an all-gather is FSDP2's memory, not the host tier's."""
         return {}
 
+    def follow_optimizer(self, home: Tier) -> None:
+        self.grads.stored.follow(home)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradient shards, or zero them in place (``set_to_none=False``), as torch does."""
         zero_grads((sh.param for sh in self.params.values()), set_to_none)
@@ -293,8 +296,8 @@ def offload_fsdp(model: nn.Module, store: TierStore, *, prefetch_depth: int | st
 
     Call after ``fully_shard`` (on the blocks, then the root) and before the
     first forward. ``prefetch_depth``, ``prefetch_bytes`` and ``home`` override
-    ``policy`` (a :class:`ParamOffloadPolicy`), which defaults to the one the
-    store's settings give; its ``grad_tier`` is the home of the gradient
+    ``policy`` (a :class:`ParamOffloadPolicy`; its defaults when none is
+    given); its ``grad_tier`` is the home of the gradient
     shards, and its ``resident_threshold_bytes`` is not used here (FSDP2 shards
     every parameter). A model built on the
     meta device (then ``fully_shard``-ed, as FSDP2's recipe has it) is given
@@ -309,7 +312,7 @@ def offload_fsdp(model: nn.Module, store: TierStore, *, prefetch_depth: int | st
         raise TierStoreError("offload_fsdp needs torch.distributed initialised (run under torchrun, "
                              "init_process_group) and fully_shard applied")
     check_options(prefetch_depth, placement)
-    chosen = (policy or ParamOffloadPolicy.of(store)).overridden(
+    chosen = (policy or ParamOffloadPolicy()).overridden(
         prefetch_depth=prefetch_depth, prefetch_bytes=prefetch_bytes, home=home)
     state = FSDPOffload(model, store,
                         prefetch_depth=chosen.prefetch_depth, prefetch_bytes=chosen.prefetch_bytes,

@@ -54,14 +54,15 @@ from tierstore.files import (
 
 from ._base import OffloadBase
 from .checkpoint import (
-    _load_tensors,
-    _model_tensors,
     load_checkpoint,
     load_safetensors,
+    load_tensors,
+    model_and_offload,
+    model_tensors,
     save_checkpoint,
     tensor_source,
 )
-from .checkpoint import _offloaded as _model_and_offload
+from .offload import add_model_methods
 from .optim import OffloadedAdamW
 
 OPTIMIZER_DIR = "tierstore_optimizer"
@@ -97,7 +98,7 @@ def load_adapter(model: nn.Module | OffloadBase, *args: Any, **kwargs: Any) -> A
     without the base in memory: peft takes ``model.state_dict()`` to learn the model's keys and shapes, which
     would read every offloaded tensor; here those values are left unread (meta tensors of their shapes) while
     peft loads the adapter, which then goes into the store as any ``load_state_dict`` does."""
-    model, off = _offloaded(model)
+    model, off = model_and_offload(model)
     with off.state_dict_unread():
         return type(model).load_adapter(model, *args, **kwargs)
 
@@ -106,8 +107,8 @@ def _is_peft(model: nn.Module) -> bool:
     return any(c.__module__.startswith("peft.") and c.__name__ == "PeftModel" for c in type(model).__mro__)
 
 
-def _offloaded(model: nn.Module | OffloadBase) -> tuple[nn.Module, OffloadBase]:
-    model, off = _model_and_offload(model)
+def model_and_offload(model: nn.Module | OffloadBase) -> tuple[nn.Module, OffloadBase]:
+    model, off = model_and_offload(model)
     if off is None:
         raise TierValueError(f"{type(model).__name__} is not offloaded: call offload_model(model, store) first")
     return model, off
@@ -121,7 +122,7 @@ def save_pretrained(model: nn.Module | OffloadBase, save_directory: str | os.Pat
     time (see [Note: Saving the transformers way, tensor by tensor]); ``offload_model`` makes it the model's
     ``save_pretrained``. The same files as transformers' (and peft's) own; ``state_dict=`` given is saved by
     theirs as it is, and ``push_to_hub`` is refused (save, then upload the directory)."""
-    model, off = _offloaded(model)
+    model, off = model_and_offload(model)
     original = partial(type(model).save_pretrained, model, save_directory)
     if state_dict is not None:
         return original(state_dict=state_dict, max_shard_size=max_shard_size, **kwargs)
@@ -134,13 +135,13 @@ def save_pretrained(model: nn.Module | OffloadBase, save_directory: str | os.Pat
     if not kwargs.get("is_main_process", True):
         return
     ignore = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
-    tensors, _ = _model_tensors(model, off)
+    tensors, _ = model_tensors(model, off)
     sources = [tensor_source(off.store, name, v) for name, v in tensors.items() if name not in ignore]
     write_weights(os.fspath(save_directory), sources, max_shard_size, kwargs.get("variant"))
 
 
 def _read(off: OffloadBase, v: Any) -> torch.Tensor:
-    """The value of a tensor of ``_model_tensors``: a store key's, read from the store, or the tensor's."""
+    """The value of a tensor of ``model_tensors``: a store key's, read from the store, or the tensor's."""
     return off.store.read(v) if isinstance(v, str) else v.detach()
 
 
@@ -192,7 +193,7 @@ def _adapter_state_dict(model: nn.Module, off: OffloadBase, kwargs: dict[str, An
     computes with a frozen base tensor while picking its state (none of LoRA's) gets the lazily read dict."""
     from peft.utils import get_peft_model_state_dict
 
-    tensors, aliases = _model_tensors(model, off)
+    tensors, aliases = model_tensors(model, off)
     frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     shown = {n: _Unread(v) if isinstance(v, str) and n in frozen else v for n, v in tensors.items()}
     shown.update({alias: shown[name] for alias, name in aliases.items()})
@@ -212,7 +213,7 @@ class _LazyStateDict(dict):
     adapter's entries out of a whole state dict, and the frozen base it leaves is never read."""
 
     def __init__(self, model: nn.Module, off: OffloadBase) -> None:
-        tensors, aliases = _model_tensors(model, off)
+        tensors, aliases = model_tensors(model, off)
         super().__init__(tensors)
         self.update({alias: tensors[name] for alias, name in aliases.items()})
         self._off = off
@@ -242,11 +243,11 @@ def load_base_weights(path: str | os.PathLike, model: nn.Module | OffloadBase, *
     index) loaded into an offloaded peft model built on meta, one tensor at a time, through the host budget; the
     adapters keep their values. For a model without adapters, :func:`~tierstore.integrations.load_safetensors`.
     ``strict``: a base weight missing from the files, or a tensor the base lacks, is an error (nothing loaded)."""
-    model, off = _offloaded(model)
+    model, off = model_and_offload(model)
     if not _is_peft(model):
         return load_safetensors(path, off, strict=strict)
     found = safetensors_entries(path)
-    tensors, aliases = _model_tensors(model, off)
+    tensors, aliases = model_tensors(model, off)
     base = [n for n in (*tensors, *aliases) if not _is_adapter(n)]
     by_file = {base_name(n): n for n in base}
     entries = {by_file[f]: (e["shape"], partial(read_raw, f, e)) for f, e in found.items() if f in by_file}
@@ -257,7 +258,7 @@ def load_base_weights(path: str | os.PathLike, model: nn.Module | OffloadBase, *
         raise CheckpointError(f"loading {path} into the base of {type(model).__name__}: missing "
                               f"{[base_name(n) for n in missing[:5]]}, unexpected {unexpected[:5]} (nothing was "
                               f"loaded; strict=False loads what matches)")
-    return _load_tensors(model, entries, strict=False, source=os.fspath(path), where="the file")
+    return load_tensors(model, entries, strict=False, source=os.fspath(path), where="the file")
 
 
 def base_name(name: str) -> str:
@@ -285,7 +286,7 @@ def stream_checkpoints(trainer: Any) -> Any:
     """
     if getattr(trainer, "_tierstore_streams", False):
         return trainer
-    model, off = _offloaded(trainer.model)
+    model, off = model_and_offload(trainer.model)
     save_state, load_state = trainer._save_optimizer_and_scheduler, trainer._load_optimizer_and_scheduler
     load_weights = trainer._load_from_checkpoint
 
@@ -407,7 +408,7 @@ def save_merged(model: nn.Module | OffloadBase, save_directory: str | os.PathLik
     without the base in memory: each base weight is borrowed from the store, its active adapters' product added
     as peft's merge adds it, and written; the model itself is left as it is (adapters unmerged). The files are
     the base model's (``from_pretrained`` of the base class loads them)."""
-    model, off = _offloaded(model)
+    model, off = model_and_offload(model)
     if not _is_peft(model):
         raise TierTypeError(f"save_merged takes a peft model (get_peft_model), not {type(model).__name__}")
     from peft.tuners.lora import Linear as LoraLinear
@@ -423,7 +424,7 @@ def save_merged(model: nn.Module | OffloadBase, save_directory: str | os.PathLik
         raise UnsupportedError("save_merged: modules_to_save are not merged; save the adapter instead")
     base = model.get_base_model()
     type(base).save_pretrained(base, save_directory, state_dict={}, max_shard_size=max_shard_size)
-    tensors, _ = _model_tensors(model, off)
+    tensors, _ = model_tensors(model, off)
     sources = []
     for name, v in tensors.items():
         if _is_adapter(name):
@@ -464,5 +465,7 @@ def _merged_source(source: TensorSource, layer: Any, value: Any, layer_name: str
 
     return TensorSource(source.name, source.shape, source.dtype, borrow)
 
+
+add_model_methods(methods_for)  # see [Note: Saving the transformers way, tensor by tensor]
 
 __all__ = ["load_base_weights", "save_merged", "save_pretrained", "stream_checkpoints"]

@@ -46,7 +46,7 @@ from tierstore.memory import TierPool
 from ._base import STATE_KEY, OffloadBase, OffloadedParameterError, UnitStats, check_not_offloaded
 from ._build import check_names_free, put_parameters, room_for, to_compute_device
 from ._contract import zero_grads
-from ._grads import GradientStore, check_grad_dtype, grad_home, grad_key
+from ._grads import GradientStore, check_grad_dtype, grad_key
 from ._meta import check_meta
 from ._param import OffloadedParameter, StoredParam, refuse_other_optimizers_from_now
 from ._pass import PassState
@@ -64,7 +64,6 @@ from ._unit import (
     refuse_whole_model,
     unit_modules,
 )
-from .hf import methods_for
 
 
 @dataclass
@@ -89,11 +88,11 @@ class OffloadedModel(OffloadBase):
         self.compute_tier = compute_tier
         self.compute_device = store.device if compute_tier is Tier.DEVICE else torch.device("cpu")
         self.resident_ids: set[int] = set()
-        self.grads = GradientStore(store, grad_home(store, grad_tier), grad_dtype)  # see [Note: Gradients in the tiers]
+        self.grads = GradientStore(store, grad_tier, grad_dtype)  # see [Note: Gradients in the tiers]
         self.stats = OffloadStats()
         self._handles: list[Any] = []
         self._loading: list[StoredParam] = []  # held by a load_state_dict() (see [Note: Loading a state dict])
-        self._installed: dict[str, Any] = {}  # transformers' and peft's methods made ours (see hf.methods_for)
+        self._installed: dict[str, Any] = {}  # methods made ours by the adapters (see add_model_methods)
         self._unread = False  # state_dict() leaves offloaded values unread (see state_dict_unread)
         meta = check_meta(model, init_fn, real_parameters)
         plan = partial(plan_units, model, units, resident_threshold_bytes, store, compute_tier)
@@ -112,7 +111,8 @@ class OffloadedModel(OffloadBase):
         self._hook_units(units, owned_by)
         self.pass_state.hook_gradients()
         self._hook_state_dicts()
-        self._installed = methods_for(model, self)  # see [Note: Saving the transformers way, tensor by tensor]
+        self._installed = {name: method for provider in _MODEL_METHODS
+                           for name, method in provider(model, self).items()}
         for name, method in self._installed.items():
             setattr(model, name, method)
         # Until a step has been recorded, guess that forward uses the units in definition order and backward in
@@ -226,7 +226,7 @@ class OffloadedModel(OffloadBase):
     def learned(self, unit: Unit, sp: StoredParam) -> None:
         """``unit`` was seen to read ``sp``: its uses count ``sp`` from now on."""
         self._key_units[sp.key] = (*self._key_units.get(sp.key, ()), unit.name)
-        self.policy.unit_bytes[unit.name] = unit.nbytes
+        self.prefetch_policy.unit_bytes[unit.name] = unit.nbytes
         self.stats.reads_learned += 1
 
     def _grad_of(self, param_key: str) -> tuple[str, int] | None:
@@ -322,6 +322,9 @@ class OffloadedModel(OffloadBase):
         return {sp.name: next((nbytes for nbytes, names in units if sp.name not in names), 0)
                 + root_bytes - root.get(sp.name, 0) for sp in self.params.values()}
 
+    def follow_optimizer(self, home: Tier) -> None:
+        self.grads.follow(home)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient, or with ``set_to_none=False`` zero them in place as torch does: a parameter
         that then gets no gradient from the next backward is stepped with zeros (its moments decay, weight decay
@@ -355,6 +358,21 @@ class OffloadedModel(OffloadBase):
         self._forget()
 
 
+ModelMethods = Callable[[nn.Module, OffloadedModel], dict[str, Any]]
+"""Given a model and its offload: the methods to install on that model instance while it is offloaded (name ->
+method), or none."""
+_MODEL_METHODS: list[ModelMethods] = []
+
+
+def add_model_methods(provider: ModelMethods) -> None:
+    """Have ``offload_model`` install the methods ``provider`` gives on each model it offloads (``remove()`` takes
+    them off): how an adapter of a library's models makes their methods work on an offloaded one (the
+    transformers adapter, ``hf.py``, installs ``save_pretrained`` so: see [Note: Saving the transformers way,
+    tensor by tensor]). The generic offload imports no adapter."""
+    if provider not in _MODEL_METHODS:
+        _MODEL_METHODS.append(provider)
+
+
 def _compiled_call(module: nn.Module) -> Any:
     """What a compiled module runs when called: its compiled call (in place), or the module (a wrapper)."""
     return module.__dict__.get("_compiled_call_impl", module)
@@ -371,9 +389,8 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | s
 
     ``prefetch_depth``, ``prefetch_bytes``, ``resident_threshold_bytes``,
     ``home`` and ``grad_tier`` are a :class:`ParamOffloadPolicy`'s choices:
-    each keyword given overrides ``policy``, which defaults to the one the
-    store's settings give (``ParamOffloadPolicy.of(store)``: ``prefetch_depth``,
-    ``param_tier``, ... in a config file). ``compute_tier`` is where
+    each keyword given overrides ``policy`` (the defaults when none is given;
+    a settings file's with ``load_settings``). ``compute_tier`` is where
     parameters are held while their module runs: the device tier with CUDA;
     without it the host tier, since both would be CPU memory and a second copy
     would only cost bandwidth and budget (pass "device" to use it anyway).
@@ -396,13 +413,13 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | s
     tier for the whole run and the rest stream (see ``off.placement``).
     Gradients kept from backward to the optimizer's step are tensors of the
     store (see [Note: Gradients in the tiers]): their home is ``grad_tier``
-    (else the optimizer state's home, ``OptimizerStatePolicy.of(store).home``), and a
+    (else the home of the state of the optimizer that steps them), and a
     bf16/fp16 parameter's is kept in fp32 unless ``grad_dtype="param"``.
     Parameter names and state_dict keys are unchanged;
     :meth:`OffloadedModel.remove` undoes it.
     """
     check_not_offloaded(model, "offload_model")
-    chosen = (policy or ParamOffloadPolicy.of(store)).overridden(
+    chosen = (policy or ParamOffloadPolicy()).overridden(
         prefetch_depth=prefetch_depth, prefetch_bytes=prefetch_bytes, home=home,
         resident_threshold_bytes=resident_threshold_bytes, grad_tier=grad_tier)
     if compute_tier is not None and Tier.parse(compute_tier) is Tier.NVME:
@@ -435,4 +452,5 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | s
     return state
 
 
-__all__ = ["DEFAULT_UNITS", "OffloadStats", "OffloadedModel", "OffloadedParameterError", "offload_model"]
+__all__ = ["DEFAULT_UNITS", "ModelMethods", "OffloadStats", "OffloadedModel", "OffloadedParameterError",
+           "add_model_methods", "offload_model"]

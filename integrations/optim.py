@@ -35,7 +35,6 @@ from typing import Any
 import torch
 
 from tierstore import Tier, TierStore, TierStoreError, TierValueError
-from tierstore.scheduling import default_grad_backlog_bytes
 
 from . import _adamw
 from ._adamw import HYPER, check_hyper
@@ -52,7 +51,7 @@ from ._optim_params import (
 from ._optim_state import AdamWState
 from ._optim_state_dict import StateDictIO
 from ._pipeline import StatePipeline, UnrestorableUpdateError
-from .policies import OptimizerStatePolicy
+from .policies import OptimizerStatePolicy, default_grad_backlog_bytes
 
 
 class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
@@ -102,11 +101,10 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         check_hyper(defaults, "")
         check_flags(offloaded, amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
         impl = _adamw.impl_of(foreach, fused)
-        chosen = (policy or OptimizerStatePolicy.of(offloaded.store)).overridden(
-            moments=moments, master=master, home=home)
+        chosen = (policy or OptimizerStatePolicy()).overridden(moments=moments, master=master, home=home)
         self.layout = StateLayout(chosen.moments, chosen.master)
         if readahead is None:  # prefetch depth 0 turns off reading ahead, the optimizer's as well
-            readahead = 0 if offloaded.policy.depth == 0 else sys.maxsize  # bytes bound it
+            readahead = 0 if offloaded.prefetch_policy.depth == 0 else sys.maxsize  # bytes bound it
         if readahead < 0:
             raise TierValueError(f"readahead={readahead} must be >= 0")
         self.offloaded = offloaded
@@ -140,6 +138,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         # name -> its group, the very dict a scheduler changes: each update reads its hyper-parameters from it.
         self._group_of = {self._name_of[id(p)]: g for g in self.param_groups for p in g["params"]}
         self._pipeline.state_bytes = self._state.create(home)
+        offloaded.follow_optimizer(home)  # see [Note: Gradients in the tiers]
         self.step_in_backward = step_in_backward
         self.keep_grads = keep_grads
         self._queue: list[tuple] = []  # (name, key, param, grad) in the order they are stepped

@@ -70,8 +70,7 @@ def check_bit_identical(case: Case, nvme_path: str, *, steps: int = 3, step_in_b
     largest = max(p.numel() * 4 for p in ref.parameters())
     budget = max(int(state_bytes(ref) * host_budget_fraction), 5 * largest, 64 * 1024)
     store = ts.TierStore(nvme_path=nvme_path, host_budget_bytes=budget, device_budget_bytes="1MiB",
-                         file_size_bytes="4MiB", block_size_bytes="64KiB", param_tier="nvme",
-                         optimizer_tier="nvme")
+                         file_size_bytes="4MiB", block_size_bytes="64KiB")
     try:
         kw = {} if units is None else {"units": units}
         off = offload_model(model, store, **kw)
@@ -152,15 +151,14 @@ def check_compressed_streamed_as_in_memory(case: Case, nvme_path: str, *, moment
                 largest = max(p.numel() * 4 for p in model.parameters())
                 budget = max(int(state_bytes(model) * case.host_budget_fraction), 5 * largest, 64 * 1024)
                 store = ts.TierStore(nvme_path=nvme_path, host_budget_bytes=budget, device_budget_bytes="1MiB",
-                                     file_size_bytes="4MiB", block_size_bytes="64KiB", param_tier="nvme",
-                                     optimizer_tier="nvme")
+                                     file_size_bytes="4MiB", block_size_bytes="64KiB")
             else:
-                store = ts.TierStore(host_budget_bytes=8 * state_bytes(model) + (64 << 20), param_tier="host",
-                                     optimizer_tier="host", grad_tier="host")
+                store = ts.TierStore(host_budget_bytes=8 * state_bytes(model) + (64 << 20))
             stores.append(store)
-            off = offload_model(model, store)
+            home = "nvme" if streamed else "host"
+            off = offload_model(model, store, home=home, grad_tier=home)
             opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=step_in_backward,
-                                 moments=moments, master=master)
+                                 moments=moments, master=master, home=home)
             runs.append((model, off, opt, store))
         for step in range(steps):
             seen = []

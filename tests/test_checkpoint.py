@@ -45,7 +45,7 @@ def _steps(model, opt, data, start, count, sched=None):
     return losses
 
 
-def _offloaded(make_store, seed, dtype=torch.float32, no_decay_group=False, host="384KiB", **kw):
+def model_and_offload(make_store, seed, dtype=torch.float32, no_decay_group=False, host="384KiB", **kw):
     torch.manual_seed(seed)
     model = ViT(PRESETS["tiny"], checkpoint_blocks=True, tie_head=True).to(dtype)
     store = make_store(host_budget_bytes=host, device_budget_bytes="320KiB")
@@ -59,7 +59,7 @@ def _offloaded(make_store, seed, dtype=torch.float32, no_decay_group=False, host
                          ids=["fp32", "fp32+resident", "bf16", "fp32+placement"])
 def test_resume_gives_the_same_losses(make_store, tmp_path, dtype, threshold, host):
     data = SyntheticImages(PRESETS["tiny"])
-    model, off, opt = _offloaded(make_store, 0, dtype, resident_threshold_bytes=threshold, host=host)
+    model, off, opt = model_and_offload(make_store, 0, dtype, resident_threshold_bytes=threshold, host=host)
     _steps(model, opt, data, 0, 5)
     if host == "1MiB":  # the weights are kept in the host tier, changed since they were last written home
         assert off.placement is not None and off.placement.resident_by_kind.get("weights")
@@ -69,10 +69,10 @@ def test_resume_gives_the_same_losses(make_store, tmp_path, dtype, threshold, ho
     assert not [n for n in os.listdir(tmp_path) if n.startswith("ckpt.")], "temporary directories left behind"
     expected = _steps(model, opt, data, 5, 5)
 
-    resumed, roff, ropt = _offloaded(make_store, 123, dtype, resident_threshold_bytes=threshold,
+    resumed, roff, ropt = model_and_offload(make_store, 123, dtype, resident_threshold_bytes=threshold,
                                      host=host)  # other init
     assert load_checkpoint(path, roff, ropt) == {"step": 5}
-    assert roff.policy.trace == manifest["metadata"]["trace"]
+    assert roff.prefetch_policy.trace == manifest["metadata"]["trace"]
     assert _steps(resumed, ropt, data, 5, 5) == expected
     for (name, a), (_, b) in zip(model.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name
@@ -80,7 +80,7 @@ def test_resume_gives_the_same_losses(make_store, tmp_path, dtype, threshold, ho
 
 def test_parameters_load_with_plain_safetensors(make_store, tmp_path):
     st = pytest.importorskip("safetensors.torch")
-    model, off, opt = _offloaded(make_store, 0)
+    model, off, opt = model_and_offload(make_store, 0)
     _steps(model, opt, SyntheticImages(PRESETS["tiny"]), 0, 2)
     save_checkpoint(str(tmp_path / "c"), off, opt)
     plain = st.load_file(str(tmp_path / "c" / MODEL_FILE))
@@ -94,11 +94,12 @@ def test_parameters_load_with_plain_safetensors(make_store, tmp_path):
     ours = load_parameters(str(tmp_path / "c"))
     assert set(ours) == set(sd) and all(torch.equal(ours[k], v) for k, v in sd.items())
     moments = st.load_file(str(tmp_path / "c" / OPTIMIZER_FILE))
-    assert torch.equal(moments["blocks.0.fc1.weight/exp_avg"], opt.state_dict(beyond_host_budget=True)["state"]["blocks.0.fc1.weight"]["exp_avg"])
+    state = opt.state_dict(beyond_host_budget=True)["state"]
+    assert torch.equal(moments["blocks.0.fc1.weight/exp_avg"], state["blocks.0.fc1.weight"]["exp_avg"])
 
 
 def test_corrupt_checkpoint_is_an_integrity_error(make_store, tmp_path):
-    model, off, opt = _offloaded(make_store, 0)
+    model, off, opt = model_and_offload(make_store, 0)
     manifest = save_checkpoint(str(tmp_path / "c"), off, opt)
     entry = manifest["tensors"][MODEL_FILE]["blocks.0.fc1.weight"]
     f = tmp_path / "c" / MODEL_FILE
@@ -110,7 +111,7 @@ def test_corrupt_checkpoint_is_an_integrity_error(make_store, tmp_path):
 
 
 def test_load_errors_say_what_is_wrong(make_store, tmp_path):
-    model, off, opt = _offloaded(make_store, 0)
+    model, off, opt = model_and_offload(make_store, 0)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         load_checkpoint(str(tmp_path / "nothing"), off)
     save_checkpoint(str(tmp_path / "c"), off)
@@ -125,7 +126,7 @@ def test_load_errors_say_what_is_wrong(make_store, tmp_path):
 
 def test_failed_overwrite_keeps_the_previous_checkpoint(make_store, tmp_path, monkeypatch):
     data = SyntheticImages(PRESETS["tiny"])
-    model, off, opt = _offloaded(make_store, 0)
+    model, off, opt = model_and_offload(make_store, 0)
     path = str(tmp_path / "c")
     save_checkpoint(path, off, opt, extra={"step": 0})
     before = load_parameters(path)
@@ -242,14 +243,14 @@ def test_reader_agrees_with_the_reference_writer(tmp_path):
 def test_parameter_groups_and_scheduler_resume(make_store, tmp_path):
     """Per-group hyper-parameters (a scheduler's learning rates) are saved and restored with the optimizer."""
     data = SyntheticImages(PRESETS["tiny"])
-    model, off, opt = _offloaded(make_store, 0, no_decay_group=True)
+    model, off, opt = model_and_offload(make_store, 0, no_decay_group=True)
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
     _steps(model, opt, data, 0, 3, sched)
     path = str(tmp_path / "ckpt")
     save_checkpoint(path, off, opt, extra={"scheduler": sched.state_dict()})
     expected = _steps(model, opt, data, 3, 3, sched)
 
-    resumed, roff, ropt = _offloaded(make_store, 7, no_decay_group=True)
+    resumed, roff, ropt = model_and_offload(make_store, 7, no_decay_group=True)
     rsched = torch.optim.lr_scheduler.ExponentialLR(ropt, gamma=0.5)
     rsched.load_state_dict(load_checkpoint(path, roff, ropt)["scheduler"])
     assert [g["lr"] for g in ropt.param_groups] == [1e-3 * 0.5**3] * 2
@@ -258,7 +259,7 @@ def test_parameter_groups_and_scheduler_resume(make_store, tmp_path):
     for (name, a), (_, b) in zip(model.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name
 
-    _, ooff, oopt = _offloaded(make_store, 1)  # one group: the saved two do not fit it
+    _, ooff, oopt = model_and_offload(make_store, 1)  # one group: the saved two do not fit it
     with pytest.raises(ts.TierStoreError, match="do not hold the same parameters"):
         load_checkpoint(path, ooff, oopt)
 
@@ -624,7 +625,7 @@ def test_resuming_from_an_older_checkpoint_replaces_the_whole_state(make_store, 
                 opt.load_state_dict(torch.load(tmp_path / "opt.pt"))
         return _steps(model, opt, data, 10, 2)
 
-    model, off, opt = _offloaded(make_store, 0, dtype)
+    model, off, opt = model_and_offload(make_store, 0, dtype)
     dict(model.named_parameters())[frozen].requires_grad_(False)  # no gradient: no state until unfrozen
     _steps(model, opt, data, 0, 1)
     assert frozen not in opt.steps and opt.steps
@@ -635,7 +636,7 @@ def test_resuming_from_an_older_checkpoint_replaces_the_whole_state(make_store, 
     _steps(model, opt, data, 1, 3)  # later steps, the frozen layer trained too
     late = run(model, off, opt, load=True)
 
-    fresh, foff, fopt = _offloaded(make_store, 123, dtype)
+    fresh, foff, fopt = model_and_offload(make_store, 123, dtype)
     fresh_late = run(fresh, foff, fopt, load=True)
     assert late == fresh_late
     for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
@@ -706,7 +707,7 @@ def test_a_read_that_fails_after_the_check_leaves_no_copy_with_other_bytes(make_
     checksum with the copy they were read into half written: that copy is dropped, never left as the key's value."""
     import tierstore.integrations.checkpoint as ckpt
 
-    model, off, opt = _offloaded(make_store, 0)
+    model, off, opt = model_and_offload(make_store, 0)
     path = str(tmp_path / "ckpt")
     save_checkpoint(path, off, opt)
     name = "blocks.0.fc1.weight"

@@ -4,14 +4,13 @@ import pytest
 
 import tierstore as ts
 from tierstore import Tier
-from tierstore.integrations import OptimizerStatePolicy, ParamOffloadPolicy
+from tierstore.integrations import ParamOffloadPolicy, load_settings, settings_from_deepspeed
 
 
 def test_keywords_and_sizes():
-    c = ts.StoreConfig(host_budget_bytes="2GiB", device_budget_bytes="1.5GB", param_tier="host")
+    c = ts.StoreConfig(host_budget_bytes="2GiB", device_budget_bytes="1.5GB")
     assert c.host_budget_bytes == 2 * 1024**3
     assert c.device_budget_bytes == 1_500_000_000
-    assert ParamOffloadPolicy.of(c).home is Tier.HOST and c.layer_settings == {"param_tier": Tier.HOST}
 
 
 def test_frozen():
@@ -22,9 +21,9 @@ def test_frozen():
 
 def test_json_and_toml(tmp_path):
     j = tmp_path / "c.json"
-    j.write_text(json.dumps({"host_budget_bytes": "64MiB", "queue_depth": 4, "prefetch_depth": 3}))
+    j.write_text(json.dumps({"host_budget_bytes": "64MiB", "queue_depth": 4}))
     c = ts.load_config(j, queue_depth=8)
-    assert (c.host_budget_bytes, c.queue_depth, ParamOffloadPolicy.of(c).prefetch_depth) == (64 * 1024**2, 8, 3)
+    assert (c.host_budget_bytes, c.queue_depth) == (64 * 1024**2, 8)
     t = tmp_path / "c.toml"
     t.write_text('[tierstore]\nnvme_path = "/tmp"\nblock_size_bytes = "2MiB"\nverify_checksums = true\n')
     c = ts.load_config(t)
@@ -35,7 +34,7 @@ def test_unknown_key_lists_valid_keys(tmp_path):
     j = tmp_path / "c.json"
     j.write_text(json.dumps({"host_budget": 5}))
     with pytest.raises(ValueError, match=r"unknown setting\(s\) 'host_budget' \(did you mean 'host_budget_bytes'\?\); "
-                                         r"the settings are: .*host_budget_bytes"):
+                                         r"the store's settings are: .*host_budget_bytes"):
         ts.load_config(j)
     with pytest.raises(ts.UnknownSettingError):  # the same error as TierStore(host_budget=...) raises
         ts.TierStore(host_budget=5)
@@ -47,7 +46,7 @@ def test_bad_values_name_the_key():
     with pytest.raises(TypeError, match="verify_checksums must be true or false"):
         ts.StoreConfig(verify_checksums="yes")
     with pytest.raises(ValueError, match="prefetch_depth=-1"):
-        ts.StoreConfig(prefetch_depth=-1)
+        ParamOffloadPolicy(prefetch_depth=-1)
 
 
 def test_bad_files(tmp_path):
@@ -80,8 +79,8 @@ DS = {
 
 def test_deepspeed_mapping_reports_unhonoured_keys(tmp_path):
     with pytest.warns(UserWarning, match="does not honour these DeepSpeed config keys") as rec:
-        cfg, ignored = ts.from_deepspeed(DS)
-    params, state = ParamOffloadPolicy.of(cfg), OptimizerStatePolicy.of(cfg)
+        settings, ignored = settings_from_deepspeed(DS)
+    cfg, params, state = settings.store, settings.params, settings.optimizer
     assert params.home is Tier.NVME and state.home is Tier.HOST
     assert cfg.nvme_path == "/local_nvme" and cfg.pin_host_memory
     assert params.prefetch_depth == 4
@@ -95,12 +94,27 @@ def test_deepspeed_mapping_reports_unhonoured_keys(tmp_path):
     f = tmp_path / "ds.json"
     f.write_text(json.dumps(DS))
     with pytest.warns(UserWarning):
+        assert load_settings(f).optimizer.home is Tier.HOST
+
+
+def test_the_stores_deepspeed_reader_reports_the_integrations_keys_as_not_its_own(tmp_path):
+    """ts.from_deepspeed maps the store's keys alone (the core knows no setting above it): the devices, the
+    buffer count and the persistence threshold are listed as not honoured there."""
+    with pytest.warns(UserWarning, match="does not honour"):
+        cfg, ignored = ts.from_deepspeed(DS)
+    assert cfg.nvme_path == "/local_nvme" and (cfg.block_size_bytes, cfg.queue_depth) == (1048576, 8)
+    assert {"zero_optimization.offload_param.device", "zero_optimization.offload_optimizer.device",
+            "zero_optimization.offload_param.buffer_count",
+            "zero_optimization.stage3_param_persistence_threshold"} <= set(ignored)
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps(DS))
+    with pytest.warns(UserWarning):
         assert ts.load_config(f).queue_depth == 8
 
 
 def test_deepspeed_bad_device():
     with pytest.raises(ValueError, match="must be 'nvme', 'cpu' or 'none'"):
-        ts.from_deepspeed({"zero_optimization": {"offload_param": {"device": "tape"}}})
+        settings_from_deepspeed({"zero_optimization": {"offload_param": {"device": "tape"}}})
 
 
 def test_deepspeed_config_as_transformers_writes_it_loads_with_auto_values():
@@ -111,14 +125,12 @@ def test_deepspeed_config_as_transformers_writes_it_loads_with_auto_values():
                                 "offload_param": {"device": "cpu", "pin_memory": True, "buffer_count": "auto"},
                                 "stage3_param_persistence_threshold": "auto", "stage3_prefetch_bucket_size": "auto"}}
     with pytest.warns(UserWarning, match=r"stage3_param_persistence_threshold=auto \(tierstore's default\)"):
-        cfg, ignored = ts.from_deepspeed(ds)
-    default = ParamOffloadPolicy()
-    assert ParamOffloadPolicy.of(cfg).resident_threshold_bytes == default.resident_threshold_bytes
-    assert ParamOffloadPolicy.of(cfg).prefetch_depth == default.prefetch_depth
-    assert OptimizerStatePolicy.of(cfg).home is Tier.NVME
+        settings, ignored = settings_from_deepspeed(ds)
+    assert settings.params == ParamOffloadPolicy(home="host")  # the rest are the defaults
+    assert settings.optimizer.home is Tier.NVME
     assert "zero_optimization.offload_param.buffer_count=auto (tierstore's default)" in ignored
     bad = {"zero_optimization": {"stage3_param_persistence_threshold": "1e4x"}}
     with pytest.raises(ValueError, match=r"stage3_param_persistence_threshold='1e4x' cannot be read"):
-        ts.from_deepspeed(bad)
+        settings_from_deepspeed(bad)
     with pytest.raises(ValueError, match=r"aio.queue_depth=2.5 cannot be read"):
         ts.from_deepspeed({"aio": {"queue_depth": 2.5}})

@@ -27,9 +27,13 @@ def test_block_size_must_be_aligned():
         ts.StoreConfig(block_size_bytes=1000)
 
 
-def test_unknown_tier():
-    with pytest.raises(ValueError, match="unknown tier 'ssd'; choose one of: device, host, nvme"):
-        ts.StoreConfig(param_tier="ssd")
+def test_unknown_tier_names_the_setting_as_written():
+    from tierstore.integrations import ParamOffloadPolicy, split_settings
+
+    with pytest.raises(ValueError, match="param_tier='ssd': unknown tier 'ssd'; choose one of: device, host, nvme"):
+        split_settings({"param_tier": "ssd"})
+    with pytest.raises(ValueError, match="home='ssd': unknown tier 'ssd'"):
+        ParamOffloadPolicy(home="ssd")
 
 
 def test_missing_nvme_path(tmp_path):
@@ -215,8 +219,8 @@ def test_a_failed_optimizer_construction_leaves_nothing_behind(make_store):
 
 
 def test_a_misspelt_setting_is_named_with_the_valid_ones(nvme_dir):
-    with pytest.raises(TypeError, match=r"'prefech_depth' \(did you mean 'prefetch_depth'\?\).*host_budget_bytes"):
-        ts.TierStore(nvme_path=nvme_dir, prefech_depth=4)
+    with pytest.raises(TypeError, match=r"'queue_dept' \(did you mean 'queue_depth'\?\).*host_budget_bytes"):
+        ts.TierStore(nvme_path=nvme_dir, queue_dept=4)
 
 
 def test_every_error_raised_is_a_tierstore_error_and_the_builtin_of_its_kind(make_store, nvme_dir):

@@ -112,10 +112,12 @@ def test_the_check_sees_a_private_import(tmp_path):
     assert _private_imports(path, "tierstore.integrations") == ["line 1: tierstore._memory"]
 
 
-def _circles(modules: dict[str, pathlib.Path], package: str) -> list[list[str]]:
-    """The import circles among the modules of ``package`` (every import counts: inside functions and under
-    ``TYPE_CHECKING`` too), each as its modules' names, sorted."""
-    mine = {m for m in modules if m.startswith(package + ".")}
+def _circles(modules: dict[str, pathlib.Path], package: str, layer: str | None = None) -> list[list[str]]:
+    """The import circles among the modules of ``package`` (of one ``layer`` of it, if given; every import counts:
+    inside functions and under ``TYPE_CHECKING`` too), each as its modules' names, sorted."""
+    fronts = {"tierstore", "tierstore.integrations", "tierstore.tools"}  # each __init__ re-exports its package
+    mine = {m for m in modules
+            if m.startswith(package + ".") and m not in fronts and (layer is None or _layer(m) == layer)}
     graph = {m: {t for _, t in _imports(m, modules[m]) if t in mine and t != m} for m in mine}
     circles, index, low, stack, on = [], {}, {}, [], set()
 
@@ -143,10 +145,12 @@ def _circles(modules: dict[str, pathlib.Path], package: str) -> list[list[str]]:
     return circles
 
 
-def test_no_module_of_the_integrations_imports_one_that_imports_it():
-    """Each level of an offload is given what it uses (``_contract.ModelOffload``, a protocol) instead of
-    importing the level above it; no circle, type-checking imports included."""
-    assert _circles(_MODULES, "tierstore.integrations") == []
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_no_module_imports_one_that_imports_it(layer):
+    """In every layer, each module is given what it uses instead of importing the one above it (the levels of an
+    offload take ``_contract.ModelOffload``, a protocol; the transformers adapter attaches itself to the generic
+    offload, which imports no adapter); no circle, type-checking imports included."""
+    assert _circles(_MODULES, "tierstore", layer) == []
 
 
 def test_the_check_sees_a_circle_through_a_type_checking_import(tmp_path):
@@ -155,3 +159,82 @@ def test_the_check_sees_a_circle_through_a_type_checking_import(tmp_path):
     (tmp_path / "c.py").write_text("from .a import f\n")
     modules = {f"pkg.{n}": tmp_path / f"{n}.py" for n in "abc"}
     assert _circles(modules, "pkg") == [["pkg.a", "pkg.b"]]
+
+
+def test_the_check_sees_a_circle_in_the_core(tmp_path):
+    (tmp_path / "_a.py").write_text("def f():\n    from ._b import g\n")
+    (tmp_path / "_b.py").write_text("from ._a import f\n")
+    (tmp_path / "_c.py").write_text("from ._a import f\n")
+    modules = {f"tierstore.{n}": tmp_path / f"{n}.py" for n in ("_a", "_b", "_c")}
+    assert _circles(modules, "tierstore", "core") == [["tierstore._a", "tierstore._b"]]
+
+
+def _private_names(path: pathlib.Path, name: str) -> list[str]:
+    """Private names (``_x``) that ``path`` (module ``name``) imports from another module of the project: a name
+    a module keeps to itself is not another file's to use (a private *module* of the same package is imported as
+    a module: that is :func:`_private_imports`'s to judge)."""
+    out = []
+    package = name if path.stem == "__init__" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = package.split(".")
+        target = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else [])) \
+            if node.level else node.module or ""
+        if _layer(target) is None:
+            continue
+        out += [f"line {node.lineno}: {a.name} from {target}" for a in node.names
+                if a.name.startswith("_") and not a.name.startswith("__") and f"{target}.{a.name}" not in _MODULES]
+    return out
+
+
+@pytest.mark.parametrize("folder, package", [("tierstore", "tierstore"), ("integrations", "tierstore.integrations"),
+                                             ("tierstore/tools", "tierstore.tools"), ("perf", "perf"),
+                                             ("examples", "examples")])
+def test_no_module_imports_another_modules_private_names(folder, package):
+    found = {p.name: _private_names(p, package if p.stem == "__init__" else f"{package}.{p.stem}")
+             for p in sorted((ROOT / folder).glob("*.py"))}
+    assert not {k: v for k, v in found.items() if v}
+
+
+def test_the_check_sees_a_private_name(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text("from .checkpoint import _offloaded, load_checkpoint\nfrom . import _native\n"
+                    "from tierstore._config import _ds_int\nfrom torch._C import _get_tracing_state\n")
+    assert _private_names(path, "tierstore.integrations.probe") == [
+        "line 1: _offloaded from tierstore.integrations.checkpoint", "line 3: _ds_int from tierstore._config"]
+
+
+_DYNAMIC = ("importlib", "__import__", "entry_points", "import_module")
+
+
+def _dynamic_imports(path: pathlib.Path) -> list[str]:
+    """Where ``path`` imports a module chosen at run time (importlib, ``__import__``, entry points): an import
+    that the checks of direction above cannot see."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] + [a.name for a in node.names]
+        elif isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        out += [f"line {node.lineno}: {n}" for n in names if n.split(".")[0] in _DYNAMIC]
+    return sorted(set(out))
+
+
+def test_the_core_imports_nothing_chosen_at_run_time():
+    """The core imports no module by a name it is given or finds (an entry point, importlib): it could reach a layer
+    above it unseen (see [Note: Settings of the layers above])."""
+    found = {p.name: _dynamic_imports(p) for p in sorted((ROOT / "tierstore").glob("*.py"))}
+    assert not {k: v for k, v in found.items() if v}
+
+
+def test_the_check_sees_a_dynamic_import(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text("import importlib.metadata\n\ndef f():\n    return __import__('tierstore.integrations')\n\n"
+                    "def g(m):\n    for ep in m.entry_points(group='x'):\n        ep.load()\n")
+    assert _dynamic_imports(path) == ["line 1: importlib.metadata", "line 4: __import__", "line 7: entry_points"]

@@ -19,7 +19,7 @@ def test_a_forward_stopped_by_ctrl_c_leaves_nothing_held(make_store):
     ref = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), Interrupted(64, 64))
                                 for _ in range(6)])
     model = copy.deepcopy(ref)
-    store = make_store(host_budget_bytes="96KiB", param_tier="nvme", optimizer_tier="nvme")  # ~ four weights
+    store = make_store(host_budget_bytes="96KiB")  # ~ four weights; parameters and state on the drive
     opt = OffloadedAdamW(offload_model(model, store), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     for step in range(5):

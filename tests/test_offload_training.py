@@ -54,7 +54,7 @@ def test_offloaded_training_is_bit_identical(make_store, checkpointing, tied, in
     assert store.memory()["device"]["peak_bytes"] <= 320 * 1024
     assert (store.memory()["device"]["peak_bytes"] > 0) == (compute == "device")
     if depth:
-        assert off.policy.trace is not None and off.stats.prefetches_issued > 0
+        assert off.prefetch_policy.trace is not None and off.stats.prefetches_issued > 0
 
 
 def test_prefetch_turns_misses_into_hits(make_store):

@@ -17,7 +17,7 @@ def test_units_know_their_bytes_and_count_their_stalls(make_store):
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     store = make_store()
     off = offload_model(model, store, prefetch_depth=2)
-    assert sum(off.policy.unit_bytes.values()) == total  # what prefetch_bytes is counted against
+    assert sum(off.prefetch_policy.unit_bytes.values()) == total  # what prefetch_bytes is counted against
     assert off.local_state_bytes() == {store.info(k)["home"]: total for k in store.keys()[:1]}
     x, _ = SyntheticImages(PRESETS["tiny"]).batch(0, 2)
     model(x)

@@ -98,7 +98,7 @@ def test_the_trace_knows_where_its_backward_starts(make_store):
     ref, model, data = _tiny_pair()
     store = make_store(host_budget_bytes=num_params(ref) * IN_BACKWARD_BUDGET)
     _, off, opt = train_offloaded(model, data, 5, store, step_in_backward=True)
-    trace, forward = off.policy.trace, off.policy.forward_uses
+    trace, forward = off.prefetch_policy.trace, off.prefetch_policy.forward_uses
     units = [name for name in off.units() if name]
     # Each unit once in the forward, and again in the backward, which starts where the forward ended.
     assert forward is not None and len(set(trace[:forward])) == forward and set(trace[:forward]) == {"", *units}
@@ -109,7 +109,7 @@ def test_the_trace_knows_where_its_backward_starts(make_store):
     with torch.no_grad():
         for i in range(2):  # recorded at the first, the trace from the second on
             model(data.batch(i, 8)[0])
-    assert off.policy.forward_uses is None and off.placer.step_trace().forward_events is None
+    assert off.prefetch_policy.forward_uses is None and off.placer.step_trace().forward_events is None
 
 
 class _Skipping(torch.nn.Module):
@@ -158,7 +158,7 @@ def test_a_step_that_leaves_the_trace_is_measured_again_and_trains_bit_identical
     if len(skip) == 1:  # planned before the departure; the trace after it is the same: its placement is reused
         # step 5 departs, and step 6 from step 5's trace; the first follows the guessed trace (the units in
         # definition order, then backward in reverse)
-        assert off.policy.departures == 2 and len(plans) == 1 and off.placement is plans[0]
+        assert off.prefetch_policy.departures == 2 and len(plans) == 1 and off.placement is plans[0]
         assert plans[0].resident and store.kept("host") == plans[0].resident
         assert off.placement_verdict.startswith("placement kept")
     else:  # two traces taking turns: the first to come back is tried on its own steps, and its placement stays
@@ -343,7 +343,7 @@ def test_a_loss_over_two_forwards_is_one_step(make_store):
     finally:
         opt.close()
     _assert_same_parameters(model, ref)
-    trace = off.policy.trace
+    trace = off.prefetch_policy.trace
     assert trace is not None and trace.count("blocks.0.qkv") == 3  # both forwards and the backward
     assert off.placement_verdict is not None and off.placement_verdict.startswith("placement ")
 
@@ -405,5 +405,5 @@ def test_traces_remembered_are_bounded(make_store):
         opt.step()
         opt.zero_grad()
     opt.close()
-    assert off.policy.traces_recorded > 2 * MAX_TRACES_REMEMBERED
+    assert off.prefetch_policy.traces_recorded > 2 * MAX_TRACES_REMEMBERED
     assert len(off.placer._seen) == MAX_TRACES_REMEMBERED and len(off.placer._decided) <= MAX_TRACES_REMEMBERED

@@ -6,15 +6,17 @@ ahead of use.
 """
 
 from ._config import (
-    LayerSetting,
+    STORE_DEEPSPEED_KEYS,
+    DeepSpeedKeys,
     StoreConfig,
-    declared_layer_settings,
+    deepspeed_int,
     default_nvme_path,
     from_deepspeed,
     from_dict,
     load_config,
     parse_bytes,
-    register_layer_settings,
+    read_config_file,
+    read_deepspeed,
 )
 from ._nvme import Syscalls
 from ._store import Handle, TierStore, open_store
@@ -48,7 +50,8 @@ __all__ = [
     "CheckpointWriteError",
     "Handle",
     "IntegrityError",
-    "LayerSetting",
+    "DeepSpeedKeys",
+    "STORE_DEEPSPEED_KEYS",
     "TierValueError",
     "TierTypeError",
     "StoreClosedError",
@@ -65,12 +68,13 @@ __all__ = [
     "UnknownSettingError",
     "UnsupportedError",
     "Timeline",
-    "declared_layer_settings",
+    "deepspeed_int",
     "default_nvme_path",
     "from_deepspeed",
     "from_dict",
     "load_config",
     "open_store",
     "parse_bytes",
-    "register_layer_settings",
+    "read_config_file",
+    "read_deepspeed",
 ]

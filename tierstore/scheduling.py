@@ -6,11 +6,9 @@
   whole run from one recorded step; :func:`room_bytes` is the host budget left for copies in flight, and
   :func:`choose_depth` the prefetch depth from measured read and compute times; :func:`layered_trace` is the
   trace of a model of equal layers, as ``tierstore plan`` plans it;
-- :func:`check_prefetch_depth` and :func:`default_grad_backlog_bytes` are the store config's rules for them;
-  :func:`size_text` and :func:`count_text` print sizes and counts as the placement reports them.
+- :func:`size_text` and :func:`count_text` print sizes and counts as the placement reports them.
 """
 
-from ._config import check_prefetch_depth, default_grad_backlog_bytes
 from ._placement import (
     Placement,
     StepTrace,
@@ -23,6 +21,5 @@ from ._placement import (
 )
 from ._schedule import LaterUses, PrefetchPolicy, unit_victim_order
 
-__all__ = ["LaterUses", "Placement", "PrefetchPolicy", "StepTrace", "check_prefetch_depth", "choose_depth",
-           "count_text", "default_grad_backlog_bytes", "layered_trace", "plan_placement", "room_bytes",
-           "size_text", "unit_victim_order"]
+__all__ = ["LaterUses", "Placement", "PrefetchPolicy", "StepTrace", "choose_depth", "count_text", "layered_trace",
+           "plan_placement", "room_bytes", "size_text", "unit_victim_order"]

@@ -146,8 +146,8 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compres
         read = store.stats_dict()["bytes_read_nvme"]
         # A layer: its uses in the step's trace.
         first = next(g for g in off.units() if "layers" in g or ".h." in g or "layer_groups" in g)
-        uses = off.policy.trace.count(first)
-        forward = off.policy.trace[:off.policy.forward_uses or 0]
+        uses = off.prefetch_policy.trace.count(first)
+        forward = off.prefetch_policy.trace[:off.prefetch_policy.forward_uses or 0]
         removed_clean = None
         if clip:  # gradients kept in the store when the offload is removed: they go with it
             case.loss(model, case.batch(99, batch=2 * world)[rank::world]).backward()

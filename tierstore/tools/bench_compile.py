@@ -22,7 +22,7 @@ from tierstore import StoreConfig, TierStore, TierValueError
 from tierstore.scheduling import count_text, size_text
 from tierstore.integrations import OffloadedAdamW, offload_model
 
-from .bench_step import STEPS_PER_SAMPLE, WARMUP_STEPS, _offloaded_sample, _resident_step
+from .bench_step import STEPS_PER_SAMPLE, WARMUP_STEPS, offloaded_sample, resident_step
 from .demo import default_budgets
 from .vit import PRESETS, SyntheticImages, ViT, num_params
 
@@ -55,7 +55,7 @@ def run_compile_bench(*, preset: str, batch_size: int, nvme_path: str, rounds: i
                 _compile_blocks(model)
             if name.startswith("resident"):
                 opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-                run[name] = lambda step, m=model, o=opt: _resident_step(m, data, batch_size, step, o)[0]
+                run[name] = lambda step, m=model, o=opt: resident_step(m, data, batch_size, step, o)[0]
             else:
                 store = TierStore(StoreConfig(nvme_path=nvme_path, host_budget_bytes=host,
                                               device_budget_bytes=device))
@@ -63,7 +63,7 @@ def run_compile_bench(*, preset: str, batch_size: int, nvme_path: str, rounds: i
                 opt = OffloadedAdamW(offload_model(model, store, prefetch_depth="auto"), lr=1e-3,
                                      step_in_backward=True)
                 opts.append(opt)
-                run[name] = lambda step, m=model, s=store, o=opt: _offloaded_sample(
+                run[name] = lambda step, m=model, s=store, o=opt: offloaded_sample(
                     m, s, o, data, batch_size, step, steps=1)[0]
             t0 = time.perf_counter()
             for step in range(WARMUP_STEPS):

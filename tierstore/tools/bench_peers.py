@@ -59,9 +59,9 @@ def _run_tierstore(base: nn.Module, x: torch.Tensor, path: str, depth: int | str
                    device_budget_bytes: int) -> tuple[float, torch.Tensor, dict[str, Any]]:
     model = copy.deepcopy(base)
     config = StoreConfig(nvme_path=path, host_budget_bytes=host_budget_bytes,
-                         device_budget_bytes=device_budget_bytes, prefetch_depth=depth)
+                         device_budget_bytes=device_budget_bytes)
     with TierStore(config) as store:
-        offload_model(model, store)
+        offload_model(model, store, prefetch_depth=depth)
         store.flush()
         for key in store.keys():  # nothing cached in memory: every byte comes from the drive
             for tier in ("device", "host"):

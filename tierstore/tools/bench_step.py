@@ -1,11 +1,12 @@
 """`tierstore bench step`: offloaded step time at several prefetch depths against the resident step and the bound.
 
-bound = max(resident forward and backward, bytes moved per step / drive GB/s),
-both measured in the same run (see [Note: The compute in the bound]), the
-drive's GB/s for the step's own mix of reads and writes (they share the
-drive: here a mix runs well below reads or writes alone);
-overlap efficiency = bound / offloaded step. Depths are run in alternating
-order over rounds and medians are reported.
+bound = max(resident step, bytes moved per step / drive GB/s), both measured
+in the same run (see [Note: The compute in the bound]), the drive's GB/s for
+the step's own mix of reads and writes (they share the drive: here a mix runs
+well below reads or writes alone); overlap efficiency = bound / offloaded
+step, and 'vs resident' = resident step / offloaded step. Depths and the
+resident reference are run in alternating order over rounds and medians are
+reported.
 
 [Note: The drive's rate for the bound] A virtual disk's rate moves from
 minute to minute (0.8 to 1.7 GB/s on one machine, within an hour), so one
@@ -16,14 +17,19 @@ fastest mix is used; a step that moved its bytes faster still (its bytes over
 its whole time) raises the rate to that. The bound is then one the drive
 has shown it can reach in this run, and overlap efficiency cannot pass 1.
 
-[Note: The compute in the bound] The resident step runs torch's AdamW
-after backward on the training thread; the offloaded step runs its
-optimizer on a worker beside backward, so it can beat the resident step,
-which is then no floor (ViT-large bf16 on two cores stepped offloaded in
-2.8 s against a resident 5.5 s, an "overlap" of 1.99). What no step can
-hide is its forward and backward: the bound's compute is the resident
-model's, timed apart within its step. The resident step is reported as
-well, as what training without offload takes.
+[Note: The compute in the bound] The bound's compute is the whole resident
+step: forward, backward and the update (torch's AdamW after backward, on the
+training thread). Counting forward and backward alone left the update's
+arithmetic out, so a step whose I/O was all hidden (0.058 s of stall on
+ViT-large) read an "overlap" of 0.52. An offloaded step that steps in
+backward runs its update on a worker beside backward and can beat the
+resident step (ViT-large bf16 on two cores: 2.8 s against 5.5 s): its
+overlap then passes 1, which says the update overlapped backward. The
+resident reference runs in a process of its own (in this one, the
+allocator's state after the offloaded setups would change its time), kept
+alive for the whole run and asked for a sample in each round, in the
+alternating order of the offloaded rows, so the drive's and the CPU's swings
+fall on both alike.
 
 [Note: A sample is steps in a row] A step's last writes go on after its
 ``step()`` returns, into the next step of its model. Models taking single
@@ -40,6 +46,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -85,7 +92,7 @@ class _MasterAdamW:
         self.opt.zero_grad()
 
 
-def _resident_step(model, data, batch_size: int, step: int, opt,
+def resident_step(model, data, batch_size: int, step: int, opt,
                    dtype: torch.dtype = torch.float32) -> tuple[float, float, float]:
     """(the step's seconds, those of its forward and backward, those of its forward)."""
     t0 = time.perf_counter()
@@ -152,9 +159,8 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
     layout_keys = {f"{last} {lay}": tuple(lay.split("/")) for lay in layouts or []}
     rows_keys: list[Any] = [*depths, *([unplanned] if unplanned else []), *layout_keys]
     samples: dict[Any, list] = {"serial": [], **{d: [] for d in rows_keys}}
-    # The resident reference in a process of its own: in this one, the allocator's state after the offloaded
-    # setups would change its time.
-    resident_samples = _resident_in_fresh_process(preset, batch_size, dtype, fused, steps=2 + max(3, rounds))
+    resident = _ResidentRounds(preset, batch_size, dtype, fused)  # see [Note: The compute in the bound]
+    resident_samples: list[tuple[float, float, float]] = []
     try:
         for d in depths:
             first = setup(d, d, lambda off: adamw(off, step_in_backward=step_in_backward))
@@ -176,9 +182,12 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
 
         drive_once()
         for r in range(rounds):
-            order = ["serial", *rows_keys] if r % 2 == 0 else [*reversed(rows_keys), "serial"]
+            order = ["serial", "resident", *rows_keys] if r % 2 == 0 else [*reversed(rows_keys), "resident", "serial"]
             for d in order:
-                samples[d].append(_offloaded_sample(*setups[d], data, batch_size,
+                if d == "resident":
+                    resident_samples += resident.sample(STEPS_PER_SAMPLE)
+                    continue
+                samples[d].append(offloaded_sample(*setups[d], data, batch_size,
                                                     WARMUP_STEPS + r * STEPS_PER_SAMPLE, torch_dtype))
             drive_once()
         plans = {key: off.placement for key, off in offloads.items()}
@@ -189,11 +198,12 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
             model, store, opt = setups[traced]
             timeline = store.record_timeline()
             assert timeline is not None
-            _offloaded_sample(model, store, opt, data, batch_size, WARMUP_STEPS + rounds * STEPS_PER_SAMPLE,
+            offloaded_sample(model, store, opt, data, batch_size, WARMUP_STEPS + rounds * STEPS_PER_SAMPLE,
                               torch_dtype, steps=1)
             store.record_timeline(False)
             n_events = timeline.write_chrome_trace(trace_path)
     finally:
+        resident.close()
         for _, store, opt in setups.values():
             opt.close()
             store.close()
@@ -222,8 +232,8 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
                                          if raised else "") +
         f"; optimizer steps {'in' if step_in_backward else 'after'} backward"
         f"{' (torch AdamW fused kernel, resident too)' if fused else ''}")
-    log(f"resident step (a process of its own): {resident_s:.3f} s, its forward and backward {compute_s:.3f} s "
-        f"(the bound's compute; the forward {forward_s:.3f} s); "
+    log(f"resident step (a process of its own, sampled in every round): {resident_s:.3f} s (the bound's compute), "
+        f"its forward and backward {compute_s:.3f} s, its forward {forward_s:.3f} s; "
         f"depth 0: nothing read ahead (parameters or optimizer state); "
         "'serial': that, with the optimizer after backward and its writes waited for")
     # The placement printed: the automatic depth's (a fixed depth leaves its own units room, so plans differ).
@@ -242,21 +252,24 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
                                "bytes_per_step": plan.bytes_per_step, "lower_bound_bytes": plan.lower_bound_bytes,
                                "forward_bytes": plan.forward_bytes, "predicted_step_s":
                                plan.predicted_step_seconds(compute_s, drive_gbps * 1e9, forward_s)}
-    log("overlap = bound / step (1.00 is the best a step can do); 'plan MiB' and 'plan s': what the placement "
+    log("overlap = bound / step (1.00: the step is as fast as the slower of the resident step and the drive; above "
+        "1, the update overlapped backward); 'vs resident' = resident step / step; 'plan MiB' and 'plan s': what the "
+        "placement "
         "predicts a step moves and takes (its forward, then the rest of the step, each bound by its compute or its "
         "bytes over the drive's rate); the last two "
         "columns: how many times faster than the first depth and than 'serial' (higher is better); 'auto' shows the "
         "depth it chose")
     log(f"{'depth':>16} {'step s':>8} {'stall s':>8} {'MiB/step':>9} {'plan MiB':>9} {'plan s':>7} {'bound s':>8} "
-        f"{'overlap':>8} {'vs first':>9} {'vs serial':>9}")
+        f"{'overlap':>8} {'vs resident':>11} {'vs first':>9} {'vs serial':>9}")
 
     def row_of(key: Any) -> dict[str, Any]:
         step_s = statistics.median(s[0] for s in samples[key])
         moved = statistics.median(s[2] for s in samples[key])
-        bound = max(compute_s, moved / (drive_gbps * 1e9))
+        bound = max(resident_s, moved / (drive_gbps * 1e9))
         p = plans.get(key)
         return {"step_s": step_s, "stall_s": statistics.median(s[1] for s in samples[key]), "bytes_per_step": moved,
-                "bound_s": bound, "overlap_efficiency": bound / step_s, "chosen_depth": chosen[key],
+                "bound_s": bound, "overlap_efficiency": bound / step_s, "vs_resident": resident_s / step_s,
+                "chosen_depth": chosen[key],
                 "predicted_bytes_per_step": p.bytes_per_step if p else None,
                 "predicted_step_s": p.predicted_step_seconds(compute_s, drive_gbps * 1e9, forward_s) if p else None,
                 "lower_bound_bytes": tried[key].lower_bound_bytes if tried[key] else None}
@@ -273,7 +286,8 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
         planned = f"{row['predicted_bytes_per_step'] / MIB:.1f}" if row["predicted_bytes_per_step"] else "-"
         planned_s = f"{row['predicted_step_s']:.3f}" if row["predicted_step_s"] else "-"
         log(f"{label:>16} {row['step_s']:>8.3f} {row['stall_s']:>8.3f} {row['bytes_per_step'] / MIB:>9.1f} "
-            f"{planned:>9} {planned_s:>7} {row['bound_s']:>8.3f} {row['overlap_efficiency']:>8.2f} {vs_first:>9} "
+            f"{planned:>9} {planned_s:>7} {row['bound_s']:>8.3f} {row['overlap_efficiency']:>8.2f} "
+            f"{row['vs_resident']:>10.2f}x {vs_first:>9} "
             f"{serial['step_s'] / row['step_s']:>8.2f}x")
     deepest = max(numeric) if numeric else "auto"
     if rss and torch_dtype != torch.float32:
@@ -328,8 +342,8 @@ def run_budget_sweep(*, preset: str, batch_size: int, depths: list[int], nvme_pa
                      "resident_compute_s": res["resident_compute_s"], "drive_gbps": res["drive_gbps"],
                      "placement_verdict": res["placement_verdicts"].get(depth), **best})
     log(f"bench step, budget sweep: ViT-{preset}, {dtype}, {size_text(state)} of state, batch {batch_size}; per "
-        f"host budget the best of depths {','.join(map(str, depths))}; bound = max(resident forward and "
-        f"backward, bytes / drive)")
+        f"host budget the best of depths {','.join(map(str, depths))}; bound = max(resident step, "
+        f"bytes / drive)")
     log("'bound MiB': the planner's lower bound on bytes per step at that budget; 'plan s': the step its placement "
         "predicts (its forward, then the rest)")
     log(f"{'budget':>8} {'host MiB':>9} {'depth':>6} {'step s':>8} {'plan s':>7} {'MiB/step':>9} {'bound MiB':>9} "
@@ -379,19 +393,44 @@ def plot_budget_sweep(result: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def _resident_in_fresh_process(preset: str, batch_size: int, dtype: str, fused: bool,
-                               steps: int) -> list[tuple[float, float, float]]:
-    """``steps`` resident steps (torch's AdamW) in a fresh process: each one's (seconds, forward and backward,
-    forward), the first two (which fault in Adam's state and temporaries) left out."""
-    args = json.dumps({"preset": preset, "batch_size": batch_size, "dtype": dtype, "fused": fused, "steps": steps})
-    proc = subprocess.run([sys.executable, "-m", "tierstore.tools.bench_step", args], capture_output=True,
-                          text=True, check=False)
-    if proc.returncode != 0:
-        raise TierStoreError(f"the resident reference's process failed:\n{proc.stderr[-2000:]}")
-    return [tuple(s) for s in json.loads(proc.stdout.strip().splitlines()[-1])]
+class _ResidentRounds:
+    """The resident reference (torch's AdamW) in a process of its own, kept for the whole run: each
+    :meth:`sample` runs that many more resident steps there and gives each one's (seconds, forward and backward,
+    forward). Its first two steps (which fault in Adam's state and temporaries) are run at the start and left
+    out (see [Note: The compute in the bound])."""
+
+    def __init__(self, preset: str, batch_size: int, dtype: str, fused: bool) -> None:
+        args = json.dumps({"preset": preset, "batch_size": batch_size, "dtype": dtype, "fused": fused})
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        self._proc = subprocess.Popen([sys.executable, "-m", "tierstore.tools.bench_step", args], text=True,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
+        self.sample(2)
+
+    def sample(self, steps: int) -> list[tuple[float, float, float]]:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        try:
+            self._proc.stdin.write(f"{steps}\n")
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            self._proc.wait()
+            self._stderr.seek(0)
+            raise TierStoreError(f"the resident reference's process failed:\n{self._stderr.read()[-2000:]}")
+        return [tuple(s) for s in json.loads(line)]
+
+    def close(self) -> None:
+        for pipe in (self._proc.stdin, self._proc.stdout):
+            if pipe is not None and not pipe.closed:
+                pipe.close()
+        self._proc.wait()
+        self._stderr.close()
 
 
-def _resident_child(args: dict[str, Any]) -> list[tuple[float, float, float]]:
+def _resident_child(args: dict[str, Any]) -> None:
+    """Serve :class:`_ResidentRounds`: for each number read from stdin, that many more resident steps, their
+    samples as one JSON line."""
     torch_dtype = DTYPES[args["dtype"]]
     cfg = PRESETS[args["preset"]]
     torch.manual_seed(0)
@@ -400,8 +439,13 @@ def _resident_child(args: dict[str, Any]) -> list[tuple[float, float, float]]:
     # Both sides run the same implementation of torch's AdamW: fused=True, or its CPU default.
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False, fused=args["fused"])
            if torch_dtype == torch.float32 else _MasterAdamW(model, args["fused"]))
-    out = [_resident_step(model, data, args["batch_size"], i, opt, torch_dtype) for i in range(args["steps"])]
-    return out[2:]
+    step = 0
+    for line in sys.stdin:
+        out = []
+        for _ in range(int(line)):
+            out.append(resident_step(model, data, args["batch_size"], step, opt, torch_dtype))
+            step += 1
+        print(json.dumps(out), flush=True)
 
 
 class _NoOverlap:
@@ -424,7 +468,7 @@ class _NoOverlap:
         self.opt.close()
 
 
-def _offloaded_sample(model, store, opt, data, batch_size: int, first_step: int, dtype: torch.dtype = torch.float32,
+def offloaded_sample(model, store, opt, data, batch_size: int, first_step: int, dtype: torch.dtype = torch.float32,
                       steps: int = STEPS_PER_SAMPLE) -> tuple[float, float, float]:
     """Seconds, stall seconds and drive bytes per step over ``steps`` steps in a row and the wait for the last
     one's writes (see [Note: A sample is steps in a row])."""
@@ -463,7 +507,7 @@ def plot_step_bench(result: dict[str, Any], path: str) -> None:
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8.5, 5.6), height_ratios=[3, 2])
     top.plot(xs, [r["step_s"] for r in rows], "o-", color="C0", linewidth=2, label="offloaded step")
     top.plot(xs, [r["bound_s"] for r in rows], "x--", color="C3", markersize=8,
-             label="bound: max(resident fwd+bwd,\nbytes / drive GB/s)")
+             label="bound: max(resident step,\nbytes / drive GB/s)")
     top.axhline(result["resident_step_s"], color="C2", linestyle=":", linewidth=2, label="resident step")
     auto = result["depths"].get("auto")
     if auto is not None:  # at the depth it chose
@@ -486,4 +530,4 @@ def plot_step_bench(result: dict[str, Any], path: str) -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_resident_child(json.loads(sys.argv[1]))))
+    _resident_child(json.loads(sys.argv[1]))

@@ -113,8 +113,7 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     torch.manual_seed(0)
     n = num_params(model)
     state_bytes, host, device = default_budgets(n, host_budget_bytes, device_budget_bytes)
-    config = StoreConfig(nvme_path=nvme_path, host_budget_bytes=host, device_budget_bytes=device,
-                         prefetch_depth=prefetch_depth)
+    config = StoreConfig(nvme_path=nvme_path, host_budget_bytes=host, device_budget_bytes=device)
     # On the drive: the weights, their masters (bf16 weights: fp32, or the low half when split) and two moments.
     half = torch_dtype != torch.float32
     moment_bytes = {"fp32": 8 * n, "bf16": 4 * n, "8bit": 2 * packed_size(n)}[moments]
@@ -143,7 +142,7 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
     rows = []
     with TierStore(config) as store:
         t0 = time.perf_counter()
-        off = offload_model(model, store)
+        off = offload_model(model, store, prefetch_depth=prefetch_depth)
         log(f"built into the store in {time.perf_counter() - t0:.1f} s")
         # torch's fused AdamW: one pass over each parameter's state (see [Note: Which AdamW])
         opt = OffloadedAdamW(off, lr=lr, step_in_backward=step_in_backward, fused=True, moments=layout.moments,

@@ -106,8 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = _shard(copy.deepcopy(base))
         del base
         state_bytes, host, device = default_budgets(n // world, args.host_budget, args.device_budget)  # per rank
-        config = StoreConfig(nvme_path=args.nvme_path, host_budget_bytes=host, device_budget_bytes=device,
-                             prefetch_depth=args.prefetch_depth)
+        config = StoreConfig(nvme_path=args.nvme_path, host_budget_bytes=host, device_budget_bytes=device)
         if rank == 0:
             print(f"FSDP2 + NVMe: ViT-{args.preset}, {n / 1e6:.1f}M parameters on {world} ranks "
                   f"({dist.get_backend()}), ~{state_bytes / MIB:.0f} MiB of fp32 shards + AdamW state per rank "
@@ -117,7 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"{'NVMe GB/s':>9}", flush=True)
         rows = []
         with TierStore(config) as store:
-            off = offload_fsdp(model, store)
+            off = offload_fsdp(model, store, prefetch_depth=args.prefetch_depth)
             opt = OffloadedAdamW(off, lr=args.lr, weight_decay=0.01, step_in_backward=args.optimizer_step == "in-backward",
                                  moments=args.moments, master=args.master)
             store.flush()
@@ -202,7 +201,7 @@ def _resume(args, config, data, rank: int, world: int, losses: list[float]) -> b
     torch.manual_seed(1)
     model = _shard(_model(args.preset, args.dtype))
     with TierStore(config) as store:
-        off = offload_fsdp(model, store)
+        off = offload_fsdp(model, store, prefetch_depth=args.prefetch_depth)
         opt = OffloadedAdamW(off, lr=args.lr, weight_decay=0.01, step_in_backward=args.optimizer_step == "in-backward",
                              moments=args.moments, master=args.master)
         extra = load_checkpoint(args.checkpoint, off, opt)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierstore import Tier, TierValueError
-from tierstore.scheduling import default_grad_backlog_bytes
+from tierstore.integrations import default_grad_backlog_bytes
 from tierstore.scheduling import layered_trace, plan_placement, room_bytes
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
