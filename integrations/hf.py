@@ -98,7 +98,7 @@ def load_adapter(model: nn.Module | OffloadBase, *args: Any, **kwargs: Any) -> A
     without the base in memory: peft takes ``model.state_dict()`` to learn the model's keys and shapes, which
     would read every offloaded tensor; here those values are left unread (meta tensors of their shapes) while
     peft loads the adapter, which then goes into the store as any ``load_state_dict`` does."""
-    model, off = model_and_offload(model)
+    model, off = _offloaded(model)
     with off.state_dict_unread():
         return type(model).load_adapter(model, *args, **kwargs)
 
@@ -107,7 +107,7 @@ def _is_peft(model: nn.Module) -> bool:
     return any(c.__module__.startswith("peft.") and c.__name__ == "PeftModel" for c in type(model).__mro__)
 
 
-def model_and_offload(model: nn.Module | OffloadBase) -> tuple[nn.Module, OffloadBase]:
+def _offloaded(model: nn.Module | OffloadBase) -> tuple[nn.Module, OffloadBase]:
     model, off = model_and_offload(model)
     if off is None:
         raise TierValueError(f"{type(model).__name__} is not offloaded: call offload_model(model, store) first")
@@ -122,7 +122,7 @@ def save_pretrained(model: nn.Module | OffloadBase, save_directory: str | os.Pat
     time (see [Note: Saving the transformers way, tensor by tensor]); ``offload_model`` makes it the model's
     ``save_pretrained``. The same files as transformers' (and peft's) own; ``state_dict=`` given is saved by
     theirs as it is, and ``push_to_hub`` is refused (save, then upload the directory)."""
-    model, off = model_and_offload(model)
+    model, off = _offloaded(model)
     original = partial(type(model).save_pretrained, model, save_directory)
     if state_dict is not None:
         return original(state_dict=state_dict, max_shard_size=max_shard_size, **kwargs)
@@ -243,7 +243,7 @@ def load_base_weights(path: str | os.PathLike, model: nn.Module | OffloadBase, *
     index) loaded into an offloaded peft model built on meta, one tensor at a time, through the host budget; the
     adapters keep their values. For a model without adapters, :func:`~tierstore.integrations.load_safetensors`.
     ``strict``: a base weight missing from the files, or a tensor the base lacks, is an error (nothing loaded)."""
-    model, off = model_and_offload(model)
+    model, off = _offloaded(model)
     if not _is_peft(model):
         return load_safetensors(path, off, strict=strict)
     found = safetensors_entries(path)
@@ -286,7 +286,7 @@ def stream_checkpoints(trainer: Any) -> Any:
     """
     if getattr(trainer, "_tierstore_streams", False):
         return trainer
-    model, off = model_and_offload(trainer.model)
+    model, off = _offloaded(trainer.model)
     save_state, load_state = trainer._save_optimizer_and_scheduler, trainer._load_optimizer_and_scheduler
     load_weights = trainer._load_from_checkpoint
 
@@ -408,7 +408,7 @@ def save_merged(model: nn.Module | OffloadBase, save_directory: str | os.PathLik
     without the base in memory: each base weight is borrowed from the store, its active adapters' product added
     as peft's merge adds it, and written; the model itself is left as it is (adapters unmerged). The files are
     the base model's (``from_pretrained`` of the base class loads them)."""
-    model, off = model_and_offload(model)
+    model, off = _offloaded(model)
     if not _is_peft(model):
         raise TierTypeError(f"save_merged takes a peft model (get_peft_model), not {type(model).__name__}")
     from peft.tuners.lora import Linear as LoraLinear
