@@ -154,12 +154,13 @@ def store_dtype(off, key):
 @pytest.mark.parametrize("tier", ["host", "nvme"])
 def test_grad_tier_is_the_gradients_home(make_store, tier):
     _, model = _pair()
-    off = offload_model(model, make_store(grad_tier=tier))
+    off = offload_model(model, make_store(), grad_tier=tier)
     _backward(model, 0)
     assert off.store.info("grad/0.weight")["home"] == tier
-    # the optimizer's tier when not set
+    # the tier of the state of the optimizer that steps them when not set
     _, other = _pair()
-    off = offload_model(other, make_store(optimizer_tier="host"))
+    off = offload_model(other, make_store())
+    OffloadedAdamW(off, home="host")
     _backward(other, 0)
     assert off.store.info("grad/0.weight")["home"] == "host"
 

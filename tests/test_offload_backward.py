@@ -164,13 +164,13 @@ def test_autograd_grad_over_the_parameters_gives_the_resident_gradients(make_sto
     x = torch.randn(3, 64)
     expected = torch.autograd.grad(ref(x).pow(2).sum(), list(ref.parameters()))
     model = copy.deepcopy(ref)
-    offload_model(model, make_store(host_budget_bytes="512KiB", param_tier="nvme"))
+    offload_model(model, make_store(host_budget_bytes="512KiB"))
     got = torch.autograd.grad(model(x).pow(2).sum(), list(model.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     model(x).sum().backward()
     ref(x).sum().backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
     tight = copy.deepcopy(ref)
-    offload_model(tight, make_store(host_budget_bytes="64KiB", param_tier="nvme"))  # under the 66 KiB of weights
+    offload_model(tight, make_store(host_budget_bytes="64KiB"))  # under the 66 KiB of weights
     with pytest.raises(ts.TierBudgetError, match=r"torch.autograd.grad\(loss, parameters\) accumulates no .grad"):
         torch.autograd.grad(tight(x).pow(2).sum(), list(tight.parameters()))

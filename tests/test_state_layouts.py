@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from tierstore.integrations import OffloadedAdamW, load_checkpoint, offload_model, save_checkpoint
+from tierstore.integrations import OffloadedAdamW, load_checkpoint, offload_model, save_checkpoint, split_settings
 from tierstore.integrations import _layouts as L
 
 from tierstore import CheckpointError
@@ -302,10 +302,11 @@ def test_fp32_layout_is_unchanged_and_the_config_chooses_the_layout(make_store):
     opt = OffloadedAdamW(off, lr=1e-2)
     assert opt.layout == L.StateLayout("fp32", "fp32")
     assert _train(model, opt, 3) == _train(ref, ref_opt, 3)
-    off2 = offload_model(_model(), make_store(optimizer_moments="bf16", optimizer_master="split"))
-    assert OffloadedAdamW(off2).layout == L.StateLayout("bf16", "split")
+    settings = split_settings({"optimizer_moments": "bf16", "optimizer_master": "split"})
+    off2 = offload_model(_model(), make_store())
+    assert OffloadedAdamW(off2, policy=settings.optimizer).layout == L.StateLayout("bf16", "split")
     with pytest.raises(ValueError, match="optimizer_moments='4bit': choose one of"):
-        make_store(optimizer_moments="4bit")
+        split_settings({"optimizer_moments": "4bit"})
 
 
 def test_fp16_weights_refuse_a_split_master(make_store):
