@@ -110,6 +110,9 @@ class PassState:
         self._stale_hooks: dict[int, Any] = {}  # thread -> hooks a stopped pass left pushed there (see clear)
         self._eager_hooks: tuple[Any, Any] = (None, None)  # _pack and _unpack disabled for dynamo, once made
         self._unhooked = list(owner.params.values())  # gradients not yet taken as they complete (frozen ones)
+        # Threads whose forwards are one pass: a layer-major step's micro-batches, which take turns (see [Note: A
+        # layer-major step] in _layer_major.py); anything with ``in``, filled by the step.
+        self.group: Any = {}
 
     # ---- phases ---------------------------------------------------------------------------
     def in_backward(self) -> bool:
@@ -126,7 +129,7 @@ class PassState:
         if _graph_task():
             return
         me = threading.get_ident()
-        if self.forward_thread not in (None, me):
+        if self.forward_thread not in (None, me) and not (me in self.group and self.forward_thread in self.group):
             other, doing = self.forward_thread, "forward"
         elif self.phase is Phase.BACKWARD and self.backward_thread not in (None, me):
             other, doing = self.backward_thread, "backward"
@@ -145,10 +148,15 @@ class PassState:
 
     def end_pass(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         """The model's forward returned (or raised): see [Note: One pass at a time]."""
-        if self.forward_thread == threading.get_ident() and not _graph_task():
+        me = threading.get_ident()
+        if (self.forward_thread == me or me in self.group) and not _graph_task():
             self.forward_depth -= 1
             if not self.forward_depth:
                 self._forward_ended()
+
+    def joined(self) -> bool:
+        """Whether the forward starting on this thread joins a pass a thread of its group began (see ``group``)."""
+        return threading.get_ident() in self.group and self.forward_depth > 1
 
     def _forward_ended(self) -> None:
         self.forward_thread, self.forward_depth = None, 0

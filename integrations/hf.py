@@ -327,6 +327,47 @@ def stream_checkpoints(trainer: Any) -> Any:
     return trainer
 
 
+def accumulate_layer_major(trainer: Any) -> Any:
+    """Make transformers' ``trainer`` run each step's micro-batches (``gradient_accumulation_steps``) layer by
+    layer through its offloaded model (see [Note: A layer-major step]); returns ``trainer``.
+
+    One line after building the Trainer: ``accumulate_layer_major(trainer)``. Trainer then gathers a step's
+    micro-batches as it does and calls ``training_step`` for each; the first call runs all of them through
+    ``off.accumulate`` (each micro-batch's ``training_step`` as Trainer wrote it, forward and backward, on a thread
+    of its own) and the others return their own results. Gradients, losses and logs are those of Trainer's own
+    loop, bit for bit in fp32; each weight is read about once forward and once backward a step, whatever the
+    number of micro-batches.
+    """
+    if getattr(trainer, "_tierstore_layer_major", False):
+        return trainer
+    _, off = _offloaded(trainer.model)
+    if not hasattr(trainer, "get_batch_samples"):
+        raise UnsupportedError("accumulate_layer_major needs a transformers whose Trainer gathers a step's "
+                               "micro-batches first (Trainer.get_batch_samples, transformers >= 4.46)")
+    gather, training_step = trainer.get_batch_samples, trainer.training_step
+    step: dict[str, Any] = {"batch": [], "results": {}}
+
+    def get_batch_samples(*args: Any, **kwargs: Any) -> Any:
+        batch_samples, num_items = gather(*args, **kwargs)
+        step["batch"], step["results"] = list(batch_samples), {}
+        return batch_samples, num_items
+
+    def training_step_of_the_step(model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        results = step["results"]
+        if id(inputs) not in results:
+            if not any(inputs is b for b in step["batch"]):  # not one of the step's micro-batches
+                return training_step(model, inputs, *args, **kwargs)
+            batch = step["batch"]
+            out = off.accumulate(lambda mb: training_step(model, mb, *args, **kwargs), batch)
+            results.update({id(b): r for b, r in zip(batch, out)})
+        return results.pop(id(inputs))
+
+    trainer.get_batch_samples = get_batch_samples
+    trainer.training_step = training_step_of_the_step
+    trainer._tierstore_layer_major = True
+    return trainer
+
+
 def _save_checkpoint_whole(trainer: Any, save: Any, model: nn.Module, trial: Any, *args: Any, **kwargs: Any) -> None:
     """[Note: A Trainer checkpoint appears whole] ``Trainer`` writes
     ``checkpoint-N`` file by file (weights, optimizer, scheduler, RNG, and
@@ -468,4 +509,4 @@ def _merged_source(source: TensorSource, layer: Any, value: Any, layer_name: str
 
 add_model_methods(methods_for)  # see [Note: Saving the transformers way, tensor by tensor]
 
-__all__ = ["load_base_weights", "save_merged", "save_pretrained", "stream_checkpoints"]
+__all__ = ["accumulate_layer_major", "load_base_weights", "save_merged", "save_pretrained", "stream_checkpoints"]

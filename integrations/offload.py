@@ -47,6 +47,7 @@ from ._base import STATE_KEY, OffloadBase, OffloadedParameterError, UnitStats, c
 from ._build import check_names_free, put_parameters, room_for, to_compute_device
 from ._contract import zero_grads
 from ._grads import GradientStore, check_grad_dtype, grad_key
+from ._layer_major import run_layer_major
 from ._meta import check_meta
 from ._param import OffloadedParameter, StoredParam, refuse_other_optimizers_from_now
 from ._pass import PassState
@@ -127,6 +128,9 @@ class OffloadedModel(OffloadBase):
         """Each unit's forward pre- and post-hook (or its wrapped forward), and the model's own."""
         wrapped = set()
         roots = unit_modules(self.model, units)
+        # The modules given as units, in definition order: a layer-major step's segments (see [Note: A layer-major
+        # step]).
+        self.unit_roots = [m for n, m in self.model.named_modules() if roots.get(n) and n]
         for mname, (module, ids) in owned_by.items():
             owned = [self.params[i] for i in ids]
             unit = self._units[mname] = Unit(mname, owned, sum(sp.nbytes for sp in owned), self)
@@ -209,6 +213,8 @@ class OffloadedModel(OffloadBase):
             self._adopt_compiled()  # before the pass counts this forward: a refusal here leaves nothing behind
         passes = self.pass_state
         passes.one_pass_at_a_time()
+        if passes.joined():  # one more micro-batch of a layer-major step: the step has begun
+            return
         passes.settle_failed_backward()
         if not passes.in_backward():  # not a forward rerun inside backward (checkpointing)
             passes.clear()  # what a forward that raised (or a load_state_dict, or Ctrl-C) left
@@ -321,6 +327,17 @@ class OffloadedModel(OffloadBase):
         root_bytes = sum(root.values())
         return {sp.name: next((nbytes for nbytes, names in units if sp.name not in names), 0)
                 + root_bytes - root.get(sp.name, 0) for sp in self.params.values()}
+
+    def accumulate(self, step_fn: Callable[[Any], Any], micro_batches: Sequence[Any]) -> list[Any]:
+        """``[step_fn(mb) for mb in micro_batches]``, run layer by layer: ``step_fn`` runs one micro-batch's forward
+        and backward (``lambda mb: loss_fn(model(mb.x), mb.y).backward()``, or ``Trainer.training_step``); all
+        micro-batches pass through each unit given to ``offload_model`` as ``units`` (a decoder layer each)
+        before the next, so each weight is read about once forward and once backward a step, whatever their
+        number, and the activations between units are kept in the store (spilled to the drive when the host tier
+        is full). The gradients are those of the loop, bit for bit (the same sums in the same order); a model
+        whose units do not run as a chain runs as the loop, with a warning once. See [Note: A layer-major
+        step]."""
+        return run_layer_major(self, step_fn, micro_batches, self.unit_roots)
 
     def follow_optimizer(self, home: Tier) -> None:
         self.grads.follow(home)

@@ -1,0 +1,424 @@
+"""A step's micro-batches run layer by layer: each unit's weights read about once forward and once backward a step,
+whatever the number of micro-batches, and the activations at the units' boundaries kept in the tiers.
+
+[Note: A layer-major step] ``off.accumulate(step_fn, micro_batches)`` gives
+what ``[step_fn(mb) for mb in micro_batches]`` gives, where ``step_fn`` runs
+one micro-batch's forward and backward (``loss_fn(model, mb).backward()``,
+or transformers' ``Trainer.training_step``), with the same sums in the same
+order, so an fp32 run is bit-identical to the loop. How:
+
+- The chain. The *segments* are the modules given to ``offload_model`` as
+  ``units`` (a decoder layer each), in the order the forward calls them.
+  Each micro-batch's ``step_fn`` runs on a thread of its own, and the threads
+  take turns: each runs until its forward reaches the next segment, then
+  hands over to the next micro-batch's (a rotation; only one runs at a time).
+  So every micro-batch passes through segment k before any passes through
+  segment k+1, and segment k's weights, held for the first, are still in
+  memory for the others. What the forward does between segments (the
+  embedding, the head, the loss: the *glue*) runs as the model wrote it.
+- A segment runs without building a graph (``no_grad``): its input (the
+  *boundary activation*) is put into the store (see [Note: Activations in the
+  tiers]) and its output is returned as a new leaf that requires grad. The
+  glue after the last segment, ``step_fn``'s own ``backward()`` included,
+  runs on that micro-batch's thread as written, and stops at that leaf.
+- Backward, once every ``step_fn`` has returned: for each segment from the
+  last, for each micro-batch in order, the segment's forward runs again from
+  its boundary activation (with the RNG state it had), and its backward from
+  the gradient of its output; its input's gradient is the previous
+  segment's output gradient. Then the glue before the first segment, for
+  each micro-batch in order. Each backward is one call of its own, so each
+  parameter's gradient sums its micro-batches' parts in their order, as the
+  loop's backward calls do.
+- Not a chain. A model whose segments do not follow one another (a segment
+  called twice, a segment whose input is not the previous one's output,
+  units held across a segment: encoder-decoder cross-attention, a layer
+  shared across depth, skips over segments) is found in its first
+  micro-batch's forward, before any gradient is made; the step then runs as
+  the loop does, with a warning once. A skip from a segment's output to the
+  head is found when its gradient arrives: the gradients the step made are
+  dropped (they were none before it) and it runs as the loop does.
+- Random numbers. Each micro-batch draws from a generator of its own: the
+  first from the global generator as it is, the i-th (i >= 1) from one seeded
+  with ``s + i``, ``s`` drawn from a copy of the global generator; after the
+  step the global generator is where the first micro-batch left it. A model
+  that draws none (no dropout) is unaffected; with dropout, the step equals
+  the loop that seeds each micro-batch so (tested).
+- ``use_cache``: a transformers cache given to a segment is not passed (the
+  segment runs twice; a cache would be filled twice).
+
+[Note: Activations in the tiers] A boundary activation is a key of the store
+(``act/<n>``), put with ``write_home=False`` under the same budgets as the
+weights: kept in the host tier while it has room, written to the drive when
+the room is needed (no owner claims it, so it goes before any weight, the
+least recently used first: the first segment's, needed last), read back one
+ahead of its segment's backward, and dropped after it. So a step whose
+activations are many times the host budget trains. What stays in memory: the
+first segment's input with the glue that made it (its graph), the last
+segment's output until the head's backward has run, the gradients between
+two segments (one boundary per micro-batch), and small inputs given to every
+segment (masks, rotary embeddings).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from tierstore import Tier, TierStoreError
+
+from ._contract import ModelOffload
+
+ACT_PREFIX = "act/"
+
+
+class NotAChain(Exception):
+    """The model's segments do not run as a chain (see [Note: A layer-major step]); raised inside a worker."""
+
+
+class _Stopped(Exception):
+    """A worker told to stop: another raised."""
+
+
+@dataclass
+class _Call:
+    """One segment's call for one micro-batch: what its backward runs again."""
+
+    spec: Any  # the (args, kwargs) tree
+    leaves: list[Any]  # its leaves; the boundary's slot holds None
+    boundary: int | None  # the leaf index of the input that needs a gradient
+    key: str | None  # its store key (an input made by the segment before), else None
+    kept: torch.Tensor | None  # the input itself, where it came from the glue (kept with its graph)
+    rng: tuple[torch.Tensor, torch.Tensor | None]
+    outputs: list[torch.Tensor | None] = field(default_factory=list)  # the leaves returned for its outputs
+    next_input: int | None = None  # which of them the next segment takes
+
+
+def _is_cache(value: Any) -> bool:
+    return any(c.__name__.endswith("Cache") and c.__module__.startswith("transformers.") for c in type(value).__mro__)
+
+
+def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
+
+
+def _forked_rng(n: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Each micro-batch's generator state (see [Note: A layer-major step]); the global generator is not drawn."""
+    first = _rng_state()
+    copy = torch.Generator()
+    copy.set_state(first[0])
+    seed = int(torch.randint(0, 2**62, (1,), generator=copy))
+    out = [first]
+    for i in range(1, n):
+        out.append((torch.Generator().manual_seed(seed + i).get_state(),
+                    None if first[1] is None else _cuda_seeded(seed + i)))
+    return out
+
+
+def _cuda_seeded(seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    return g.get_state()
+
+
+def micro_batch_seeds(n: int) -> list[int | None]:
+    """What :func:`_forked_rng` seeds each micro-batch's generator with (None: the global generator as it is), for
+    a loop that draws as a layer-major step does (tests, benchmarks)."""
+    copy = torch.Generator()
+    copy.set_state(torch.get_rng_state())
+    seed = int(torch.randint(0, 2**62, (1,), generator=copy))
+    return [None] + [seed + i for i in range(1, n)]
+
+
+class _Rotation:
+    """Threads that take turns, one running at a time, in a fixed order (see [Note: A layer-major step])."""
+
+    def __init__(self, n: int, rng: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        self.cond = threading.Condition()
+        self.turn = 0
+        self.live = [True] * n
+        self.rng = rng
+        self.error: BaseException | None = None
+
+    def wait(self, i: int) -> None:
+        with self.cond:
+            while self.turn != i and self.error is None:
+                self.cond.wait()
+            if self.error is not None:
+                raise _Stopped()
+        _set_rng_state(self.rng[i])
+
+    def hand_over(self, i: int, *, done: bool = False) -> None:
+        self.rng[i] = _rng_state()
+        with self.cond:
+            if done:
+                self.live[i] = False
+            n = len(self.live)
+            nxt = next((j % n for j in range(i + 1, i + 1 + n) if self.live[j % n]), None)
+            self.turn = -1 if nxt is None else nxt
+            self.cond.notify_all()
+
+    def stop(self, error: BaseException) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = error
+            self.cond.notify_all()
+
+
+class LayerMajorStep:
+    """One ``off.accumulate(...)`` call (see [Note: A layer-major step])."""
+
+    def __init__(self, off: ModelOffload, segments: Sequence[nn.Module]) -> None:
+        self.off = off
+        self.segments = list(segments)
+        self.index = {id(m): k for k, m in enumerate(self.segments)}
+        self.store = off.store
+        self.home = Tier.NVME if off.store.swap_directory is not None else Tier.HOST
+        self.workers: dict[int, int] = {}  # thread ident -> micro-batch
+        self.calls: list[list[_Call]] = []  # [segment][micro-batch]
+        self.next_segment: list[int] = []
+        self.reached: list[str] = []  # skips into a segment's output from the glue after it
+        self._keys = 0
+        self._handles: list[Any] = []
+
+    # ---- forward, on the workers ----------------------------------------------------------
+    def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        i = self.workers.get(threading.get_ident())
+        if i is None:  # the backward's reruns, on the caller's thread
+            return None
+        k = self.index[id(module)]
+        if k != self.next_segment[i]:
+            raise NotAChain(f"segment {k} ({type(module).__name__}) ran where segment {self.next_segment[i]} was next "
+                            f"(a segment called twice, or out of order)")
+        holding = [u.name for u, _ in self.off.pass_state.running if u.params]
+        if holding:
+            raise NotAChain(f"unit {holding[0]!r} holds its parameters across segment {k}")
+        self._switch(i)
+        kwargs = {name: (None if _is_cache(v) else v) for name, v in kwargs.items()}
+        leaves, spec = tree_flatten((args, kwargs))
+        needing = [j for j, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        previous = self.calls[k - 1][i].outputs if k else []
+        at = next((j for j, y in enumerate(previous) if needing and leaves[needing[0]] is y), None)
+        if len(needing) > 1 or (k and at is None):
+            raise NotAChain(f"segment {k}'s input needing a gradient is not segment {k - 1}'s output only"
+                            if k else "the first segment takes more than one input that needs a gradient")
+        boundary = needing[0] if needing else None
+        key = kept = None
+        if boundary is not None:
+            x = leaves[boundary]
+            if k:  # made by the segment before: into the store (see [Note: Activations in the tiers])
+                key = f"{ACT_PREFIX}{id(self)}/{self._keys}"
+                self._keys += 1
+                self.store.put(key, x.detach(), self.home, write_home=False)
+                self.calls[k - 1][i].outputs = [None] * len(previous)  # its gradient comes from this segment's
+                self.calls[k - 1][i].next_input = at
+            else:
+                kept = x
+            leaves = list(leaves)
+            leaves[boundary] = None
+        assert len(self.calls[k]) == i
+        self.calls[k].append(_Call(spec, leaves, boundary, key, kept, _rng_state()))
+        self.next_segment[i] = k + 1
+        self._grad_mode[i] = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        return args, kwargs
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> Any:
+        i = self.workers.get(threading.get_ident())
+        if i is None:
+            return None
+        k = self.index[id(module)]
+        torch.set_grad_enabled(self._grad_mode[i])
+        if output is None or len(self.calls[k]) <= i:
+            return None
+        leaves, spec = tree_flatten(output)
+        made = [t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                for t in leaves]
+        call = self.calls[k][i]
+        call.outputs = [t for t in made if isinstance(t, torch.Tensor) and t.requires_grad]
+        if k < len(self.segments) - 1:
+            for y in call.outputs:  # a skip from this output past the next segment (see [Note: A layer-major step])
+                y.register_hook(lambda g, k=k: self.reached.append(f"segment {k}'s output"))
+        return tree_unflatten(made, spec)
+
+    def _switch(self, i: int, *, done: bool = False) -> None:
+        """Hand over to the next micro-batch's thread and wait for this one's turn; each thread's part of the pass
+        (its running units, its saved-tensor hooks) is its own, swapped in with its turn."""
+        passes = self.off.pass_state
+        self.contexts[i] = (passes.running, passes.held_for_outputs, passes._saved_hooks, passes._saved_hooks_thread)
+        self.rotation.hand_over(i, done=done)
+        if not done:
+            self._wait(i)
+
+    def _wait(self, i: int) -> None:
+        self.rotation.wait(i)
+        passes = self.off.pass_state
+        passes.running, passes.held_for_outputs, passes._saved_hooks, passes._saved_hooks_thread = self.contexts[i]
+
+    def _worker(self, i: int, step_fn: Callable[[Any], Any], mb: Any, results: list) -> None:
+        self.workers[threading.get_ident()] = i  # one pass with the others (see PassState.group)
+        try:
+            self._wait(i)
+            results[i] = step_fn(mb)
+            if self.reached:
+                raise NotAChain(f"{self.reached[0]} was used after the segment that follows it")
+            if self.next_segment[i] != len(self.segments):
+                raise NotAChain(f"micro-batch {i} ran {self.next_segment[i]} of the {len(self.segments)} segments")
+            self._switch(i, done=True)
+        except _Stopped:
+            pass
+        except BaseException as e:  # noqa: BLE001 (handed to the caller)
+            self.rotation.stop(e)
+
+    def run(self, step_fn: Callable[[Any], Any], micro_batches: Sequence[Any]) -> list[Any]:
+        n = len(micro_batches)
+        self.calls = [[] for _ in self.segments]
+        self.next_segment = [0] * n
+        self._grad_mode = [True] * n
+        self.rotation = _Rotation(n, _forked_rng(n))
+        self.contexts = [([], [], None, 0) for _ in range(n)]
+        results: list[Any] = [None] * n
+        for m in self.segments:
+            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True))
+            self._handles.append(m.register_forward_hook(self._post, always_call=True))
+        passes = self.off.pass_state
+        threads = [threading.Thread(target=self._worker, args=(i, step_fn, mb, results),
+                                    name=f"tierstore-micro-batch-{i}") for i, mb in enumerate(micro_batches)]
+        passes.group = self.workers
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            passes.group = {}
+            passes.running, passes.held_for_outputs, passes._saved_hooks = [], [], None
+        first_rng = self.rotation.rng[0]
+        if self.rotation.error is not None:
+            self._drop_activations()
+            passes.clear()
+            raise self.rotation.error
+        try:
+            self._backward(n)
+        finally:
+            self._drop_activations()
+        _set_rng_state(first_rng)
+        return results
+
+    # ---- backward, on the caller's thread ------------------------------------------------------
+    def _backward(self, n: int) -> None:
+        grads: list[list[torch.Tensor | None]] = [[y.grad if y is not None else None for y in call.outputs]
+                                                  for call in self.calls[-1]]
+        inputs: list[torch.Tensor | None] = [None] * n  # the gradient of each micro-batch's last segment input
+        for call in self.calls[-1]:
+            call.outputs = []
+        order = [(k, i) for k in reversed(range(len(self.segments))) for i in range(n)]
+        tier = self.off.compute_tier
+        for step, (k, i) in enumerate(order):
+            call = self.calls[k][i]
+            if k < len(self.segments) - 1:  # the gradient of the output the next segment took, from its backward
+                grads[i] = [inputs[i] if j == call.next_input else None for j in range(len(call.outputs))]
+            if step + 1 < len(order):
+                ahead = self.calls[order[step + 1][0]][order[step + 1][1]].key
+                if ahead is not None:
+                    self.store.prefetch(ahead, Tier.HOST)
+            leaves = list(call.leaves)
+            x = None
+            if call.boundary is not None:
+                if call.key is not None:
+                    x = self.store.get(call.key, tier).detach().clone().requires_grad_(True)
+                    self.store.release(call.key, tier)
+                    self.store.drop(call.key)
+                else:
+                    assert call.kept is not None
+                    x = call.kept.detach().requires_grad_(call.kept.requires_grad)
+                leaves[call.boundary] = x
+            args, kwargs = tree_unflatten(leaves, call.spec)
+            before = _rng_state()
+            _set_rng_state(call.rng)
+            with torch.enable_grad():
+                out = self.segments[k](*args, **kwargs)
+            _set_rng_state(before)
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            pairs = [(o, g) for o, g in zip(outs, grads[i]) if g is not None and o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            inputs[i] = x.grad if x is not None else None
+            del out, outs, pairs
+        for i in range(n):  # the glue before the first segment, each micro-batch in order
+            call = self.calls[0][i]
+            g = inputs[i]
+            if call.kept is not None and g is not None and (call.kept.grad_fn is not None or call.kept.is_leaf):
+                torch.autograd.backward(call.kept, g)
+            call.kept = None
+
+    def _drop_activations(self) -> None:
+        for calls in self.calls:
+            for call in calls:
+                if call.key is not None and self.store.contains(call.key):
+                    self.store.drop(call.key)
+                call.kept = None
+                call.outputs = []
+
+
+def _refusal(model: nn.Module, segments: Sequence[nn.Module]) -> str | None:
+    """Why ``model`` cannot run layer by layer, seen before it runs: no segments, or a parameter used in two
+    places (tied embeddings): its gradient's parts would be summed in another order than the loop's."""
+    if not segments:
+        return ("no units were given to offload_model (units=[DecoderLayer]): there is no chain of segments to run "
+                "layer by layer")
+    seen: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            return (f"parameter {name!r} is {seen[id(p)]!r} too (tied): its gradient's parts from the two places "
+                    f"would be summed in another order than one micro-batch after another sums them")
+        seen[id(p)] = name
+    return None
+
+
+def run_layer_major(off: ModelOffload, step_fn: Callable[[Any], Any], micro_batches: Sequence[Any],
+                    segments: Sequence[nn.Module]) -> list[Any]:
+    """``[step_fn(mb) for mb in micro_batches]``, layer by layer where the model runs as a chain of ``segments``;
+    else as the loop, with a warning once (see [Note: A layer-major step])."""
+    micro_batches = list(micro_batches)
+    refused = getattr(off, "_layer_major_refused", None)
+    if refused is None:
+        refused = _refusal(off.model, segments)
+        if refused is not None:
+            off._layer_major_refused = refused  # type: ignore[attr-defined]
+            warnings.warn(f"tierstore: the micro-batches run one after another, not layer by layer: {refused}",
+                          stacklevel=3)
+    if refused is None and micro_batches:
+        had_grads = len(off.grads) > 0 or any(p.grad is not None for p in off.resident.values())
+        try:
+            return LayerMajorStep(off, segments).run(step_fn, micro_batches)
+        except NotAChain as e:
+            if had_grads:
+                raise TierStoreError(f"this model does not run as a chain of its units ({e}), found after the step "
+                                     f"had added to gradients kept from before it: run the micro-batches one after "
+                                     f"another instead of off.accumulate") from e
+            off.zero_grad()  # what the step made before it was found (none where it was found in the forward)
+            refused = str(e)
+            off._layer_major_refused = refused  # type: ignore[attr-defined]
+            warnings.warn(f"tierstore: the micro-batches run one after another, not layer by layer: {refused}",
+                          stacklevel=3)
+    return [step_fn(mb) for mb in micro_batches]
+
+
+__all__ = ["ACT_PREFIX", "LayerMajorStep", "NotAChain", "micro_batch_seeds", "run_layer_major"]
