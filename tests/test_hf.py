@@ -274,3 +274,34 @@ def test_a_state_within_the_host_budget_is_returned_whole(nvme_dir):
         opt.close()
     finally:
         store.close()
+
+
+def test_trainer_accumulating_layer_major_is_trainers_own_loop_bit_for_bit(nvme_dir, tmp_path):
+    """accumulate_layer_major(trainer): 4 micro-batches a step, clipping, a model three times the host budget: the
+    losses logged and the weights are those of Trainer's own loop, and the step reads fewer bytes from the drive."""
+    from tierstore.integrations import accumulate_layer_major
+
+    runs = []
+    for layer_major in (False, True):
+        model = _llama()
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        out = tmp_path / str(layer_major)
+        with ts.TierStore(nvme_path=nvme_dir, host_budget_bytes=total // 3, file_size_bytes="4MiB",
+                          block_size_bytes="64KiB") as store:
+            off = offload_model(model, store, units=_layer_units())
+            opt = OffloadedAdamW(off, lr=1e-2)
+            args = transformers.TrainingArguments(
+                output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=4, max_grad_norm=1.0,
+                max_steps=3, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                seed=0, disable_tqdm=True)
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), optimizers=(opt, None))
+            if layer_major:
+                assert accumulate_layer_major(trainer) is trainer
+            trainer.train()
+            opt.close()
+            read = store.stats_dict()["bytes_read_nvme"]
+        runs.append(([h["loss"] for h in trainer.state.log_history if "loss" in h],
+                     {k: v.clone() for k, v in model.state_dict().items()}, read))
+    assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 3
+    assert _same(runs[0][1], runs[1][1])
+    assert runs[1][2] < runs[0][2]

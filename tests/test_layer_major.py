@@ -1,0 +1,234 @@
+"""A layer-major step (off.accumulate; see [Note: A layer-major step]): the loop's numbers, bit for bit, with each
+weight read about once forward and once backward a step, activations in the tiers, and the models that are not a
+chain run as the loop."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import tierstore as ts
+from tierstore.integrations import OffloadedAdamW, offload_model
+from tierstore.integrations._layer_major import ACT_PREFIX, micro_batch_seeds
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402
+
+VOCAB = 256
+
+
+def _llama(layers: int = 4, width: int = 64, **kw) -> nn.Module:
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=width * 11 // 4,
+                                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, **kw)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _batches(step: int, n: int, tokens: int = 16) -> list[torch.Tensor]:
+    return [torch.randint(0, VOCAB, (2, tokens), generator=torch.Generator().manual_seed(100 * step + i))
+            for i in range(n)]
+
+
+def _store(nvme_dir: str, model: nn.Module, budget: int | None = None) -> ts.TierStore:
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return ts.TierStore(nvme_path=nvme_dir, host_budget_bytes=budget or total // 3, file_size_bytes="4MiB",
+                        block_size_bytes="64KiB")
+
+
+def _train(model: nn.Module, store: ts.TierStore | None, n: int, steps: int, *, layer_major: bool,
+           seeded: bool = False, tokens: int = 16, on_step=None) -> tuple[list, dict]:
+    """``steps`` steps of ``n`` micro-batches with clipping to norm 1: offloaded (layer-major or the loop) or, with
+    no store, resident (torch's AdamW). ``seeded``: the loop seeds each micro-batch as a layer-major step does."""
+    if store is not None:
+        off = offload_model(model, store, units=[LlamaDecoderLayer])
+        opt = OffloadedAdamW(off, lr=1e-2)
+    else:
+        off, opt = None, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    losses = []
+    for step in range(steps):
+        def step_fn(ids: torch.Tensor) -> float:
+            loss = model(ids, labels=ids).loss / n
+            loss.backward()
+            return loss.item()
+
+        mbs = _batches(step, n, tokens)
+        if on_step is not None:
+            on_step(step, store)
+        if layer_major:
+            losses.append(off.accumulate(step_fn, mbs))
+        elif seeded:
+            losses.append(_seeded_loop(step_fn, mbs))
+        else:
+            losses.append([step_fn(mb) for mb in mbs])
+        (off.clip_grad_norm_ if off is not None else
+         lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c))(1.0)
+        opt.step()
+        opt.zero_grad()
+    if store is not None:
+        opt.close()
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _seeded_loop(step_fn, mbs: list) -> list:
+    """The loop that draws its random numbers as a layer-major step does (see [Note: A layer-major step])."""
+    seeds = micro_batch_seeds(len(mbs))
+    start = torch.get_rng_state()
+    out = []
+    for i, (mb, seed) in enumerate(zip(mbs, seeds)):
+        if seed is None:
+            torch.set_rng_state(start)
+        else:
+            torch.manual_seed(seed)
+        out.append(step_fn(mb))
+        if i == 0:
+            after_first = torch.get_rng_state()
+    torch.set_rng_state(after_first)
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_layer_major_step_is_the_loop_bit_for_bit(n, tmp_path):
+    """fp32, clipping, a host budget of a third of the weights: the losses and weights of 3 steps are the loop's
+    (one micro-batch: its activations kept in the store, its layers run again in backward)."""
+    ref = _llama()
+    runs = []
+    for layer_major in (False, True):
+        (tmp_path / str(layer_major)).mkdir()
+        with _store(str(tmp_path / str(layer_major)), ref) as store:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no fallback
+                runs.append(_train(copy.deepcopy(ref), store, n, 3, layer_major=layer_major))
+    assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 3
+    assert _same(runs[0][1], runs[1][1])
+
+
+def test_with_dropout_each_micro_batch_draws_from_its_own_generator(tmp_path):
+    """attention_dropout=0.1: the step is the loop that seeds each micro-batch as the step does (the layers run
+    again in backward with the random state they had), and the global generator ends where the first
+    micro-batch left it."""
+    ref = _llama(attention_dropout=0.1)
+    ref.train()
+    runs = []
+    for layer_major in (False, True):
+        (tmp_path / str(layer_major)).mkdir()
+        torch.manual_seed(7)
+        with _store(str(tmp_path / str(layer_major)), ref) as store:
+            runs.append(_train(copy.deepcopy(ref), store, 3, 2, layer_major=layer_major, seeded=True))
+        runs[-1] = (*runs[-1], torch.get_rng_state())
+    assert runs[0][0] == runs[1][0]
+    assert _same(runs[0][1], runs[1][1])
+    assert torch.equal(runs[0][2], runs[1][2])
+
+
+def test_each_weight_is_read_about_once_forward_and_once_backward(tmp_path):
+    """8 micro-batches under a host budget of half the weights: in the third step (its update included, which reads
+    each weight once more), the decoder layers' weights are read from the drive about three times each (forward,
+    backward, update: 3.9 on average, measured); the loop reads each once a micro-batch's forward and about once its
+    backward (14.8)."""
+    ref = _llama(layers=6)
+    budget = sum(p.numel() * p.element_size() for p in ref.parameters()) // 2
+    most = {}
+    for layer_major in (False, True):
+        reads: collections.Counter = collections.Counter()
+
+        def record(step: int, store: ts.TierStore) -> None:
+            if step == 2:
+                store.record_timeline()
+
+        (tmp_path / str(layer_major)).mkdir()
+        with _store(str(tmp_path / str(layer_major)), ref, budget) as store:
+            _train(copy.deepcopy(ref), store, 8, 3, layer_major=layer_major, on_step=record)
+            timeline = store.timeline
+            assert timeline is not None
+            reads.update(e["args"]["key"] for e in timeline.events() if e.get("cat") == "transfer"
+                         and e["name"].startswith("nvme->") and e["args"]["key"].startswith("param/model.layers."))
+        most[layer_major] = (max(reads.values()), sum(reads.values()) / len(reads))
+    assert most[True][1] <= 4.5 and most[True][0] <= 6 and most[False][1] >= 12, most  # (max, mean)
+
+
+def test_activations_many_times_the_host_budget_go_to_the_drive(tmp_path):
+    """One sequence of 1024 tokens whose activations at the layers' boundaries are several times the host budget:
+    they are written to the drive and read back for backward, and the result is resident training's (with
+    gradient checkpointing, which runs the layers again as the step does), bit for bit."""
+    ref = _llama(layers=6, width=128)
+    activations = 6 * 1024 * 128 * 4 * 2  # boundary activations of the batch of 2 sequences
+    budget = activations // 5
+    written: collections.Counter = collections.Counter()
+
+    def record(step: int, store: ts.TierStore) -> None:
+        if step == 1:
+            store.record_timeline()
+
+    with _store(str(tmp_path), ref, budget) as store:
+        got = _train(copy.deepcopy(ref), store, 1, 2, layer_major=True, tokens=1024, on_step=record)
+        assert store.memory()["host"]["peak_bytes"] <= budget
+        timeline = store.timeline
+        assert timeline is not None
+        written.update(e["name"].split()[0] for e in timeline.events() if e.get("cat") == "transfer"
+                       and e["args"]["key"].startswith(ACT_PREFIX))
+        assert not [k for k in store.keys() if k.startswith(ACT_PREFIX)]  # each dropped after its backward
+    assert written["host->nvme"] > 0 and written["nvme->host"] > 0, written
+    resident = copy.deepcopy(ref)
+    resident.activation_checkpointing_enable()
+    want = _train(resident, None, 1, 2, layer_major=False, tokens=1024)
+    assert got[0] == want[0] and _same(got[1], want[1])
+
+
+class _Twice(nn.Module):
+    """A block called twice in one forward (a layer shared across depth): not a chain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(self.block(self.inp(x))))
+
+
+@pytest.mark.parametrize("kind", ["twice", "tied"])
+def test_a_model_that_is_not_a_chain_runs_as_the_loop(kind, tmp_path):
+    """A block called twice, or tied embeddings: a warning once, and the loop's numbers."""
+    if kind == "twice":
+        torch.manual_seed(0)
+        ref, units = _Twice(), [nn.Sequential]
+        mbs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        loss_of = lambda m, x: m(x).square().mean()  # noqa: E731
+    else:
+        ref, units = _llama(tie_word_embeddings=True), [LlamaDecoderLayer]
+        mbs = _batches(0, 3)
+        loss_of = lambda m, ids: m(ids, labels=ids).loss  # noqa: E731
+    grads = []
+    for layer_major in (False, True):
+        model = copy.deepcopy(ref)
+        (tmp_path / str(layer_major)).mkdir()
+        budget = sum(p.numel() * p.element_size() for p in ref.parameters()) // 2 + (64 << 10)
+        with _store(str(tmp_path / str(layer_major)), ref, budget) as store:
+            off = offload_model(model, store, units=units)
+
+            def step_fn(mb):
+                loss = loss_of(model, mb) / len(mbs)
+                loss.backward()
+                return loss.item()
+
+            if layer_major:
+                with pytest.warns(UserWarning, match="not layer by layer"):
+                    losses = off.accumulate(step_fn, mbs)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")  # said once
+                    off.accumulate(lambda mb: None, mbs)
+            else:
+                losses = [step_fn(mb) for mb in mbs]
+            grads.append((losses, [g.clone() for g in off.grads_in_order()]))
+    assert grads[0][0] == grads[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(grads[0][1], grads[1][1]))
