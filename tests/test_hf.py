@@ -300,8 +300,8 @@ def test_trainer_accumulating_layer_major_is_trainers_own_loop_bit_for_bit(nvme_
             trainer.train()
             opt.close()
             read = store.stats_dict()["bytes_read_nvme"]
-        runs.append(([h["loss"] for h in trainer.state.log_history if "loss" in h],
-                     {k: v.clone() for k, v in model.state_dict().items()}, read))
+            runs.append(([h["loss"] for h in trainer.state.log_history if "loss" in h],
+                         {k: v.clone() for k, v in model.state_dict().items()}, read))
     assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 3
     assert _same(runs[0][1], runs[1][1])
     assert runs[1][2] < runs[0][2]
