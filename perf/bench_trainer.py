@@ -9,6 +9,9 @@ Prints each one's peak RSS, the drive bytes moved a step and the step time, and 
 peak RSS to plain's (the reference). With ``--lora R`` the base is frozen and LoRA of rank R trains on every
 attention and MLP projection (peft). ``--runs plain`` runs the one without checkpoints alone.
 
+``--accumulation N`` sets ``gradient_accumulation_steps`` (2 by default); ``--layer-major`` adds
+``accumulate_layer_major(trainer)``: the step's micro-batches run unit by unit (see [Note: A layer-major step]).
+
 ``--measure-drive MIB`` then measures, in each process after its training, the drive's mixed read+write rate
 (the store's, at the read share of the last step, moving MIB MiB) and prints each step's rate against it: the
 step moves its bytes at that fraction of what the drive can do.
@@ -58,7 +61,7 @@ def _child(args: argparse.Namespace) -> dict:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     import tierstore as ts
-    from tierstore.integrations import OffloadedAdamW, offload_model, stream_checkpoints
+    from tierstore.integrations import OffloadedAdamW, accumulate_layer_major, offload_model, stream_checkpoints
     from tierstore.tools.bench_drive import measure_drive
     from tierstore.tools.rss import peak_rss_bytes
     from tierstore.tools.upcast import compute_in_fp32, resolve_compute
@@ -96,12 +99,15 @@ def _child(args: argparse.Namespace) -> dict:
         built_s = time.perf_counter() - t0
         steps = args.steps + (1 if args.mode == "resume" else 0)
         training = transformers.TrainingArguments(
-            output_dir=args.output, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=2,
+            output_dir=args.output, per_device_train_batch_size=args.batch_size,
+            gradient_accumulation_steps=args.accumulation,
             max_grad_norm=1.0, max_steps=steps, learning_rate=1e-4, logging_steps=1, report_to=[],
             save_strategy="no" if args.mode == "plain" else "steps", save_steps=1, seed=0,
             use_cpu=not torch.cuda.is_available())
         trainer = transformers.Trainer(model=model, args=training, train_dataset=Tokens(), optimizers=(opt, None))
         stream_checkpoints(trainer)
+        if args.layer_major:
+            accumulate_layer_major(trainer)
         moved: list[int] = []
         read: list[int] = []
         seconds: list[float] = []
@@ -167,6 +173,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="measure the drive's mixed rate after training, moving MIB MiB (default: not measured)")
     p.add_argument("--steps", type=int, default=2, help="steps before the checkpoint resumed from")
     p.add_argument("--batch-size", type=int, default=1, help="sequences a micro-batch")
+    p.add_argument("--accumulation", type=int, default=2, help="micro-batches a step (gradient_accumulation_steps)")
+    p.add_argument("--layer-major", action="store_true",
+                   help="run each step's micro-batches unit by unit (accumulate_layer_major)")
     p.add_argument("--tokens", type=int, default=64, help="tokens a sequence")
     p.add_argument("--nvme-path", default=None, help="directory on the drive for the swap files")
     p.add_argument("--output", default=None, help="Trainer's output directory (default: a temporary one)")
@@ -201,7 +210,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{results[0]['params'] / 1e6:.1f}M parameters, host budget {results[0]['host_budget_bytes'] / MIB:.0f} "
           f"MiB, {'LoRA r=%d' % args.lora if args.lora else 'full fine-tune'}, {args.dtype} computed in "
           f"{results[0]['compute']}, "
-          f"{args.moments} moments, {args.master} masters, {args.grad_dtype} gradients, keep_grads {args.keep_grads}")
+          f"{args.moments} moments, {args.master} masters, {args.grad_dtype} gradients, keep_grads {args.keep_grads}, "
+          f"{args.accumulation} micro-batches of {args.batch_size}x{args.tokens} tokens a step"
+          f"{', layer-major' if args.layer_major else ''}")
     print(f"{'run':<8}{'peak RSS MiB':>14}{'vs plain':>10}{'drive GB':>10}{'moved GB/step':>15}{'s/step':>9}")
     for r in results:
         r["rss_ratio"] = r["peak_rss_bytes"] / plain
