@@ -1,0 +1,186 @@
+"""Bytes, time, stall and peak RSS of a step against its micro-batches and its sequence length: the loop (one
+micro-batch after another) against the layer-major step (``off.accumulate``; see [Note: A layer-major step]).
+
+    python perf/bench_layer_major.py --preset llama-150m --nvme-path DIR [--micro-batches 1,2,4,8,16]
+        [--tokens-sweep 256,1024,4096] [--plot OUT.png] [--json OUT]
+
+Each run is a fresh process training an offloaded Llama built on meta (bf16, 8-bit moments, split masters,
+clipping to norm 1, the optimizer after backward) in a plain PyTorch loop for ``--steps`` steps; the last step's
+drive bytes, time and stall are reported, with the process's peak RSS. The two loops alternate, run by run, at
+each size. Printed: each run, and per size the layer-major figure, the loop's (the reference) and their ratio;
+then bytes a step at the most micro-batches against those at the fewest, for each loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_trainer import PRESETS, llama_config  # noqa: E402
+
+MIB = 1024**2
+LOOPS = ("loop", "layer-major")
+
+
+def _child(args: argparse.Namespace) -> dict:
+    import torch
+    import transformers
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    import tierstore as ts
+    from tierstore.integrations import OffloadedAdamW, offload_model
+    from tierstore.tools.rss import peak_rss_bytes
+
+    config, host = llama_config(args.preset, args.host_budget, tokens=args.tokens)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    store = ts.TierStore(nvme_path=args.nvme_path, host_budget_bytes=host, device_budget_bytes="1MiB")
+    try:
+        off = offload_model(model, store, units=[LlamaDecoderLayer], init_fn=model._init_weights,
+                            grad_dtype="param")
+        opt = OffloadedAdamW(off, lr=1e-4, moments="8bit", master="split", keep_grads=False)
+        n = args.micro_batch_count
+        rows = []
+        for step in range(args.steps):
+            mbs = [torch.randint(0, config.vocab_size, (args.batch_size, args.tokens),
+                                 generator=torch.Generator().manual_seed(1000 * step + i)) for i in range(n)]
+
+            def step_fn(ids: torch.Tensor) -> float:
+                loss = model(ids, labels=ids).loss / n
+                loss.backward()
+                return loss.item()
+
+            before = store.stats_dict()
+            t0 = time.perf_counter()
+            losses = off.accumulate(step_fn, mbs) if args.loop == "layer-major" else [step_fn(x) for x in mbs]
+            off.clip_grad_norm_(1.0)
+            opt.step()
+            opt.wait()
+            opt.zero_grad()
+            seconds = time.perf_counter() - t0
+            after = store.stats_dict()
+            rows.append({"seconds": seconds, "stall_s": after["stall_seconds"] - before["stall_seconds"],
+                         "moved": sum(after[k] - before[k] for k in ("bytes_read_nvme", "bytes_written_nvme")),
+                         "loss": sum(losses)})
+        params = sum(p.numel() for p in model.parameters())
+        opt.close()
+    finally:
+        store.close()
+    return {"loop": args.loop, "micro_batches": args.micro_batch_count, "tokens": args.tokens, "params": params,
+            "host_budget_bytes": host, "peak_rss_bytes": peak_rss_bytes(), "steps": rows}
+
+
+def _run(argv: list[str], loop: str, micro_batches: int, tokens: int) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--loop", loop, "--micro-batch-count",
+           str(micro_batches), "--tokens", str(tokens)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the {loop} run ({micro_batches} micro-batches, {tokens} tokens) failed:\n"
+                           f"{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="llama-150m")
+    p.add_argument("--host-budget", default=None, help="default: the preset's")
+    p.add_argument("--micro-batches", default="1,2,4,8,16", help="micro-batch counts to run at --tokens")
+    p.add_argument("--tokens", type=int, default=64, help="tokens a sequence in the micro-batch sweep")
+    p.add_argument("--tokens-sweep", default="", help="sequence lengths to run with one micro-batch")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences a micro-batch")
+    p.add_argument("--steps", type=int, default=3, help="steps a run; the last is reported")
+    p.add_argument("--nvme-path", default=None, help="directory on the drive for the swap files")
+    p.add_argument("--plot", default=None, help="draw bytes and seconds a step against micro-batches here (PNG)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--loop", choices=LOOPS, help=argparse.SUPPRESS)
+    p.add_argument("--micro-batch-count", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.loop:
+        print(json.dumps(_child(args)))
+        return {}
+    passed = [a for a in (argv if argv is not None else sys.argv[1:])]
+    for flag in ("--plot", "--json", "--tokens"):  # the sweeps set the tokens; the parent keeps the outputs
+        while flag in passed:
+            i = passed.index(flag)
+            del passed[i:i + 2]
+    sizes = [(n, args.tokens) for n in _ints(args.micro_batches)] + [(1, t) for t in _ints(args.tokens_sweep)]
+    results = []
+    for k, (n, tokens) in enumerate(sizes):
+        for loop in (LOOPS if k % 2 == 0 else LOOPS[::-1]):  # alternating, size by size
+            results.append(_run(passed, loop, n, tokens))
+    params = results[0]["params"]
+    print(f"{args.preset}: {params / 1e6:.1f}M parameters, bf16, 8-bit moments, split masters, host budget "
+          f"{results[0]['host_budget_bytes'] / MIB:.0f} MiB; micro-batches of {args.batch_size} sequence(s); the "
+          f"last of {args.steps} steps")
+    print(f"{'loop':<12}{'micro-batches':>14}{'tokens':>8}{'B/param':>9}{'GB moved':>10}{'step s':>8}{'stall s':>8}"
+          f"{'peak RSS MiB':>14}")
+    for r in results:
+        last = r["steps"][-1]
+        r["bytes_per_param"] = last["moved"] / params
+        print(f"{r['loop']:<12}{r['micro_batches']:>14}{r['tokens']:>8}{r['bytes_per_param']:>9.1f}"
+              f"{last['moved'] / 1e9:>10.2f}{last['seconds']:>8.2f}{last['stall_s']:>8.2f}"
+              f"{r['peak_rss_bytes'] / MIB:>14.0f}")
+    by = {(r["loop"], r["micro_batches"], r["tokens"]): r for r in results}
+    print("layer-major against the loop (the reference), per size: bytes a step, step time, peak RSS")
+    for n, tokens in sizes:
+        ours, ref = by["layer-major", n, tokens], by["loop", n, tokens]
+        o, f = ours["steps"][-1], ref["steps"][-1]
+        print(f"  {n} x {tokens} tokens: {o['moved'] / 1e9:.2f} GB vs {f['moved'] / 1e9:.2f} GB = "
+              f"{o['moved'] / f['moved']:.2f}x; {o['seconds']:.2f} s vs {f['seconds']:.2f} s = "
+              f"{o['seconds'] / f['seconds']:.2f}x; {ours['peak_rss_bytes'] / MIB:.0f} MiB vs "
+              f"{ref['peak_rss_bytes'] / MIB:.0f} MiB = {ours['peak_rss_bytes'] / ref['peak_rss_bytes']:.2f}x")
+    counts = _ints(args.micro_batches)
+    growth = {}
+    if len(counts) > 1:
+        lo, hi = min(counts), max(counts)
+        for loop in LOOPS:
+            growth[loop] = by[loop, hi, args.tokens]["steps"][-1]["moved"] / by[loop, lo, args.tokens]["steps"][-1][
+                "moved"]
+            print(f"{loop}: bytes a step with {hi} micro-batches = {growth[loop]:.2f}x those with {lo}")
+    out = {"preset": args.preset, "params": params, "results": results, "growth": growth}
+    if args.plot:
+        _plot(out, counts, args.tokens, args.plot)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+def _plot(out: dict, counts: list[int], tokens: int, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {(r["loop"], r["micro_batches"], r["tokens"]): r for r in out["results"]}
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(7.5, 5.6))
+    for loop, style in zip(LOOPS, ("o--", "s-")):
+        rows = [by[loop, n, tokens] for n in counts]
+        top.plot(counts, [r["bytes_per_param"] for r in rows], style, label=loop)
+        bottom.plot(counts, [r["steps"][-1]["seconds"] for r in rows], style, label=loop)
+    top.set_ylabel("drive bytes a parameter a step")
+    bottom.set_ylabel("seconds a step")
+    bottom.set_xlabel("micro-batches a step")
+    bottom.set_xscale("log", base=2)
+    bottom.set_xticks(counts, [str(n) for n in counts])
+    top.set_ylim(bottom=0)
+    bottom.set_ylim(bottom=0)
+    top.legend(frameon=False)
+    top.set_title(f"{out['preset']} ({out['params'] / 1e6:.0f}M), {tokens} tokens a micro-batch")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
