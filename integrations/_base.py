@@ -92,6 +92,9 @@ class OffloadBase(OffloadedParameters):
         self.grad_read_guards: list[Callable[[], str | None]] = []
         # An optimizer's uses of store keys, which eviction weighs with the trace's.
         self.later_uses = LaterUses()
+        # Store keys of others that this model's victim order ranks through a queue of later_uses (a layer-major
+        # step's activations: see [Note: Activations in the tiers]).
+        self.claimed: set[str] = set()
         self.on_remove: list[Callable[[], None]] = []  # called by remove(): optimizers drop their state
         # called with the names of the parameters a load wrote (an optimizer remakes their masters); None where
         # the wrapper cannot tell of a load
@@ -147,7 +150,7 @@ class OffloadBase(OffloadedParameters):
         """Whether this model's victim order ranks ``key``: its parameters, their optimizer state and kept
         gradients."""
         later = self.later_uses
-        return key in self._key_units or key in later.after or key in later.grads
+        return key in self._key_units or key in later.after or key in later.grads or key in self.claimed
 
     def _unit_keys(self) -> dict[str, list[tuple[str, int]]]:
         return {u.name: [(r.key, TierPool.capacity_for(r.nbytes)) for r in u.params]

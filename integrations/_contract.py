@@ -148,10 +148,13 @@ class ModelOffload(OffloadedParameters, Protocol):
     - ``prefetch_after(unit, tier)``: a unit is about to be used (read ahead what follows it);
       ``add_stall(unit, since)``: a unit waited for its parameters from ``since`` until now;
     - ``keep_handle(handle)``: a hook's handle, removed with the offload; ``backward_ended()``;
+    - ``claimed``: store keys of others its victim order ranks through a queue of ``later_uses`` (a layer-major
+      step's activations);
     - ``putting()``: the all-or-nothing transaction that gives parameters to the store.
     """
 
     grads: KeptGradients
+    claimed: set[str]
     compute_tier: Tier
     compute_device: torch.device
     prefix: str

@@ -188,6 +188,8 @@ class LayerMajorStep:
         self.store = off.store
         self.home = Tier.NVME if off.store.swap_directory is not None else Tier.HOST
         self.workers: dict[int, int] = {}  # thread ident -> micro-batch
+        self._uses: dict[str, int] = {}  # activation key -> its place in the backward's order
+        self._now = -1  # the place the backward has reached
         self.calls: list[list[_Call]] = []  # [segment][micro-batch]
         self.next_segment: list[int] = []
         self.reached: list[str] = []  # skips into a segment's output from the glue after it
@@ -222,6 +224,8 @@ class LayerMajorStep:
             if k:  # made by the segment before: into the store (see [Note: Activations in the tiers])
                 key = f"{ACT_PREFIX}{id(self)}/{self._keys}"
                 self._keys += 1
+                self._uses[key] = (len(self.segments) - 1 - k) * len(self.next_segment) + i  # its place in backward
+                self.off.claimed.add(key)
                 self.store.put(key, x.detach(), self.home, write_home=False)
                 self.calls[k - 1][i].outputs = [None] * len(previous)  # its gradient comes from this segment's
                 self.calls[k - 1][i].next_input = at
@@ -294,6 +298,7 @@ class LayerMajorStep:
         for m in self.segments:
             self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True))
             self._handles.append(m.register_forward_hook(self._post, always_call=True))
+        self.off.later_uses.queues.append(self._queued)  # see [Note: Activations in the tiers]
         passes = self.off.pass_state
         threads = [threading.Thread(target=self._worker, args=(i, step_fn, mb, results),
                                     name=f"tierstore-micro-batch-{i}") for i, mb in enumerate(micro_batches)]
@@ -312,12 +317,14 @@ class LayerMajorStep:
         first_rng = self.rotation.rng[0]
         if self.rotation.error is not None:
             self._drop_activations()
+            self.off.later_uses.queues.remove(self._queued)
             passes.clear()
             raise self.rotation.error
         try:
             self._backward(n)
         finally:
             self._drop_activations()
+            self.off.later_uses.queues.remove(self._queued)
         _set_rng_state(first_rng)
         return results
 
@@ -331,6 +338,7 @@ class LayerMajorStep:
         order = [(k, i) for k in reversed(range(len(self.segments))) for i in range(n)]
         tier = self.off.compute_tier
         for step, (k, i) in enumerate(order):
+            self._now = step
             call = self.calls[k][i]
             if k < len(self.segments) - 1:  # the gradient of the output the next segment took, from its backward
                 grads[i] = [inputs[i] if j == call.next_input else None for j in range(len(call.outputs))]
@@ -345,6 +353,8 @@ class LayerMajorStep:
                     x = self.store.get(call.key, tier).detach().clone().requires_grad_(True)
                     self.store.release(call.key, tier)
                     self.store.drop(call.key)
+                    self.off.claimed.discard(call.key)
+                    del self._uses[call.key]
                 else:
                     assert call.kept is not None
                     x = call.kept.detach().requires_grad_(call.kept.requires_grad)
@@ -368,7 +378,13 @@ class LayerMajorStep:
                 torch.autograd.backward(call.kept, g)
             call.kept = None
 
+    def _queued(self) -> dict[str, int]:
+        """Each activation still to be used: how many segment backwards away its use is."""
+        return {key: at - self._now for key, at in self._uses.items()}
+
     def _drop_activations(self) -> None:
+        self.off.claimed.difference_update(self._uses)
+        self._uses.clear()
         for calls in self.calls:
             for call in calls:
                 if call.key is not None and self.store.contains(call.key):

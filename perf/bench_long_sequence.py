@@ -47,7 +47,7 @@ def _child(args: argparse.Namespace) -> dict:
     else:
         model.activation_checkpointing_enable()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-    losses, seconds, act = [], [], {"written": 0, "read": 0}
+    losses, seconds = [], []
     for step in range(args.steps):
         ids = torch.randint(0, config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(step))
 
@@ -56,6 +56,7 @@ def _child(args: argparse.Namespace) -> dict:
             loss.backward()
             return loss.item()
 
+        act = {"written": 0, "read": 0}  # the last step's
         timeline = store.record_timeline() if store is not None else None
         t0 = time.perf_counter()
         losses += off.accumulate(step_fn, [ids]) if off is not None else [step_fn(ids)]
