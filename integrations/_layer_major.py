@@ -61,6 +61,7 @@ segment (masks, rotary embeddings).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -74,6 +75,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from tierstore import Tier, TierStoreError
 
 from ._contract import ModelOffload
+from ._unit import compiled
 
 ACT_PREFIX = "act/"
 
@@ -96,8 +98,13 @@ class _Call:
     key: str | None  # its store key (an input made by the segment before), else None
     kept: torch.Tensor | None  # the input itself, where it came from the glue (kept with its graph)
     rng: tuple[torch.Tensor, torch.Tensor | None]
+    autocast: list[tuple[str, torch.dtype]]  # the devices whose autocast was on, and its dtype
     outputs: list[torch.Tensor | None] = field(default_factory=list)  # the leaves returned for its outputs
     next_input: int | None = None  # which of them the next segment takes
+
+
+def _autocast_state() -> list[tuple[str, torch.dtype]]:
+    return [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
 
 
 def _is_cache(value: Any) -> bool:
@@ -234,7 +241,7 @@ class LayerMajorStep:
             leaves = list(leaves)
             leaves[boundary] = None
         assert len(self.calls[k]) == i
-        self.calls[k].append(_Call(spec, leaves, boundary, key, kept, _rng_state()))
+        self.calls[k].append(_Call(spec, leaves, boundary, key, kept, _rng_state(), _autocast_state()))
         self.next_segment[i] = k + 1
         self._grad_mode[i] = torch.is_grad_enabled()
         torch.set_grad_enabled(False)
@@ -362,7 +369,9 @@ class LayerMajorStep:
             args, kwargs = tree_unflatten(leaves, call.spec)
             before = _rng_state()
             _set_rng_state(call.rng)
-            with torch.enable_grad():
+            with torch.enable_grad(), contextlib.ExitStack() as autocasts:
+                for device, dtype in call.autocast:  # as the forward ran it (Trainer's bf16=True)
+                    autocasts.enter_context(torch.autocast(device, dtype=dtype))
                 out = self.segments[k](*args, **kwargs)
             _set_rng_state(before)
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
@@ -399,6 +408,10 @@ def _refusal(model: nn.Module, segments: Sequence[nn.Module]) -> str | None:
     if not segments:
         return ("no units were given to offload_model (units=[DecoderLayer]): there is no chain of segments to run "
                 "layer by layer")
+    for m in segments:
+        if compiled(m) is not None:
+            return (f"{type(m).__name__} is compiled: a compiled unit runs hooks inside its compiled code, and the "
+                    f"step's hooks switch threads")
     seen: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:

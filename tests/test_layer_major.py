@@ -232,3 +232,27 @@ def test_a_model_that_is_not_a_chain_runs_as_the_loop(kind, tmp_path):
             grads.append((losses, [g.clone() for g in off.grads_in_order()]))
     assert grads[0][0] == grads[1][0]
     assert all(torch.equal(a, b) for a, b in zip(grads[0][1], grads[1][1]))
+
+
+def test_under_autocast_the_layers_run_again_as_they_ran(tmp_path):
+    """A step_fn that computes under autocast (Trainer's bf16=True): each layer runs again in backward under the
+    autocast it ran under, so the gradients are the loop's, bit for bit."""
+    ref = _llama()
+    grads = []
+    for layer_major in (False, True):
+        model = copy.deepcopy(ref)
+        (tmp_path / str(layer_major)).mkdir()
+        with _store(str(tmp_path / str(layer_major)), ref) as store:
+            off = offload_model(model, store, units=[LlamaDecoderLayer])
+
+            def step_fn(ids: torch.Tensor) -> float:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(ids, labels=ids).loss / 3
+                loss.backward()
+                return loss.item()
+
+            mbs = _batches(0, 3)
+            losses = off.accumulate(step_fn, mbs) if layer_major else [step_fn(mb) for mb in mbs]
+            grads.append((losses, [g.clone() for g in off.grads_in_order()]))
+    assert grads[0][0] == grads[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(grads[0][1], grads[1][1]))
