@@ -268,16 +268,14 @@ class LayerMajorStep:
     def _switch(self, i: int, *, done: bool = False) -> None:
         """Hand over to the next micro-batch's thread and wait for this one's turn; each thread's part of the pass
         (its running units, its saved-tensor hooks) is its own, swapped in with its turn."""
-        passes = self.off.pass_state
-        self.contexts[i] = (passes.running, passes.held_for_outputs, passes._saved_hooks, passes._saved_hooks_thread)
+        self.contexts[i] = self.off.pass_state.thread_part()
         self.rotation.hand_over(i, done=done)
         if not done:
             self._wait(i)
 
     def _wait(self, i: int) -> None:
         self.rotation.wait(i)
-        passes = self.off.pass_state
-        passes.running, passes.held_for_outputs, passes._saved_hooks, passes._saved_hooks_thread = self.contexts[i]
+        self.off.pass_state.set_thread_part(self.contexts[i])
 
     def _worker(self, i: int, step_fn: Callable[[Any], Any], mb: Any, results: list) -> None:
         self.workers[threading.get_ident()] = i  # one pass with the others (see PassState.group)
@@ -300,7 +298,7 @@ class LayerMajorStep:
         self.next_segment = [0] * n
         self._grad_mode = [True] * n
         self.rotation = _Rotation(n, _forked_rng(n))
-        self.contexts = [([], [], None, 0) for _ in range(n)]
+        self.contexts: list[tuple[Any, ...]] = [([], [], None, 0) for _ in range(n)]
         results: list[Any] = [None] * n
         for m in self.segments:
             self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True))
@@ -320,7 +318,7 @@ class LayerMajorStep:
                 h.remove()
             self._handles.clear()
             passes.group = {}
-            passes.running, passes.held_for_outputs, passes._saved_hooks = [], [], None
+            passes.set_thread_part()
         first_rng = self.rotation.rng[0]
         if self.rotation.error is not None:
             self._drop_activations()

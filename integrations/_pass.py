@@ -154,6 +154,15 @@ class PassState:
             if not self.forward_depth:
                 self._forward_ended()
 
+    def thread_part(self) -> tuple[Any, ...]:
+        """What of the pass belongs to the thread running now: its running units, the parameters held for its
+        outputs, its saved-tensor hooks (pushed on its own stack). A layer-major step's threads take turns and
+        swap it in and out with :meth:`set_thread_part`."""
+        return self.running, self.held_for_outputs, self._saved_hooks, self._saved_hooks_thread
+
+    def set_thread_part(self, part: tuple[Any, ...] = ([], [], None, 0)) -> None:
+        self.running, self.held_for_outputs, self._saved_hooks, self._saved_hooks_thread = part
+
     def joined(self) -> bool:
         """Whether the forward starting on this thread joins a pass a thread of its group began (see ``group``)."""
         return threading.get_ident() in self.group and self.forward_depth > 1
