@@ -12,7 +12,13 @@ import pytest
 import torch
 
 import tierstore as ts
-from tierstore.integrations import OffloadedAdamW, offload_model, save_merged, stream_checkpoints
+from tierstore.integrations import (
+    OffloadedAdamW,
+    accumulate_layer_major,
+    offload_model,
+    save_merged,
+    stream_checkpoints,
+)
 from tierstore.integrations.offload import OffloadedParameterError
 
 transformers = pytest.importorskip("transformers")
@@ -146,7 +152,8 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def _trainer_run(output, nvme_dir, lora: bool, *, steps: int, resume: bool = False) -> tuple[dict, list]:
+def _trainer_run(output, nvme_dir, lora: bool, *, steps: int, resume: bool = False,
+                 layer_major: bool = False) -> tuple[dict, list]:
     """Trainer's loop (2 micro-batches, clipping to norm 1, a checkpoint every step) over a Llama (or LoRA on it)
     four times the host budget."""
     if lora:
@@ -163,6 +170,8 @@ def _trainer_run(output, nvme_dir, lora: bool, *, steps: int, resume: bool = Fal
             use_cpu=True, seed=0)
         trainer = stream_checkpoints(transformers.Trainer(model=model, args=args, train_dataset=_Tokens(),
                                                           optimizers=(opt, None)))
+        if layer_major:
+            accumulate_layer_major(trainer)
         trainer.train(resume_from_checkpoint=str(output / "checkpoint-2") if resume else None)
         assert store.memory()["host"]["peak_bytes"] <= store.config.host_budget_bytes
         opt.close()
@@ -172,17 +181,18 @@ def _trainer_run(output, nvme_dir, lora: bool, *, steps: int, resume: bool = Fal
         store.close()
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_trainer_checkpoints_and_resumes_through_the_store(lora, nvme_dir, tmp_path):
+@pytest.mark.parametrize("lora,layer_major", [(False, False), (True, False), (False, True)],
+                         ids=["full", "lora", "full-layer-major"])
+def test_trainer_checkpoints_and_resumes_through_the_store(lora, layer_major, nvme_dir, tmp_path):
     """A checkpoint every step holds save_pretrained's files and the optimizer's state as the store's checksummed
     safetensors (no optimizer.pt read whole into memory); a run resumed from step 2 in a new Trainer ends where the
-    uninterrupted run ends, bit for bit."""
-    whole, losses = _trainer_run(tmp_path, nvme_dir, lora, steps=4)
+    uninterrupted run ends, bit for bit (also with the micro-batches run layer by layer)."""
+    whole, losses = _trainer_run(tmp_path, nvme_dir, lora, steps=4, layer_major=layer_major)
     files = set(os.listdir(tmp_path / "checkpoint-2"))
     assert {"tierstore_optimizer", "scheduler.pt", "trainer_state.json"} <= files and "optimizer.pt" not in files
     assert ("adapter_model.safetensors" if lora else "model.safetensors") in files
     assert "manifest.json" in os.listdir(tmp_path / "checkpoint-2" / "tierstore_optimizer")
-    resumed, resumed_losses = _trainer_run(tmp_path, nvme_dir, lora, steps=4, resume=True)
+    resumed, resumed_losses = _trainer_run(tmp_path, nvme_dir, lora, steps=4, resume=True, layer_major=layer_major)
     assert resumed_losses == losses and len(losses) == 4
     assert _same(resumed, whole)
     if lora:
@@ -279,8 +289,6 @@ def test_a_state_within_the_host_budget_is_returned_whole(nvme_dir):
 def test_trainer_accumulating_layer_major_is_trainers_own_loop_bit_for_bit(nvme_dir, tmp_path):
     """accumulate_layer_major(trainer): 4 micro-batches a step, clipping, a model three times the host budget: the
     losses logged and the weights are those of Trainer's own loop, and the step reads fewer bytes from the drive."""
-    from tierstore.integrations import accumulate_layer_major
-
     runs = []
     for layer_major in (False, True):
         model = _llama()
