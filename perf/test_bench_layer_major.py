@@ -5,6 +5,7 @@ import bench_layer_major
 import pytest
 
 
+@pytest.mark.slow  # fresh processes
 def test_bench_layer_major_tiny(tmp_path, capsys):
     pytest.importorskip("transformers")
     plot = ["--plot", str(tmp_path / "lm.png")] if pytest.importorskip("matplotlib") else []

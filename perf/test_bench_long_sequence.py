@@ -5,6 +5,7 @@ import bench_long_sequence
 import pytest
 
 
+@pytest.mark.slow  # fresh processes
 def test_bench_long_sequence_tiny(tmp_path, capsys):
     pytest.importorskip("transformers")
     res = bench_long_sequence.main(["--preset", "llama-tiny", "--tokens", "1024", "--host-budget", "4MiB",
