@@ -16,7 +16,6 @@ layers above] in ``tierstore/_config.py``): the store knows nothing of these nam
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import warnings
 from collections.abc import Mapping
@@ -28,7 +27,7 @@ from tierstore import (
     StoreConfig,
     Tier,
     TierValueError,
-    UnknownSettingError,
+    check_settings,
     deepspeed_int,
     from_dict,
     parse_bytes,
@@ -169,14 +168,8 @@ class Settings:
 def split_settings(values: Mapping[str, Any]) -> Settings:
     """The store's config and the two policies that flat settings (a dict, as a file writes them) give; the
     names no part has are one error that names the closest of each and lists them all."""
+    check_settings(values, "the settings", above=FLAT)
     core = {f.name for f in dataclasses.fields(StoreConfig)}
-    unknown = sorted(set(values) - core - set(FLAT))
-    if unknown:
-        valid = core | set(FLAT)
-        hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, valid, 1)) else repr(k)
-                 for k in unknown]
-        raise UnknownSettingError(f"the settings have unknown setting(s) {', '.join(hints)}; the settings are: "
-                                  f"{', '.join(sorted(valid))}")
     fields: dict[type[_Policy], dict[str, Any]] = {ParamOffloadPolicy: {}, OptimizerStatePolicy: {}}
     for flat, (policy, field) in FLAT.items():
         if flat in values:

@@ -125,8 +125,9 @@ SETTINGS_ABOVE = ("settings of offload_model and OffloadedAdamW (prefetch depth,
 """Said of a setting the store does not have (see [Note: Settings of the layers above])."""
 
 
-def check_settings(names: Iterable[str], what: str) -> None:
-    """Raise :class:`UnknownSettingError` for any of ``names`` that StoreConfig does not have, naming the closest
+def check_settings(names: Iterable[str], what: str, *, above: Iterable[str] = ()) -> None:
+    """Raise :class:`UnknownSettingError` for any of ``names`` that StoreConfig does not have (nor ``above``: the
+    names a layer above reads beside the store's, where it splits a settings file of its own), naming the closest
     one of each and listing them all.
 
     [Note: Settings of the layers above] The store's config holds the
@@ -137,12 +138,14 @@ def check_settings(names: Iterable[str], what: str) -> None:
     config that holds both is split by ``tierstore.integrations.load_settings``,
     which reads the file here (:func:`read_config_file`,
     :func:`read_deepspeed`) and builds this config from the store's part."""
-    unknown = sorted(set(names) - _CORE_FIELDS)
+    valid = _CORE_FIELDS | set(above)
+    unknown = sorted(set(names) - valid)
     if unknown:
-        hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, _CORE_FIELDS, 1)) else repr(k)
+        hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, valid, 1)) else repr(k)
                  for k in unknown]
-        raise UnknownSettingError(f"{what} has unknown setting(s) {', '.join(hints)}; the store's settings are: "
-                                  f"{', '.join(sorted(_CORE_FIELDS))}; {SETTINGS_ABOVE}")
+        listed = (f"the settings are: {', '.join(sorted(valid))}" if above else
+                  f"the store's settings are: {', '.join(sorted(_CORE_FIELDS))}; {SETTINGS_ABOVE}")
+        raise UnknownSettingError(f"{what} has unknown setting(s) {', '.join(hints)}; {listed}")
 
 
 def from_dict(values: Mapping[str, Any]) -> StoreConfig:
