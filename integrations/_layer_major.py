@@ -125,14 +125,8 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
 def _forked_rng(n: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Each micro-batch's generator state (see [Note: A layer-major step]); the global generator is not drawn."""
     first = _rng_state()
-    copy = torch.Generator()
-    copy.set_state(first[0])
-    seed = int(torch.randint(0, 2**62, (1,), generator=copy))
-    out = [first]
-    for i in range(1, n):
-        out.append((torch.Generator().manual_seed(seed + i).get_state(),
-                    None if first[1] is None else _cuda_seeded(seed + i)))
-    return out
+    return [first] + [(torch.Generator().manual_seed(seed).get_state(), None if first[1] is None else
+                       _cuda_seeded(seed)) for seed in micro_batch_seeds(n)[1:] if seed is not None]
 
 
 def _cuda_seeded(seed: int) -> torch.Tensor:
@@ -322,14 +316,12 @@ class LayerMajorStep:
         first_rng = self.rotation.rng[0]
         if self.rotation.error is not None:
             self._drop_activations()
-            self.off.later_uses.queues.remove(self._queued)
             passes.clear()
             raise self.rotation.error
         try:
             self._backward(n)
         finally:
             self._drop_activations()
-            self.off.later_uses.queues.remove(self._queued)
         _set_rng_state(first_rng)
         return results
 
@@ -381,7 +373,7 @@ class LayerMajorStep:
         for i in range(n):  # the glue before the first segment, each micro-batch in order
             call = self.calls[0][i]
             g = inputs[i]
-            if call.kept is not None and g is not None and (call.kept.grad_fn is not None or call.kept.is_leaf):
+            if call.kept is not None and g is not None:  # kept: an input that needs a gradient
                 torch.autograd.backward(call.kept, g)
             call.kept = None
 
@@ -390,6 +382,8 @@ class LayerMajorStep:
         return {key: at - self._now for key, at in self._uses.items()}
 
     def _drop_activations(self) -> None:
+        """Let go of the step's activations (those not used yet: a step that raised) and of their ranking."""
+        self.off.later_uses.queues.remove(self._queued)
         self.off.claimed.difference_update(self._uses)
         self._uses.clear()
         for calls in self.calls:
@@ -428,9 +422,7 @@ def run_layer_major(off: ModelOffload, step_fn: Callable[[Any], Any], micro_batc
     if refused is None:
         refused = _refusal(off.model, segments)
         if refused is not None:
-            off._layer_major_refused = refused  # type: ignore[attr-defined]
-            warnings.warn(f"tierstore: the micro-batches run one after another, not layer by layer: {refused}",
-                          stacklevel=3)
+            _refuse(off, refused)
     if refused is None and micro_batches:
         had_grads = len(off.grads) > 0 or any(p.grad is not None for p in off.resident.values())
         try:
@@ -441,11 +433,14 @@ def run_layer_major(off: ModelOffload, step_fn: Callable[[Any], Any], micro_batc
                                      f"had added to gradients kept from before it: run the micro-batches one after "
                                      f"another instead of off.accumulate") from e
             off.zero_grad()  # what the step made before it was found (none where it was found in the forward)
-            refused = str(e)
-            off._layer_major_refused = refused  # type: ignore[attr-defined]
-            warnings.warn(f"tierstore: the micro-batches run one after another, not layer by layer: {refused}",
-                          stacklevel=3)
+            _refuse(off, str(e))
     return [step_fn(mb) for mb in micro_batches]
+
+
+def _refuse(off: ModelOffload, reason: str) -> None:
+    """From now on ``off``'s steps run as the loop; said once."""
+    off._layer_major_refused = reason  # type: ignore[attr-defined]
+    warnings.warn(f"tierstore: the micro-batches run one after another, not layer by layer: {reason}", stacklevel=4)
 
 
 __all__ = ["ACT_PREFIX", "LayerMajorStep", "NotAChain", "micro_batch_seeds", "run_layer_major"]
