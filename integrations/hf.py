@@ -421,7 +421,7 @@ def _save_checkpoint_whole(trainer: Any, save: Any, model: nn.Module, trial: Any
 def _fsync_files(path: str) -> None:
     """fsync ``path`` (a file), or every file and directory under it."""
     paths = [path] if os.path.isfile(path) else \
-        [os.path.join(d, n) for d, _, names in os.walk(path) for n in names] + [d for d, _, _ in os.walk(path)]
+        [p for d, _, names in os.walk(path) for p in (*(os.path.join(d, n) for n in names), d)]
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
