@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import torch
 from torch import nn
 
@@ -264,6 +265,34 @@ class OffloadBase(OffloadedParameters):
         """The last of ``remove()``: the module is no longer offloaded."""
         self.params.clear()
         self.model.__dict__.pop(STATE_KEY, None)
+        self.store.detach_user(self)
+
+    # ---- the store closing (tierstore.StoreUser) ------------------------------------------
+    def close_refusal(self) -> str | None:
+        """Why ``store.close()`` cannot give this model its values back now, or None (see ``TierStore.close``)."""
+        what = f"{type(self.model).__name__} is offloaded to this store ({self.wrapper_name})"
+        if self.in_forward_or_backward():
+            return f"{what} and inside a forward or backward; close the store after the step"
+        need = sum(r.nbytes for r in self.params.values())
+        device = self.give_back_device()
+        free = free_memory_bytes(device)
+        if need > free:
+            return (f"{what}, and its {need / 2**30:.2f} GiB of values live only here, more than the "
+                    f"{free / 2**30:.2f} GiB of {device.type} memory free to give them back into. Save them first "
+                    f"(save_checkpoint(path, model, optimizer) or model.save_pretrained(path)), then "
+                    f"{self.drop_hint}")
+        return None
+
+    def store_closing(self) -> None:
+        """The store closes: the model gets its values back as ``remove()`` gives them."""
+        self.remove()
+
+    wrapper_name = "offload_model"
+    drop_hint = "drop them with off.remove(keep_values=False) and close the store"
+
+    def give_back_device(self) -> torch.device:
+        """Where ``remove()`` puts the values back."""
+        return torch.device("cpu")
 
     def __deepcopy__(self, memo: dict) -> Any:
         raise TierTypeError(_NOT_COPYABLE)
@@ -275,6 +304,13 @@ class OffloadBase(OffloadedParameters):
 _NOT_COPYABLE = ("an offloaded model cannot be copied or pickled: its parameters live in the store and its module "
                  "holds placeholders. Copy it before offload_model (or offload_fsdp), call .remove() first, or save "
                  "it with state_dict() (which reads the real values) or save_checkpoint()")
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Bytes of memory free on ``device`` now (CUDA's free memory, else the system's available memory)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return int(psutil.virtual_memory().available)
 
 
 __all__ = ["STATE_KEY", "OffloadBase", "OffloadedParameterError", "UnitStats", "check_not_offloaded",

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tierstore import TierBudgetError, TierKeyError, TierStore, TierValueError
+from tierstore import TierBudgetError, TierKeyError, TierStore, TierStoreError, TierValueError
 
 from ._layouts import StateLayout
 from ._optim_params import check_group_states, group_states
@@ -30,6 +30,14 @@ class StateDictIO:
     _name_of: dict[int, str]
     _applied: dict[str, tuple[weakref.ref, int]]
     wait: Callable[[], None]  # the optimizer's: waits for its write-behind
+    _removed = False  # its model's offload was removed (off.remove() or store.close()) and its state with it
+
+    def _check_attached(self) -> None:
+        if self._removed:
+            raise TierStoreError("this OffloadedAdamW's model is no longer offloaded (off.remove(), or store.close(), "
+                                 "which gives the model its values back), and its state went with it: make a new "
+                                 "optimizer for the model (torch.optim.AdamW for a model no longer offloaded, or "
+                                 "OffloadedAdamW after offload_model again)")
 
     def _resplit_truncated(self) -> None:
         """Split masters loaded as the first version stored them, made again as this version stores them."""
@@ -84,6 +92,7 @@ class StateDictIO:
 
         Every piece is read into memory at once, so a state larger than the store's host budget is refused (see
         [Note: A whole state dict beyond the host budget]) unless ``beyond_host_budget=True``."""
+        self._check_attached()
         tensors = self.state_tensors()
         if not beyond_host_budget:
             self._check_state_fits([k for _, _, k in tensors])
@@ -122,6 +131,7 @@ class StateDictIO:
         one where it names none, as torch.optim's state dicts) is refused unless ``convert=True``, which decodes
         each piece and encodes it into this layout: converting to fewer bits rounds, a master the layout keeps
         none of (``master="none"``) is dropped, and one the saved state lacks is made from the weight."""
+        self._check_attached()
         self.wait()
         saved = StateLayout.from_dict(sd.get("state_layout", {}))
         # split masters of the first version convert without loss: the same masters, weights rounded from them

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tierstore import Tier, TierStore, TierStoreError, TierValueError
+from tierstore import Tier, TierStore, TierStoreError, TierValueError, UnsupportedError
 
 from . import _fsdp_internals as internals
 from ._base import STATE_KEY, OffloadBase, UnitStats, check_not_offloaded
@@ -273,9 +273,20 @@ class FSDPOffload(OffloadBase):
         if set_to_none:
             self.grads.clear()
 
-    def remove(self) -> None:
+    wrapper_name = "offload_fsdp"
+    drop_hint = "end the process (its swap directory is removed at exit)"
+
+    def give_back_device(self) -> torch.device:
+        su = next(iter(self._units.values()), None)
+        sh = su.params[0] if su is not None and su.params else None
+        return sh.local.device if sh is not None else torch.device("cpu")
+
+    def remove(self, *, keep_values: bool = True) -> None:
         """Put every shard back in memory (current values) and detach from FSDP2 (an optimizer of it drops its
-        state)."""
+        state). ``store.close()`` calls it for a model still offloaded."""
+        if not keep_values:
+            raise UnsupportedError("remove(keep_values=False) of FSDP2 shards: FSDP2 keeps no shard without "
+                                   "memory; remove() (the values come back) or end the process")
         self._detach([self._hook])
         self.grads.clear()  # gradients go, as offload_model's remove() drops its own
         for su in self._units.values():
@@ -319,6 +330,7 @@ def offload_fsdp(model: nn.Module, store: TierStore, *, prefetch_depth: int | st
                         home=chosen.home, grad_tier=chosen.grad_tier, init_fn=init_fn,
                         placement=placement, real_parameters=real_parameters)
     setattr(model, STATE_KEY, state)
+    store.attach_user(state)  # store.close() gives the shards back first (see TierStore.close)
     return state
 
 

@@ -354,9 +354,17 @@ class OffloadedModel(OffloadBase):
         zero_grads(self.resident.values(), set_to_none)
 
 
-    def remove(self) -> None:
+    def give_back_device(self) -> torch.device:
+        return self.compute_device
+
+    def remove(self, *, keep_values: bool = True) -> None:
         """Detach from the module: parameters get their current values back as ordinary tensors, and the state of
-        an optimizer of it leaves the store."""
+        an optimizer of it leaves the store. ``store.close()`` calls it for a model still offloaded.
+
+        ``keep_values=False`` reads nothing back: each parameter becomes an ordinary parameter on the meta
+        device (its shape and dtype, no values), for a model larger than memory whose values were saved
+        (``save_checkpoint``) and are to be dropped; ``model.to_empty(device=...)`` and a load bring it back.
+        """
         for sp in self.params.values():
             if sp.holds:
                 raise TierStoreError(f"cannot remove offload while {sp.name!r} is in use (inside forward/backward)")
@@ -367,11 +375,19 @@ class OffloadedModel(OffloadBase):
                 delattr(self.model, name)
         self.grads.clear()
         for sp in self.params.values():
-            value = self.store.read(sp.key).to(self.compute_device)
+            value = self.store.read(sp.key).to(self.compute_device) if keep_values else sp.placeholder
             sp.param.__class__ = sp.original_class
             del sp.param._tierstore
             sp.param.data = value
             self.store.drop(sp.key)
+        if not keep_values:  # a tensor cannot become a meta tensor in place: new parameters (tied ones stay tied)
+            on_meta: dict[int, nn.Parameter] = {}
+            for module in self.model.modules():
+                for pname, p in module._parameters.items():
+                    if p is not None and id(p) in self.params:
+                        if id(p) not in on_meta:
+                            on_meta[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                        module._parameters[pname] = on_meta[id(p)]
         self._forget()
 
 
@@ -466,6 +482,7 @@ def offload_model(model: nn.Module, store: TierStore, *, prefetch_depth: int | s
         grad_dtype=grad_dtype,
     )
     setattr(model, STATE_KEY, state)
+    store.attach_user(state)  # store.close() gives the values back first (see TierStore.close)
     return state
 
 

@@ -200,6 +200,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self._state.drop()
         self._items = []
         self.steps = {}
+        self._removed = True
 
     def named_items(self) -> list[tuple[str, str | None, torch.nn.Parameter]]:
         """(name, store key or None for a resident parameter, parameter) of each parameter this optimizer steps."""
@@ -209,6 +210,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         """Drop every gradient, or zero each in place (``set_to_none=False``), as torch's optimizers do: then a
         parameter the next backward gives no gradient (an expert no token chose, a branch not taken) is stepped
         with zeros."""
+        self._check_attached()
         if self._unfinished is not None:
             raise TierStoreError(self._unfinished)
         if not set_to_none and self.step_in_backward:
@@ -247,6 +249,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         return loss
 
     def _step(self) -> None:
+        self._check_attached()
         if self.offloaded.broken and self.offloaded.broken != self._unfinished:
             raise UnrestorableUpdateError(self.offloaded.broken)
         early = self._in_backward.take() if self._in_backward is not None else {}

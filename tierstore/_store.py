@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from concurrent.futures import Future
 from typing import Any
 
@@ -30,7 +31,7 @@ from ._room import BUDGET_WAIT_SECONDS, Room
 from ._stats import StoreStats
 from ._timeline import Timeline
 from ._transfers import Transfers, done_future
-from ._types import StoreFullError, Tier, TierTypeError, TierValueError
+from ._types import StoreFullError, StoreInUseError, StoreUser, Tier, TierTypeError, TierValueError
 
 
 def _check_budgets_fit_memory(config: StoreConfig, separate_device_memory: bool) -> None:
@@ -80,6 +81,7 @@ class TierStore(Residency):
         self._state = state = StoreState(config, self.stats, device, pools, engine)
         self._room = Room(state, start_writeback=lambda entry: self._transfers.start_writeback(entry))
         self._transfers = Transfers(state, self._room, max(2, config.io_threads // 2))
+        self._users: list[StoreUser] = []  # see attach_user; the training thread's alone
 
     # ---- put, get, release -------------------------------------------------------------
     def put(self, key: str, tensor: torch.Tensor, home: Tier | str = Tier.NVME, *,
@@ -315,9 +317,39 @@ class TierStore(Residency):
         return bool(self._state.engine and self._state.engine.direct)
 
     # ---- lifetime ----------------------------------------------------------------------
+    def attach_user(self, user: StoreUser) -> None:
+        """``user`` keeps values here that exist nowhere else (``offload_model`` attaches its offload): ``close()``
+        gives them back through it first, or refuses (see :class:`~tierstore.StoreUser`)."""
+        self._state.check_open()
+        if user not in self._users:
+            self._users.append(user)
+
+    def detach_user(self, user: StoreUser) -> None:
+        """``user`` no longer keeps values here (an offload's ``remove()``)."""
+        if user in self._users:
+            self._users.remove(user)
+
     def close(self) -> None:
-        """Wait for background work, free every buffer and delete the swap files."""
+        """Give back what attached users keep only here, wait for background work, free every buffer and delete
+        the swap files.
+
+        An offloaded model still attached (``offload_model`` without ``remove()``) first gets its values back
+        as ordinary tensors, as ``off.remove()`` gives them (its optimizer's state goes with it), so that
+        closing loses no trained weight. Where they cannot be given back (more than the memory free to hold
+        them, or a forward running), :class:`~tierstore.StoreInUseError` says what to call first and nothing is
+        closed.
+        """
         state = self._state
+        with state.lock:
+            if state.closed:
+                return
+        users = list(self._users)
+        refusals = [why for why in (u.close_refusal() for u in users) if why]
+        if refusals:
+            raise StoreInUseError(f"store.close(): {refusals[0]}. Nothing was closed")
+        for user in users:
+            user.store_closing()
+            self.detach_user(user)
         with state.lock:
             if state.closed:
                 return
@@ -344,8 +376,19 @@ class TierStore(Residency):
     def __enter__(self) -> TierStore:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        """``close()``; where it refuses (see there) while the block raises, the block's exception goes on with a
+        note of why the store is still open, instead of being replaced by the refusal."""
+        try:
+            self.close()
+        except StoreInUseError as refusal:
+            if exc is None:
+                raise
+            note = f"tierstore: the store was left open, its swap files removed at exit: {refusal}"
+            if hasattr(exc, "add_note"):
+                exc.add_note(note)
+            else:  # Python 3.10
+                warnings.warn(note, RuntimeWarning, stacklevel=2)
 
 
 def _settle_config(config: StoreConfig | None, overrides: dict[str, Any]) -> StoreConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Protocol
 
 
 class Tier(enum.IntEnum):
@@ -62,6 +63,27 @@ class UnknownSettingError(TierStoreError, TypeError, ValueError):
 
 class StoreClosedError(TierStoreError):
     """The store was used after close()."""
+
+
+class StoreInUseError(TierStoreError):
+    """``close()`` of a store that holds values only it keeps (an offloaded model's trained weights) which cannot
+    be given back now; nothing was closed, and the message says what to call first."""
+
+
+class StoreUser(Protocol):
+    """What keeps values in a store that exist nowhere else (an offloaded model), told when the store closes so
+    that nothing is lost: ``close()`` asks every user for ``close_refusal()`` first and closes nothing when one
+    refuses, then calls ``store_closing()`` on each, which gives its values back and detaches. Both are called on
+    the thread that calls ``close()``, without the store's lock (they use the store's public methods)."""
+
+    def close_refusal(self) -> str | None:
+        """Why its values cannot be given back now (more than the memory free to hold them, a forward running),
+        saying what to call first; None when they can."""
+        ...
+
+    def store_closing(self) -> None:
+        """Give the values back (out of the store) and stop using it."""
+        ...
 
 
 class TierBudgetError(TierStoreError):

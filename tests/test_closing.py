@@ -1,0 +1,147 @@
+"""Closing a store that an offloaded model still uses loses no trained weight: every exit a user takes (close(),
+the end of a ``with`` block, an exception inside it, the interpreter's exit) gives the model its values back, or
+refuses and says what to call first."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import tierstore as ts
+from tierstore.integrations import OffloadedAdamW, _base, offload_model
+
+from _training import _assert_same_parameters, _tiny_pair, _train, train_resident
+
+
+def _trained(store, steps=2):
+    """A tiny ViT offloaded to ``store`` and trained ``steps`` steps, its resident twin trained alike, the data."""
+    ref, model, data = _tiny_pair()
+    train_resident(ref, data, steps)
+    off = offload_model(model, store)
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
+    _train(model, data, steps, opt)
+    return ref, model, off, opt, data
+
+
+def _gives_back(ref, model, opt, data, swap_dir):
+    """The model holds its trained values as ordinary tensors, computes as its resident twin, and the store's
+    swap files are gone; its optimizer says it has no state left."""
+    assert _base.offloaded_of(model) is None
+    _assert_same_parameters(model, ref)
+    x, _ = data.batch(9, 4)
+    assert torch.equal(model(x), ref(x))
+    assert not os.path.exists(swap_dir)
+    with pytest.raises(ts.TierStoreError, match="no longer offloaded.*make a new optimizer"):
+        opt.step()
+
+
+def test_close_gives_an_attached_model_its_trained_values(tmp_path):
+    store = ts.TierStore(nvme_path=str(tmp_path), host_budget_bytes="64MiB")
+    ref, model, off, opt, data = _trained(store)
+    swap_dir = store.swap_directory
+    store.close()
+    assert store.closed
+    _gives_back(ref, model, opt, data, swap_dir)
+    assert store.close() is None  # a second close is nothing
+
+
+def test_the_end_of_a_with_block_gives_the_values_back(tmp_path):
+    with ts.TierStore(nvme_path=str(tmp_path), host_budget_bytes="64MiB") as store:
+        ref, model, off, opt, data = _trained(store)
+        swap_dir = store.swap_directory
+    _gives_back(ref, model, opt, data, swap_dir)
+
+
+def test_an_exception_inside_the_block_goes_on_and_the_values_come_back(tmp_path):
+    with pytest.raises(ZeroDivisionError):
+        with ts.TierStore(nvme_path=str(tmp_path), host_budget_bytes="64MiB") as store:
+            ref, model, off, opt, data = _trained(store)
+            swap_dir = store.swap_directory
+            1 / 0
+    _gives_back(ref, model, opt, data, swap_dir)
+
+
+@pytest.fixture
+def little_memory(monkeypatch):
+    """As if the machine had 1 KiB of memory free: too little to give a model its values back."""
+    monkeypatch.setattr(_base, "free_memory_bytes", lambda device: 1024)
+
+
+def test_a_model_too_big_to_give_back_refuses_the_close_and_names_what_to_call(tmp_path, little_memory):
+    store = ts.TierStore(nvme_path=str(tmp_path), host_budget_bytes="64MiB")
+    ref, model, off, opt, data = _trained(store)
+    with pytest.raises(ts.StoreInUseError) as refused:
+        store.close()
+    message = str(refused.value)
+    for words in ("ViT is offloaded to this store (offload_model)", "GiB of values live only here",
+                  "save_checkpoint(path, model, optimizer)", "off.remove(keep_values=False)", "Nothing was closed"):
+        assert words in message
+    assert not store.closed  # and everything still works: train on, save
+    _train(model, data, 1, opt)
+    train_resident(ref, data, 1)  # the twin one step further too (its own optimizer: same steps as ours)
+    # dropped on purpose after a save: the parameters keep their shapes on the meta device
+    off.remove(keep_values=False)
+    assert all(p.is_meta for p in model.parameters())
+    store.close()
+    assert store.closed
+
+
+def test_a_with_block_that_cannot_give_back_raises_the_refusal_or_notes_it_on_the_block_s_exception(
+        tmp_path, little_memory):
+    with pytest.raises(ts.StoreInUseError, match="Nothing was closed"):
+        with ts.TierStore(nvme_path=str(tmp_path), host_budget_bytes="64MiB") as store:
+            _, model, off, opt, data = _trained(store, steps=1)
+    assert not store.closed
+    off.remove(keep_values=False)
+    store.close()
+
+    with pytest.raises(ZeroDivisionError) as raised:
+        with ts.TierStore(nvme_path=str(tmp_path), host_budget_bytes="64MiB") as store:
+            _, model, off, opt, data = _trained(store, steps=1)
+            1 / 0
+    assert any("the store was left open" in note for note in raised.value.__notes__)
+    assert not store.closed
+    x, _ = data.batch(0, 4)
+    model(x)  # still offloaded and usable: nothing was lost
+    off.remove()
+    store.close()
+
+
+def test_closing_inside_a_forward_is_refused(tmp_path):
+    store = ts.TierStore(nvme_path=str(tmp_path), host_budget_bytes="64MiB")
+    _, model, off, opt, data = _trained(store, steps=1)
+    seen = []
+
+    def close_now(module, args, output):
+        with pytest.raises(ts.StoreInUseError, match="inside a forward or backward"):
+            store.close()
+        seen.append(True)
+
+    handle = model.blocks[0].register_forward_hook(close_now)
+    model(data.batch(0, 4)[0])
+    handle.remove()
+    assert seen and not store.closed
+    store.close()
+
+
+def test_the_interpreter_s_exit_with_an_offloaded_model_leaves_no_swap_files(tmp_path):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import tierstore as ts
+        from _training import _tiny_pair, train_offloaded
+        store = ts.TierStore(nvme_path={str(nvme)!r}, host_budget_bytes="64MiB")
+        _, model, data = _tiny_pair()
+        train_offloaded(model, data, 1, store)
+        print(store.swap_directory)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert not os.path.exists(done.stdout.strip())
+    assert os.listdir(nvme) == []
