@@ -119,16 +119,15 @@ def small_fs(tmp_path):
     subprocess.run(["umount", str(mnt)], check=True)
 
 
-def test_real_full_disk(small_fs, monkeypatch):
-    import tierstore._nvme as nvme
-
-    monkeypatch.setattr(nvme, "FREE_SPACE_RESERVE_BYTES", 0)
-    with ts.TierStore(nvme_path=small_fs, file_size_bytes="4MiB", host_budget_bytes="32MiB") as store:
+def test_real_full_disk(small_fs):
+    with ts.TierStore(nvme_path=small_fs, file_size_bytes="4MiB", nvme_reserve_bytes=0,
+                      host_budget_bytes="32MiB") as store:
         a = torch.randn(1024**2 // 4)
         store.put("a", a).wait()  # first 4 MiB swap file
         with open(os.path.join(small_fs, "filler"), "wb") as f:
             f.write(b"\0" * (6 * 1024**2))  # leave less than one more swap file
-        with pytest.raises(ts.StoreFullError, match=r"has \d+ bytes free; a new swap file needs 4194304"):
+        with pytest.raises(ts.StoreFullError, match=r"a new swap file of 4.0 MiB does not fit under nvme_path .*: the "
+                                                    r"filesystem has [\d.]+ MiB free, of which nvme_reserve_bytes=0.0 MiB"):
             store.put("b", torch.randn(4 * 1024**2 // 4))
         assert "b" not in store
         store.evict("a", "host")

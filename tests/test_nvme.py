@@ -163,3 +163,62 @@ def test_a_failure_finishing_a_transfer_reaches_its_waiter_and_the_threads_go_on
         assert "accounting failed" in err
     finally:
         engine.close()
+
+
+# ---- the drive's room: the reserve, the swap files' size ------------------------------------------------------
+def test_a_new_swap_file_is_no_larger_than_the_budget_leaves(tmp_path):
+    engine = _engine(tmp_path, file_size_bytes="256MiB", nvme_budget_bytes="48MiB")
+    try:
+        engine.allocate(8 * 2**20)
+        assert [os.path.getsize(p) for p in engine.file_paths()] == [48 * 2**20]
+    finally:
+        engine.close()
+
+
+@pytest.fixture
+def tmpfs_64mib(tmp_path):
+    """A 64 MiB filesystem of its own (a tmpfs: needs root and mount), or the test is skipped saying why."""
+    import shutil
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command here to make a 64 MiB tmpfs")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True,
+                          text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a 64 MiB tmpfs here (it needs root): {done.stderr.strip()}")
+    yield str(mnt)
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.mark.filterwarnings("ignore:the filesystem under .* refuses O_DIRECT:RuntimeWarning")
+def test_a_small_drive_says_its_real_numbers_and_trains_with_a_smaller_reserve(tmpfs_64mib):
+    import tierstore as ts
+    from tierstore.integrations import OffloadedAdamW, offload_model
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])  # 8.0 MiB of fp32 weights
+
+    with ts.TierStore(nvme_path=tmpfs_64mib, host_budget_bytes="4MiB") as store:
+        with pytest.raises(ts.StoreFullError) as full:
+            offload_model(model(), store)
+    message = str(full.value)
+    for words in ("needs that much room on the drive, but only 0.0 MiB is free", "the filesystem has 64.0 MiB free",
+                  "nvme_reserve_bytes=64.0 MiB stays free", "lower nvme_reserve_bytes"):
+        assert words in message, message
+
+    net = model()
+    with ts.TierStore(nvme_path=tmpfs_64mib, host_budget_bytes="4MiB", nvme_reserve_bytes="4MiB",
+                      nvme_budget_bytes="48MiB") as store:
+        off = offload_model(net, store)
+        opt = OffloadedAdamW(off)
+        for _ in range(2):
+            net(torch.randn(4, 512)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        files = [os.path.getsize(os.path.join(store.swap_directory, f)) for f in os.listdir(store.swap_directory)
+                 if f.startswith("swap-")]
+        assert files and sum(files) <= 48 * 2**20  # never the 256 MiB of file_size_bytes

@@ -65,7 +65,12 @@ class StoreConfig:
     io_threads: int = 8
     """Threads issuing O_DIRECT preadv/pwritev; the drive sees min(io_threads, queue_depth) requests."""
     file_size_bytes: int = 256 * 1024**2
-    """Size of each preallocated swap file that tensors are packed into (a larger tensor gets a file of its size)."""
+    """Most bytes of each preallocated swap file that tensors are packed into (a larger tensor gets a file of its
+    size); a new file is made smaller where nvme_budget_bytes or the drive's free room (less nvme_reserve_bytes)
+    leave less."""
+    nvme_reserve_bytes: int = 64 * 1024**2
+    """Bytes the store leaves free on the filesystem under nvme_path, for the system and other programs; 0 lets
+    it take every free byte."""
     direct_io: bool = True
     """Use O_DIRECT; where the filesystem refuses it (tmpfs), fall back to buffered I/O with a warning."""
     verify_checksums: bool = False
@@ -79,7 +84,7 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         for name in ("device_budget_bytes", "host_budget_bytes", "nvme_budget_bytes",
-                     "block_size_bytes", "file_size_bytes", "malloc_mmap_threshold_bytes"):
+                     "block_size_bytes", "file_size_bytes", "nvme_reserve_bytes", "malloc_mmap_threshold_bytes"):
             value = getattr(self, name)
             if value is None and name in ("nvme_budget_bytes", "malloc_mmap_threshold_bytes"):
                 continue
@@ -99,6 +104,9 @@ class StoreConfig:
             )
         if self.file_size_bytes % 4096:
             raise TierValueError(f"file_size_bytes={self.file_size_bytes} must be a multiple of 4096")
+        if self.nvme_reserve_bytes < 0:
+            raise TierValueError(f"nvme_reserve_bytes={self.nvme_reserve_bytes} must be >= 0 (0 leaves nothing free "
+                                 f"on the drive for others)")
         for name in ("queue_depth", "io_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

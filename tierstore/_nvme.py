@@ -45,8 +45,6 @@ from ._ownership import describe, make_swap_directory, reclaim_swap
 from ._stats import StoreStats
 from ._types import IntegrityError, StoreFullError, Tier, TierBudgetError, TierIOError, TierStoreError, TierValueError
 
-# Space left free on the filesystem beyond what a new swap file takes.
-FREE_SPACE_RESERVE_BYTES = 64 * 1024**2
 
 
 class Syscalls:
@@ -63,6 +61,10 @@ class Syscalls:
 
     def pwritev(self, fd: int, buffers: list, offset: int) -> int:
         return os.pwritev(fd, buffers, offset)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 @dataclass(eq=False)
@@ -265,19 +267,42 @@ class NvmeEngine:
                 ext = self._take_locked(f, length)
                 if ext is not None:
                     return ext
-            f = self._new_file_locked(max(length, self.config.file_size_bytes))
+            f = self._new_file_locked(self._new_file_size_locked(length))
             ext = self._take_locked(f, length)
             assert ext is not None
             return ext
 
+    def _drive_free_bytes(self) -> int:
+        return psutil.disk_usage(self.directory).free
+
+    def _new_file_size_locked(self, length: int) -> int:
+        """``file_size_bytes``, less where nvme_budget_bytes or the drive's room (less nvme_reserve_bytes) leave
+        less; never less than ``length`` (a tensor larger than a file gets a file of its size)."""
+        size = self.config.file_size_bytes
+        budget = self.config.nvme_budget_bytes
+        if budget is not None:
+            size = min(size, budget - sum(f.size for f in self._files))
+        size = min(size, self._drive_free_bytes() - self.config.nvme_reserve_bytes)
+        return max(length, size // PAGE_BYTES * PAGE_BYTES)
+
     def room_bytes(self) -> int:
         """How many more bytes tensors could take here now: the free ranges of the swap files plus the drive's
-        free space (less the reserve), within nvme_budget_bytes."""
+        free space (less nvme_reserve_bytes), within nvme_budget_bytes."""
         with self._lock:
             inside = sum(n for f in self._files for _, n in f.free)
-            room = inside + max(0, psutil.disk_usage(self.directory).free - FREE_SPACE_RESERVE_BYTES)
+            room = inside + max(0, self._drive_free_bytes() - self.config.nvme_reserve_bytes)
             budget = self.config.nvme_budget_bytes
             return room if budget is None else min(room, budget - self.used_bytes)
+
+    def describe_room(self) -> str:
+        """Where ``room_bytes()`` comes from, in the settings' words: for an error that says what to change."""
+        with self._lock:
+            inside = sum(n for f in self._files for _, n in f.free)
+        budget = self.config.nvme_budget_bytes
+        return (f"the filesystem has {_mib(self._drive_free_bytes())} free, of which nvme_reserve_bytes="
+                f"{_mib(self.config.nvme_reserve_bytes)} stays free; the swap files have {_mib(inside)} unused; "
+                + ("no nvme_budget_bytes" if budget is None else
+                   f"nvme_budget_bytes={_mib(budget)}, {_mib(self.used_bytes)} of it used"))
 
     def _take_locked(self, f: _SwapFile, length: int) -> Extent | None:
         for i, (off, n) in enumerate(f.free):
@@ -292,13 +317,13 @@ class NvmeEngine:
         return None
 
     def _new_file_locked(self, size: int) -> _SwapFile:
-        free = psutil.disk_usage(self.directory).free
-        if free < size + FREE_SPACE_RESERVE_BYTES:
+        free, reserve = self._drive_free_bytes(), self.config.nvme_reserve_bytes
+        if free < size + reserve:
             raise StoreFullError(
-                f"nvme_path {self.config.nvme_path!r} has {free} bytes free; a new swap file needs "
-                f"{size} (+{FREE_SPACE_RESERVE_BYTES} reserve). Free space there, point nvme_path at "
-                "a larger drive, or lower file_size_bytes"
-            )
+                f"a new swap file of {_mib(size)} does not fit under nvme_path {self.config.nvme_path!r}: the "
+                f"filesystem has {_mib(free)} free, of which nvme_reserve_bytes={_mib(reserve)} stays free. Free "
+                f"space there, point nvme_path at a larger drive, or lower nvme_reserve_bytes"
+                + (" or file_size_bytes" if size > self.config.file_size_bytes else ""))
         path = os.path.join(self.directory, f"swap-{len(self._files):04d}.bin")
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
         try:

@@ -303,9 +303,16 @@ class TierStore(Residency):
         room = self.nvme_room_bytes()
         if nbytes > room:
             size = f"{nbytes / 2**20:.1f} MiB"
+            engine, config = self._state.engine, self.config
+            where = f" ({engine.describe_room()})" if engine is not None else " (the store has no nvme_path)"
+            fixes = ["free space there", "choose another nvme_path"]
+            if config.nvme_reserve_bytes:
+                fixes.insert(1, "lower nvme_reserve_bytes")
+            if config.nvme_budget_bytes is not None:
+                fixes.insert(1, "raise nvme_budget_bytes")
             raise StoreFullError(f"{what.format(size=size)} needs that much room on the drive, but only "
-                                 f"{room / 2**20:.1f} MiB is free under {self.config.nvme_path!r} (within "
-                                 f"nvme_budget_bytes): free space there, or choose another nvme_path")
+                                 f"{room / 2**20:.1f} MiB is free for it under {config.nvme_path!r}{where}: "
+                                 f"{', '.join(fixes[:-1])} or {fixes[-1]}")
 
     @property
     def swap_directory(self) -> str | None:
@@ -348,7 +355,15 @@ class TierStore(Residency):
         if refusals:
             raise StoreInUseError(f"store.close(): {refusals[0]}. Nothing was closed")
         for user in users:
-            user.store_closing()
+            try:
+                user.store_closing()
+            except BaseException as e:
+                # A store whose values cannot be read back (a failed drive) must still be closable: once.
+                self.detach_user(user)
+                if hasattr(e, "add_note"):
+                    e.add_note("tierstore: store.close() could not give an offloaded model its values back; nothing "
+                               "was closed, and close() again closes the store without them")
+                raise
             self.detach_user(user)
         with state.lock:
             if state.closed:
