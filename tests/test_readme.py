@@ -114,3 +114,30 @@ def test_every_link_between_pages_names_a_page_that_exists():
         for target in re.findall(r"\]\(([^)#]+\.md)(?:#[^)]*)?\)", text):
             if not target.startswith("http"):
                 assert os.path.isfile(os.path.join(ROOT, os.path.dirname(page), target)), (page, target)
+
+
+def _install_lines(page: str) -> list[str]:
+    """The ``pip install`` commands of a page's bash blocks, comments cut."""
+    with open(os.path.join(ROOT, page)) as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+    lines = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line.startswith("pip install")]
+
+
+@pytest.mark.parametrize("page", ["README.md", os.path.join("docs", "gpu.md")])
+def test_the_install_line_installs_from_inside_a_clone(page):
+    """Where a user stands after ``git clone``: the repository's root (a dry run: nothing is installed, but pip
+    finds and builds the project's metadata there, or fails as it would for the user)."""
+    import importlib.util
+    import shlex
+    import subprocess
+    import sys
+
+    lines = [line for line in _install_lines(page) if "dist/" not in line]
+    assert lines, f"{page} gives no pip install line"
+    for line in lines:
+        args = shlex.split(line)[2:]
+        isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "-q", *isolation,
+                               *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (page, line, done.stderr[-2000:])
