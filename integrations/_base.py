@@ -271,7 +271,7 @@ class OffloadBase(OffloadedParameters):
     def close_refusal(self) -> str | None:
         """Why ``store.close()`` cannot give this model its values back now, or None (see ``TierStore.close``)."""
         what = f"{type(self.model).__name__} is offloaded to this store ({self.wrapper_name})"
-        if self.in_forward_or_backward():
+        if self.running_pass():
             return f"{what} and inside a forward or backward; close the store after the step"
         need = sum(r.nbytes for r in self.params.values())
         device = self.give_back_device()
@@ -286,6 +286,10 @@ class OffloadBase(OffloadedParameters):
     def store_closing(self) -> None:
         """The store closes: the model gets its values back as ``remove()`` gives them."""
         self.remove()
+
+    def running_pass(self) -> bool:
+        """Whether a forward or backward of the model is running now (not one that raised and left holds)."""
+        return self.in_forward_or_backward()
 
     wrapper_name = "offload_model"
     drop_hint = "drop them with off.remove(keep_values=False) and close the store"

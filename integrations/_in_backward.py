@@ -30,17 +30,17 @@ from ._pipeline import StatePipeline, UnrestorableUpdateError
 
 class SteppingOptimizer(Protocol):
     """What the worker uses of the optimizer it steps for (``OffloadedAdamW``): its model, store and items, its
-    queue of updates (``_queue``, ``_done`` of them done) and the update of one parameter (``_timed_step``, with
-    ``_pipeline`` reading ahead), the backlog bound, the parameters it keeps no state for (``_frozen``) and what
-    it says of one, and the count of failed backward passes it last saw (``_backwards_failed``)."""
+    queue of updates with how many of them are done (``_progress``, a tuple set whole: evicting threads read it),
+    the update of one parameter (``_timed_step``, with ``_pipeline`` reading ahead), the backlog bound, the
+    parameters it keeps no state for (``_frozen``) and what it says of one, and the count of failed backward passes
+    it last saw (``_backwards_failed``)."""
 
     offloaded: OffloadedParameters
     store: TierStore
     max_grad_backlog_bytes: int
     _items: list[tuple[str, str | None, torch.nn.Parameter]]
     _frozen: list[tuple[str, str | None, torch.nn.Parameter]]
-    _queue: list[tuple[str, str | None, torch.nn.Parameter, Any]]
-    _done: int
+    _progress: tuple[list[tuple[str, str | None, torch.nn.Parameter, Any]], int]
     _backwards_failed: int
     _pipeline: StatePipeline
 
@@ -65,7 +65,7 @@ class BackwardSteps:
         self._worker_ident: int | None = None
         opt.offloaded.grad_ready_callbacks.append(self.on_grad_ready)
         opt.offloaded.grad_read_guards.append(self.gradients_taken)  # param.grad of an offloaded parameter asks
-        opt.offloaded.later_uses.behind.append(self.behind_bytes)  # the placement's room counts them
+        opt.offloaded.later_uses.add_behind(self.behind_bytes)  # the placement's room counts them
 
     def on_grad_ready(self, key: str) -> None:
         """The model's backward completed this parameter's gradient: queue its update."""
@@ -89,8 +89,9 @@ class BackwardSteps:
         with self._backlog_lock:
             self.backlog_bytes += nbytes
             self.backlog_peak_bytes = max(self.backlog_peak_bytes, self.backlog_bytes)
-        opt._queue.append((name, key_, p, grad))
-        future = self._worker.submit(self._step_ready, len(opt._queue) - 1, nbytes)
+        queue = opt._progress[0]
+        queue.append((name, key_, p, grad))
+        future = self._worker.submit(self._step_ready, len(queue) - 1, nbytes)
         self.futures.append(future)
         self.early[key] = future
 
@@ -100,9 +101,9 @@ class BackwardSteps:
         if self.backlog_bytes <= opt.max_grad_backlog_bytes:
             return
         t0 = time.perf_counter()
-        while self.backlog_bytes > opt.max_grad_backlog_bytes and opt._done < len(self.futures):
+        while self.backlog_bytes > opt.max_grad_backlog_bytes and (done := opt._progress[1]) < len(self.futures):
             try:
-                self.futures[opt._done].exception(timeout=0.05)
+                self.futures[done].exception(timeout=0.05)
             except FutureTimeoutError:
                 # The worker waits for host memory that backward holds: backward goes on (and releases
                 # it), the backlog over its bound for a while, rather than both waiting for each other.
@@ -131,7 +132,7 @@ class BackwardSteps:
         self._worker_ident = threading.get_ident()
         # Read ahead in the worker's order, within readahead_bytes: reads issued for every gradient as
         # it arrives would overflow the host tier and evict each other before use.
-        ready = opt._queue
+        ready = opt._progress[0]
         try:
             with opt.store.stats.background():
                 opt._pipeline.read_ahead(ready, i)
@@ -142,7 +143,7 @@ class BackwardSteps:
         finally:
             with self._backlog_lock:
                 self.backlog_bytes -= nbytes
-            opt._done = i + 1
+            opt._progress = (ready, i + 1)
 
     def take(self) -> dict[str, Future]:
         """The updates this backward started (``step()`` waits for them); the next backward starts afresh."""
@@ -161,8 +162,7 @@ class BackwardSteps:
             off.grad_ready_callbacks.remove(self.on_grad_ready)
         if self.gradients_taken in off.grad_read_guards:
             off.grad_read_guards.remove(self.gradients_taken)
-        if self.behind_bytes in off.later_uses.behind:
-            off.later_uses.behind.remove(self.behind_bytes)
+        off.later_uses.remove_behind(self.behind_bytes)
 
 
 __all__ = ["BackwardSteps"]

@@ -189,7 +189,9 @@ class LayerMajorStep:
         self.store = off.store
         self.home = Tier.NVME if off.store.swap_directory is not None else Tier.HOST
         self.workers: dict[int, int] = {}  # thread ident -> micro-batch
-        self._uses: dict[str, int] = {}  # activation key -> its place in the backward's order
+        # Activation key -> its place in the backward's order. Read by evicting threads (``_queued``): replaced whole
+        # on each change, never changed in place, so a reader iterates one that no thread changes.
+        self._uses: dict[str, int] = {}
         self._now = -1  # the place the backward has reached
         self.calls: list[list[_Call]] = []  # [segment][micro-batch]
         self.next_segment: list[int] = []
@@ -225,7 +227,7 @@ class LayerMajorStep:
             if k:  # made by the segment before: into the store (see [Note: Activations in the tiers])
                 key = f"{ACT_PREFIX}{id(self)}/{self._keys}"
                 self._keys += 1
-                self._uses[key] = (len(self.segments) - 1 - k) * len(self.next_segment) + i  # its place in backward
+                self._uses = {**self._uses, key: (len(self.segments) - 1 - k) * len(self.next_segment) + i}
                 self.off.claimed.add(key)
                 self.store.put(key, x.detach(), self.home, write_home=False)
                 self.calls[k - 1][i].outputs = [None] * len(previous)  # its gradient comes from this segment's
@@ -297,7 +299,7 @@ class LayerMajorStep:
         for m in self.segments:
             self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True))
             self._handles.append(m.register_forward_hook(self._post, always_call=True))
-        self.off.later_uses.queues.append(self._queued)  # see [Note: Activations in the tiers]
+        self.off.later_uses.add_queue(self._queued)  # see [Note: Activations in the tiers]
         passes = self.off.pass_state
         threads = [threading.Thread(target=self._worker, args=(i, step_fn, mb, results),
                                     name=f"tierstore-micro-batch-{i}") for i, mb in enumerate(micro_batches)]
@@ -351,7 +353,7 @@ class LayerMajorStep:
                     self.store.release(call.key, tier)
                     self.store.drop(call.key)
                     self.off.claimed.discard(call.key)
-                    del self._uses[call.key]
+                    self._uses = {key: at for key, at in self._uses.items() if key != call.key}
                 else:
                     assert call.kept is not None
                     x = call.kept.detach().requires_grad_(call.kept.requires_grad)
@@ -378,14 +380,15 @@ class LayerMajorStep:
             call.kept = None
 
     def _queued(self) -> dict[str, int]:
-        """Each activation still to be used: how many segment backwards away its use is."""
-        return {key: at - self._now for key, at in self._uses.items()}
+        """Each activation still to be used: how many segment backwards away its use is (on an evicting thread)."""
+        uses, now = self._uses, self._now
+        return {key: at - now for key, at in uses.items()}
 
     def _drop_activations(self) -> None:
         """Let go of the step's activations (those not used yet: a step that raised) and of their ranking."""
-        self.off.later_uses.queues.remove(self._queued)
+        self.off.later_uses.remove_queue(self._queued)
         self.off.claimed.difference_update(self._uses)
-        self._uses.clear()
+        self._uses = {}
         for calls in self.calls:
             for call in calls:
                 if call.key is not None and self.store.contains(call.key):

@@ -357,6 +357,15 @@ class OffloadedModel(OffloadBase):
     def give_back_device(self) -> torch.device:
         return self.compute_device
 
+    def running_pass(self) -> bool:
+        passes = self.pass_state
+        passes.settle_failed_backward()  # a backward that raised is over: what it held goes
+        return passes.forward_thread is not None or passes.in_backward()
+
+    def store_closing(self) -> None:
+        self.pass_state.clear()  # what a pass that raised left (the next forward would clear it)
+        self.remove()
+
     def remove(self, *, keep_values: bool = True) -> None:
         """Detach from the module: parameters get their current values back as ordinary tensors, and the state of
         an optimizer of it leaves the store. ``store.close()`` calls it for a model still offloaded.

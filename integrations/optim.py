@@ -141,8 +141,10 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         offloaded.follow_optimizer(home)  # see [Note: Gradients in the tiers]
         self.step_in_backward = step_in_backward
         self.keep_grads = keep_grads
-        self._queue: list[tuple] = []  # (name, key, param, grad) in the order they are stepped
-        self._done = 0  # how many of the queue are stepped
+        # (name, key, param, grad) in the order they are stepped, and how many of them are: one tuple, replaced
+        # whole by the thread that steps (this one, or the worker stepping in backward), so that an evicting
+        # thread (``_queued``) reads a queue and its progress that belong together.
+        self._progress: tuple[list[tuple], int] = ([], 0)
         # name -> (the gradient its last update applied, that gradient's version), and why the last step()
         # stopped part-way: see [Note: A step that stops part-way].
         self._applied: dict[str, tuple[weakref.ref, int]] = {}
@@ -156,7 +158,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         """Tell the model's offload when this state is used (eviction weighs it), and what to do on its removal
         and on a load of its weights."""
         self._state.attach(offloaded.later_uses)
-        offloaded.later_uses.queues.append(self._queued)
+        offloaded.later_uses.add_queue(self._queued)
         offloaded.later_uses.in_backward = step_in_backward
         offloaded.on_remove.append(self._drop_state)  # the state goes with the offload: a later one may reuse names
         if offloaded.on_load is not None:
@@ -173,8 +175,8 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self.param_groups.append({**self.defaults, **param_group, "params": list(param_group["params"])})
 
     def _queued(self) -> dict[str, int]:
-        """Store keys of the parameters still to be stepped -> their place in the queue."""
-        queue, done = self._queue, self._done
+        """Store keys of the parameters still to be stepped -> their place in the queue (on an evicting thread)."""
+        queue, done = self._progress
         out: dict[str, int] = {}
         for pos, item in enumerate(queue[done:]):
             out.update(dict.fromkeys(self._state.use_keys.get(item[0], ()), pos))
@@ -189,8 +191,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         """Stop the worker of ``step_in_backward`` (after the updates in flight) and detach from the model."""
         if self._in_backward is not None:
             self._in_backward.close()
-        if self._queued in self.offloaded.later_uses.queues:
-            self.offloaded.later_uses.queues.remove(self._queued)
+        self.offloaded.later_uses.remove_queue(self._queued)
 
     def _drop_state(self) -> None:
         """Drop this optimizer's state from the store (its model's offload is being removed)."""
@@ -256,7 +257,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self._backwards_failed = self.offloaded.backwards_failed
         t0 = time.perf_counter()  # the training loop waits here for I/O-bound work: stall time
         errors = [f.exception() for f in early.values()]  # waits for the updates started in backward
-        self._queue, self._done = [], 0
+        self._progress = ([], 0)
         updated = sum(err is None for err in errors)  # by this step so far
         try:
             previous = self._pipeline.take_previous()
@@ -276,7 +277,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
             if ready and not work and not early and self._unfinished is None:
                 raise TierStoreError("step() again with the gradients the last step() applied: run backward() first "
                                      "(after zero_grad()); a step applies a gradient once")
-            self._queue = work
+            self._progress = (work, 0)
             for i, (name, key, p, grad) in enumerate(work):
                 self._pipeline.read_ahead(work, i)
                 self._timed_step(name, key, p, grad)
@@ -285,14 +286,14 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
                         self.offloaded.grads.pop(key, None)
                     p.grad = None
                 updated += 1
-                self._done = i + 1
+                self._progress = (work, i + 1)
         except BaseException as e:
-            self._queue, self._done = [], 0
+            self._progress = ([], 0)
             self._pipeline.drop_window()
             if updated and not isinstance(e, UnrestorableUpdateError):
                 self._stopped_part_way(updated, e)
             raise
-        self._queue, self._done = [], 0
+        self._progress = ([], 0)
         if self._unfinished is not None and self.offloaded.broken == self._unfinished:
             self.offloaded.broken = None  # finished: the model is one whole step ahead again
         self._unfinished = None

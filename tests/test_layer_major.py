@@ -310,3 +310,54 @@ def test_conformance_models_run_layer_major_as_the_loop(name, tmp_path):
     assert fell_back == (tied or name in ("t5", "albert"))
     assert runs[0][0] == runs[1][0]
     assert _same(runs[0][1], runs[1][1])
+
+
+def test_eviction_reads_the_step_s_queues_while_its_threads_change_them(tmp_path):
+    """The activations' ranking (the step's ``_queued``) and the optimizer's queue are read by whichever thread
+    evicts (a mover's prefetch) while the micro-batch threads and the caller change them. Here a thread evicts
+    for ever beside a layer-major step under a tight budget (a third of the weights: prefetches and
+    evictions all step long), with the interpreter switching threads every microsecond; before each reader got
+    a snapshot no thread changes, it failed with "dictionary changed size during iteration" in every round."""
+    import sys
+    import threading
+
+    ref = _llama(layers=4, width=64)
+    errors: list[BaseException] = []
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for round_ in range(2):
+            (tmp_path / str(round_)).mkdir()
+            with _store(str(tmp_path / str(round_)), ref) as store:
+                model = copy.deepcopy(ref)
+                off = offload_model(model, store, units=[LlamaDecoderLayer])
+                opt = OffloadedAdamW(off, lr=1e-2)
+                stop = threading.Event()
+
+                def evicting() -> None:
+                    while not stop.is_set():
+                        try:
+                            off.victim_order(ts.Tier.HOST, store.keys())  # what a mover's eviction asks
+                        except BaseException as e:  # noqa: BLE001 (the test's failure)
+                            errors.append(e)
+                            return
+
+                reader = threading.Thread(target=evicting)
+                reader.start()
+                try:
+                    for step in range(2):
+                        def step_fn(ids: torch.Tensor) -> None:
+                            (model(ids, labels=ids).loss / 8).backward()
+
+                        off.accumulate(step_fn, _batches(step, 8, tokens=4))
+                        off.clip_grad_norm_(1.0)
+                        opt.step()
+                        opt.zero_grad()
+                finally:
+                    stop.set()
+                    reader.join()
+                opt.close()
+                assert store.stats.snapshot()["evictions"] > 0 and store.stats.snapshot()["prefetches"] > 0
+    finally:
+        sys.setswitchinterval(switch)
+    assert not errors, errors[0]

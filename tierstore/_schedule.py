@@ -141,20 +141,38 @@ class PrefetchPolicy:
 
 @dataclass
 class LaterUses:
-    """Uses of store keys that the trace does not record: an optimizer's (see [Note: Who uses a copy next])."""
+    """Uses of store keys that the trace does not record: an optimizer's (see [Note: Who uses a copy next]).
+
+    Written by the training thread (an optimizer's construction, a layer-major step's start and end); read by any
+    thread that evicts (a mover's prefetch, the optimizer's worker) inside the store's lock. The queues and the
+    ``behind`` bounds are tuples, replaced whole by ``add``/``remove``, so a reader iterates one that no
+    thread changes; each queue returns a mapping its owner no longer changes (see [Note: Who uses a copy
+    next])."""
 
     after: dict[str, str] = field(default_factory=dict)
     """Key -> the parameter key after whose last use in a step it is used (optimizer state)."""
     grads: dict[str, str] = field(default_factory=dict)
     """Gradient key -> its parameter's key: a gradient kept from backward to the optimizer's step is used by the
     next backward through its parameter (which adds to it) and by the update (in a queue), as state is."""
-    queues: list[Callable[[], Mapping[str, int]]] = field(default_factory=list)
-    """Each returns the keys waiting for a consumer, with their position in its queue."""
+    queues: tuple[Callable[[], Mapping[str, int]], ...] = ()
+    """Each returns the keys waiting for a consumer, with their position in its queue (``add_queue``)."""
     in_backward: bool = True
     """Whether the optimizer steps each parameter in backward, right after its last use (else after it)."""
-    behind: list[Callable[[], int]] = field(default_factory=list)
+    behind: tuple[Callable[[], int], ...] = ()
     """Each returns the bytes of gradients an optimizer stepping in backward may hold queued: the copies of their
-    parameters wait in the host tier for those updates."""
+    parameters wait in the host tier for those updates (``add_behind``)."""
+
+    def add_queue(self, queue: Callable[[], Mapping[str, int]]) -> None:
+        self.queues = (*self.queues, queue)
+
+    def remove_queue(self, queue: Callable[[], Mapping[str, int]]) -> None:
+        self.queues = tuple(q for q in self.queues if q != queue)
+
+    def add_behind(self, bound: Callable[[], int]) -> None:
+        self.behind = (*self.behind, bound)
+
+    def remove_behind(self, bound: Callable[[], int]) -> None:
+        self.behind = tuple(b for b in self.behind if b != bound)
 
     def queued(self) -> dict[str, int]:
         out: dict[str, int] = {}
