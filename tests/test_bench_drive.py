@@ -33,6 +33,11 @@ def test_bench_drive_tiny(tmp_path, capsys, integrity):
         assert res[f"cpu_{kind}_ratio"] == (store_cpu / bare_cpu if bare_cpu > 0 else None)
         assert res[f"bare_{kind}_gbps"] > 0
     assert "CPU s per GB" in printed and "bare preadv/pwritev pool" in printed
+    # 8 MiB measures caches and a queue filling, not the drive: said last, and in the JSON
+    warning = printed.strip().splitlines()[-1]
+    assert warning == f"warning: {res['size_warning']}"
+    assert warning.startswith("warning: 8 MiB does not measure the drive: a file under 4096 MiB can be read back "
+                              "from the drive's own cache; the fastest pass took ") and "Give --size-mib " in warning
     assert [p.name for p in tmp_path.iterdir()] == ["drive.json"]
 
 
@@ -57,3 +62,20 @@ def test_the_drive_table_says_when_the_spread_is_wider_than_the_difference():
     assert "fio_read 0.71-2.07" in table
     assert "read: the rounds of one side spread wider than the medians differ (0.90 GB/s)" in table
     assert "write: the rounds" not in table  # 0.2 GB/s of spread against 0.9 of difference
+
+
+def test_a_size_measures_the_drive_when_it_passes_its_caches_and_takes_seconds():
+    from tierstore.tools.bench_drive import size_warning
+
+    assert size_warning(8192, 3.0, direct_io=True) is None  # 2.9 s a pass at 3 GB/s
+    # past the caches, but 0.6 s a pass at 7 GB/s: 2 s of it, up to a whole GiB
+    assert size_warning(4096, 7.0, direct_io=True) == (
+        "4096 MiB does not measure the drive: the fastest pass took 0.61 s, and one under 2 s is mostly the queue "
+        "filling and draining. Give --size-mib 14336 or more")
+    assert size_warning(1024, None, direct_io=True).endswith("Give --size-mib 4096 or more")
+    # without O_DIRECT the page cache holds anything smaller than the RAM
+    assert size_warning(16384, 3.0, direct_io=False, ram_bytes=32 * 2**30) == (
+        "16384 MiB does not measure the drive: without O_DIRECT the page cache holds a file smaller than the RAM "
+        "(32.0 GiB). Give --size-mib 33792 or more")
+    assert size_warning(40960, 3.0, direct_io=False, ram_bytes=32 * 2**30) is None
+

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tierstore.tools import cli as _cli
-from tierstore.tools.plan import PlanConfig, make_plan
+from tierstore.tools.plan import PlanConfig, format_plan, make_plan
 
 
 def test_seed_example_7b_on_8_ranks(capsys, tmp_path):
@@ -108,7 +108,8 @@ def test_a_transformers_config_is_counted_exactly_and_the_plan_says_first_whethe
                                 free_bytes=78 * 10**9, ram_bytes=24 * 2**30, unit="GiB"))
     assert not plan["fits"]
     problems = " ".join(plan["checks"]["problems"])
-    assert "has 72.64 GiB free and this plan puts" in problems and "more than this machine's RAM" in problems
+    assert "has 72.64 GiB free and this plan puts" in problems
+    assert "more than the RAM planned for (24.00 GiB, --ram)" in problems
 
 
 def test_compressed_layouts_and_stepping_in_backward_shrink_the_drive_need():
@@ -140,7 +141,7 @@ def test_the_predicted_step_follows_the_placement_model(tmp_path, capsys):
     with pytest.raises(ValueError, match="tensor_seconds=-1 must be >= 0"):
         PlanConfig(params=1, tensor_seconds=-1)
     assert _cli.main(["plan", "--params", "7B", "--host-budget", "16GiB", "--drive-gbps", "2", "--tflops", "1"]) == 0
-    assert "the offload's own work not counted: give --tensor-ms or --measure" in capsys.readouterr().out
+    assert "not counted: the offload's own work per tensor (give --tensor-ms or --measure)" in capsys.readouterr().out
     assert _cli.main(["plan", "--params", "7B", "--host-budget", "16GiB", "--drive-gbps", "2", "--tflops", "1",
                       "--tensor-ms", "3", "--layers", "32"]) == 0
     assert "(291 tensors x 3.00 ms)" in capsys.readouterr().out  # estimated as a Llama's: 9 a layer, and 3
@@ -222,3 +223,138 @@ def test_the_device_budget_holds_the_activations_and_layers_in_flight(tmp_path):
     assert ok["fits"] and ok["homes"]["weights"] == "host"
     roomy = make_plan(PlanConfig(**args, tokens=2048, device_budget_bytes=40 * gb))
     assert roomy["homes"]["weights"] == "device"
+
+
+# The 7B for a 24 GB GPU, planned from another machine with its figures given: the case of the first-contact review.
+_OTHER_GPU = ["--device", "cuda", "--device-budget", "20GiB", "--tflops", "150", "--drive-gbps", "3",
+              "--link-gbps", "20"]
+
+
+def test_planning_for_another_machine_checks_nothing_against_this_ones_ram(tmp_path, capsys):
+    config = _llama_7b_config(tmp_path / "llama")
+    # a host budget no test machine has: given the other machine's figures, this machine's RAM is not checked
+    assert _cli.main(["plan", "--hf-config", config, *_OTHER_GPU, "--host-budget", "64TiB", "--json",
+                      str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("fits: ") and "RAM not checked (planning for another machine: give --ram" in first
+    assert "this machine's RAM" not in out and "host 64.00 TiB (RAM not checked" in out
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert plan["checks"]["ram"] is None and plan["checks"]["this_machine"] is False
+    # nor the drive where this machine's store would put its swap files (the default host budget, a third of the
+    # state, sends the rest there)
+    assert _cli.main(["plan", "--hf-config", config, *_OTHER_GPU, "--json", str(tmp_path / "p.json")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert plan["checks"]["drive_need"] > 0 and plan["checks"]["drive_path"] is None
+    assert "the drive's free space not checked (planning for another machine: give --nvme-path to check a drive)" \
+        in first
+    # --ram checks it, and says whose RAM it was
+    assert _cli.main(["plan", "--hf-config", config, *_OTHER_GPU, "--host-budget", "64TiB", "--ram", "64GiB"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("does not fit: the host budget (64.00 TiB) is more than the RAM planned for (0.06 TiB, "
+                            "--ram)")
+    # with no figure of another machine, the plan is for this one: its RAM is checked as before
+    gb = 10**9
+    here = make_plan(PlanConfig(params=7 * gb, host_budget_bytes=2**50, free_bytes=10**15))
+    assert here["checks"]["this_machine"] and "more than this machine's RAM" in here["checks"]["problems"][0]
+    given = make_plan(PlanConfig(params=7 * gb, host_budget_bytes=2**50, free_bytes=10**15, compute_seconds=1.0,
+                                 drive_gbps=3.0))
+    assert given["fits"] and given["checks"]["ram"] is None
+    measured = make_plan(PlanConfig(params=7 * gb, host_budget_bytes=2**50, free_bytes=10**15, compute_seconds=1.0,
+                                    drive_gbps=3.0, device_name="the CPU (2 cores)"))  # --measure timed it here
+    assert not measured["fits"] and measured["checks"]["this_machine"]
+
+
+def test_every_term_the_predicted_step_leaves_out_is_named_beside_it(tmp_path, capsys):
+    config = _llama_7b_config(tmp_path / "llama")
+    base = ["plan", "--hf-config", config, "--device", "cuda", "--device-budget", "20GiB", "--tflops", "150",
+            "--drive-gbps", "3", "--ram", "64GiB", "--optimizer-step", "after-backward", "--json",
+            str(tmp_path / "p.json")]
+    assert _cli.main(base) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("predicted step:"))
+    left_out = line.split("; not counted: ")[1]
+    assert line.startswith("predicted step: at least ")  # each missing term only adds: the figure is a floor
+    for term in ("the offload's own work per tensor (give --tensor-ms or --measure)",
+                 "the optimizer's CPU update (give --update-ns or --measure)",
+                 "host<->device copies (give --link-gbps or --measure)"):
+        assert term in left_out
+    floor = json.loads((tmp_path / "p.json").read_text())["predicted_step"]
+    assert len(floor["not_counted"]) == 3
+    # given, each is counted and the prediction is no longer called a floor
+    assert _cli.main([*base, "--update-ns", "2", "--tensor-ms", "1", "--link-gbps", "20"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("predicted step:"))
+    assert "not counted" not in line and "at least" not in line and "the optimizer's CPU update" in line
+    whole = json.loads((tmp_path / "p.json").read_text())["predicted_step"]
+    assert whole["not_counted"] == [] and whole["seconds"] > floor["seconds"]
+    # over ranks, the collectives: no network rate is asked for, so they are named
+    assert _cli.main([*base, "--update-ns", "2", "--tensor-ms", "1", "--link-gbps", "20", "--ranks", "2"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("predicted step:"))
+    assert "not counted: the all-gather and reduce-scatter between the 2 ranks (18.83 GiB a step)" in line
+
+
+def test_the_drive_has_one_figure_a_step_the_one_the_prediction_takes(tmp_path, capsys):
+    config = _llama_7b_config(tmp_path / "llama")
+    assert _cli.main(["plan", "--hf-config", config, *_OTHER_GPU, "--json", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert "nvme read" not in out and "nvme write" not in out and " predicted (" not in out
+    (line,) = [x for x in out.splitlines() if x.startswith("drive per step per rank:")]
+    d, step = plan["drive_per_step"], plan["predicted_step"]
+    assert d["by"] == "placement" and d["bytes"] == step["bytes_moved"] == plan["placement"]["bytes_per_step"]
+    assert d["seconds"] == pytest.approx(d["bytes"] / 3e9)
+    assert line.startswith(f"drive per step per rank: {d['bytes'] / 2**30:.2f} GiB read and written, "
+                           f"{d['seconds']:.2f} s at the drive's 3.00 GB/s mixed read+write rate (the placement's: ")
+    assert f"the drive's {d['bytes'] / 2**30:.2f} GiB at 3.00 GB/s" in out  # the predicted step names the same
+    # no host tier, no placement: what is homed on the drive, its reads and writes as parts of the one figure
+    gb = 10**9
+    plan = make_plan(PlanConfig(params=7 * gb, free_bytes=10**15, ram_bytes=10**12, drive_gbps=2.0,
+                                compute_seconds=1.0))
+    d, tr = plan["drive_per_step"], plan["traffic_per_step"]
+    assert d["by"] == "homes" and d["bytes"] == tr["nvme_read"] + tr["nvme_write"] == plan["predicted_step"][
+        "bytes_moved"]
+    assert (f"drive per step per rank: {d['bytes'] / gb:.2f} GB read and written, {d['seconds']:.2f} s at the drive's "
+            f"2.00 GB/s mixed read+write rate ({tr['nvme_read'] / gb:.2f} read + {tr['nvme_write'] / gb:.2f} "
+            "written: what is homed on the drive)") in format_plan(plan)
+
+
+def test_the_plan_says_what_stays_on_the_device_and_what_streams_through_it(tmp_path, capsys):
+    config = _llama_7b_config(tmp_path / "llama")
+    assert _cli.main(["plan", "--hf-config", config, *_OTHER_GPU, "--json", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    dev = json.loads((tmp_path / "p.json").read_text())["device"]
+    # 20 GiB less 9.68 of working set leaves 10.32: the 12.55 GiB of fp16 weights do not fit, so they stream
+    assert dev["resident"] == {} and dev["resident_bytes"] == 0
+    assert "on the device per rank (budget 20.00 GiB): kept there nothing (the weights, 12.55 GiB, are more than " \
+           "the 10.32 GiB the budget leaves beside the step's working set); streamed a step: each layer's weights " \
+           "up through the host tier for forward and backward 25.10 GiB, the gradients down to the CPU's update " \
+           "12.55 GiB" in out
+    gb = 10**9
+    roomy = make_plan(PlanConfig(params=7 * gb, layers=32, hidden=4096, tokens=2048, device_budget_bytes=40 * gb,
+                                 host_budget_bytes=48 * gb, free_bytes=10**15, ram_bytes=10**12))
+    dev = roomy["device"]
+    assert dev["resident"] == {"weights": 14 * gb} and dev["streamed_in_bytes_per_step"] == 14 * gb
+    assert ("on the device per rank (budget 40.00 GB): kept there the weights, 14.00 GB; streamed a step: the "
+            "updated weights up from the CPU's update 14.00 GB, the gradients down to the CPU's update 14.00 GB"
+            in format_plan(roomy))
+    assert make_plan(PlanConfig(params=10**6, ram_bytes=10**12))["device"] is None  # the host computes
+
+
+@pytest.mark.parametrize("page,args", [
+    ("planning.md", [*_OTHER_GPU]),
+    ("gpu.md", ["--dtype", "bf16", "--moments", "8bit", "--master-weights", "split", "--optimizer-step",
+                "after-backward", "--device", "cuda", "--device-budget", "20GiB", "--host-budget", "24GiB", "--ram",
+                "64GiB", "--tflops", "400", "--drive-gbps", "6", "--link-gbps", "25", "--update-ns", "0.5",
+                "--tensor-ms", "1", "--nvme-path", "NVME"])])
+def test_the_plan_output_in_the_docs_is_what_plan_prints(tmp_path, capsys, page, args):
+    import os
+    import re
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", page)) as f:
+        (sample,) = re.findall(r"```\n((?:fits: |on the device per rank).*?)```", f.read(), re.S)
+    config = _llama_7b_config(tmp_path / "llama-2-7b")
+    assert _cli.main(["plan", "--hf-config", config, *[str(tmp_path) if a == "NVME" else a for a in args]]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    for line in sample.splitlines():
+        assert line in printed
+

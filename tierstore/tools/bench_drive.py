@@ -33,7 +33,7 @@ MIB = 1024**2
 class DriveBenchConfig:
     path: str
     """Directory on the drive to measure."""
-    size_mib: int = 1024
+    size_mib: int = 8192
     """Bytes written then read per round, in MiB."""
     tensor_mib: int = 64
     """Size of each tensor the store moves (a layer's shard)."""
@@ -54,6 +54,44 @@ class DriveBenchConfig:
             raise TierValueError(f"--tensor-mib {self.tensor_mib} must be >= 1")
         if self.rounds < 1:
             raise TierValueError(f"--rounds {self.rounds} must be >= 1")
+
+
+# [Note: What size measures the drive] A file the drive has just written can be served from the drive's own
+# caches (its DRAM, and on many drives an SLC write cache of several GiB), and a pass that ends within a couple of
+# seconds is mostly the queue filling and draining, where one stall or one cached stretch moves the figure: a
+# 256 MiB run has put the store at 2.6x fio. A run counts as measuring the drive when each pass moves at least
+# MEASURING_MIB (a few GiB, past the smaller caches) and takes at least MEASURING_SECONDS at the fastest rate the
+# run measured; without O_DIRECT (a filesystem that refuses it) the page cache holds the file too, so it must
+# also be larger than the RAM. Below that the run still reports its figures, with a warning.
+MEASURING_MIB = 4096
+MEASURING_SECONDS = 2.0
+
+
+def size_warning(size_mib: int, fastest_gbps: float | None, *, direct_io: bool,
+                 ram_bytes: int | None = None) -> str | None:
+    """Why ``size_mib`` does not measure the drive, and the size that does (see [Note: What size measures the
+    drive]); None where it does. ``ram_bytes``: this machine's RAM (None: read from the system)."""
+    def whole_gib(mib: float) -> int:
+        return 1024 * -(-int(mib) // 1024)
+
+    why, need_mib = [], MEASURING_MIB
+    if size_mib < MEASURING_MIB:
+        why.append(f"a file under {MEASURING_MIB} MiB can be read back from the drive's own cache")
+    if fastest_gbps:
+        need_mib = max(need_mib, whole_gib(MEASURING_SECONDS * fastest_gbps * 1e9 / MIB))
+        took = size_mib * MIB / (fastest_gbps * 1e9)
+        if took < MEASURING_SECONDS:
+            spent = f"{took * 1e3:.1f} ms" if took < 0.1 else f"{took:.2f} s"
+            why.append(f"the fastest pass took {spent}, and one under {MEASURING_SECONDS:.0f} s is mostly the "
+                       "queue filling and draining")
+    if not direct_io:
+        ram = ram_bytes if ram_bytes is not None else psutil.virtual_memory().total
+        need_mib = max(need_mib, whole_gib(ram / MIB + 1))
+        if size_mib * MIB <= ram:
+            why.append(f"without O_DIRECT the page cache holds a file smaller than the RAM ({ram / 2**30:.1f} GiB)")
+    if not why:
+        return None
+    return f"{size_mib} MiB does not measure the drive: {'; '.join(why)}. Give --size-mib {need_mib} or more"
 
 
 def fio_available() -> bool:
@@ -240,6 +278,9 @@ def run_drive_bench(cfg: DriveBenchConfig, *, log=print) -> dict[str, Any]:
     for kind in ("read", "write"):  # None where the bare pool used no measurable CPU
         bare_cpu = result[f"bare_{kind}_cpu_s_per_gb"]
         result[f"cpu_{kind}_ratio"] = result[f"store_{kind}_cpu_s_per_gb"] / bare_cpu if bare_cpu > 0 else None
+    rates = [result[k] for k in ("store_read_gbps", "store_write_gbps", "fio_read_gbps", "fio_write_gbps",
+                                 "bare_read_gbps", "bare_write_gbps") if result[k]]
+    result["size_warning"] = size_warning(cfg.size_mib, max(rates, default=None), direct_io=direct)
     result["read_ratio"] = result["store_read_gbps"] / result["fio_read_gbps"] if has_fio else None
     result["write_ratio"] = result["store_write_gbps"] / result["fio_write_gbps"] if has_fio else None
     if cfg.integrity:
@@ -298,4 +339,6 @@ def format_drive_table(res: dict[str, Any]) -> str:
     if "checksum_read_cost" in res:
         lines.append(f"checksum cost: write {res['checksum_write_cost'] * 100:+.1f}%  "
                      f"read {res['checksum_read_cost'] * 100:+.1f}% of throughput")
+    if res.get("size_warning"):  # last, where it is read: every figure above is in question
+        lines.append(f"warning: {res['size_warning']}")
     return "\n".join(lines)

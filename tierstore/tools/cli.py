@@ -15,7 +15,8 @@ from .upcast import COMPUTE_CHOICES
 def _add_drive(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("drive", help="the store's NVMe reads and writes against fio on the same drive")
     F.add_nvme_path(p)
-    p.add_argument("--size-mib", type=int, default=1024, help="MiB written then read per round (default 1024)")
+    p.add_argument("--size-mib", type=int, default=8192,
+                   help="MiB written then read per round (default 8192: a smaller file does not measure the drive)")
     p.add_argument("--tensor-mib", type=int, default=64, help="size of each tensor moved (default 64)")
     d = StoreConfig
     p.add_argument("--block-size", default=str(d.block_size_bytes),

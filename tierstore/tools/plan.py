@@ -57,7 +57,9 @@ class PlanConfig:
     step_in_backward: bool = False  # else gradients are kept (in the store) from backward to the step
     nvme_path: str | None = None  # where the drive's free space is checked
     free_bytes: int | None = None  # the drive's free space (None: read at nvme_path)
-    ram_bytes: int | None = None  # this machine's RAM (None: read from the system)
+    # the RAM of the machine planned for (None: this machine's when the plan is for it, else not checked; see
+    # [Note: Planning for another machine])
+    ram_bytes: int | None = None
     drive_gbps: float | None = None  # the drive's mixed read+write rate, for the predicted step
     compute_seconds: float | None = None  # one step's forward and backward, for the predicted step
     tensors: int | None = None  # parameter tensors of the model (the offload's own work is per tensor)
@@ -165,7 +167,38 @@ def make_plan(cfg: PlanConfig) -> dict[str, Any]:
             "per_rank": per_rank, "homes": homes, "per_rank_by_tier": by_tier, "traffic_per_step": traffic,
             "fits": not checks["problems"], "checks": checks, "placement": placement, "device_working_set": working}
     plan["predicted_step"] = _predicted_step(cfg, plan, placed)
+    plan["drive_per_step"] = _drive_per_step(cfg, plan)
+    plan["device"] = _on_the_device(cfg, plan)
     return plan
+
+
+def _drive_per_step(cfg: PlanConfig, plan: dict[str, Any]) -> dict[str, Any]:
+    """The one figure of what a step moves over the drive, the one the predicted step takes: the placement's
+    where there is one (it keeps part of the state in the host tier), else every byte homed on the drive, read and
+    written as the homes say; with its time at the drive's mixed rate where that is given."""
+    pl, tr = plan["placement"], plan["traffic_per_step"]
+    if pl is not None:
+        out = {"bytes": pl["bytes_per_step"], "read_bytes": None, "write_bytes": None, "by": "placement"}
+    else:
+        out = {"bytes": tr["nvme_read"] + tr["nvme_write"], "read_bytes": tr["nvme_read"],
+               "write_bytes": tr["nvme_write"], "by": "homes"}
+    out["seconds"] = out["bytes"] / (cfg.drive_gbps * 1e9) if cfg.drive_gbps else None
+    return out
+
+
+def _on_the_device(cfg: PlanConfig, plan: dict[str, Any]) -> dict[str, Any] | None:
+    """What stays on the device and what streams through it, a rank and a step; None where there is no device
+    (the host computes and no device budget is given)."""
+    ws = plan["device_working_set"]
+    if not cfg.device_budget_bytes and cfg.compute_device != "cuda":
+        return None
+    w = plan["per_rank"]["weights"]
+    kept = plan["homes"]["weights"] == "device"
+    tr = plan["traffic_per_step"]
+    return {"budget_bytes": cfg.device_budget_bytes, "working_set_bytes": ws["bytes"],
+            "left_for_weights_bytes": max(0.0, float(cfg.device_budget_bytes or 0) - ws["bytes"]),
+            "resident": {"weights": w} if kept else {}, "resident_bytes": w if kept else 0.0,
+            "streamed_in_bytes_per_step": tr["host_to_device"], "sent_down_bytes_per_step": tr["device_to_host"]}
 
 
 # [Note: The device's working set] Beside the weights homed on the device, a step there holds the activations
@@ -187,16 +220,35 @@ def _device_working_set(cfg: PlanConfig, weights: float) -> dict[str, float]:
     return {"activations": activations, "layers_in_flight": in_flight, "bytes": activations + in_flight}
 
 
+# [Note: Planning for another machine] A plan whose rates were given rather than measured here (--tflops,
+# --drive-gbps, --link-gbps, --update-ns, --tensor-ms without --measure timing the compute), or that computes on
+# CUDA where this machine has none, is for another machine: this machine's RAM and the drive where this machine's
+# store would put its swap files say nothing about it, so neither is checked. The host budget is checked against
+# --ram where it is given, the drive's free space at a --nvme-path given, and the plan says what it did not check.
+def _plans_this_machine(cfg: PlanConfig) -> bool:
+    """Whether ``cfg`` plans for the machine it runs on (see [Note: Planning for another machine])."""
+    if cfg.compute_device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+    if cfg.device_name is not None:  # the compute was measured here
+        return True
+    given = (cfg.compute_seconds, cfg.drive_gbps, cfg.link_gbps, cfg.update_seconds, cfg.tensor_seconds)
+    return all(v is None for v in given)
+
+
 def _checks(cfg: PlanConfig, homes: dict[str, str | None], by_tier: dict[str, float],
             per_rank: dict[str, float], working: dict[str, float]) -> dict[str, Any]:
-    """Why the plan does not fit (``problems``), against the budgets, this machine's RAM and the drive's free
-    space; ``drive_need``, ``drive_free``, ``drive_path``, ``ram`` as found."""
+    """Why the plan does not fit (``problems``), against the budgets, the RAM and the drive's free space of the
+    machine planned for; ``drive_need``, ``drive_free``, ``drive_path``, ``ram`` as found (None: not checked) and
+    ``this_machine`` (see [Note: Planning for another machine])."""
     import psutil
 
     problems = []
+    scale = UNITS[cfg.unit]
     device = cfg.device_budget_bytes
     if device and working["bytes"] > device:
-        scale = UNITS[cfg.unit]
         problems.append(f"a step holds {working['bytes'] / scale:.2f} {cfg.unit} on the device (activations of "
                         f"{cfg.tokens} tokens {working['activations'] / scale:.2f}, three layers of weights and "
                         f"gradients in flight {working['layers_in_flight'] / scale:.2f}), more than its budget of "
@@ -204,17 +256,20 @@ def _checks(cfg: PlanConfig, homes: dict[str, str | None], by_tier: dict[str, fl
                         f"larger --device-budget")
     for what, home in homes.items():
         if home is None:
-            problems.append(f"the {what.replace('_', ' ')} ({per_rank[what] / UNITS[cfg.unit]:.2f} {cfg.unit} a "
+            problems.append(f"the {what.replace('_', ' ')} ({per_rank[what] / scale:.2f} {cfg.unit} a "
                             f"rank) fit in no tier's budget: raise a budget or add ranks")
-    ram = cfg.ram_bytes if cfg.ram_bytes is not None else psutil.virtual_memory().total
-    if cfg.host_budget_bytes and cfg.host_budget_bytes > ram:
-        problems.append(f"the host budget ({cfg.host_budget_bytes / UNITS[cfg.unit]:.2f} {cfg.unit}) is more than "
-                        f"this machine's RAM ({ram / UNITS[cfg.unit]:.2f} {cfg.unit})")
+    here = _plans_this_machine(cfg)
+    ram = cfg.ram_bytes if cfg.ram_bytes is not None else (psutil.virtual_memory().total if here else None)
+    if ram is not None and cfg.host_budget_bytes and cfg.host_budget_bytes > ram:
+        whose = (f"the RAM planned for ({ram / scale:.2f} {cfg.unit}, --ram)" if cfg.ram_bytes is not None
+                 else f"this machine's RAM ({ram / scale:.2f} {cfg.unit})")
+        problems.append(f"the host budget ({cfg.host_budget_bytes / scale:.2f} {cfg.unit}) is more than {whose}: "
+                        f"a smaller --host-budget")
     # on the drive: what is homed there, and the gradients kept from backward (they reserve their bytes there)
     drive_need = by_tier["nvme"] + (per_rank["kept_grads"] if "nvme" in homes.values() else 0.0)
     free = cfg.free_bytes
     path = cfg.nvme_path
-    if path is None and drive_need:  # state goes to the drive: check where the store would put it
+    if path is None and drive_need and here:  # state goes to the drive: check where the store would put it
         from tierstore import default_nvme_path
 
         path = default_nvme_path()
@@ -225,10 +280,11 @@ def _checks(cfg: PlanConfig, homes: dict[str, str | None], by_tier: dict[str, fl
         free = psutil.disk_usage(probe).free
     local = drive_need * cfg.ranks  # every rank's share, on this machine's drive
     if free is not None and local > free:
-        problems.append(f"the drive at {path or 'the nvme path'} has {free / UNITS[cfg.unit]:.2f} "
-                        f"{cfg.unit} free and this plan puts {local / UNITS[cfg.unit]:.2f} {cfg.unit} there"
+        problems.append(f"the drive at {path or 'the nvme path'} has {free / scale:.2f} "
+                        f"{cfg.unit} free and this plan puts {local / scale:.2f} {cfg.unit} there"
                         + (f" ({cfg.ranks} ranks)" if cfg.ranks > 1 else ""))
-    return {"problems": problems, "drive_need": local, "drive_free": free, "drive_path": path, "ram": ram}
+    return {"problems": problems, "drive_need": local, "drive_free": free, "drive_path": path, "ram": ram,
+            "this_machine": here}
 
 
 def _predicted_step(cfg: PlanConfig, plan: dict[str, Any], placed: Any) -> dict[str, Any] | None:
@@ -268,7 +324,27 @@ def _predicted_step(cfg: PlanConfig, plan: dict[str, Any], placed: Any) -> dict[
         step = max(step, link)  # copies run on their own streams, beside the compute and the drive
     return {"seconds": step, "compute_seconds": cfg.compute_seconds, "offload_seconds": offload,
             "update_seconds": cfg.update_seconds, "link_seconds": link, "tensors": cfg.tensors,
-            "drive_gbps": cfg.drive_gbps, "bytes_moved": moved}
+            "drive_gbps": cfg.drive_gbps, "bytes_moved": moved, "not_counted": _not_counted(cfg, plan)}
+
+
+def _not_counted(cfg: PlanConfig, plan: dict[str, Any]) -> list[str]:
+    """The terms of a step the prediction leaves out for want of a figure, each with what would count it. Each
+    only adds to the step (in series with the compute, or beside it as a bound), so without them the prediction
+    is a floor."""
+    out = []
+    if cfg.tensors is None or cfg.tensor_seconds is None:
+        out.append("the offload's own work per tensor (give --tensor-ms or --measure)")
+    # A preset's step measured on the CPU (--preset --measure) has torch's AdamW in it: no update figure is missing.
+    update_in_compute = cfg.compute_device == "cpu" and cfg.device_name is not None and cfg.optimizer == "adamw"
+    if cfg.optimizer != "none" and cfg.update_seconds is None and not update_in_compute:
+        out.append("the optimizer's CPU update (give --update-ns or --measure)")
+    if cfg.compute_device == "cuda" and cfg.link_gbps is None:
+        out.append("host<->device copies (give --link-gbps or --measure)")
+    tr = plan["traffic_per_step"]
+    if cfg.ranks > 1:  # no rate of the network between ranks is asked for
+        out.append(f"the all-gather and reduce-scatter between the {cfg.ranks} ranks "
+                   f"({(tr['all_gather'] + tr['reduce_scatter']) / UNITS[cfg.unit]:.2f} {cfg.unit} a step)")
+    return out
 
 
 def _placement(cfg: PlanConfig, per_rank: dict[str, float],
@@ -322,51 +398,102 @@ def format_plan(plan: dict[str, Any]) -> str:
     def size(v: float | None) -> str:
         return "none" if v is None else f"{v / scale:.2f} {unit}"
 
-    host = (f"host {size(cfg['host_budget_bytes'])} of {size(checks['ram'])} RAM" if cfg["host_budget_bytes"]
-            else "host none")
+    not_here = "planning for another machine"
+    if not cfg["host_budget_bytes"]:
+        host = "host none"
+    elif checks["ram"] is None:
+        host = f"host {size(cfg['host_budget_bytes'])} (RAM not checked: {not_here}; give --ram to check it)"
+    else:
+        host = (f"host {size(cfg['host_budget_bytes'])} of {size(checks['ram'])} RAM"
+                + (" (--ram)" if cfg["ram_bytes"] is not None else ""))
     drive = ("drive unlimited" if cfg["nvme_budget_bytes"] is None else f"drive {size(cfg['nvme_budget_bytes'])}")
     if checks["drive_free"] is not None:
         drive += f" ({size(checks['drive_free'])} free at {checks['drive_path']})"
+    elif checks["drive_need"]:
+        drive += f" (free space not checked: {not_here}; give --nvme-path to check a drive)"
     lines.append(f"budgets per rank: device {size(cfg['device_budget_bytes'])}, {host}, {drive}")
-    ws = plan["device_working_set"]
-    if ws["bytes"]:
-        acts = (f"activations of {cfg['tokens']} tokens {size(ws['activations'])} (none checkpointed), "
-                if ws["activations"] else "")
-        lines.append(f"on the device besides the weights homed there: {acts}three layers of weights and gradients "
-                     f"in flight {size(ws['layers_in_flight'])}")
+    dev = plan.get("device")
+    if dev is not None:
+        lines.append(_device_line(plan, dev, size))
     homes = plan["homes"]
     lines.append("homes: " + ", ".join(f"{what.replace('_', ' ')} {home or 'NONE'}" for what, home in homes.items())
                  + (f" (config: param_tier = \"{homes['weights']}\", optimizer_tier = "
                     f"\"{homes['optimizer_state']}\")" if plan["fits"] else ""))
-    lines.append(f"on the drive: {size(checks['drive_need'])}" + (" (the gradients kept from backward included)"
-                                                                  if t["kept_grads"] and checks["drive_need"] else ""))
+    lines.append(f"space on the drive: {size(checks['drive_need'])}" + (
+        " (the gradients kept from backward included)" if t["kept_grads"] and checks["drive_need"] else ""))
     tr = plan["traffic_per_step"]
-    lines.append(f"bytes per step per rank ({unit}): " + "  ".join(
-        f"{k.replace('_', ' ')} {v / scale:.2f}" for k, v in tr.items()))
+    # the drive's bytes are one figure, on a line of their own (below): the homes' nvme_read and nvme_write, which
+    # the JSON keeps, are not what a placement moves
+    lines.append(f"bytes per step per rank over the links ({unit}): " + "  ".join(
+        f"{k.replace('_', ' ')} {tr[k] / scale:.2f}" for k in ("all_gather", "reduce_scatter", "host_to_device",
+                                                                 "device_to_host")))
     pl = plan.get("placement")
     if pl is not None:
         lines.append(f"placement per rank (the offloaded model's, over {pl['layers']} equal layers; "
                      f"{pl['room_bytes'] / scale:.2f} {unit} of the host budget for copies in flight): kept in the "
                      "host tier " + ", ".join(f"{k} {v / scale:.2f}" for k, v in pl["resident_by_kind"].items()))
-        lines.append(f"  drive bytes per step ({unit}): {pl['bytes_per_step'] / scale:.2f} predicted "
-                     f"({pl['forward_bytes'] / scale:.2f} read by the forward, the rest from the first backward use "
-                     f"on), {pl['lower_bound_bytes'] / scale:.2f} lower bound")
+    lines.append(_drive_line(plan, size))
     step = plan.get("predicted_step")
     if step is not None:
         own = (f", the offload's own work {step['offload_seconds']:.2f} s ({step['tensors']} tensors x "
-               f"{1e3 * cfg['tensor_seconds']:.2f} ms)" if step["offload_seconds"] is not None
-               else ", the offload's own work not counted: give --tensor-ms or --measure")
+               f"{1e3 * cfg['tensor_seconds']:.2f} ms)" if step["offload_seconds"] is not None else "")
         on = f" on {cfg['device_name']}" if cfg.get("device_name") else ""
         update = (f", the optimizer's CPU update {step['update_seconds']:.2f} s" if step["update_seconds"] is not None
                   else "")
         link = (f", host<->device copies {step['link_seconds']:.2f} s at {cfg['link_gbps']:.1f} GB/s"
                 if step["link_seconds"] is not None else "")
-        lines.append(f"predicted step: {step['seconds']:.2f} s (compute {step['compute_seconds']:.2f} s{on}{own}"
-                     f"{update}{link}; {step['bytes_moved'] / scale:.2f} {unit} over the drive at "
-                     f"{step['drive_gbps']:.2f} GB/s)")
+        left_out = step["not_counted"]
+        lines.append(f"predicted step: {'at least ' if left_out else ''}{step['seconds']:.2f} s (compute "
+                     f"{step['compute_seconds']:.2f} s{on}{own}{update}{link}; the drive's "
+                     f"{step['bytes_moved'] / scale:.2f} {unit} at {step['drive_gbps']:.2f} GB/s)"
+                     + ("; not counted: " + ", ".join(left_out) if left_out else ""))
     else:
         lines.append("predicted step: give --drive-gbps and --tflops (or --measure) to predict it")
     return "\n".join(lines)
+
+
+def _device_line(plan: dict[str, Any], dev: dict[str, Any], size: Any) -> str:
+    """What stays on the device and what streams through it, and the step's working set there."""
+    cfg, ws = plan["config"], plan["device_working_set"]
+    w = plan["per_rank"]["weights"]
+    budget = f"budget {size(dev['budget_bytes'])}" if dev["budget_bytes"] else "no budget"
+    up, down = dev["streamed_in_bytes_per_step"], dev["sent_down_bytes_per_step"]
+    streamed = []
+    if dev["resident_bytes"]:
+        kept = f"the weights, {size(w)}"
+        if up:
+            streamed.append(f"the updated weights up from the CPU's update {size(up)}")
+    else:
+        kept = (f"nothing (the weights, {size(w)}, are more than the {size(dev['left_for_weights_bytes'])} the budget "
+                "leaves beside the step's working set)")
+        streamed.append(f"each layer's weights up through the host tier for forward and backward {size(up)}")
+    if down:
+        streamed.append(f"the gradients down to the CPU's update {size(down)}")
+    moved = "; streamed a step: " + ", ".join(streamed) if streamed else ""
+    acts = (f"activations of {cfg['tokens']} tokens {size(ws['activations'])} (none checkpointed), "
+            if ws["activations"] else "")
+    return (f"on the device per rank ({budget}): kept there {kept}{moved}\n"
+            f"  on the device besides the weights homed there: {acts}three layers of weights and gradients in "
+            f"flight {size(ws['layers_in_flight'])}")
+
+
+def _drive_line(plan: dict[str, Any], size: Any) -> str:
+    """The one figure of the drive's bytes a step (see _drive_per_step), its time at the mixed rate, and where it
+    comes from."""
+    cfg, d = plan["config"], plan["drive_per_step"]
+    scale = UNITS[cfg["unit"]]
+    if not d["bytes"]:
+        return "drive per step per rank: nothing moves (nothing is homed on the drive)"
+    took = (f", {d['seconds']:.2f} s at the drive's {cfg['drive_gbps']:.2f} GB/s mixed read+write rate"
+            if d["seconds"] is not None else "")
+    if d["by"] == "placement":
+        pl = plan["placement"]
+        how = (f"the placement's: {pl['forward_bytes'] / scale:.2f} read by the forward, the rest from the first "
+               f"backward use on; lower bound {pl['lower_bound_bytes'] / scale:.2f}, which no placement beats")
+    else:
+        how = (f"{d['read_bytes'] / scale:.2f} read + {d['write_bytes'] / scale:.2f} written: what is homed on the "
+               "drive")
+    return f"drive per step per rank: {size(d['bytes'])} read and written{took} ({how})"
 
 
 def _fit_reasons(plan: dict[str, Any]) -> list[str]:
@@ -374,10 +501,18 @@ def _fit_reasons(plan: dict[str, Any]) -> list[str]:
     scale, unit = UNITS[cfg["unit"]], cfg["unit"]
     out = ["every tensor has a home within the budgets"]
     if cfg["host_budget_bytes"]:
-        out.append(f"the host budget is within this machine's {checks['ram'] / scale:.2f} {unit} of RAM")
+        if checks["ram"] is None:
+            out.append("RAM not checked (planning for another machine: give --ram to check the host budget)")
+        else:
+            out.append(f"the host budget is within the {checks['ram'] / scale:.2f} {unit} of RAM given (--ram)"
+                       if cfg["ram_bytes"] is not None
+                       else f"the host budget is within this machine's {checks['ram'] / scale:.2f} {unit} of RAM")
     if checks["drive_free"] is not None:
         out.append(f"the drive needs {checks['drive_need'] / scale:.2f} of its {checks['drive_free'] / scale:.2f} "
                    f"{unit} free")
+    elif checks["drive_need"]:
+        out.append("the drive's free space not checked (planning for another machine: give --nvme-path to check a "
+                   "drive)")
     return out
 
 
