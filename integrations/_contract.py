@@ -61,6 +61,17 @@ def zero_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:
             p.grad.zero_()
 
 
+def note_interrupt(error: BaseException, where: str, store: TierStore) -> None:
+    """Add to a Ctrl-C (``KeyboardInterrupt``) or another ``BaseException`` that is no error where the run stood
+    (``where``: what was let go, what to call next) and what becomes of the swap directory, so that it does not
+    surface bare from a ``threading`` wait; an ordinary exception is left as it is."""
+    if isinstance(error, Exception) or not hasattr(error, "add_note"):
+        return
+    swap = store.swap_directory
+    error.add_note(f"tierstore: {where}" + (f"; the swap directory {swap} is removed when the store closes or the "
+                                             f"process exits" if swap else ""))
+
+
 class GradientSource(Protocol):
     def get(self, key: str, default: torch.Tensor | None = None) -> torch.Tensor | None: ...
 
@@ -150,7 +161,9 @@ class ModelOffload(OffloadedParameters, Protocol):
     - ``keep_handle(handle)``: a hook's handle, removed with the offload; ``backward_ended()``;
     - ``claimed``: store keys of others its victim order ranks through a queue of ``later_uses`` (a layer-major
       step's activations);
-    - ``putting()``: the all-or-nothing transaction that gives parameters to the store.
+    - ``putting()``: the all-or-nothing transaction that gives parameters to the store;
+    - ``layer_major_refused``: why ``off.accumulate`` runs as the loop (None: layer by layer); ``stats``: its
+      ``layer_major_steps`` and ``loop_steps`` count what it ran.
     """
 
     grads: KeptGradients
@@ -161,6 +174,8 @@ class ModelOffload(OffloadedParameters, Protocol):
     params: dict[int, Any]
     resident_ids: set[int]
     pass_state: Any
+    layer_major_refused: str | None
+    stats: Any
 
     def unit_of(self, sp: Any) -> Any: ...
 
@@ -178,4 +193,4 @@ class ModelOffload(OffloadedParameters, Protocol):
 
 
 __all__ = ["OPTIMIZER_PREFIX", "OPTIMIZER_STATE", "GradientSource", "KeptGradients", "ModelOffload",
-           "OffloadedParameters", "optimizer_key", "zero_grads"]
+           "OffloadedParameters", "note_interrupt", "optimizer_key", "zero_grads"]

@@ -62,6 +62,7 @@ segment (masks, rotary embeddings).
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -74,7 +75,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tierstore import Tier, TierStoreError
 
-from ._contract import ModelOffload
+from ._contract import ModelOffload, note_interrupt
 from ._unit import compiled
 
 ACT_PREFIX = "act/"
@@ -145,37 +146,81 @@ def micro_batch_seeds(n: int) -> list[int | None]:
 
 
 class _Rotation:
-    """Threads that take turns, one running at a time, in a fixed order (see [Note: A layer-major step])."""
+    """Threads that take turns, one running at a time, in a fixed order (see [Note: A layer-major step]).
+
+    Stopped (a thread raised, or Ctrl-C on the caller's thread), each thread that has run unwinds its forward at
+    its turn, one at a time as they ran, since they share the pass's state; one that never ran ends at once."""
 
     def __init__(self, n: int, rng: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
         self.cond = threading.Condition()
-        self.turn = 0
+        self.turn = -1  # nobody's until begin()
         self.live = [True] * n
+        self.ran = [False] * n
         self.rng = rng
         self.error: BaseException | None = None
+        self.entered = [threading.Event() for _ in range(n)]  # set by each thread first
+        self.ended = [threading.Event() for _ in range(n)]  # and as it ends
+
+    def wait_ended(self, started: int) -> None:
+        """Until every thread started has ended: those whose ``start()`` returned, and the one whose start a
+        Ctrl-C interrupted, if it runs. Not ``Thread.join``: a join that a Ctrl-C interrupts marks its thread
+        ended while it still runs (Python 3.11), and the threads must be done with the pass before the caller
+        goes on."""
+        for i in range(min(started + 1, len(self.ended))):
+            if i == started and not self.entered[i].wait(timeout=1.0):
+                return
+            self.ended[i].wait()
+
+    def begin(self) -> None:
+        """Every thread is started: the first one's turn."""
+        with self.cond:
+            if self.turn == -1:
+                self._pass_on(-1)
 
     def wait(self, i: int) -> None:
+        """Until ``i``'s turn; raises ``_Stopped`` once the step is stopped: at its turn, or at once if it never
+        ran."""
         with self.cond:
-            while self.turn != i and self.error is None:
+            while self.turn != i and not (self.error is not None and not self.ran[i]):
                 self.cond.wait()
             if self.error is not None:
                 raise _Stopped()
+            self.ran[i] = True
         _set_rng_state(self.rng[i])
+
+    def has_turn(self, i: int) -> bool:
+        with self.cond:
+            return self.turn == i
 
     def hand_over(self, i: int, *, done: bool = False) -> None:
         self.rng[i] = _rng_state()
         with self.cond:
             if done:
                 self.live[i] = False
-            n = len(self.live)
-            nxt = next((j % n for j in range(i + 1, i + 1 + n) if self.live[j % n]), None)
-            self.turn = -1 if nxt is None else nxt
+            self._pass_on(i)
+
+    def leave(self, i: int) -> None:
+        """Thread ``i`` ends (stopped): the turn, if it was its, goes on."""
+        with self.cond:
+            self.live[i] = False
+            if self.turn == i:
+                self._pass_on(i)
             self.cond.notify_all()
 
-    def stop(self, error: BaseException) -> None:
+    def _pass_on(self, i: int) -> None:
+        n = len(self.live)
+        nxt = next((j % n for j in range(i + 1, i + 1 + n) if self.live[j % n]), None)
+        self.turn = -1 if nxt is None else nxt
+        self.cond.notify_all()
+
+    def stop(self, error: BaseException, *, first: bool = False) -> None:
+        """Every thread stops at its next turn; ``error`` is what the step raises (the first one unless ``first``:
+        a Ctrl-C on the caller's thread goes before what a thread raised)."""
         with self.cond:
-            if self.error is None:
+            if self.error is None or first:
                 self.error = error
+            if self.turn == -1:  # stopped before it began: the threads that never ran end at once
+                self._pass_on(-1)
             self.cond.notify_all()
 
 
@@ -270,11 +315,17 @@ class LayerMajorStep:
             self._wait(i)
 
     def _wait(self, i: int) -> None:
-        self.rotation.wait(i)
+        try:
+            self.rotation.wait(i)
+        except _Stopped:
+            if self.rotation.has_turn(i):  # it unwinds its forward now: with its own part of the pass
+                self.off.pass_state.set_thread_part(self.contexts[i])
+            raise
         self.off.pass_state.set_thread_part(self.contexts[i])
 
     def _worker(self, i: int, step_fn: Callable[[Any], Any], mb: Any, results: list) -> None:
         self.workers[threading.get_ident()] = i  # one pass with the others (see PassState.group)
+        self.rotation.entered[i].set()
         try:
             self._wait(i)
             results[i] = step_fn(mb)
@@ -284,9 +335,12 @@ class LayerMajorStep:
                 raise NotAChain(f"micro-batch {i} ran {self.next_segment[i]} of the {len(self.segments)} segments")
             self._switch(i, done=True)
         except _Stopped:
-            pass
+            self.rotation.leave(i)
         except BaseException as e:  # noqa: BLE001 (handed to the caller)
             self.rotation.stop(e)
+            self.rotation.leave(i)
+        finally:
+            self.rotation.ended[i].set()
 
     def run(self, step_fn: Callable[[Any], Any], micro_batches: Sequence[Any]) -> list[Any]:
         n = len(micro_batches)
@@ -304,24 +358,37 @@ class LayerMajorStep:
         threads = [threading.Thread(target=self._worker, args=(i, step_fn, mb, results),
                                     name=f"tierstore-micro-batch-{i}") for i, mb in enumerate(micro_batches)]
         passes.group = self.workers
+        started = 0
         try:
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            try:
+                for t in threads:
+                    t.start()
+                    started += 1
+                self.rotation.begin()
+                self.rotation.wait_ended(started)
+            except BaseException as e:  # Ctrl-C while the threads run: each stops at its next turn
+                self.rotation.stop(e, first=True)
+                self.rotation.wait_ended(started)
         finally:
             for h in self._handles:
                 h.remove()
             self._handles.clear()
-            passes.group = {}
-            passes.set_thread_part()
+            passes.end_group()
         first_rng = self.rotation.rng[0]
         if self.rotation.error is not None:
             self._drop_activations()
             passes.clear()
+            reached = ", ".join(map(str, self.next_segment))
+            note_interrupt(self.rotation.error, f"off.accumulate was stopped in its forward, its micro-batches past "
+                                                f"{reached} of their {len(self.segments)} segments; what it held was "
+                                                f"let go: call opt.zero_grad() and run the step again", self.store)
             raise self.rotation.error
         try:
             self._backward(n)
+        except BaseException as e:
+            note_interrupt(e, "off.accumulate was stopped in its backward; call opt.zero_grad() and run the step "
+                              "again", self.store)
+            raise
         finally:
             self._drop_activations()
         _set_rng_state(first_rng)
@@ -421,15 +488,14 @@ def run_layer_major(off: ModelOffload, step_fn: Callable[[Any], Any], micro_batc
     """``[step_fn(mb) for mb in micro_batches]``, layer by layer where the model runs as a chain of ``segments``;
     else as the loop, with a warning once (see [Note: A layer-major step])."""
     micro_batches = list(micro_batches)
-    refused = getattr(off, "_layer_major_refused", None)
-    if refused is None:
+    if off.layer_major_refused is None:
         refused = _refusal(off.model, segments)
         if refused is not None:
             _refuse(off, refused)
-    if refused is None and micro_batches:
+    if off.layer_major_refused is None and micro_batches:
         had_grads = len(off.grads) > 0 or any(p.grad is not None for p in off.resident.values())
         try:
-            return LayerMajorStep(off, segments).run(step_fn, micro_batches)
+            results = LayerMajorStep(off, segments).run(step_fn, micro_batches)
         except NotAChain as e:
             if had_grads:
                 raise TierStoreError(f"this model does not run as a chain of its units ({e}), found after the step "
@@ -437,12 +503,20 @@ def run_layer_major(off: ModelOffload, step_fn: Callable[[Any], Any], micro_batc
                                      f"another instead of off.accumulate") from e
             off.zero_grad()  # what the step made before it was found (none where it was found in the forward)
             _refuse(off, str(e))
+        else:
+            if not off.stats.layer_major_steps:  # said once, as a fallback is
+                print(f"tierstore: off.accumulate runs the micro-batches layer by layer ({len(micro_batches)} "
+                      f"through {len(segments)} units; off.stats.layer_major_steps counts the steps)",
+                      file=sys.stderr)
+            off.stats.layer_major_steps += 1
+            return results
+    off.stats.loop_steps += 1
     return [step_fn(mb) for mb in micro_batches]
 
 
 def _refuse(off: ModelOffload, reason: str) -> None:
     """From now on ``off``'s steps run as the loop; said once."""
-    off._layer_major_refused = reason  # type: ignore[attr-defined]
+    off.layer_major_refused = reason
     warnings.warn(f"tierstore: the micro-batches run one after another, not layer by layer: {reason}", stacklevel=4)
 
 

@@ -163,6 +163,14 @@ class PassState:
     def set_thread_part(self, part: tuple[Any, ...] = ([], [], None, 0)) -> None:
         self.running, self.held_for_outputs, self._saved_hooks, self._saved_hooks_thread = part
 
+    def end_group(self) -> None:
+        """The threads of ``group`` have all ended (a layer-major step's micro-batches, done or stopped): the
+        forward they were one pass of is over."""
+        if self.forward_thread is not None and self.forward_thread in self.group:
+            self._forward_ended()
+        self.group = {}
+        self.set_thread_part()
+
     def joined(self) -> bool:
         """Whether the forward starting on this thread joins a pass a thread of its group began (see ``group``)."""
         return threading.get_ident() in self.group and self.forward_depth > 1

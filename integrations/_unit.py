@@ -83,6 +83,7 @@ from torch import nn
 from tierstore import Tier, TierStore, TierTypeError, TierValueError
 from tierstore.memory import PAGE_BYTES, TierPool
 
+from ._contract import note_interrupt
 from ._base import OffloadedParameterError
 from ._param import OffloadedParameter, StoredParam, leaves
 
@@ -276,6 +277,9 @@ class WrappedForward:
             except BaseException as e:
                 if pre is None and not isinstance(e, Exception):  # the model's own: a unit's ends in finally
                     owner.pass_state.stopped_by_interrupt()
+                    note_interrupt(e, "the offloaded model's forward was stopped; what it held was let go, and the "
+                                      "next forward trains on (call opt.zero_grad() first to drop this step's part)",
+                                   owner.store)
                 raise
             finally:
                 if post is not None:

@@ -72,6 +72,11 @@ class OffloadStats(UnitStats):
     """What the hooks did since the offload began (the store keeps its own counters)."""
 
     reads_learned: int = 0  # parameters a unit was seen to read that it does not own (see [Note: Units])
+    layer_major_steps: int = 0
+    """Steps ``off.accumulate`` ran layer by layer (see [Note: A layer-major step])."""
+    loop_steps: int = 0
+    """Steps ``off.accumulate`` ran as the loop, one micro-batch after another (``off.layer_major_refused`` says
+    why)."""
 
 
 class OffloadedModel(OffloadBase):
@@ -95,6 +100,8 @@ class OffloadedModel(OffloadBase):
         self._loading: list[StoredParam] = []  # held by a load_state_dict() (see [Note: Loading a state dict])
         self._installed: dict[str, Any] = {}  # methods made ours by the adapters (see add_model_methods)
         self._unread = False  # state_dict() leaves offloaded values unread (see state_dict_unread)
+        # Why off.accumulate runs the micro-batches as the loop (None: layer by layer, or not asked yet).
+        self.layer_major_refused: str | None = None
         meta = check_meta(model, init_fn, real_parameters)
         plan = partial(plan_units, model, units, resident_threshold_bytes, store, compute_tier)
         offloaded, owned_by = plan()  # checked before any write

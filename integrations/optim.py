@@ -38,7 +38,7 @@ from tierstore import Tier, TierStore, TierStoreError, TierValueError
 
 from . import _adamw
 from ._adamw import HYPER, check_hyper
-from ._contract import OffloadedParameters, optimizer_key
+from ._contract import OffloadedParameters, note_interrupt, optimizer_key
 from ._grads import generation, store_key_of, values_of
 from ._in_backward import BackwardSteps
 from ._layouts import StateLayout
@@ -312,6 +312,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
                             f"checkpoints refuse, since the model is part of a step ahead")
         if not self.offloaded.broken:
             self.offloaded.broken = self._unfinished
+        note_interrupt(error, self._unfinished, self.store)
 
     def _timed_step(self, name: str, key: str | None, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """One parameter's update through the pipeline (a timeline span when one is recorded)."""

@@ -145,3 +145,30 @@ def test_the_interpreter_s_exit_with_an_offloaded_model_leaves_no_swap_files(tmp
     assert "Traceback" not in done.stderr, done.stderr
     assert not os.path.exists(done.stdout.strip())
     assert os.listdir(nvme) == []
+
+
+@pytest.mark.parametrize("mode", ["forward", "accumulate"])
+def test_a_real_ctrl_c_says_where_the_run_stood_and_the_run_goes_on(mode, tmp_path):
+    """SIGINT to the main thread inside the model's forward, or while off.accumulate's threads run (the main
+    thread waiting on them in threading's join): the KeyboardInterrupt carries a note of where the run stood,
+    what to call next and what becomes of the swap directory; the step then runs again; uncaught, the process ends
+    and its swap directory with it."""
+    pytest.importorskip("transformers")
+    from conftest import child_script
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    said = {"forward": "the offloaded model's forward was stopped; what it held was let go",
+            "accumulate": "off.accumulate was stopped in its forward, its micro-batches past 2, 1 of their 3 segments"}
+    resumed = subprocess.run([sys.executable, child_script("interrupt_child.py"), mode, str(tmp_path), "resume"],
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    swap, note, last = resumed.stdout.splitlines()
+    assert note.startswith(f"tierstore: {said[mode]}") and "call opt.zero_grad()" in note, note
+    assert note.endswith(f"the swap directory {swap} is removed when the store closes or the process exits")
+    assert last == "resumed"
+
+    ended = subprocess.run([sys.executable, child_script("interrupt_child.py"), mode, str(tmp_path)],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert ended.returncode != 0 and "KeyboardInterrupt" in ended.stderr
+    assert f"tierstore: {said[mode]}" in ended.stderr
+    assert os.listdir(tmp_path) == []
