@@ -191,6 +191,7 @@ class OffloadBase(OffloadedParameters):
     def read_param(self, name: str) -> torch.Tensor:
         """A copy (on CPU) of the parameter's current value (this rank's local shard under FSDP2), read from
         wherever it lives."""
+        self._check_attached()
         r = next((r for r in self.params.values() if r.name == name), None)
         if r is not None:
             return self.store.read(r.key)
@@ -261,8 +262,17 @@ class OffloadBase(OffloadedParameters):
         self.store.remove_victim_order(self._victim_token)
         self.placer.close()
 
+    removed = False  # remove() (or store.close()) has run: the module is no longer offloaded
+
+    def _check_attached(self) -> None:
+        if self.removed:
+            raise TierStoreError(f"this offload of {type(self.model).__name__} was removed (off.remove(), or "
+                                 f"store.close(), which gives the model its values back): its parameters are ordinary "
+                                 f"tensors again; read them from the model (model.state_dict())")
+
     def _forget(self) -> None:
         """The last of ``remove()``: the module is no longer offloaded."""
+        self.removed = True
         self.params.clear()
         self.model.__dict__.pop(STATE_KEY, None)
         self.store.detach_user(self)

@@ -284,6 +284,8 @@ class FSDPOffload(OffloadBase):
     def remove(self, *, keep_values: bool = True) -> None:
         """Put every shard back in memory (current values) and detach from FSDP2 (an optimizer of it drops its
         state). ``store.close()`` calls it for a model still offloaded."""
+        if self.removed:  # removed already (by store.close(), say): nothing more to give back
+            return
         if not keep_values:
             raise UnsupportedError("remove(keep_values=False) of FSDP2 shards: FSDP2 keeps no shard without "
                                    "memory; remove() (the values come back) or end the process")

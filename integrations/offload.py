@@ -381,6 +381,8 @@ class OffloadedModel(OffloadBase):
         device (its shape and dtype, no values), for a model larger than memory whose values were saved
         (``save_checkpoint``) and are to be dropped; ``model.to_empty(device=...)`` and a load bring it back.
         """
+        if self.removed:  # removed already (by store.close(), say): nothing more to give back
+            return
         for sp in self.params.values():
             if sp.holds:
                 raise TierStoreError(f"cannot remove offload while {sp.name!r} is in use (inside forward/backward)")

@@ -36,6 +36,13 @@ def _gives_back(ref, model, opt, data, swap_dir):
     assert not os.path.exists(swap_dir)
     with pytest.raises(ts.TierStoreError, match="no longer offloaded.*make a new optimizer"):
         opt.step()
+    off = opt.offloaded
+    with pytest.raises(ts.TierStoreError, match="was removed .*read them from the model"):
+        off.read_param(next(iter(ref.state_dict())))
+    off.remove()  # once more: nothing to do
+    with ts.TierStore(nvme_path=os.path.dirname(swap_dir), host_budget_bytes="64MiB") as again:
+        offload_model(model, again)  # the model offloads afresh, trained values and all
+        assert torch.equal(model(x), ref(x))
 
 
 def test_close_gives_an_attached_model_its_trained_values(tmp_path):
