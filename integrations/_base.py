@@ -28,7 +28,7 @@ from tierstore import Tier, TierKeyError, TierStore, TierStoreError, TierTypeErr
 from tierstore.memory import TierPool
 from tierstore.scheduling import LaterUses, Placement, PrefetchPolicy, unit_victim_order
 
-from ._contract import OPTIMIZER_PREFIX, OffloadedParameters
+from ._contract import OPTIMIZER_PREFIX, OffloadedParameters, PassConsumer
 from ._meta import unmaterialize
 from ._placing import AUTO_START_DEPTH, Placer, StepStarts
 
@@ -87,19 +87,14 @@ class OffloadBase(OffloadedParameters):
         self.resident: dict[str, nn.Parameter] = {}
         self.params = {}
         self._units = {}
-        # Called with a store key once that parameter's gradient for this backward is complete.
-        self.grad_ready_callbacks: list[Callable[[str], None]] = []
-        # Each says why no gradient may be read now, or None (an optimizer stepping in backward consumes them).
-        self.grad_read_guards: list[Callable[[], str | None]] = []
-        # An optimizer's uses of store keys, which eviction weighs with the trace's.
+        # What reacts to the passes (see [Note: Consumers of a pass]): a tuple replaced whole, read by evicting threads.
+        self.consumers: tuple[PassConsumer, ...] = ()
+        self.tells_loads = True  # whether a load of the weights reaches the consumers (see OffloadedParameters)
+        # An optimizer's state keys, which eviction weighs with the trace's.
         self.later_uses = LaterUses()
-        # Store keys of others that this model's victim order ranks through a queue of later_uses (a layer-major
+        # Store keys of others that this model's victim order ranks through a consumer's next uses (a layer-major
         # step's activations: see [Note: Activations in the tiers]).
         self.claimed: set[str] = set()
-        self.on_remove: list[Callable[[], None]] = []  # called by remove(): optimizers drop their state
-        # called with the names of the parameters a load wrote (an optimizer remakes their masters); None where
-        # the wrapper cannot tell of a load
-        self.on_load: list[Callable[[list[str]], None]] | None = []
         # whether gradients are kept by the offload (``grads``), not in ``param.grad``
         self.keeps_grads = True
         self.broken: str | None = None  # why the values can no longer be trusted (see OffloadedParameters)
@@ -140,12 +135,52 @@ class OffloadBase(OffloadedParameters):
             for r in u.params:
                 self._key_units[r.key] = (*self._key_units.get(r.key, ()), u.name)
         # Which of its copies eviction should drop first (Belady over its trace and its optimizer's queue).
-        self.victim_order = unit_victim_order(self.prefetch_policy, self._key_units, self.later_uses)
+        self.victim_order = unit_victim_order(self.prefetch_policy, self._key_units, self.later_uses,
+                                              waiting=self._next_uses)
         self._victim_token = self.store.add_victim_order(
             self.victim_order, owns=self._owns)
         # What stays in the host tier for the whole run, and the depth with "auto" (see integrations/_placing.py).
-        self.placer = Placer(self.store, self.prefetch_policy, self.later_uses, unit_keys=self._unit_keys,
+        self.placer = Placer(self.store, self.prefetch_policy, self.later_uses, held_beside=self._held_host_bytes,
+                             unit_keys=self._unit_keys,
                              place=placement, auto_depth=auto, grad_of=grad_of)
+
+    # ---- consumers (see [Note: Consumers of a pass]) ------------------------------------------
+    def attach(self, consumer: PassConsumer) -> None:
+        """``consumer`` is told of the passes from now on, until :meth:`detach` (or ``remove()``)."""
+        if consumer not in self.consumers:
+            self.consumers = (*self.consumers, consumer)
+
+    def detach(self, consumer: PassConsumer) -> None:
+        self.consumers = tuple(c for c in self.consumers if c is not consumer)
+
+    def consumes_grads(self) -> bool:
+        """Whether a consumer takes each gradient as it completes (an update stepping in backward)."""
+        return any(c.consumes_grads for c in self.consumers)
+
+    def grad_ready(self, key: str) -> None:
+        for c in self.consumers:
+            if c.consumes_grads:
+                c.grad_ready(key)
+
+    def grads_taken(self) -> str | None:
+        """Why no gradient may be read now, or None."""
+        return next((why for c in self.consumers if (why := c.grads_taken()) is not None), None)
+
+    def loaded(self, names: list[str]) -> None:
+        """A load wrote these parameters: the consumers hear of it (an optimizer remakes their masters)."""
+        for c in self.consumers:
+            c.loaded(names)
+
+    def _next_uses(self) -> dict[str, int]:
+        """Every consumer's next uses, the nearest for a key used by several (on an evicting thread)."""
+        out: dict[str, int] = {}
+        for c in self.consumers:
+            for k, pos in c.next_uses().items():
+                out[k] = min(pos, out.get(k, pos))
+        return out
+
+    def _held_host_bytes(self) -> int:
+        return sum(c.held_host_bytes() for c in self.consumers)
 
     def _owns(self, key: str) -> bool:
         """Whether this model's victim order ranks ``key``: its parameters, their optimizer state and kept
@@ -253,10 +288,9 @@ class OffloadBase(OffloadedParameters):
     def _detach(self, handles: Iterable[Any]) -> None:
         """What ``remove()`` undoes first: optimizers drop their state, hooks go, and the schedule lets go of the
         store."""
-        for drop in self.on_remove:
-            drop()
-        self.on_remove.clear()
-        self.grad_ready_callbacks.clear()
+        for consumer in self.consumers:
+            consumer.removed()
+        self.consumers = ()
         for h in handles:
             h.remove()
         self.store.remove_victim_order(self._victim_token)

@@ -8,7 +8,7 @@ The optimizer's store keys are spelt here and nowhere else.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
@@ -61,6 +61,56 @@ def zero_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:
             p.grad.zero_()
 
 
+class PassConsumer:
+    """What reacts to an offloaded model's passes: an optimizer (its state's later uses, a load of the weights,
+    the offload's removal), the worker stepping in backward (each gradient as it completes), a layer-major step
+    (its activations' later uses). Subclass it and override what you react to; attach it with
+    ``off.attach(consumer)`` and detach it with ``off.detach(consumer)`` (see [Note: Consumers of a pass]).
+
+    [Note: Consumers of a pass] One interface, called by the offload and nothing else, in place of lists of
+    callbacks that each level filled from outside. Who calls what, and how:
+
+    - ``grad_ready(key)``: the parameter's gradient for this backward is complete. On the thread running the
+      backward (the training thread on a CPU; autograd's device thread with CUDA), outside the store's lock;
+      only consumers whose ``consumes_grads`` is true get it, and while one is attached the gradients are handed
+      over to it instead of being kept (see [Note: Stepping in backward]).
+    - ``grads_taken()``: why no gradient may be read now (None: they may), on the thread reading ``param.grad``.
+    - ``loaded(names)``: the model's ``load_state_dict`` or a checkpoint wrote these parameters; ``removed()``:
+      the offload is being removed (after which the consumer is detached). On the training thread.
+    - ``next_uses()`` and ``held_host_bytes()``: the store keys the consumer will use next with how many of its
+      steps away each use is, and the host-tier bytes it may hold beside the parameters' units. On any thread
+      that evicts (a mover's prefetch, an update's worker), inside the store's lock: they return a snapshot
+      that no thread changes afterwards, and call nothing of the store.
+
+    The offload keeps its consumers as a tuple replaced whole on attach and detach, so an evicting thread
+    iterates one that no thread changes.
+    """
+
+    consumes_grads = False
+    """Whether ``grad_ready`` takes each gradient away (an update stepping in backward) instead of it being kept."""
+
+    def grad_ready(self, key: str) -> None:
+        """The gradient of ``key``'s parameter is complete for this backward."""
+
+    def grads_taken(self) -> str | None:
+        """Why no gradient may be read now (an update in backward is consuming them), or None."""
+        return None
+
+    def loaded(self, names: list[str]) -> None:
+        """The parameters named were written by a load."""
+
+    def removed(self) -> None:
+        """The offload is being removed: drop what is kept for it."""
+
+    def next_uses(self) -> Mapping[str, int]:
+        """Store keys this consumer will use next -> how many of its steps away (a snapshot)."""
+        return {}
+
+    def held_host_bytes(self) -> int:
+        """Bytes of the host tier it may hold beside the parameters' units (gradients queued for updates)."""
+        return 0
+
+
 def note_interrupt(error: BaseException, where: str, store: TierStore) -> None:
     """Add to a Ctrl-C (``KeyboardInterrupt``) or another ``BaseException`` that is no error where the run stood
     (``where``: what was let go, what to call next) and what becomes of the swap directory, so that it does not
@@ -88,13 +138,11 @@ class OffloadedParameters(Protocol):
     - ``grads``: the gradient of a store key (``get``; ``pop`` also lets it go), as backward left it;
     - ``keeps_grads``: whether gradients are kept by the offload (read through ``grads``; ``grads_in_order()``
       lists them in ``model.parameters()`` order) rather than left in ``param.grad``;
-    - ``grad_ready_callbacks``: called with a store key once that gradient is complete for this backward
-      (an optimizer stepping in backward registers here); ``grad_read_guards``: each says why no gradient may
-      be read now, or None; ``backwards_failed``: how many backward passes raised;
-    - ``later_uses`` and ``prefetch_policy``: what eviction weighs (an optimizer adds its queue), the prefetch trace;
-    - ``on_remove``: called when the offload is removed (an optimizer drops its state); ``on_load``: called with
-      the names of the parameters a load wrote (an optimizer remakes their masters), or None where the wrapper
-      cannot tell of a load (weights are then loaded before an optimizer is made);
+    - ``attach(consumer)``/``detach(consumer)``: a :class:`PassConsumer` (an optimizer, the worker stepping in
+      backward) told of the passes; ``consumers``: those attached; ``tells_loads``: whether its consumers hear of
+      a load (False: weights are loaded before an optimizer is made); ``loaded(names)``: tell them of one;
+      ``backwards_failed``: how many backward passes raised;
+    - ``later_uses`` and ``prefetch_policy``: what eviction weighs (an optimizer's state keys), the prefetch trace;
     - ``in_forward_or_backward()``: whether a forward or backward of the model is running now;
     - ``held_beside_updates()``: offloaded parameter name -> bytes of the host tier that backward may hold while
       that parameter's update runs in backward (what the optimizer's host budget must leave room for);
@@ -113,13 +161,17 @@ class OffloadedParameters(Protocol):
     resident: dict[str, nn.Parameter]
     grads: GradientSource
     keeps_grads: bool
-    grad_ready_callbacks: list[Callable[[str], None]]
-    grad_read_guards: list[Callable[[], str | None]]
+    consumers: tuple[PassConsumer, ...]
+    tells_loads: bool
     backwards_failed: int
     later_uses: LaterUses
-    on_remove: list[Callable[[], None]]
-    on_load: list[Callable[[list[str]], None]] | None
     broken: str | None
+
+    def attach(self, consumer: PassConsumer) -> None: ...
+
+    def detach(self, consumer: PassConsumer) -> None: ...
+
+    def loaded(self, names: list[str]) -> None: ...
 
     def named_offloaded(self) -> Iterator[tuple[str, str, nn.Parameter]]: ...
 
@@ -159,8 +211,10 @@ class ModelOffload(OffloadedParameters, Protocol):
     - ``prefetch_after(unit, tier)``: a unit is about to be used (read ahead what follows it);
       ``add_stall(unit, since)``: a unit waited for its parameters from ``since`` until now;
     - ``keep_handle(handle)``: a hook's handle, removed with the offload; ``backward_ended()``;
-    - ``claimed``: store keys of others its victim order ranks through a queue of ``later_uses`` (a layer-major
+    - ``claimed``: store keys of others its victim order ranks through a consumer's ``next_uses`` (a layer-major
       step's activations);
+    - ``consumes_grads()``, ``grad_ready(key)``, ``grads_taken()``: what the consumers attached say of and do
+      with the gradients (see [Note: Consumers of a pass]);
     - ``putting()``: the all-or-nothing transaction that gives parameters to the store;
     - ``layer_major_refused``: why ``off.accumulate`` runs as the loop (None: layer by layer); ``stats``: its
       ``layer_major_steps`` and ``loop_steps`` count what it ran.
@@ -176,6 +230,12 @@ class ModelOffload(OffloadedParameters, Protocol):
     pass_state: Any
     layer_major_refused: str | None
     stats: Any
+
+    def consumes_grads(self) -> bool: ...
+
+    def grad_ready(self, key: str) -> None: ...
+
+    def grads_taken(self) -> str | None: ...
 
     def unit_of(self, sp: Any) -> Any: ...
 
@@ -193,4 +253,4 @@ class ModelOffload(OffloadedParameters, Protocol):
 
 
 __all__ = ["OPTIMIZER_PREFIX", "OPTIMIZER_STATE", "GradientSource", "KeptGradients", "ModelOffload",
-           "OffloadedParameters", "note_interrupt", "optimizer_key", "zero_grads"]
+           "OffloadedParameters", "PassConsumer", "note_interrupt", "optimizer_key", "zero_grads"]

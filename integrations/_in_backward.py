@@ -24,7 +24,7 @@ import torch
 
 from tierstore import TierStore, TierStoreError
 
-from ._contract import OffloadedParameters
+from ._contract import OffloadedParameters, PassConsumer
 from ._pipeline import StatePipeline, UnrestorableUpdateError
 
 
@@ -49,8 +49,11 @@ class SteppingOptimizer(Protocol):
     def _thawed_message(self, names: list[str]) -> str: ...
 
 
-class BackwardSteps:
-    """The updates one optimizer starts during backward, on its one worker thread."""
+class BackwardSteps(PassConsumer):
+    """The updates one optimizer starts during backward, on its one worker thread: a consumer of the model's
+    passes that takes each gradient as it completes (see [Note: Consumers of a pass])."""
+
+    consumes_grads = True
 
     def __init__(self, opt: SteppingOptimizer) -> None:
         self.opt = opt
@@ -63,11 +66,8 @@ class BackwardSteps:
         self._backlog_lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="tierstore-adamw")
         self._worker_ident: int | None = None
-        opt.offloaded.grad_ready_callbacks.append(self.on_grad_ready)
-        opt.offloaded.grad_read_guards.append(self.gradients_taken)  # param.grad of an offloaded parameter asks
-        opt.offloaded.later_uses.add_behind(self.behind_bytes)  # the placement's room counts them
 
-    def on_grad_ready(self, key: str) -> None:
+    def grad_ready(self, key: str) -> None:
         """The model's backward completed this parameter's gradient: queue its update."""
         opt = self.opt
         if key not in self.by_key:
@@ -111,13 +111,14 @@ class BackwardSteps:
                     break
         opt.store.stats.add_wait(t0, time.perf_counter(), key="gradient backlog")
 
-    def behind_bytes(self) -> int:
-        """The bytes of gradients the worker may have queued (see ``LaterUses.behind``): the backlog's bound, or
+    def held_host_bytes(self) -> int:
+        """The bytes of gradients the worker may have queued (the placement's room counts them: see [Note: Updates
+        behind backward] in _placing.py): the backlog's bound, or
         the most the last backward queued if more (it may pass the bound by a gradient, or while the worker waits
         for room)."""
         return max(self.opt.max_grad_backlog_bytes, self.last_backlog_peak_bytes)
 
-    def gradients_taken(self) -> str | None:
+    def grads_taken(self) -> str | None:
         """Why no gradient may be read now: since the last step() a backward has handed its gradients to the
         updates, which consume them as they go (a clip then would race them, or find none and clip nothing)."""
         if not self.early:
@@ -152,17 +153,11 @@ class BackwardSteps:
         return early
 
     def close(self) -> None:
-        """Stop the worker (after the updates in flight) and detach from the model."""
+        """Stop the worker (after the updates in flight); the optimizer detaches it from the model."""
         if self._worker is None:
             return
         self._worker.shutdown(wait=True)
         self._worker = None
-        off = self.opt.offloaded
-        if self.on_grad_ready in off.grad_ready_callbacks:
-            off.grad_ready_callbacks.remove(self.on_grad_ready)
-        if self.gradients_taken in off.grad_read_guards:
-            off.grad_read_guards.remove(self.gradients_taken)
-        off.later_uses.remove_behind(self.behind_bytes)
 
 
 __all__ = ["BackwardSteps"]

@@ -75,7 +75,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tierstore import Tier, TierStoreError
 
-from ._contract import ModelOffload, note_interrupt
+from ._contract import ModelOffload, PassConsumer, note_interrupt
 from ._unit import compiled
 
 ACT_PREFIX = "act/"
@@ -224,8 +224,10 @@ class _Rotation:
             self.cond.notify_all()
 
 
-class LayerMajorStep:
-    """One ``off.accumulate(...)`` call (see [Note: A layer-major step])."""
+class LayerMajorStep(PassConsumer):
+    """One ``off.accumulate(...)`` call (see [Note: A layer-major step]); while it runs, a consumer of the model's
+    passes whose next uses are its activations (see [Note: Activations in the tiers], [Note: Consumers of a
+    pass])."""
 
     def __init__(self, off: ModelOffload, segments: Sequence[nn.Module]) -> None:
         self.off = off
@@ -353,7 +355,7 @@ class LayerMajorStep:
         for m in self.segments:
             self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True))
             self._handles.append(m.register_forward_hook(self._post, always_call=True))
-        self.off.later_uses.add_queue(self._queued)  # see [Note: Activations in the tiers]
+        self.off.attach(self)  # its activations ranked for eviction (see [Note: Activations in the tiers])
         passes = self.off.pass_state
         threads = [threading.Thread(target=self._worker, args=(i, step_fn, mb, results),
                                     name=f"tierstore-micro-batch-{i}") for i, mb in enumerate(micro_batches)]
@@ -446,14 +448,14 @@ class LayerMajorStep:
                 torch.autograd.backward(call.kept, g)
             call.kept = None
 
-    def _queued(self) -> dict[str, int]:
+    def next_uses(self) -> dict[str, int]:
         """Each activation still to be used: how many segment backwards away its use is (on an evicting thread)."""
         uses, now = self._uses, self._now
         return {key: at - now for key, at in uses.items()}
 
     def _drop_activations(self) -> None:
         """Let go of the step's activations (those not used yet: a step that raised) and of their ranking."""
-        self.off.later_uses.remove_queue(self._queued)
+        self.off.detach(self)
         self.off.claimed.difference_update(self._uses)
         self._uses = {}
         for calls in self.calls:

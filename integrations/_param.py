@@ -191,10 +191,9 @@ def kept_grad(sp: StoredParam, how: str, value: Any) -> torch.Tensor | None:
     it."""
     grads = sp.owner.grads
     if how == "__get__":
-        for guard in sp.owner.grad_read_guards:
-            why = guard()
-            if why is not None:
-                raise TierStoreError(f"{sp.name}.grad: {why}")
+        why = sp.owner.grads_taken()
+        if why is not None:
+            raise TierStoreError(f"{sp.name}.grad: {why}")
         return grads.get(sp.key)
     if how == "__set__" and value[0] is not None:
         grad = value[0]

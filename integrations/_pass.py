@@ -330,7 +330,7 @@ class PassState:
             param.grad = None
         had = grad is not None
         if grad is not None:  # it leaves the compute tier as soon as it is complete
-            if owner.grad_ready_callbacks:  # an optimizer steps it now (see [Note: Stepping in backward])
+            if owner.consumes_grads():  # an optimizer steps it now (see [Note: Stepping in backward])
                 owner.grads.hand_over(sp.key, grad)
             else:  # see [Note: Gradients in the tiers]
                 owner.grads.accumulate(sp.key, grad, sp.param.dtype)
@@ -340,8 +340,7 @@ class PassState:
             sp.unhold()
         owner.unit_of(sp).backward_done()
         if had:
-            for callback in owner.grad_ready_callbacks:
-                callback(sp.key)
+            owner.grad_ready(sp.key)
 
     def settle_failed_backward(self) -> None:
         """Release what a backward that raised still holds (the callback that ends a backward runs only when

@@ -30,7 +30,7 @@ one-off step costs no kept copies.
 [Note: Updates behind backward] An optimizer stepping in backward runs
 behind it: backward goes on to the layers below while the updates of the
 layers above wait for the worker, their gradients queued up to the
-optimizer's ``max_grad_backlog_bytes`` (``LaterUses.behind``). The copies of
+optimizer's ``max_grad_backlog_bytes`` (its ``held_host_bytes()``). The copies of
 those parameters wait in the host tier for their updates, and a room too
 small for them loses them (or the copies read ahead) before use: the update
 reads them again, and the step moves more than the plan predicted. So the
@@ -161,11 +161,15 @@ class Placer:
     """The placement and the prefetch depth of one offloaded model (see the notes above)."""
 
     def __init__(self, store: TierStore, policy: PrefetchPolicy, later: LaterUses, *,
+                 held_beside: Callable[[], int] = lambda: 0,
                  unit_keys: Callable[[], Mapping[str, Sequence[tuple[str, int]]]], place: bool,
                  auto_depth: bool, grad_of: Callable[[str], tuple[str, int] | None] | None = None) -> None:
         self.store = store
         self.prefetch_policy = policy
         self.later = later
+        # bytes of the host tier the model's consumers may hold beside its units (see [Note: Updates behind
+        # backward])
+        self.held_beside = held_beside
         self.unit_keys = unit_keys  # unit name -> (store key, bytes) of the parameters its uses hold
         # parameter key -> (store key, bytes) of the gradient kept for an optimizer stepping after backward, or None
         self.grad_of = grad_of or (lambda key: None)
@@ -352,7 +356,7 @@ class Placer:
 
     def _behind(self) -> int:
         """Bytes of parameters waiting for updates behind backward (see [Note: Updates behind backward])."""
-        return sum(behind() for behind in self.later.behind)
+        return self.held_beside()
 
     def _largest_unit(self) -> int:
         return max((sum(n for _, n in keys) for keys in self.unit_keys().values()), default=0)

@@ -453,8 +453,8 @@ def load_tensors(model: nn.Module | Offloaded, entries: dict[str, tuple[list[int
     """Write ``entries`` (name -> (shape, a function reading the tensor)) into the model's tensors, wherever
     they live, after checking names and shapes; one tensor read at a time."""
     model, off = model_and_offload(model)
-    on_load = off.on_load if off is not None else None  # where an optimizer's masters are remade from loaded values
-    if off is not None and off.on_remove and on_load is None:
+    # an optimizer of the model remakes its masters from the loaded values, where the offload can tell it
+    if off is not None and off.consumers and not off.tells_loads:
         raise CheckpointError("load weights before creating the model's OffloadedAdamW: its fp32 masters and "
                               "moments were made from the parameters as they are now")
     tensors, aliases = model_tensors(model, off)
@@ -487,8 +487,8 @@ def load_tensors(model: nn.Module | Offloaded, entries: dict[str, tuple[list[int
         del value
     if store is not None:
         store.flush()
-    for loaded in on_load or ():
-        loaded([n for n in by_saved.values() if isinstance(tensors[n], str)])
+    if off is not None:
+        off.loaded([n for n in by_saved.values() if isinstance(tensors[n], str)])
     return list(by_saved.values())
 
 

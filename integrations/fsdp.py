@@ -135,7 +135,7 @@ class FSDPOffload(OffloadBase):
                  real_parameters: str | None = None, grad_tier: Tier | None = None) -> None:
         super().__init__(model, store, home)
         self.stats = FSDPOffloadStats()
-        self.on_load = None  # a load into the shards cannot tell an optimizer of it: load before creating one
+        self.tells_loads = False  # a load into the shards cannot tell an optimizer of it: load before creating one
         self.keeps_grads = False  # gradient shards are in param.grad (whose local tensor may be in the store)
         groups = list(internals.fsdp_groups(model))
         for gname, _module, group in groups:
@@ -239,13 +239,12 @@ class FSDPOffload(OffloadBase):
         ready = [sh for sh in su.params if sh.param.grad is not None]
         if ready:
             internals.wait_for_gradients(group)
-        if not self.grad_ready_callbacks:  # kept until the step (see [Note: Gradient shards in the tiers])
+        if not self.consumes_grads():  # kept until the step (see [Note: Gradient shards in the tiers])
             for sh in ready:
                 self.grads.keep(sh)
             return
-        for key in (sh.key for sh in ready):
-            for callback in self.grad_ready_callbacks:
-                callback(key)
+        for sh in ready:
+            self.grad_ready(sh.key)
 
     def _free(self, su: _ShardUnit) -> None:
         """The all-gather has read the shards: free their memory (see [Note: Freeing a shard])."""

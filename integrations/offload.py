@@ -22,7 +22,7 @@ contract an optimizer and a checkpoint use) is ``_base.OffloadBase``.
 the state dict are held, so the copy writes the held copy; after the module's subtree is loaded they are
 marked changed and let go (``_after_load``, also when a submodule alone is loaded), to be written home.
 An ``OffloadedAdamW`` of the model then remakes the fp32 masters of those parameters from the loaded
-values (``on_load``), as a new optimizer would; its moments stay, as a torch optimizer's do when the model
+values (its consumer's ``loaded``), as a new optimizer would; its moments stay, as a torch optimizer's do when the model
 it steps loads a state dict (transformers' Trainer, resuming, loads the model, then the optimizer's
 state). Not with ``assign=True``.
 """
@@ -273,8 +273,7 @@ class OffloadedModel(OffloadBase):
             self.store.mark_dirty(sp.key, self.compute_tier)
             sp.unhold()
         if loading:
-            for loaded in self.on_load:
-                loaded([sp.name for sp in loading])
+            self.loaded([sp.name for sp in loading])
 
     def _fill_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         """A module's state_dict post-hook: its own offloaded parameters' values (in place of placeholders)."""
@@ -313,7 +312,7 @@ class OffloadedModel(OffloadBase):
         norm and the scaled gradients are those torch computes for the resident
         model, bit for bit (tested). Returns the total norm.
         """
-        if self.grad_ready_callbacks:
+        if self.consumes_grads():
             raise TierStoreError("clip_grad_norm_ needs every gradient before any is stepped, but an optimizer steps "
                                  "them during backward: use OffloadedAdamW(..., step_in_backward=False)")
         grads = self.grads_in_order()

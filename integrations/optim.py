@@ -38,7 +38,7 @@ from tierstore import Tier, TierStore, TierStoreError, TierValueError
 
 from . import _adamw
 from ._adamw import HYPER, check_hyper
-from ._contract import OffloadedParameters, note_interrupt, optimizer_key
+from ._contract import OffloadedParameters, PassConsumer, note_interrupt, optimizer_key
 from ._grads import generation, store_key_of, values_of
 from ._in_backward import BackwardSteps
 from ._layouts import StateLayout
@@ -52,6 +52,25 @@ from ._optim_state import AdamWState
 from ._optim_state_dict import StateDictIO
 from ._pipeline import StatePipeline, UnrestorableUpdateError
 from .policies import OptimizerStatePolicy, default_grad_backlog_bytes
+
+
+class _StateConsumer(PassConsumer):
+    """What an :class:`OffloadedAdamW` hears of its model's passes (see [Note: Consumers of a pass]): its state goes
+    with the offload (a later one may reuse the names), a load remakes the masters of what it wrote, and eviction
+    weighs the queue of updates still to run."""
+
+    def __init__(self, opt: OffloadedAdamW) -> None:
+        self._opt = opt
+        self.stepping = True  # until opt.close(): then its queue is nothing eviction weighs
+
+    def loaded(self, names: list[str]) -> None:
+        self._opt._remake_masters(names)
+
+    def removed(self) -> None:
+        self._opt._drop_state()
+
+    def next_uses(self) -> dict[str, int]:
+        return self._opt._queued() if self.stepping else {}
 
 
 class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
@@ -156,13 +175,13 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
 
     def _attach(self, offloaded: OffloadedParameters, step_in_backward: bool) -> None:
         """Tell the model's offload when this state is used (eviction weighs it), and what to do on its removal
-        and on a load of its weights."""
+        and on a load of its weights (see [Note: Consumers of a pass])."""
         self._state.attach(offloaded.later_uses)
-        offloaded.later_uses.add_queue(self._queued)
         offloaded.later_uses.in_backward = step_in_backward
-        offloaded.on_remove.append(self._drop_state)  # the state goes with the offload: a later one may reuse names
-        if offloaded.on_load is not None:
-            offloaded.on_load.append(self._remake_masters)
+        self._consumer = _StateConsumer(self)
+        offloaded.attach(self._consumer)
+        if self._in_backward is not None:
+            offloaded.attach(self._in_backward)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Called by ``Optimizer.__init__`` with the groups ``_optim_params.torch_groups`` checked; refused after it.
@@ -191,7 +210,8 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         """Stop the worker of ``step_in_backward`` (after the updates in flight) and detach from the model."""
         if self._in_backward is not None:
             self._in_backward.close()
-        self.offloaded.later_uses.remove_queue(self._queued)
+            self.offloaded.detach(self._in_backward)
+        self._consumer.stepping = False
 
     def _drop_state(self) -> None:
         """Drop this optimizer's state from the store (its model's offload is being removed)."""

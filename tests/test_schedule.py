@@ -70,8 +70,7 @@ def test_victim_order_weighs_optimizer_uses():
     key_group = {"param/a": ("a",), "param/b": ("b",), "param/c": ("c",)}
     later = LaterUses(after={"adam/a": "param/a", "adam/b": "param/b", "adam/c": "param/c"})
     queue = {"param/c": 0, "adam/c": 0}  # c's gradient is complete and waits for its update
-    later.add_queue(lambda: queue)
-    order = unit_victim_order(p, key_group, later)
+    order = unit_victim_order(p, key_group, later, waiting=lambda: queue)
     keys = ["param/a", "param/b", "param/c", "adam/a", "adam/b", "adam/c", "adam/stale"]
     # never used again first; then farthest first: a's state after a's last use, a, b's state, b, c's queue
     assert order(None, keys) == ["adam/stale", "adam/a", "param/a", "adam/b", "param/b", "param/c", "adam/c"]

@@ -143,59 +143,35 @@ class PrefetchPolicy:
 class LaterUses:
     """Uses of store keys that the trace does not record: an optimizer's (see [Note: Who uses a copy next]).
 
-    Written by the training thread (an optimizer's construction, a layer-major step's start and end); read by any
-    thread that evicts (a mover's prefetch, the optimizer's worker) inside the store's lock. The queues and the
-    ``behind`` bounds are tuples, replaced whole by ``add``/``remove``, so a reader iterates one that no
-    thread changes; each queue returns a mapping its owner no longer changes (see [Note: Who uses a copy
-    next])."""
+    Written by the training thread when an optimizer is made; read by any thread that evicts, inside the store's
+    lock."""
 
     after: dict[str, str] = field(default_factory=dict)
     """Key -> the parameter key after whose last use in a step it is used (optimizer state)."""
     grads: dict[str, str] = field(default_factory=dict)
     """Gradient key -> its parameter's key: a gradient kept from backward to the optimizer's step is used by the
     next backward through its parameter (which adds to it) and by the update (in a queue), as state is."""
-    queues: tuple[Callable[[], Mapping[str, int]], ...] = ()
-    """Each returns the keys waiting for a consumer, with their position in its queue (``add_queue``)."""
     in_backward: bool = True
     """Whether the optimizer steps each parameter in backward, right after its last use (else after it)."""
-    behind: tuple[Callable[[], int], ...] = ()
-    """Each returns the bytes of gradients an optimizer stepping in backward may hold queued: the copies of their
-    parameters wait in the host tier for those updates (``add_behind``)."""
-
-    def add_queue(self, queue: Callable[[], Mapping[str, int]]) -> None:
-        self.queues = (*self.queues, queue)
-
-    def remove_queue(self, queue: Callable[[], Mapping[str, int]]) -> None:
-        self.queues = tuple(q for q in self.queues if q != queue)
-
-    def add_behind(self, bound: Callable[[], int]) -> None:
-        self.behind = (*self.behind, bound)
-
-    def remove_behind(self, bound: Callable[[], int]) -> None:
-        self.behind = tuple(b for b in self.behind if b != bound)
-
-    def queued(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for queue in self.queues:
-            for k, pos in queue().items():
-                out[k] = min(pos, out.get(k, pos))
-        return out
 
 
 def unit_victim_order(policy: PrefetchPolicy, key_units: Mapping[str, Sequence[Hashable]],
-                       later: LaterUses | None = None) -> Callable[[object, list[str]], list[str]]:
+                       later: LaterUses | None = None, *,
+                       waiting: Callable[[], Mapping[str, int]] | None = None) -> Callable[[object, list[str]],
+                                                                                          list[str]]:
     """A store victim order (see ``TierStore.set_victim_order``) from ``policy``: keys whose next use is
     farthest from now go first (Belady).
 
     The next use of a key is the nearest next use in the trace of the units that use it (``key_units``:
     parameters; a tied or shared parameter is used by several); else, for a key of ``later.after`` or
-    ``later.grads``, the last use in this step of its parameter's units, plus a half; else its position in a
-    ``later`` queue; else never (inf), and those go first of all. ``key_units`` may grow while it is installed.
+    ``later.grads``, the last use in this step of its parameter's units, plus a half; else its position among
+    what ``waiting()`` gives (the keys an optimizer's queue or a step will use next, with how far away each use
+    is; a snapshot, asked once an order); else never (inf), and those go first of all. ``key_units`` may grow while it is installed.
     """
     inf = float("inf")
 
     def order(tier: object, keys: list[str]) -> list[str]:
-        waiting = later.queued() if later is not None else {}
+        queued = waiting() if waiting is not None else {}
         after = later.after if later is not None else {}
         grads = later.grads if later is not None else {}
         memo: dict[tuple[str, Hashable], float] = {}
@@ -214,7 +190,7 @@ def unit_victim_order(policy: PrefetchPolicy, key_units: Mapping[str, Sequence[H
                 return d
             if (d := nearest("last", after.get(k) or grads.get(k))) != inf:
                 return d + 0.5
-            return waiting.get(k, inf)
+            return queued.get(k, inf)
 
         return sorted(keys, key=lambda k: -distance(k))
 
