@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{store.stats_dict()['bytes_written_nvme'] / 2**20:.1f} MiB written")
             if isinstance(opt, OffloadedAdamW):
                 opt.close()
+            if off is not None:
+                off.remove(keep_values=False)  # saved above: nothing to read back when the store closes
         return {"losses": losses, "generated": generated[0].tolist(), "final": final,
                 "merged": os.path.join(args.output, "merged") if args.lora and off is not None else None}
     finally:

@@ -28,7 +28,7 @@ from tierstore import Tier, TierKeyError, TierStore, TierStoreError, TierTypeErr
 from tierstore.memory import TierPool
 from tierstore.scheduling import LaterUses, Placement, PrefetchPolicy, unit_victim_order
 
-from ._contract import OPTIMIZER_PREFIX, OffloadedParameters, PassConsumer
+from ._contract import OPTIMIZER_PREFIX, BrokenValues, OffloadedParameters, PassConsumer
 from ._meta import unmaterialize
 from ._placing import AUTO_START_DEPTH, Placer, StepStarts
 
@@ -97,7 +97,7 @@ class OffloadBase(OffloadedParameters):
         self.claimed: set[str] = set()
         # whether gradients are kept by the offload (``grads``), not in ``param.grad``
         self.keeps_grads = True
-        self.broken: str | None = None  # why the values can no longer be trusted (see OffloadedParameters)
+        self.broken: BrokenValues | None = None  # why the values can no longer be trusted (see OffloadedParameters)
         self.backwards_failed = 0  # backward passes that raised (an optimizer stepping in backward asks)
         self._steps = StepStarts()
         self._by_key: dict[str, Any] = {}
@@ -194,8 +194,8 @@ class OffloadBase(OffloadedParameters):
 
     # ---- a step ---------------------------------------------------------------------------
     def _check_usable(self) -> None:
-        if self.broken:
-            raise OffloadedParameterError(self.broken)
+        if self.broken is not None:
+            raise OffloadedParameterError(str(self.broken))
 
     def _begin_step(self) -> None:
         """A forward of the model starts a step, unless it is one more forward of the same step (see [Note:
@@ -258,6 +258,17 @@ class OffloadBase(OffloadedParameters):
 
     def readahead_room(self) -> int | None:
         return self.placer.readahead_room()
+
+    def host_budget_split(self) -> dict[str, int | None]:
+        """How the host budget is shared now (see [Note: Splitting the host budget]): the budget, what the
+        placement keeps all run, the room for copies in flight, an optimizer's read-ahead bound and what consumers
+        hold beside the units, in bytes."""
+        placement = self.placer.placement
+        room = self.readahead_room()
+        return self.placer.host.split(kept_bytes=placement.resident_bytes if placement is not None else 0,
+                                      room_bytes=placement.room_bytes if placement is not None else None,
+                                      readahead_bytes=self.placer.host.readahead_bytes(room),
+                                      held_beside_bytes=self._held_host_bytes())
 
     @property
     def placement(self) -> Placement | None:

@@ -9,7 +9,9 @@ The optimizer's store keys are spelt here and nowhere else.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
+import enum
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -59,6 +61,30 @@ def zero_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:
             else:
                 p.grad.requires_grad_(False)
             p.grad.zero_()
+
+
+class Mend(enum.Enum):
+    """Whether values that can no longer be trusted can be made whole again."""
+
+    BY_STEPPING_AGAIN = "step() again finishes the step that stopped part-way"
+    NEVER = "no step can: load a checkpoint"
+
+
+@dataclass(frozen=True)
+class BrokenValues:
+    """Why a model's values can no longer be trusted (``off.broken``): set by its ``owner`` (the optimizer whose
+    update stopped or failed), which alone may mend it, and only where ``mend`` says it can (see [Note: A step
+    that stops part-way] in optim.py). ``str()`` of it is what every refused forward, step and save says."""
+
+    owner: object
+    why: str
+    mend: Mend
+
+    def __str__(self) -> str:
+        return self.why
+
+    def mendable_by(self, owner: object) -> bool:
+        return self.owner is owner and self.mend is Mend.BY_STEPPING_AGAIN
 
 
 class PassConsumer:
@@ -150,8 +176,8 @@ class OffloadedParameters(Protocol):
       gradients live there too, unless the offload's policy chose their tier (``grad_tier``);
     - ``readahead_room()``: host bytes an optimizer's read-ahead may fill under the placement (None: no
       placement yet);
-    - ``broken``: None, or why the values can no longer be trusted (an update failed half-way and could not be
-      undone): every later step and forward raises it.
+    - ``broken``: None, or a :class:`BrokenValues`: why the values can no longer be trusted (an update stopped
+      or failed half-way), who set it and whether a step again mends it; every later forward and save raises it.
     """
 
     model: nn.Module
@@ -165,7 +191,7 @@ class OffloadedParameters(Protocol):
     tells_loads: bool
     backwards_failed: int
     later_uses: LaterUses
-    broken: str | None
+    broken: BrokenValues | None
 
     def attach(self, consumer: PassConsumer) -> None: ...
 
@@ -252,5 +278,5 @@ class ModelOffload(OffloadedParameters, Protocol):
     def putting(self) -> AbstractContextManager[tuple[list, list[Callable[[], None]]]]: ...
 
 
-__all__ = ["OPTIMIZER_PREFIX", "OPTIMIZER_STATE", "GradientSource", "KeptGradients", "ModelOffload",
-           "OffloadedParameters", "PassConsumer", "note_interrupt", "optimizer_key", "zero_grads"]
+__all__ = ["OPTIMIZER_PREFIX", "OPTIMIZER_STATE", "BrokenValues", "GradientSource", "KeptGradients", "ModelOffload",
+           "Mend", "OffloadedParameters", "PassConsumer", "note_interrupt", "optimizer_key", "zero_grads"]

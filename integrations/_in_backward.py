@@ -24,7 +24,7 @@ import torch
 
 from tierstore import TierStore, TierStoreError
 
-from ._contract import OffloadedParameters, PassConsumer
+from ._contract import BrokenValues, Mend, OffloadedParameters, PassConsumer
 from ._pipeline import StatePipeline, UnrestorableUpdateError
 
 
@@ -75,11 +75,11 @@ class BackwardSteps(PassConsumer):
         name, key_, p = self.by_key[key]
         if key in self.early:
             if opt.offloaded.backwards_failed != opt._backwards_failed:
-                opt.offloaded.broken = (
+                broken = opt.offloaded.broken = BrokenValues(opt, (
                     f"a backward raised after stepping in backward had updated some parameters ({name} among them): "
                     f"their updates stand and the rest never came, so the model is part of a step ahead and no "
-                    f"step can finish it; load a checkpoint to go on")
-                raise UnrestorableUpdateError(opt.offloaded.broken)
+                    f"step can finish it; load a checkpoint to go on"), Mend.NEVER)
+                raise UnrestorableUpdateError(str(broken))
             raise TierStoreError(f"{name}: a second backward before step(); step_in_backward=True steps each "
                                  "parameter after one backward, so gradient accumulation needs step_in_backward=False")
         grad = opt.offloaded.grads.get(key)

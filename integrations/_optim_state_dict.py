@@ -13,6 +13,7 @@ import torch
 
 from tierstore import TierBudgetError, TierKeyError, TierStore, TierStoreError, TierValueError
 
+from ._budget import HostBudget
 from ._layouts import StateLayout
 from ._optim_params import check_group_states, group_states
 from ._optim_state import AdamWState
@@ -109,7 +110,7 @@ class StateDictIO:
         its first save or die there, with nothing said. So it raises instead, naming the streamed savers: the
         one line for ``Trainer``, ``save_checkpoint`` for a loop of one's own. A state within the budget is
         returned as torch returns it."""
-        budget = self.store.config.host_budget_bytes
+        budget = HostBudget(self.store).total_bytes
         total = sum(self.store.info(k)["nbytes"] for k in keys)
         if total > budget:
             raise TierBudgetError(

@@ -83,6 +83,7 @@ from tierstore.memory import TierPool
 from tierstore.scheduling import Placement, StepTrace, choose_depth, plan_placement, room_bytes, size_text
 from tierstore.scheduling import LaterUses, PrefetchPolicy
 
+from ._budget import HostBudget
 from ._contract import OPTIMIZER_PREFIX
 from .policies import check_prefetch_depth
 
@@ -165,6 +166,7 @@ class Placer:
                  unit_keys: Callable[[], Mapping[str, Sequence[tuple[str, int]]]], place: bool,
                  auto_depth: bool, grad_of: Callable[[str], tuple[str, int] | None] | None = None) -> None:
         self.store = store
+        self.host = HostBudget(store)  # see [Note: Splitting the host budget]
         self.prefetch_policy = policy
         self.later = later
         # bytes of the host tier the model's consumers may hold beside its units (see [Note: Updates behind
@@ -337,13 +339,13 @@ class Placer:
         its budget: the first to plan keeps what it chooses, the next plans in what is left)."""
         mine = self.placement.resident if self.placement is not None else frozenset()
         others = self.store.kept(Tier.HOST) - mine
-        return max(0, self.store.config.host_budget_bytes - sum(self._size(k) for k in others))
+        return max(0, self.host.total_bytes - sum(self._size(k) for k in others))
 
     def room(self, host: int | None = None) -> int:
         """Bytes of ``host`` (the host budget) left for copies in flight (see
         ``tierstore.scheduling.room_bytes``), parameters waiting for updates behind backward among them (see
         [Note: Updates behind backward])."""
-        host = self.store.config.host_budget_bytes if host is None else host
+        host = self.host.total_bytes if host is None else host
         return room_bytes(host, largest_unit_bytes=self._largest_unit(), units_in_flight=self._units_in_flight(),
                           largest_update_bytes=self._largest_update(), behind_bytes=self._behind())
 
@@ -391,7 +393,7 @@ class Placer:
         compute = [max(0.0, b - a) for a, b in zip(clock, clock[1:])] + [0.0]
         # As many of the largest streamed unit as the room holds beside the one computing, the updates in
         # progress and the parameters waiting for updates behind backward ([Note: Reads ahead beside the updates]).
-        room = self.placement.room_bytes if self.placement else self.store.config.host_budget_bytes
+        room = self.placement.room_bytes if self.placement else self.host.total_bytes
         room -= 2 * self._largest_update() + self._behind()
         largest = max(streamed, default=0)
         fits = room // largest - 1 if largest else MAX_AUTO_DEPTH

@@ -83,6 +83,7 @@ from torch import nn
 from tierstore import Tier, TierStore, TierTypeError, TierValueError
 from tierstore.memory import PAGE_BYTES, TierPool
 
+from ._budget import HostBudget
 from ._contract import note_interrupt
 from ._base import OffloadedParameterError
 from ._param import OffloadedParameter, StoredParam, leaves
@@ -408,8 +409,7 @@ def plan_units(model: nn.Module, units: Sequence[type[nn.Module] | nn.Module | s
         tensors = module.parameters() if roots.get(mname) else module._parameters.values()
         ids = dict.fromkeys(id(p) for p in tensors if p is not None and id(p) in offloaded)
         owned_by[mname] = (module, list(ids))
-    budget = (store.config.device_budget_bytes if compute_tier is Tier.DEVICE
-              else store.config.host_budget_bytes)
+    budget = HostBudget(store).compute_tier_bytes(compute_tier)
     for mname, (_, ids) in owned_by.items():
         need = sum(TierPool.capacity_for(offloaded[i][1]) for i in ids)  # whole pages, as the pool hands out
         if need > budget:

@@ -135,7 +135,7 @@ def save_checkpoint(path: str, model: nn.Module | Offloaded, optimizer: Offloade
     model, off = model_and_offload(model)
     if off is not None and off.in_forward_or_backward():
         raise TierStoreError("cannot save a checkpoint inside forward or backward; save between steps")
-    if off is not None and off.broken:
+    if off is not None and off.broken is not None:
         raise TierStoreError(f"cannot save a checkpoint of values that mix two steps: {off.broken}")
     tensors, aliases = model_tensors(model, off) if weights else ({}, {})
     store = off.store if off is not None else None

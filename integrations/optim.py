@@ -20,7 +20,7 @@ as applied (the tensor and its version), so calling step() again with
 the same gradients updates only the rest, and the step ends as if it
 had not failed; step() twice with the same gradients is refused. Until
 it is finished, forward, zero_grad() and checkpoints refuse (through
-the model's ``broken``), since their values would mix two steps.
+the model's ``broken``, a ``BrokenValues`` this optimizer owns), since their values would mix two steps.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from tierstore import Tier, TierStore, TierStoreError, TierValueError
 
 from . import _adamw
 from ._adamw import HYPER, check_hyper
-from ._contract import OffloadedParameters, PassConsumer, note_interrupt, optimizer_key
+from ._contract import BrokenValues, Mend, OffloadedParameters, PassConsumer, note_interrupt, optimizer_key
 from ._grads import generation, store_key_of, values_of
 from ._in_backward import BackwardSteps
 from ._layouts import StateLayout
@@ -51,7 +51,8 @@ from ._optim_params import (
 from ._optim_state import AdamWState
 from ._optim_state_dict import StateDictIO
 from ._pipeline import StatePipeline, UnrestorableUpdateError
-from .policies import OptimizerStatePolicy, default_grad_backlog_bytes
+from ._budget import HostBudget
+from .policies import OptimizerStatePolicy
 
 
 class _StateConsumer(PassConsumer):
@@ -128,16 +129,16 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
             raise TierValueError(f"readahead={readahead} must be >= 0")
         self.offloaded = offloaded
         self.store: TierStore = offloaded.store
-        host = self.store.config.host_budget_bytes
+        self.host_budget = host = HostBudget(self.store)  # its shares: see [Note: Splitting the host budget]
         # Gradients waiting for their update are memory no tier budgets (see [Note: Stepping in backward]).
-        self.max_grad_backlog_bytes = positive_bytes(max_grad_backlog_bytes, default_grad_backlog_bytes(host),
+        self.max_grad_backlog_bytes = positive_bytes(max_grad_backlog_bytes, host.grad_backlog_bytes(),
                                                      "max_grad_backlog_bytes")
         # Reads in flight keep the drive busy (measured: half the host tier beat a quarter and 16 parameters
         # by 5-9% a step on ViT-large); the other half is left to the parameters. Under a placement, what it
         # leaves for copies in flight bounds them instead (see integrations/_placing.py).
         fixed = None if readahead_bytes is None else positive_bytes(readahead_bytes, 1, "readahead_bytes")
         self._pipeline = StatePipeline(self.store, readahead=readahead, readahead_bytes=(
-            (lambda: fixed) if fixed is not None else (lambda: offloaded.readahead_room() or max(1, host // 2))),
+            (lambda: fixed) if fixed is not None else (lambda: host.readahead_bytes(offloaded.readahead_room()))),
             impl=impl, layout=self.layout,
             # stepping in backward, one thread beside backward's compute; after it, the CPU's threads are the update's
             threads=1 if step_in_backward else torch.get_num_threads())
@@ -147,7 +148,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self._name_of = {id(p): name for name, _, p in (*self._items, *self._frozen)}
         self._state = AdamWState(offloaded, self.layout, self._items)
         self.layout.check(self._items)
-        self._state.check_host_budget(host, step_in_backward)
+        self._state.check_host_budget(host.total_bytes, step_in_backward)
         if any(optimizer_key(name, "exp_avg") in self.store for name, _, _ in self._items):
             raise TierValueError("this model already has an OffloadedAdamW (its state is in the store); keep using "
                                  "that one (opt.load_state_dict() replaces its state), or offload a fresh model")
@@ -271,8 +272,9 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
 
     def _step(self) -> None:
         self._check_attached()
-        if self.offloaded.broken and self.offloaded.broken != self._unfinished:
-            raise UnrestorableUpdateError(self.offloaded.broken)
+        broken = self.offloaded.broken
+        if broken is not None and not broken.mendable_by(self):
+            raise UnrestorableUpdateError(str(broken))
         early = self._in_backward.take() if self._in_backward is not None else {}
         self._backwards_failed = self.offloaded.backwards_failed
         t0 = time.perf_counter()  # the training loop waits here for I/O-bound work: stall time
@@ -314,7 +316,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
                 self._stopped_part_way(updated, e)
             raise
         self._progress = ([], 0)
-        if self._unfinished is not None and self.offloaded.broken == self._unfinished:
+        if self.offloaded.broken is not None and self.offloaded.broken.mendable_by(self):
             self.offloaded.broken = None  # finished: the model is one whole step ahead again
         self._unfinished = None
         self._pipeline.end_step()
@@ -330,8 +332,8 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
                             f"opt.step() again, before anything else: it updates the rest with the gradients it kept, "
                             f"and the step ends as if it had not failed; until then forward, zero_grad() and "
                             f"checkpoints refuse, since the model is part of a step ahead")
-        if not self.offloaded.broken:
-            self.offloaded.broken = self._unfinished
+        if self.offloaded.broken is None:
+            self.offloaded.broken = BrokenValues(self, self._unfinished, Mend.BY_STEPPING_AGAIN)
         note_interrupt(error, self._unfinished, self.store)
 
     def _timed_step(self, name: str, key: str | None, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
@@ -344,7 +346,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
                 with values_of(grad, keep_stored=self.keep_grads) as values:
                     self._pipeline.update(name, key, p, values, step, lambda: self._hyper(name))
             except UnrestorableUpdateError as e:  # no later step or forward may use the half-updated values
-                self.offloaded.broken = str(e)
+                self.offloaded.broken = BrokenValues(self, str(e), Mend.NEVER)
                 raise
         self.steps[name] = step
         self._applied[name] = (weakref.ref(grad), generation(grad))

@@ -47,7 +47,8 @@ def check_prefetch_depth(depth: object) -> None:
 
 
 def default_grad_backlog_bytes(host_budget_bytes: int) -> int:
-    """OffloadedAdamW's default ``max_grad_backlog_bytes``: a quarter of the host budget (at least a byte)."""
+    """OffloadedAdamW's default ``max_grad_backlog_bytes``: a quarter of the host budget (at least a byte; see
+    [Note: Splitting the host budget])."""
     return max(1, host_budget_bytes // 4)
 
 

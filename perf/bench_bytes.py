@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
             weights = sum(store.info(k)["nbytes"] for k in store.keys() if k.startswith("param/"))
         finally:
             opt.close()
+            off.remove(keep_values=False)  # its values are not kept: nothing to read back at close
     grads = (4 if args.grad_dtype == "float32" else 2) * params  # kept in the store from backward to the step
     once = 2 * 2 * weights + grads * (2 + 1 + 1) + 2 * state  # 2 micro-batches
     total = sum(moved.values())

@@ -122,7 +122,7 @@ def _llama_child(args: argparse.Namespace) -> dict:
         opt.close()
         drive_bytes = store.memory()["nvme"]["peak_bytes"]
         peak = peak_rss_bytes()
-        off.remove()
+        off.remove(keep_values=False)  # its values are not kept: nothing to read back at close
     share = moved[-1]["bytes_read_nvme"] / max(1, moved[-1]["bytes_read_nvme"] + moved[-1]["bytes_written_nvme"])
     drive = measure_drive(args.nvme_path, size_mib=args.drive_mib, read_fraction=round(share, 2))
     return {"preset": args.preset, "mode": args.mode, "moments": args.moments, "master": args.master,
@@ -205,6 +205,7 @@ def _child(args: argparse.Namespace) -> dict:
             steps_s.append(time.perf_counter() - t0)
         opt.close()
         stats = store.stats_dict()
+        off.remove(keep_values=False)  # its values are not kept: nothing to read back at close
     peak = peak_rss_bytes() - baseline
     activations = 2 * args.layers * args.batch_size * args.width * 4 * 2  # outputs and GELU inputs, with grads
     in_flight = 4 * (args.width * args.width + args.width)  # the gradient autograd makes before the store sees it

@@ -70,6 +70,7 @@ def _child(args: argparse.Namespace) -> dict:
                          "loss": sum(losses)})
         params = sum(p.numel() for p in model.parameters())
         opt.close()
+        off.remove(keep_values=False)  # its values are not kept: nothing to read back at close
     finally:
         store.close()
     return {"loop": args.loop, "micro_batches": args.micro_batch_count, "tokens": args.tokens, "params": params,

@@ -81,6 +81,7 @@ def _child(args: argparse.Namespace) -> dict:
     if store is not None:
         out["host_peak_bytes"] = store.memory()["host"]["peak_bytes"]
         opt.close()
+        off.remove(keep_values=False)  # its weights were saved above: nothing to read back at close
         store.close()
     return out
 

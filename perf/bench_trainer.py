@@ -138,6 +138,7 @@ def _child(args: argparse.Namespace) -> dict:
         params = sum(p.numel() for p in model.parameters())
         opt.close()
         drive = store.memory()["nvme"]["peak_bytes"]
+        off.remove(keep_values=False)  # its values are not kept: nothing to read back at close
     finally:
         store.close()
     out = {"mode": args.mode, "compute": "fp32" if compute == "fp32" else args.dtype, "params": params,

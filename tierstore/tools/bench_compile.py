@@ -77,6 +77,7 @@ def run_compile_bench(*, preset: str, batch_size: int, nvme_path: str, rounds: i
     finally:
         for opt in opts:
             opt.close()
+            opt.offloaded.remove(keep_values=False)  # its values are not kept: nothing to read back at close
         for store in stores:
             store.close()
     steps = {name: statistics.median(s) for name, s in samples.items()}

@@ -86,6 +86,7 @@ def _probe(*, preset: str, batch_size: int, nvme_path: str, host_budget_bytes: i
             peak = peak_rss_bytes()
         finally:
             opt.close()
+            off.remove(keep_values=False)  # its values are not kept: nothing to read back at close
     budgets = host_budget_bytes + device_budget_bytes
     backlog = opt.max_grad_backlog_bytes if step_in_backward else 0
     allowed = budgets + activations + backlog + OVERHEAD_BYTES

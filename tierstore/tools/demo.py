@@ -185,6 +185,10 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
         peak_rss = max(peak_rss, peak_rss_bytes())
         mem = store.memory()
         stats = store.stats_dict()
+        split = off.host_budget_split()
+        off.remove(keep_values=False)  # the demo's trained values are not kept: nothing to read back at close
+    log("host budget shared (MiB):  " + "  ".join(f"{name[:-6].replace('_', ' ')} {v / MIB:.1f}"
+                                                  for name, v in split.items() if v is not None))
     log("peak memory per tier (MiB):  " + "  ".join(
         f"{tier} {m['peak_bytes'] / MIB:.1f}/{m['budget_bytes'] / MIB:.1f}" if m["budget_bytes"] > 0
         else f"{tier} {m['peak_bytes'] / MIB:.1f}" for tier, m in mem.items() if tier != "device" or cuda))
