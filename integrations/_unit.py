@@ -248,7 +248,7 @@ class GradArrival:
             arrival = GradArrival()
             t.register_hook(arrival)
             if t.grad_fn is not None:
-                t._tierstore_arrival = arrival  # type: ignore[attr-defined]
+                setattr(t, "_tierstore_arrival", arrival)  # an attribute of our own on torch's tensor
         return arrival
 
     def __call__(self, grad: torch.Tensor) -> None:

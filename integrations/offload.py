@@ -113,7 +113,7 @@ class OffloadedModel(OffloadBase):
         for sp in self.params.values():
             sp.param.data = sp.placeholder
             sp.param.__class__ = OffloadedParameter
-            sp.param._tierstore = sp  # type: ignore[attr-defined]
+            setattr(sp.param, "_tierstore", sp)  # read by OffloadedParameter's handlers (see _param.py)
         to_compute_device(self)
         self.pass_state = PassState(self)
         self._hook_units(units, owned_by)

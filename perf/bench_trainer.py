@@ -34,6 +34,7 @@ MIB = 1024**2
 PRESETS = {
     "llama-7b": ((4096, 32, 32, 11008, 32000), "2GiB"),
     "llama-1.9b": ((2048, 24, 16, 8192, 32000), "2GiB"),
+    "llama-0.5b": ((2048, 8, 16, 5632, 32000), "800MiB"),  # 0.54B: few layers, wide
     "llama-150m": ((1024, 12, 16, 2816, 8000), "160MiB"),
     "llama-180m-deep": ((768, 24, 12, 2048, 8000), "96MiB"),  # narrow and deep: many boundaries a token
     "llama-tiny": ((128, 4, 4, 352, 1024), "4MiB"),

@@ -259,6 +259,27 @@ def write_files(directory: str, files: dict[str, Iterable[TensorSource]], *, met
     return manifest
 
 
+def fsync_tree(path: str) -> None:
+    """fsync ``path`` (a file), or every file and directory under it: what others wrote into a directory that
+    :func:`commit` is to make a checkpoint (transformers' ``Trainer`` writes its own files)."""
+    paths = [path] if os.path.isfile(path) else \
+        [p for d, _, names in os.walk(path) for p in (*(os.path.join(d, n) for n in names), d)]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def replace_file(tmp: str, path: str) -> None:
+    """Make the file written at ``tmp`` the one at ``path``: fsynced, renamed over it, and the directory fsynced,
+    so that a process killed at any moment leaves ``path`` whole (old or new)."""
+    fsync_tree(tmp)
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
 def commit(tmp: str, path: str | os.PathLike) -> None:
     """Make the complete checkpoint in ``tmp`` the one at ``path`` (see [Note: Atomic checkpoint commit])."""
     path = os.path.abspath(os.fspath(path))

@@ -13,12 +13,14 @@ from ._checkpoint import (
     discard,
     dtype_from_name,
     dtype_name,
+    fsync_tree,
     new_directory,
     read_into,
     read_manifest,
     read_raw,
     read_safetensors,
     read_tensor,
+    replace_file,
     safetensors_entries,
     verify_tensor,
     write_checkpoint,
@@ -27,5 +29,5 @@ from ._checkpoint import (
 )
 
 __all__ = ["MANIFEST", "PinnedCheckpoint", "TensorSource", "commit", "discard", "dtype_from_name", "dtype_name",
-           "new_directory", "read_into", "read_manifest", "read_raw", "read_safetensors", "read_tensor",
-           "safetensors_entries", "verify_tensor", "write_checkpoint", "write_files", "write_safetensors_file"]
+           "fsync_tree", "new_directory", "read_into", "read_manifest", "read_raw", "read_safetensors", "read_tensor",
+           "replace_file", "safetensors_entries", "verify_tensor", "write_checkpoint", "write_files", "write_safetensors_file"]
