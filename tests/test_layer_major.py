@@ -196,6 +196,24 @@ class _Twice(nn.Module):
         return self.out(self.block(self.block(self.inp(x))))
 
 
+def test_the_step_says_it_ran_layer_by_layer(tmp_path, capfd):
+    """One line on stderr at the first step run layer by layer, none after; the stats count the steps."""
+    ref = _llama(layers=2)
+    with _store(str(tmp_path), ref, budget=8 << 20) as store:
+        model = copy.deepcopy(ref)
+        off = offload_model(model, store, units=[LlamaDecoderLayer])
+
+        def step_fn(ids: torch.Tensor) -> None:
+            model(ids, labels=ids).loss.backward()
+
+        for step in range(2):
+            off.accumulate(step_fn, _batches(step, 2))
+            off.zero_grad()
+        said = capfd.readouterr().err
+    assert said.count("tierstore: off.accumulate runs the micro-batches layer by layer (2 through 2 units") == 1
+    assert (off.stats.layer_major_steps, off.stats.loop_steps, off.layer_major_refused) == (2, 0, None)
+
+
 @pytest.mark.parametrize("kind", ["twice", "tied"])
 def test_a_model_that_is_not_a_chain_runs_as_the_loop(kind, tmp_path):
     """A block called twice, or tied embeddings: a warning once, and the loop's numbers."""
@@ -227,6 +245,9 @@ def test_a_model_that_is_not_a_chain_runs_as_the_loop(kind, tmp_path):
                 with warnings.catch_warnings():
                     warnings.simplefilter("error")  # said once
                     off.accumulate(lambda mb: None, mbs)
+                # the stats say so too, and why
+                assert (off.stats.loop_steps, off.stats.layer_major_steps) == (2, 0)
+                assert ("called twice" if kind == "twice" else "tied") in off.layer_major_refused
             else:
                 losses = [step_fn(mb) for mb in mbs]
             grads.append((losses, [g.clone() for g in off.grads_in_order()]))
