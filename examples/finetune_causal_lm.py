@@ -26,6 +26,7 @@ dataset of ``input_ids``/``labels`` the same way. ``--resident`` runs the same w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import zlib
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("give --model DIR (saved with save_pretrained) or --make-tiny DIR")
 
     store = None if args.resident else ts.TierStore(nvme_path=args.nvme_path, host_budget_bytes=args.host_budget)
+    done = False
     try:
         model, off = build(args.model, store, DTYPES[args.dtype], args.lora)
         trained = [p for p in model.parameters() if p.requires_grad]
@@ -190,11 +192,14 @@ def main(argv: list[str] | None = None) -> dict:
                 opt.close()
             if off is not None:
                 off.remove(keep_values=False)  # saved above: nothing to read back when the store closes
+        done = True
         return {"losses": losses, "generated": generated[0].tolist(), "final": final,
                 "merged": os.path.join(args.output, "merged") if args.lora and off is not None else None}
     finally:
         if store is not None:
-            store.close()
+            # after an error, which goes on, a close that cannot give the model its values back must not hide it
+            with contextlib.suppress(*(() if done else (ts.StoreInUseError,))):
+                store.close()
 
 
 if __name__ == "__main__":

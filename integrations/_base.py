@@ -28,7 +28,7 @@ from tierstore import Tier, TierKeyError, TierStore, TierStoreError, TierTypeErr
 from tierstore.memory import TierPool
 from tierstore.scheduling import LaterUses, Placement, PrefetchPolicy, unit_victim_order
 
-from ._contract import OPTIMIZER_PREFIX, BrokenValues, OffloadedParameters, PassConsumer
+from ._contract import OPTIMIZER_PREFIX, BrokenValues, Mend, OffloadedParameters, PassConsumer
 from ._meta import unmaterialize
 from ._placing import AUTO_START_DEPTH, Placer, StepStarts
 
@@ -261,13 +261,11 @@ class OffloadBase(OffloadedParameters):
 
     def host_budget_split(self) -> dict[str, int | None]:
         """How the host budget is shared now (see [Note: Splitting the host budget]): the budget, what the
-        placement keeps all run, the room for copies in flight, an optimizer's read-ahead bound and what consumers
-        hold beside the units, in bytes."""
+        placement keeps all run, the room for copies in flight and what consumers hold beside the units, in
+        bytes."""
         placement = self.placer.placement
-        room = self.readahead_room()
         return self.placer.host.split(kept_bytes=placement.resident_bytes if placement is not None else 0,
                                       room_bytes=placement.room_bytes if placement is not None else None,
-                                      readahead_bytes=self.placer.host.readahead_bytes(room),
                                       held_beside_bytes=self._held_host_bytes())
 
     @property
@@ -323,15 +321,22 @@ class OffloadBase(OffloadedParameters):
         self.store.detach_user(self)
 
     # ---- the store closing (tierstore.StoreUser) ------------------------------------------
-    def close_refusal(self) -> str | None:
-        """Why ``store.close()`` cannot give this model its values back now, or None (see ``TierStore.close``)."""
+    def close_refusal(self, claimed: dict[str, int]) -> str | None:
+        """Why ``store.close()`` cannot give this model its values back now, or None (see ``TierStore.close``):
+        ``claimed`` is what the store's users before it take of each device's memory; it adds its own."""
         what = f"{type(self.model).__name__} is offloaded to this store ({self.wrapper_name})"
         if self.running_pass():
             return f"{what} and inside a forward or backward; close the store after the step"
+        if self.broken is not None and self.broken.mend is Mend.BY_STEPPING_AGAIN:
+            return (f"{what}, and its last step stopped part-way, so its values are part of a step ahead: call "
+                    f"opt.step() to finish the step first, or drop them with off.remove(keep_values=False) "
+                    f"({self.broken})")
         need = sum(r.nbytes for r in self.params.values())
         device = self.give_back_device()
-        free = free_memory_bytes(device)
-        if need > free:
+        free = free_memory_bytes(device) - claimed.get(str(device), 0)
+        if need <= free:
+            claimed[str(device)] = claimed.get(str(device), 0) + need
+        else:
             return (f"{what}, and its {need / 2**30:.2f} GiB of values live only here, more than the "
                     f"{free / 2**30:.2f} GiB of {device.type} memory free to give them back into. Save them first "
                     f"(save_checkpoint(path, model, optimizer) or model.save_pretrained(path)), then "
@@ -366,9 +371,11 @@ _NOT_COPYABLE = ("an offloaded model cannot be copied or pickled: its parameters
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """Bytes of memory free on ``device`` now (CUDA's free memory, else the system's available memory)."""
+    """Bytes of memory free on ``device`` now: CUDA's free memory with what torch's caching allocator holds unused,
+    else the system's available memory."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        return int(torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                   - torch.cuda.memory_allocated(device))
     return int(psutil.virtual_memory().available)
 
 

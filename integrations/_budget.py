@@ -7,8 +7,9 @@ room or fails); what shares the host tier is decided here, from what each user d
   budget less what other models' placements keep, and the room left for copies in flight (``room_bytes``: the
   units computing and read ahead, the largest update, and what consumers hold beside the units: gradients queued
   for an update stepping in backward, their ``held_host_bytes()``);
-- the optimizer's read-ahead: the placement's room where there is one, else half of the budget (measured: half
-  beat a quarter and 16 parameters by 5-9% a step on ViT-large);
+- the optimizer's read-ahead: half the placement's room where there is one (``Placer.readahead_room``), else
+  half of the budget (measured: half beat a quarter and 16 parameters by 5-9% a step on ViT-large), unless the
+  optimizer is given ``readahead_bytes``;
 - the gradient backlog of an update stepping in backward: a quarter of the budget unless given;
 - a whole state dict of the optimizer: at most the budget (else it streams: see [Note: A whole state dict
   beyond the host budget]);
@@ -36,21 +37,19 @@ class HostBudget:
         return self.device_bytes if tier is Tier.DEVICE else self.total_bytes
 
     def readahead_bytes(self, placement_room: int | None) -> int:
-        """What an optimizer's reads ahead may fill: the placement's room for copies in flight, else half."""
+        """What an optimizer's reads ahead may fill by default: ``placement_room`` (what the placement leaves them),
+        else half the budget."""
         return placement_room or max(1, self.total_bytes // 2)
 
     def grad_backlog_bytes(self) -> int:
         """An update stepping in backward may have this many bytes of gradients queued by default: a quarter."""
         return default_grad_backlog_bytes(self.total_bytes)
 
-    def split(self, *, kept_bytes: int, room_bytes: int | None, readahead_bytes: int | None,
-              held_beside_bytes: int) -> dict[str, int | None]:
+    def split(self, *, kept_bytes: int, room_bytes: int | None, held_beside_bytes: int) -> dict[str, int | None]:
         """The shares as they stand, by name: the budget, what the placement keeps all run, the room for copies
-        in flight (None before a placement), the optimizer's read-ahead bound (None without an optimizer) and what
-        consumers hold beside the units."""
+        in flight (None before a placement) and what consumers hold beside the units."""
         return {"host_budget_bytes": self.total_bytes, "kept_all_run_bytes": kept_bytes,
-                "room_in_flight_bytes": room_bytes, "optimizer_readahead_bytes": readahead_bytes,
-                "held_beside_units_bytes": held_beside_bytes}
+                "room_in_flight_bytes": room_bytes, "held_beside_units_bytes": held_beside_bytes}
 
 
 __all__ = ["HostBudget"]

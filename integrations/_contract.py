@@ -101,8 +101,9 @@ class PassConsumer:
       only consumers whose ``consumes_grads`` is true get it, and while one is attached the gradients are handed
       over to it instead of being kept (see [Note: Stepping in backward]).
     - ``grads_taken()``: why no gradient may be read now (None: they may), on the thread reading ``param.grad``.
-    - ``loaded(names)``: the model's ``load_state_dict`` or a checkpoint wrote these parameters; ``removed()``:
-      the offload is being removed (after which the consumer is detached). On the training thread.
+    - ``loaded(names)``: the model's ``load_state_dict`` or a checkpoint wrote these parameters; ``finish()``:
+      the offload is about to be removed (finish what is in flight on its values); ``removed()``: it was, its
+      values given back (after which the consumer is detached). On the training thread.
     - ``next_uses()`` and ``held_host_bytes()``: the store keys the consumer will use next with how many of its
       steps away each use is, and the host-tier bytes it may hold beside the parameters' units. On any thread
       that evicts (a mover's prefetch, an update's worker), inside the store's lock: they return a snapshot
@@ -125,8 +126,12 @@ class PassConsumer:
     def loaded(self, names: list[str]) -> None:
         """The parameters named were written by a load."""
 
+    def finish(self) -> None:
+        """The offload is about to be removed: finish what is in flight on the model's values (updates, their
+        writes), which its removal then reads back."""
+
     def removed(self) -> None:
-        """The offload is being removed: drop what is kept for it."""
+        """The offload is being removed, its values given back: drop what is kept for it."""
 
     def next_uses(self) -> Mapping[str, int]:
         """Store keys this consumer will use next -> how many of its steps away (a snapshot)."""

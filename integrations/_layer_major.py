@@ -236,7 +236,7 @@ class LayerMajorStep(PassConsumer):
         self.store = off.store
         self.home = Tier.NVME if off.store.swap_directory is not None else Tier.HOST
         self.workers: dict[int, int] = {}  # thread ident -> micro-batch
-        # Activation key -> its place in the backward's order. Read by evicting threads (``_queued``): replaced whole
+        # Activation key -> its place in the backward's order. Read by evicting threads (``next_uses``): replaced whole
         # on each change, never changed in place, so a reader iterates one that no thread changes.
         self._uses: dict[str, int] = {}
         self._now = -1  # the place the backward has reached

@@ -66,12 +66,15 @@ class StateDictIO:
 
     def state_tensors(self, steps: dict[str, float] | None = None) -> list[tuple[str, str, str]]:
         """(parameter name, state name, store key) of every state tensor of parameters stepped so far (or,
-        given ``steps``, of those it names)."""
+        given ``steps``, of those it names). Refused once its model's offload was removed (its state went with
+        it): a checkpoint would hold none."""
+        self._check_attached()
         return self._state.tensors(self.steps if steps is None else steps)
 
     def group_states(self) -> list[dict[str, Any]]:
         """Each parameter group's hyper-parameters (and what a scheduler added, such as ``initial_lr``), with
         ``"params"`` as parameter names: what state_dict() and checkpoints keep."""
+        self._check_attached()
         return group_states(self.param_groups, self._name_of)
 
     def check_group_states(self, groups: Any) -> list[dict[str, Any]]:

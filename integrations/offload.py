@@ -30,6 +30,7 @@ state). Not with ``assign=True``.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -365,7 +366,8 @@ class OffloadedModel(OffloadBase):
 
     def running_pass(self) -> bool:
         passes = self.pass_state
-        passes.settle_failed_backward()  # a backward that raised is over: what it held goes
+        if passes.backward_thread == threading.get_ident():  # this thread's backward, not running now: it raised
+            passes.settle_failed_backward()  # what it held goes, as the next forward would let it go
         return passes.forward_thread is not None or passes.in_backward()
 
     def store_closing(self) -> None:
@@ -376,35 +378,45 @@ class OffloadedModel(OffloadBase):
         """Detach from the module: parameters get their current values back as ordinary tensors, and the state of
         an optimizer of it leaves the store. ``store.close()`` calls it for a model still offloaded.
 
-        ``keep_values=False`` reads nothing back: each parameter becomes an ordinary parameter on the meta
-        device (its shape and dtype, no values), for a model larger than memory whose values were saved
-        (``save_checkpoint``) and are to be dropped; ``model.to_empty(device=...)`` and a load bring it back.
+        ``keep_values=False`` reads nothing back: each offloaded parameter becomes an ordinary parameter on the
+        meta device (its shape and dtype, no values; the small ones kept in memory keep theirs), for a model
+        larger than memory whose values were saved (``save_checkpoint``) and are to be dropped;
+        ``model.to_empty(device=...)`` and a load bring it back.
+
+        The values come back one parameter at a time, before anything else lets go (the hooks, an optimizer's
+        state): a remove that fails part-way (memory ran out) leaves the rest in the store, and calling it
+        again goes on from there.
         """
         if self.removed:  # removed already (by store.close(), say): nothing more to give back
             return
         for sp in self.params.values():
             if sp.holds:
                 raise TierStoreError(f"cannot remove offload while {sp.name!r} is in use (inside forward/backward)")
+        for consumer in self.consumers:
+            consumer.finish()
+        dropped: set[int] = set()
+        for pid, sp in list(self.params.items()):
+            value = self.store.read(sp.key).to(self.compute_device) if keep_values else sp.placeholder
+            sp.param.__class__ = sp.original_class
+            del sp.param._tierstore
+            sp.param.data = value
+            self.store.drop(sp.key)
+            del self.params[pid]
+            dropped.add(pid)
+        if not keep_values:  # a tensor cannot become a meta tensor in place: new parameters (tied ones stay tied)
+            on_meta: dict[int, nn.Parameter] = {}
+            for module in self.model.modules():
+                for pname, p in module._parameters.items():
+                    if p is not None and id(p) in dropped:
+                        if id(p) not in on_meta:
+                            on_meta[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                        module._parameters[pname] = on_meta[id(p)]
         self._detach([*self._handles, *(h for u in self._units.values() for h in u.hooks)])
         self._handles.clear()
         for name, method in self._installed.items():
             if self.model.__dict__.get(name) is method:
                 delattr(self.model, name)
         self.grads.clear()
-        for sp in self.params.values():
-            value = self.store.read(sp.key).to(self.compute_device) if keep_values else sp.placeholder
-            sp.param.__class__ = sp.original_class
-            del sp.param._tierstore
-            sp.param.data = value
-            self.store.drop(sp.key)
-        if not keep_values:  # a tensor cannot become a meta tensor in place: new parameters (tied ones stay tied)
-            on_meta: dict[int, nn.Parameter] = {}
-            for module in self.model.modules():
-                for pname, p in module._parameters.items():
-                    if p is not None and id(p) in self.params:
-                        if id(p) not in on_meta:
-                            on_meta[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-                        module._parameters[pname] = on_meta[id(p)]
         self._forget()
 
 

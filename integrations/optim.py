@@ -67,6 +67,11 @@ class _StateConsumer(PassConsumer):
     def loaded(self, names: list[str]) -> None:
         self._opt._remake_masters(names)
 
+    def finish(self) -> None:
+        self._opt.close()  # the updates in flight in backward end
+        with contextlib.suppress(BaseException):  # a failed write leaves its copy in memory, read back all the same
+            self._opt.wait()
+
     def removed(self) -> None:
         self._opt._drop_state()
 
@@ -163,7 +168,8 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self.keep_grads = keep_grads
         # (name, key, param, grad) in the order they are stepped, and how many of them are: one tuple, replaced
         # whole by the thread that steps (this one, or the worker stepping in backward), so that an evicting
-        # thread (``_queued``) reads a queue and its progress that belong together.
+        # thread (``_queued``) reads a queue and its progress that belong together. Stepping in backward the
+        # queue is appended to in place (one item at a time, under the GIL); the reader takes one slice of it.
         self._progress: tuple[list[tuple], int] = ([], 0)
         # name -> (the gradient its last update applied, that gradient's version), and why the last step()
         # stopped part-way: see [Note: A step that stops part-way].
@@ -208,7 +214,9 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
                 f"{', ...' if len(names) > 4 else ''}. Create the optimizer after unfreezing them")
 
     def close(self) -> None:
-        """Stop the worker of ``step_in_backward`` (after the updates in flight) and detach from the model."""
+        """Stop the worker of ``step_in_backward`` (after the updates in flight); eviction no longer weighs this
+        optimizer's queue. It stays attached to the model's offload, so that removing the offload drops its
+        state."""
         if self._in_backward is not None:
             self._in_backward.close()
             self.offloaded.detach(self._in_backward)

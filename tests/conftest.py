@@ -48,7 +48,12 @@ def make_store(nvme_dir):
 
     yield make
     for s in stores:
-        s.close()
+        try:
+            s.close()
+        except ts.StoreInUseError:  # a test left a model part of a step ahead (what it tests): dropped unread
+            for user in list(s._users):
+                user.remove(keep_values=False)
+            s.close()
     assert os.listdir(nvme_dir) == [], "swap files left behind"
     assert not tierstore_threads(), "background threads left running"
     assert open_fds() <= fds_before | set(), "file descriptors leaked"

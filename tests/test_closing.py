@@ -1,6 +1,6 @@
-"""Closing a store that an offloaded model still uses loses no trained weight: every exit a user takes (close(),
-the end of a ``with`` block, an exception inside it, the interpreter's exit) gives the model its values back, or
-refuses and says what to call first."""
+"""Closing a store that an offloaded model still uses loses no trained weight: close() and the end of a ``with``
+block (an exception inside it too) give the model its values back, or refuse and say what to call first; the
+interpreter's exit removes the swap files and says nothing; a Ctrl-C says where the run stood."""
 
 import os
 import subprocess
@@ -179,3 +179,60 @@ def test_a_real_ctrl_c_says_where_the_run_stood_and_the_run_goes_on(mode, tmp_pa
     assert ended.returncode != 0 and "KeyboardInterrupt" in ended.stderr
     assert f"tierstore: {said[mode]}" in ended.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_a_checkpoint_of_an_optimizer_whose_model_was_given_back_is_refused(tmp_path):
+    from tierstore.integrations import save_checkpoint
+
+    with ts.TierStore(nvme_path=str(tmp_path), host_budget_bytes="64MiB") as store:
+        ref, model, off, opt, data = _trained(store, steps=1)
+    with pytest.raises(ts.TierStoreError, match="no longer offloaded.*make a new optimizer"):
+        save_checkpoint(str(tmp_path / "ckpt"), model, opt)  # would hold no optimizer state at all
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_two_models_that_fit_one_at_a_time_but_not_together_are_refused_together(tmp_path, monkeypatch):
+    store = ts.TierStore(nvme_path=str(tmp_path), host_budget_bytes="64MiB")
+    refs, models, offs = [], [], []
+    for wrap in (lambda m: m, lambda m: torch.nn.Sequential(m)):  # two models, no name in common
+        ref, model, _ = _tiny_pair()
+        refs.append(wrap(ref))
+        models.append(wrap(model))
+        offs.append(offload_model(models[-1], store))
+    one = sum(p.numel() * p.element_size() for _, _, p in offs[0].named_offloaded())
+    monkeypatch.setattr(_base, "free_memory_bytes", lambda device: one + one // 2)  # room for one, not two
+    with pytest.raises(ts.StoreInUseError, match="more than the .* free to give them back into"):
+        store.close()
+    assert all(_base.offloaded_of(m) is not None for m in models)  # neither given back: nothing was closed
+    monkeypatch.undo()
+    store.close()
+    for ref, model in zip(refs, models):
+        _assert_same_parameters(model, ref)
+
+
+def test_a_step_stopped_part_way_is_finished_before_the_close(tmp_path, monkeypatch):
+    from tierstore.integrations import _pipeline
+
+    store = ts.TierStore(nvme_path=str(tmp_path), host_budget_bytes="64MiB")
+    ref, model, off, opt, data = _trained(store, steps=1)
+    x, y = data.batch(1, 8)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    update, calls = _pipeline.StatePipeline.update, []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("update failed")
+        return update(self, *args, **kwargs)
+
+    monkeypatch.setattr(_pipeline.StatePipeline, "update", failing)
+    with pytest.raises(RuntimeError, match="update failed"):
+        opt.step()
+    with pytest.raises(ts.StoreInUseError, match="its last step stopped part-way.*call opt.step\\(\\) to finish"):
+        store.close()
+    monkeypatch.undo()
+    opt.step()  # finishes the step (as if it had not failed: tests/test_optim.py)
+    opt.zero_grad()
+    store.close()
+    assert _base.offloaded_of(model) is None and not any(p.is_meta for p in model.parameters())
+    model(x)  # whole values, given back

@@ -322,8 +322,7 @@ class NvmeEngine:
             raise StoreFullError(
                 f"a new swap file of {_mib(size)} does not fit under nvme_path {self.config.nvme_path!r}: the "
                 f"filesystem has {_mib(free)} free, of which nvme_reserve_bytes={_mib(reserve)} stays free. Free "
-                f"space there, point nvme_path at a larger drive, or lower nvme_reserve_bytes"
-                + (" or file_size_bytes" if size > self.config.file_size_bytes else ""))
+                f"space there, point nvme_path at a larger drive, or lower nvme_reserve_bytes")
         path = os.path.join(self.directory, f"swap-{len(self._files):04d}.bin")
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
         try:

@@ -351,18 +351,18 @@ class TierStore(Residency):
             if state.closed:
                 return
         users = list(self._users)
-        refusals = [why for why in (u.close_refusal() for u in users) if why]
+        claimed: dict[str, int] = {}  # what the users before take of each device's memory
+        refusals = [why for why in (u.close_refusal(claimed) for u in users) if why]
         if refusals:
             raise StoreInUseError(f"store.close(): {refusals[0]}. Nothing was closed")
-        for user in users:
+        for i, user in enumerate(users):
             try:
                 user.store_closing()
             except BaseException as e:
-                # A store whose values cannot be read back (a failed drive) must still be closable: once.
-                self.detach_user(user)
                 if hasattr(e, "add_note"):
-                    e.add_note("tierstore: store.close() could not give an offloaded model its values back; nothing "
-                               "was closed, and close() again closes the store without them")
+                    e.add_note(f"tierstore: store.close() could not give an offloaded model its values back"
+                               f"{f' ({i} before it were)' if i else ''}; the store is still open: close() again "
+                               f"tries again from where it stopped")
                 raise
             self.detach_user(user)
         with state.lock:
@@ -396,10 +396,11 @@ class TierStore(Residency):
         note of why the store is still open, instead of being replaced by the refusal."""
         try:
             self.close()
-        except StoreInUseError as refusal:
+        except Exception as refusal:  # noqa: BLE001 (noted on the block's own exception, which goes on)
             if exc is None:
                 raise
-            note = f"tierstore: the store was left open, its swap files removed at exit: {refusal}"
+            note = (f"tierstore: the store was left open, its swap files removed at exit: "
+                    f"{type(refusal).__name__}: {refusal}")
             if hasattr(exc, "add_note"):
                 exc.add_note(note)
             else:  # Python 3.10

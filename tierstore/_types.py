@@ -76,9 +76,10 @@ class StoreUser(Protocol):
     refuses, then calls ``store_closing()`` on each, which gives its values back and detaches. Both are called on
     the thread that calls ``close()``, without the store's lock (they use the store's public methods)."""
 
-    def close_refusal(self) -> str | None:
+    def close_refusal(self, claimed: dict[str, int]) -> str | None:
         """Why its values cannot be given back now (more than the memory free to hold them, a forward running),
-        saying what to call first; None when they can."""
+        saying what to call first; None when they can. ``claimed``: memory (device name -> bytes) the users
+        asked before it will take for theirs; one that can give its values back adds its own."""
         ...
 
     def store_closing(self) -> None:

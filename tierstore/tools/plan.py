@@ -464,8 +464,9 @@ def _device_line(plan: dict[str, Any], dev: dict[str, Any], size: Any) -> str:
         if up:
             streamed.append(f"the updated weights up from the CPU's update {size(up)}")
     else:
-        kept = (f"nothing (the weights, {size(w)}, are more than the {size(dev['left_for_weights_bytes'])} the budget "
-                "leaves beside the step's working set)")
+        kept = (f"nothing (no --device-budget: the weights, {size(w)}, have no home there)" if not dev["budget_bytes"]
+                else f"nothing (the weights, {size(w)}, are more than the {size(dev['left_for_weights_bytes'])} the "
+                     "budget leaves beside the step's working set)")
         streamed.append(f"each layer's weights up through the host tier for forward and backward {size(up)}")
     if down:
         streamed.append(f"the gradients down to the CPU's update {size(down)}")
