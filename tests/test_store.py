@@ -766,3 +766,25 @@ def test_a_prefetch_overtaken_by_a_get_still_fetching_reads_for_it(make_store):
     assert torch.equal(store.get("b", "host"), torch.ones(n // 4))
     store.release("b", "host")
     assert store.stats_dict()["bytes_read_nvme"] == read + n
+
+
+def test_a_stale_home_copy_in_memory_is_brought_up_to_date_not_freed(make_store):
+    """A key homed in the host tier, changed in the device tier: a prefetch into the host tier that its get
+    overtook skips its fill. Before, the stale home copy was freed to make way for that fill, so the key was left
+    with no home copy at all, and eviction of its device copy then waited for ever (seen as a hang under load in
+    test_device's late copies)."""
+    store = make_store(host_budget_bytes="1MiB", device_budget_bytes="1MiB")
+    store.put("a", torch.full((1024,), 1.0), home="host").wait()
+    t = store.get("a", "device")
+    t.fill_(2.0)
+    store.mark_dirty("a", "device")
+    store.release("a", "device")
+    state = store._state
+    entry = state.entries["a"]
+    with state.lock:
+        entry.prefetch_asked[ts.Tier.HOST] = 0
+        entry.last_get = 10**9  # a get of the key came after the prefetch was asked
+        store._transfers.materialize(entry, ts.Tier.HOST, may_skip=True, prefetch_into=ts.Tier.HOST)
+    assert "host" in store.info("a")["copies"]
+    store.evict("a", "device")
+    assert torch.equal(store.read("a"), torch.full((1024,), 2.0))

@@ -64,6 +64,11 @@ class Transfers:
                 self._wait_loading(entry, copy.loading, may_skip)
             elif copy is not None and copy.version == entry.version:
                 return copy
+            elif copy is not None and copy.tier is entry.home and not copy.pins and not copy.io_refs:
+                # A memory home's stale copy is brought up to date in place, never freed: freed, it was gone for
+                # good when the fill that was to replace it skipped (a prefetch its get overtook, no room), and
+                # eviction then waited for ever for a write-back with nowhere to write.
+                self.start_writeback(entry)
             elif copy is not None:
                 self._clear_stale(entry, copy)
             else:
