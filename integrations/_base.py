@@ -87,7 +87,8 @@ class OffloadBase(OffloadedParameters):
         self.resident: dict[str, nn.Parameter] = {}
         self.params = {}
         self._units = {}
-        # What reacts to the passes (see [Note: Consumers of a pass]): a tuple replaced whole, read by evicting threads.
+        # What reacts to the passes (see [Note: Consumers of a pass]): a tuple replaced whole, read by evicting
+        # threads.
         self.consumers: tuple[PassConsumer, ...] = ()
         self.tells_loads = True  # whether a load of the weights reaches the consumers (see OffloadedParameters)
         # An optimizer's state keys, which eviction weighs with the trace's.
@@ -295,8 +296,8 @@ class OffloadBase(OffloadedParameters):
         return out
 
     def _detach(self, handles: Iterable[Any]) -> None:
-        """What ``remove()`` undoes first: optimizers drop their state, hooks go, and the schedule lets go of the
-        store."""
+        """What ``remove()`` undoes once the values are back: optimizers drop their state, hooks go, and the
+        schedule lets go of the store."""
         for consumer in self.consumers:
             consumer.removed()
         self.consumers = ()
@@ -333,14 +334,14 @@ class OffloadBase(OffloadedParameters):
                     f"({self.broken})")
         need = sum(r.nbytes for r in self.params.values())
         device = self.give_back_device()
-        free = free_memory_bytes(device) - claimed.get(str(device), 0)
-        if need <= free:
-            claimed[str(device)] = claimed.get(str(device), 0) + need
-        else:
+        taken = claimed.get(str(device), 0)
+        free = free_memory_bytes(device) - taken
+        if need > free:
             return (f"{what}, and its {need / 2**30:.2f} GiB of values live only here, more than the "
                     f"{free / 2**30:.2f} GiB of {device.type} memory free to give them back into. Save them first "
                     f"(save_checkpoint(path, model, optimizer) or model.save_pretrained(path)), then "
                     f"{self.drop_hint}")
+        claimed[str(device)] = taken + need
         return None
 
     def store_closing(self) -> None:

@@ -8,8 +8,8 @@ The optimizer's store keys are spelt here and nowhere else.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
 import enum
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable

@@ -113,9 +113,8 @@ class BackwardSteps(PassConsumer):
 
     def held_host_bytes(self) -> int:
         """The bytes of gradients the worker may have queued (the placement's room counts them: see [Note: Updates
-        behind backward] in _placing.py): the backlog's bound, or
-        the most the last backward queued if more (it may pass the bound by a gradient, or while the worker waits
-        for room)."""
+        behind backward] in _placing.py): the backlog's bound, or the most the last backward queued if more (it
+        may pass the bound by a gradient, or while the worker waits for room)."""
         return max(self.opt.max_grad_backlog_bytes, self.last_backlog_peak_bytes)
 
     def grads_taken(self) -> str | None:

@@ -96,8 +96,7 @@ class StateDictIO:
 
         Every piece is read into memory at once, so a state larger than the store's host budget is refused (see
         [Note: A whole state dict beyond the host budget]) unless ``beyond_host_budget=True``."""
-        self._check_attached()
-        tensors = self.state_tensors()
+        tensors = self.state_tensors()  # refused for an optimizer whose model's offload was removed
         if not beyond_host_budget:
             self._check_state_fits([k for _, _, k in tensors])
         state: dict[str, dict[str, torch.Tensor]] = {}

@@ -347,7 +347,7 @@ class Placer:
         [Note: Updates behind backward])."""
         host = self.host.total_bytes if host is None else host
         return room_bytes(host, largest_unit_bytes=self._largest_unit(), units_in_flight=self._units_in_flight(),
-                          largest_update_bytes=self._largest_update(), behind_bytes=self._behind())
+                          largest_update_bytes=self._largest_update(), behind_bytes=self.held_beside())
 
     def _largest_update(self) -> int:
         """The most bytes one optimizer update holds: a parameter with its state."""
@@ -355,10 +355,6 @@ class Placer:
         for k, param_key in self.later.after.items():
             by_param[param_key] = by_param.get(param_key, self._size(param_key)) + self._size(k)
         return max(by_param.values(), default=0)
-
-    def _behind(self) -> int:
-        """Bytes of parameters waiting for updates behind backward (see [Note: Updates behind backward])."""
-        return self.held_beside()
 
     def _largest_unit(self) -> int:
         return max((sum(n for _, n in keys) for keys in self.unit_keys().values()), default=0)
@@ -394,7 +390,7 @@ class Placer:
         # As many of the largest streamed unit as the room holds beside the one computing, the updates in
         # progress and the parameters waiting for updates behind backward ([Note: Reads ahead beside the updates]).
         room = self.placement.room_bytes if self.placement else self.host.total_bytes
-        room -= 2 * self._largest_update() + self._behind()
+        room -= 2 * self._largest_update() + self.held_beside()
         largest = max(streamed, default=0)
         fits = room // largest - 1 if largest else MAX_AUTO_DEPTH
         return choose_depth(reads, compute, max_depth=max(1, min(MAX_AUTO_DEPTH, fits)))

@@ -83,9 +83,9 @@ from torch import nn
 from tierstore import Tier, TierStore, TierTypeError, TierValueError
 from tierstore.memory import PAGE_BYTES, TierPool
 
+from ._base import OffloadedParameterError
 from ._budget import HostBudget
 from ._contract import note_interrupt
-from ._base import OffloadedParameterError
 from ._param import OffloadedParameter, StoredParam, leaves
 
 if TYPE_CHECKING:

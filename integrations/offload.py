@@ -22,8 +22,8 @@ contract an optimizer and a checkpoint use) is ``_base.OffloadBase``.
 the state dict are held, so the copy writes the held copy; after the module's subtree is loaded they are
 marked changed and let go (``_after_load``, also when a submodule alone is loaded), to be written home.
 An ``OffloadedAdamW`` of the model then remakes the fp32 masters of those parameters from the loaded
-values (its consumer's ``loaded``), as a new optimizer would; its moments stay, as a torch optimizer's do when the model
-it steps loads a state dict (transformers' Trainer, resuming, loads the model, then the optimizer's
+values (its consumer's ``loaded``), as a new optimizer would; its moments stay, as a torch optimizer's do when
+the model it steps loads a state dict (transformers' Trainer, resuming, loads the model, then the optimizer's
 state). Not with ``assign=True``.
 """
 

@@ -20,7 +20,8 @@ as applied (the tensor and its version), so calling step() again with
 the same gradients updates only the rest, and the step ends as if it
 had not failed; step() twice with the same gradients is refused. Until
 it is finished, forward, zero_grad() and checkpoints refuse (through
-the model's ``broken``, a ``BrokenValues`` this optimizer owns), since their values would mix two steps.
+the model's ``broken``, a ``BrokenValues`` this optimizer owns), since
+their values would mix two steps.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from tierstore import Tier, TierStore, TierStoreError, TierValueError
 
 from . import _adamw
 from ._adamw import HYPER, check_hyper
+from ._budget import HostBudget
 from ._contract import BrokenValues, Mend, OffloadedParameters, PassConsumer, note_interrupt, optimizer_key
 from ._grads import generation, store_key_of, values_of
 from ._in_backward import BackwardSteps
@@ -51,7 +53,6 @@ from ._optim_params import (
 from ._optim_state import AdamWState
 from ._optim_state_dict import StateDictIO
 from ._pipeline import StatePipeline, UnrestorableUpdateError
-from ._budget import HostBudget
 from .policies import OptimizerStatePolicy
 
 
@@ -134,7 +135,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
             raise TierValueError(f"readahead={readahead} must be >= 0")
         self.offloaded = offloaded
         self.store: TierStore = offloaded.store
-        self.host_budget = host = HostBudget(self.store)  # its shares: see [Note: Splitting the host budget]
+        host = HostBudget(self.store)  # its shares: see [Note: Splitting the host budget]
         # Gradients waiting for their update are memory no tier budgets (see [Note: Stepping in backward]).
         self.max_grad_backlog_bytes = positive_bytes(max_grad_backlog_bytes, host.grad_backlog_bytes(),
                                                      "max_grad_backlog_bytes")

@@ -126,8 +126,9 @@ def test_real_full_disk(small_fs):
         store.put("a", a).wait()  # first 4 MiB swap file
         with open(os.path.join(small_fs, "filler"), "wb") as f:
             f.write(b"\0" * (6 * 1024**2))  # leave less than one more swap file
-        with pytest.raises(ts.StoreFullError, match=r"a new swap file of 4.0 MiB does not fit under nvme_path .*: the "
-                                                    r"filesystem has [\d.]+ MiB free, of which nvme_reserve_bytes=0.0 MiB"):
+        full = (r"a new swap file of 4.0 MiB does not fit under nvme_path .*: the filesystem has [\d.]+ MiB free, "
+                r"of which nvme_reserve_bytes=0.0 MiB")
+        with pytest.raises(ts.StoreFullError, match=full):
             store.put("b", torch.randn(4 * 1024**2 // 4))
         assert "b" not in store
         store.evict("a", "host")

@@ -184,9 +184,8 @@ def write_safetensors_file(path: str | os.PathLike, sources: Iterable[TensorSour
     path = os.path.abspath(os.fspath(path))
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        _write_safetensors(tmp, list(sources), os.path.basename(path), metadata or {})
-        os.rename(tmp, path)
-        _fsync_dir(os.path.dirname(path))
+        _write_safetensors(tmp, list(sources), os.path.basename(path), metadata or {})  # fsynced
+        _rename_into_place(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -276,6 +275,11 @@ def replace_file(tmp: str, path: str) -> None:
     """Make the file written at ``tmp`` the one at ``path``: fsynced, renamed over it, and the directory fsynced,
     so that a process killed at any moment leaves ``path`` whole (old or new)."""
     fsync_tree(tmp)
+    _rename_into_place(tmp, path)
+
+
+def _rename_into_place(tmp: str, path: str) -> None:
+    """Rename the fsynced file ``tmp`` over ``path`` and fsync the directory: the rename is on the drive too."""
     os.replace(tmp, path)
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
 

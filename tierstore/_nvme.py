@@ -289,20 +289,23 @@ class NvmeEngine:
         """How many more bytes tensors could take here now: the free ranges of the swap files plus the drive's
         free space (less nvme_reserve_bytes), within nvme_budget_bytes."""
         with self._lock:
-            inside = sum(n for f in self._files for _, n in f.free)
-            room = inside + max(0, self._drive_free_bytes() - self.config.nvme_reserve_bytes)
+            room = self._unused_locked() + max(0, self._drive_free_bytes() - self.config.nvme_reserve_bytes)
             budget = self.config.nvme_budget_bytes
             return room if budget is None else min(room, budget - self.used_bytes)
 
     def describe_room(self) -> str:
         """Where ``room_bytes()`` comes from, in the settings' words: for an error that says what to change."""
         with self._lock:
-            inside = sum(n for f in self._files for _, n in f.free)
+            inside = self._unused_locked()
         budget = self.config.nvme_budget_bytes
         return (f"the filesystem has {_mib(self._drive_free_bytes())} free, of which nvme_reserve_bytes="
                 f"{_mib(self.config.nvme_reserve_bytes)} stays free; the swap files have {_mib(inside)} unused; "
                 + ("no nvme_budget_bytes" if budget is None else
                    f"nvme_budget_bytes={_mib(budget)}, {_mib(self.used_bytes)} of it used"))
+
+    def _unused_locked(self) -> int:
+        """Bytes of the swap files that no extent takes."""
+        return sum(n for f in self._files for _, n in f.free)
 
     def _take_locked(self, f: _SwapFile, length: int) -> Extent | None:
         for i, (off, n) in enumerate(f.free):

@@ -166,7 +166,8 @@ def unit_victim_order(policy: PrefetchPolicy, key_units: Mapping[str, Sequence[H
     parameters; a tied or shared parameter is used by several); else, for a key of ``later.after`` or
     ``later.grads``, the last use in this step of its parameter's units, plus a half; else its position among
     what ``waiting()`` gives (the keys an optimizer's queue or a step will use next, with how far away each use
-    is; a snapshot, asked once an order); else never (inf), and those go first of all. ``key_units`` may grow while it is installed.
+    is; a snapshot, asked once an order); else never (inf), and those go first of all. ``key_units`` may grow
+    while it is installed.
     """
     inf = float("inf")
 

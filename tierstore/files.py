@@ -30,4 +30,5 @@ from ._checkpoint import (
 
 __all__ = ["MANIFEST", "PinnedCheckpoint", "TensorSource", "commit", "discard", "dtype_from_name", "dtype_name",
            "fsync_tree", "new_directory", "read_into", "read_manifest", "read_raw", "read_safetensors", "read_tensor",
-           "replace_file", "safetensors_entries", "verify_tensor", "write_checkpoint", "write_files", "write_safetensors_file"]
+           "replace_file", "safetensors_entries", "verify_tensor", "write_checkpoint", "write_files",
+           "write_safetensors_file"]
