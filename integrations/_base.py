@@ -13,10 +13,9 @@ bytes the store holds); every unit one with ``name``, ``params`` (those records)
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,19 +24,16 @@ import torch
 from torch import nn
 
 from tierstore import Tier, TierKeyError, TierStore, TierStoreError, TierTypeError, TierValueError
-from tierstore.memory import TierPool
 from tierstore.scheduling import LaterUses, Placement, PrefetchPolicy, unit_victim_order
 
-from ._contract import OPTIMIZER_PREFIX, BrokenValues, Mend, OffloadedParameters, PassConsumer
-from ._meta import unmaterialize
-from ._placing import AUTO_START_DEPTH, Placer, StepStarts
+from ._contract import (
+    OPTIMIZER_PREFIX, BrokenValues, Consumers, Mend, NotCopyable, OffloadedParameterError, OffloadedParameters,
+    PassConsumer,
+)
+from ._meta import putting
+from ._placing import AUTO_START_DEPTH, Placer, StepStarts, UnitSchedule
 
 STATE_KEY = "_tierstore_offload"  # the attribute of an offloaded module that holds its OffloadBase
-
-
-class OffloadedParameterError(TierStoreError):
-    """An offloaded parameter's values were needed where tierstore cannot fetch them, or can no longer be
-    trusted."""
 
 
 @dataclass
@@ -72,7 +68,7 @@ def check_not_offloaded(model: nn.Module, wrapper: str) -> None:
                              f"first")
 
 
-class OffloadBase(OffloadedParameters):
+class OffloadBase(NotCopyable, OffloadedParameters):
     """The contract, the schedule and the public tail of an offloaded model; see the module docstring."""
 
     stats: UnitStats
@@ -80,16 +76,15 @@ class OffloadBase(OffloadedParameters):
     _units: dict[str, Any]  # unit name -> its record
     prefix: str  # of its parameters' store keys
 
-    def __init__(self, model: nn.Module, store: TierStore, home: Tier) -> None:
+    def __init__(self, model: nn.Module, store: TierStore, home: Tier, stats: UnitStats) -> None:
         self.model = model
+        self.stats = stats
         self.store = store
         self.home = home
         self.resident: dict[str, nn.Parameter] = {}
         self.params = {}
-        self._units = {}
-        # What reacts to the passes (see [Note: Consumers of a pass]): a tuple replaced whole, read by evicting
-        # threads.
-        self.consumers: tuple[PassConsumer, ...] = ()
+        # What reacts to the passes (see [Note: Consumers of a pass]), given to the levels below as it is.
+        self.pass_consumers = Consumers()
         self.tells_loads = True  # whether a load of the weights reaches the consumers (see OffloadedParameters)
         # An optimizer's state keys, which eviction weighs with the trace's.
         self.later_uses = LaterUses()
@@ -99,99 +94,84 @@ class OffloadBase(OffloadedParameters):
         # whether gradients are kept by the offload (``grads``), not in ``param.grad``
         self.keeps_grads = True
         self.broken: BrokenValues | None = None  # why the values can no longer be trusted (see OffloadedParameters)
-        self.backwards_failed = 0  # backward passes that raised (an optimizer stepping in backward asks)
         self._steps = StepStarts()
         self._by_key: dict[str, Any] = {}
-        self._key_units: dict[str, tuple[str, ...]] = {}
+        # The units, their read-ahead and stalls: what the levels below are given (see UnitSchedule).
+        self.schedule = UnitSchedule(store, self.stats)
+
+    @property
+    def backwards_failed(self) -> int:
+        """Backward passes that raised (an optimizer stepping in backward asks); FSDP2's ranks count none."""
+        return 0
+
+    @property
+    def consumers(self) -> tuple[PassConsumer, ...]:
+        """The consumers attached now (see [Note: Consumers of a pass])."""
+        return self.pass_consumers.attached
+
+    @property
+    def _units(self) -> dict[str, Any]:
+        return self.schedule.units
+
+    @property
+    def _key_units(self) -> dict[str, tuple[str, ...]]:
+        return self.schedule.key_units
+
+    @property
+    def prefetch_policy(self) -> PrefetchPolicy:
+        assert self.schedule.policy is not None
+        return self.schedule.policy
+
+    @property
+    def placer(self) -> Placer:
+        assert self.schedule.placer is not None
+        return self.schedule.placer
 
     # ---- construction -------------------------------------------------------------------
-    @contextmanager
-    def putting(self) -> Iterator[tuple[list, list[Callable[[], None]]]]:
-        """The put/undo transaction: yields (store put handles, undo steps of a meta build); on any error the
-        store holds nothing of the model and the model is as it was given."""
-        handles: list = []
-        undo: list[Callable[[], None]] = []
-        try:
-            yield handles, undo
-            for h in handles:
-                h.wait()
-        except BaseException:
-            self.store.undo_puts(handles)
-            unmaterialize(undo)
-            self.params.clear()
-            raise
+    def putting(self) -> AbstractContextManager[tuple[list, list[Callable[[], None]]]]:
+        """The put/undo transaction (see ``_meta.putting``): on any error the store holds nothing of the model."""
+        return putting(self.store, self.params)
 
     def _schedule(self, *, prefetch_depth: int | str, prefetch_bytes: int | None, placement: bool,
                   trace: list[str] | None = None, grad_of: Callable[[str], tuple[str, int] | None] | None = None,
                   forward_uses: int | None = None) -> None:
         """The prefetch policy over the units, the eviction order and the placement (once the units exist)."""
         auto = prefetch_depth == "auto"
-        self.prefetch_policy = PrefetchPolicy(depth=AUTO_START_DEPTH if auto else int(prefetch_depth),
-                                              max_bytes=prefetch_bytes,
-                                     unit_bytes={u.name: u.nbytes for u in self._units.values()}, trace=trace,
-                                     forward_uses=forward_uses)
-        self.stats.prefetch_depth = self.prefetch_policy.depth
+        schedule = self.schedule
+        schedule.policy = PrefetchPolicy(depth=AUTO_START_DEPTH if auto else int(prefetch_depth),
+                                         max_bytes=prefetch_bytes, trace=trace, forward_uses=forward_uses,
+                                         unit_bytes={u.name: u.nbytes for u in schedule.units.values()})
+        self.stats.prefetch_depth = schedule.policy.depth
         self._by_key = {r.key: r for r in self.params.values()}
-        for u in self._units.values():
+        for u in schedule.units.values():
             for r in u.params:
-                self._key_units[r.key] = (*self._key_units.get(r.key, ()), u.name)
+                schedule.key_units[r.key] = (*schedule.key_units.get(r.key, ()), u.name)
         # Which of its copies eviction should drop first (Belady over its trace and its optimizer's queue).
-        self.victim_order = unit_victim_order(self.prefetch_policy, self._key_units, self.later_uses,
-                                              waiting=self._next_uses)
-        self._victim_token = self.store.add_victim_order(
-            self.victim_order, owns=self._owns)
+        self.victim_order = unit_victim_order(schedule.policy, schedule.key_units, self.later_uses,
+                                              waiting=self.pass_consumers.next_uses)
+        self._victim_token = self.store.add_victim_order(self.victim_order, owns=self._owns)
         # What stays in the host tier for the whole run, and the depth with "auto" (see integrations/_placing.py).
-        self.placer = Placer(self.store, self.prefetch_policy, self.later_uses, held_beside=self._held_host_bytes,
-                             unit_keys=self._unit_keys,
-                             place=placement, auto_depth=auto, grad_of=grad_of)
+        schedule.placer = Placer(self.store, schedule.policy, self.later_uses,
+                                 held_beside=self.pass_consumers.held_host_bytes, unit_keys=schedule.unit_keys,
+                                 place=placement, auto_depth=auto, grad_of=grad_of)
 
     # ---- consumers (see [Note: Consumers of a pass]) ------------------------------------------
     def attach(self, consumer: PassConsumer) -> None:
         """``consumer`` is told of the passes from now on, until :meth:`detach` (or ``remove()``)."""
-        if consumer not in self.consumers:
-            self.consumers = (*self.consumers, consumer)
+        self.pass_consumers.attach(consumer)
 
     def detach(self, consumer: PassConsumer) -> None:
-        self.consumers = tuple(c for c in self.consumers if c is not consumer)
-
-    def consumes_grads(self) -> bool:
-        """Whether a consumer takes each gradient as it completes (an update stepping in backward)."""
-        return any(c.consumes_grads for c in self.consumers)
-
-    def grad_ready(self, key: str) -> None:
-        for c in self.consumers:
-            if c.consumes_grads:
-                c.grad_ready(key)
-
-    def grads_taken(self) -> str | None:
-        """Why no gradient may be read now, or None."""
-        return next((why for c in self.consumers if (why := c.grads_taken()) is not None), None)
+        self.pass_consumers.detach(consumer)
 
     def loaded(self, names: list[str]) -> None:
         """A load wrote these parameters: the consumers hear of it (an optimizer remakes their masters)."""
-        for c in self.consumers:
-            c.loaded(names)
-
-    def _next_uses(self) -> dict[str, int]:
-        """Every consumer's next uses, the nearest for a key used by several (on an evicting thread)."""
-        out: dict[str, int] = {}
-        for c in self.consumers:
-            for k, pos in c.next_uses().items():
-                out[k] = min(pos, out.get(k, pos))
-        return out
-
-    def _held_host_bytes(self) -> int:
-        return sum(c.held_host_bytes() for c in self.consumers)
+        self.pass_consumers.loaded(names)
 
     def _owns(self, key: str) -> bool:
         """Whether this model's victim order ranks ``key``: its parameters, their optimizer state and kept
         gradients."""
         later = self.later_uses
         return key in self._key_units or key in later.after or key in later.grads or key in self.claimed
-
-    def _unit_keys(self) -> dict[str, list[tuple[str, int]]]:
-        return {u.name: [(r.key, TierPool.capacity_for(r.nbytes)) for r in u.params]
-                for u in self._units.values() if u.params}
 
     # ---- a step ---------------------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -206,17 +186,6 @@ class OffloadBase(OffloadedParameters):
         self.prefetch_policy.start_step()
         self.placer.start_step()
         self.stats.prefetch_depth = self.prefetch_policy.depth
-
-    def prefetch_after(self, unit: Any, tier: Tier) -> None:
-        """``unit`` is about to be used: read ahead the units the policy names."""
-        for name in self.prefetch_policy.on_use(unit.name, self.placer.clock()):
-            for r in self._units[name].params:
-                self.store.prefetch(r.key, tier)
-                self.stats.prefetches_issued += 1
-
-    def add_stall(self, unit: Any, since: float) -> None:
-        by_unit = self.stats.stall_seconds_by_unit
-        by_unit[unit.name] = by_unit.get(unit.name, 0.0) + time.perf_counter() - since
 
     # ---- what OffloadedAdamW and checkpoints use (see OffloadedParameters) -------------------
     def named_offloaded(self) -> Iterator[tuple[str, str, nn.Parameter]]:
@@ -267,7 +236,7 @@ class OffloadBase(OffloadedParameters):
         placement = self.placer.placement
         return self.placer.host.split(kept_bytes=placement.resident_bytes if placement is not None else 0,
                                       room_bytes=placement.room_bytes if placement is not None else None,
-                                      held_beside_bytes=self._held_host_bytes())
+                                      held_beside_bytes=self.pass_consumers.held_host_bytes())
 
     @property
     def placement(self) -> Placement | None:
@@ -300,7 +269,7 @@ class OffloadBase(OffloadedParameters):
         schedule lets go of the store."""
         for consumer in self.consumers:
             consumer.removed()
-        self.consumers = ()
+            self.pass_consumers.detach(consumer)
         for h in handles:
             h.remove()
         self.store.remove_victim_order(self._victim_token)
@@ -359,16 +328,6 @@ class OffloadBase(OffloadedParameters):
         """Where ``remove()`` puts the values back."""
         return torch.device("cpu")
 
-    def __deepcopy__(self, memo: dict) -> Any:
-        raise TierTypeError(_NOT_COPYABLE)
-
-    def __reduce_ex__(self, protocol: object) -> Any:
-        raise TierTypeError(_NOT_COPYABLE)
-
-
-_NOT_COPYABLE = ("an offloaded model cannot be copied or pickled: its parameters live in the store and its module "
-                 "holds placeholders. Copy it before offload_model (or offload_fsdp), call .remove() first, or save "
-                 "it with state_dict() (which reads the real values) or save_checkpoint()")
 
 
 def free_memory_bytes(device: torch.device) -> int:

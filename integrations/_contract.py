@@ -9,15 +9,14 @@ The optimizer's store keys are spelt here and nowhere else.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from tierstore import Tier, TierStore
+from tierstore import Tier, TierStore, TierStoreError, TierTypeError
 from tierstore.scheduling import LaterUses, PrefetchPolicy
 
 OPTIMIZER_PREFIX = "adam/"
@@ -28,6 +27,27 @@ OPTIMIZER_STATE = ("exp_avg", "exp_avg_sq", "master")
 # dtype (moments of that dtype too, as torch.optim.AdamW keeps them).
 MASTERED_DTYPES = (torch.bfloat16, torch.float16)
 STEPPED_DTYPES = (torch.float32, torch.float64, *MASTERED_DTYPES)
+
+
+class OffloadedParameterError(TierStoreError):
+    """An offloaded parameter's values were needed where tierstore cannot fetch them, or can no longer be
+    trusted."""
+
+
+NOT_COPYABLE = ("an offloaded model cannot be copied or pickled: its parameters live in the store and its module "
+                "holds placeholders. Copy it before offload_model (or offload_fsdp), call .remove() first, or save "
+                "it with state_dict() (which reads the real values) or save_checkpoint()")
+
+
+class NotCopyable:
+    """What an offloaded model's modules and parameters hold (the front, its levels, their hooks) refuses
+    ``copy.deepcopy``, ``pickle`` and ``torch.save`` with one message, whichever a copy reaches first."""
+
+    def __deepcopy__(self, memo: dict) -> object:
+        raise TierTypeError(NOT_COPYABLE)
+
+    def __reduce_ex__(self, protocol: object) -> object:
+        raise TierTypeError(NOT_COPYABLE)
 
 
 def has_master(key: str | None, p: torch.Tensor) -> bool:
@@ -142,6 +162,52 @@ class PassConsumer:
         return 0
 
 
+class Consumers:
+    """The consumers attached to one offload (see [Note: Consumers of a pass]), and what the levels below the front
+    ask of them together: the pass (``PassState``) hands each gradient over or keeps it, a parameter's ``.grad``
+    read asks whether gradients may be read, the eviction order and the placement read their next uses and held
+    bytes. ``attached`` is a tuple replaced whole on attach and detach, so an evicting thread iterates one that no
+    thread changes."""
+
+    def __init__(self) -> None:
+        self.attached: tuple[PassConsumer, ...] = ()
+
+    def attach(self, consumer: PassConsumer) -> None:
+        if consumer not in self.attached:
+            self.attached = (*self.attached, consumer)
+
+    def detach(self, consumer: PassConsumer) -> None:
+        self.attached = tuple(c for c in self.attached if c is not consumer)
+
+    def consumes_grads(self) -> bool:
+        """Whether a consumer takes each gradient as it completes (an update stepping in backward)."""
+        return any(c.consumes_grads for c in self.attached)
+
+    def grad_ready(self, key: str) -> None:
+        for c in self.attached:
+            if c.consumes_grads:
+                c.grad_ready(key)
+
+    def grads_taken(self) -> str | None:
+        """Why no gradient may be read now, or None."""
+        return next((why for c in self.attached if (why := c.grads_taken()) is not None), None)
+
+    def loaded(self, names: list[str]) -> None:
+        for c in self.attached:
+            c.loaded(names)
+
+    def next_uses(self) -> dict[str, int]:
+        """Every consumer's next uses, the nearest for a key used by several (on an evicting thread)."""
+        out: dict[str, int] = {}
+        for c in self.attached:
+            for k, pos in c.next_uses().items():
+                out[k] = min(pos, out.get(k, pos))
+        return out
+
+    def held_host_bytes(self) -> int:
+        return sum(c.held_host_bytes() for c in self.attached)
+
+
 def note_interrupt(error: BaseException, where: str, store: TierStore) -> None:
     """Add to a Ctrl-C (``KeyboardInterrupt``) or another ``BaseException`` that is no error where the run stood
     (``where``: what was let go, what to call next) and what becomes of the swap directory, so that it does not
@@ -188,15 +254,21 @@ class OffloadedParameters(Protocol):
     model: nn.Module
     store: TierStore
     home: Tier
-    prefetch_policy: PrefetchPolicy
     resident: dict[str, nn.Parameter]
     grads: GradientSource
     keeps_grads: bool
-    consumers: tuple[PassConsumer, ...]
     tells_loads: bool
-    backwards_failed: int
     later_uses: LaterUses
     broken: BrokenValues | None
+
+    @property
+    def prefetch_policy(self) -> PrefetchPolicy: ...
+
+    @property
+    def consumers(self) -> tuple[PassConsumer, ...]: ...
+
+    @property
+    def backwards_failed(self) -> int: ...
 
     def attach(self, consumer: PassConsumer) -> None: ...
 
@@ -230,58 +302,6 @@ class KeptGradients(GradientSource, Protocol):
     def hand_over(self, param_key: str, grad: torch.Tensor) -> None: ...
 
 
-class ModelOffload(OffloadedParameters, Protocol):
-    """What the levels of ``offload_model`` below its public face (a parameter, ``_param.py``; a unit,
-    ``_unit.py``; the pass, ``_pass.py``; the build, ``_build.py``) use of the offload they belong to
-    (``offload.OffloadedModel``), so that none of them imports the level above (see docs/code-map.md):
-
-    - ``compute_tier``/``compute_device``: where a held parameter's copy lives and computes; ``prefix`` of its
-      store keys; ``params``: id(parameter) -> its ``StoredParam``; ``resident_ids``: ids of the parameters kept
-      in memory; ``pass_state``: the model's ``PassState``;
-    - ``unit_of(sp)``: the unit that owns a parameter; ``learned(unit, sp)``: a unit was seen to read it;
-    - ``prefetch_after(unit, tier)``: a unit is about to be used (read ahead what follows it);
-      ``add_stall(unit, since)``: a unit waited for its parameters from ``since`` until now;
-    - ``keep_handle(handle)``: a hook's handle, removed with the offload; ``backward_ended()``;
-    - ``claimed``: store keys of others its victim order ranks through a consumer's ``next_uses`` (a layer-major
-      step's activations);
-    - ``consumes_grads()``, ``grad_ready(key)``, ``grads_taken()``: what the consumers attached say of and do
-      with the gradients (see [Note: Consumers of a pass]);
-    - ``putting()``: the all-or-nothing transaction that gives parameters to the store;
-    - ``layer_major_refused``: why ``off.accumulate`` runs as the loop (None: layer by layer); ``stats``: its
-      ``layer_major_steps`` and ``loop_steps`` count what it ran.
-    """
-
-    grads: KeptGradients
-    claimed: set[str]
-    compute_tier: Tier
-    compute_device: torch.device
-    prefix: str
-    params: dict[int, Any]
-    resident_ids: set[int]
-    pass_state: Any
-    layer_major_refused: str | None
-    stats: Any
-
-    def consumes_grads(self) -> bool: ...
-
-    def grad_ready(self, key: str) -> None: ...
-
-    def grads_taken(self) -> str | None: ...
-
-    def unit_of(self, sp: Any) -> Any: ...
-
-    def learned(self, unit: Any, sp: Any) -> None: ...
-
-    def prefetch_after(self, unit: Any, tier: Tier) -> None: ...
-
-    def add_stall(self, unit: Any, since: float) -> None: ...
-
-    def keep_handle(self, handle: Any) -> None: ...
-
-    def backward_ended(self) -> None: ...
-
-    def putting(self) -> AbstractContextManager[tuple[list, list[Callable[[], None]]]]: ...
-
-
-__all__ = ["OPTIMIZER_PREFIX", "OPTIMIZER_STATE", "BrokenValues", "GradientSource", "KeptGradients", "ModelOffload",
-           "Mend", "OffloadedParameters", "PassConsumer", "note_interrupt", "optimizer_key", "zero_grads"]
+__all__ = ["NOT_COPYABLE", "OPTIMIZER_PREFIX", "OPTIMIZER_STATE", "BrokenValues", "Consumers", "GradientSource",
+           "KeptGradients", "Mend", "NotCopyable", "OffloadedParameterError", "OffloadedParameters", "PassConsumer",
+           "note_interrupt", "optimizer_key", "zero_grads"]

@@ -67,7 +67,7 @@ import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -75,10 +75,30 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tierstore import Tier, TierStoreError
 
-from ._contract import ModelOffload, PassConsumer, note_interrupt
+from ._contract import KeptGradients, OffloadedParameters, PassConsumer, note_interrupt
 from ._unit import compiled
 
+if TYPE_CHECKING:
+    from tierstore import TierStore
+
+    from ._pass import PassState
+
 ACT_PREFIX = "act/"
+
+
+class LayerMajorOffload(OffloadedParameters, Protocol):
+    """What a layer-major step uses of the offload whose ``accumulate`` runs it (``offload.OffloadedModel``): its
+    pass (micro-batches' threads taking turns as one pass), the compute tier, the gradients it keeps, the keys of
+    others it ranks (``claimed``: the step's activations), why it last ran as the loop (``layer_major_refused``)
+    and the counts of what it ran (``stats``)."""
+
+    store: TierStore
+    pass_state: PassState
+    compute_tier: Tier
+    grads: KeptGradients
+    claimed: set[str]
+    layer_major_refused: str | None
+    stats: Any
 
 
 class NotAChain(Exception):
@@ -229,7 +249,7 @@ class LayerMajorStep(PassConsumer):
     passes whose next uses are its activations (see [Note: Activations in the tiers], [Note: Consumers of a
     pass])."""
 
-    def __init__(self, off: ModelOffload, segments: Sequence[nn.Module]) -> None:
+    def __init__(self, off: LayerMajorOffload, segments: Sequence[nn.Module]) -> None:
         self.off = off
         self.segments = list(segments)
         self.index = {id(m): k for k, m in enumerate(self.segments)}
@@ -485,7 +505,7 @@ def _refusal(model: nn.Module, segments: Sequence[nn.Module]) -> str | None:
     return None
 
 
-def run_layer_major(off: ModelOffload, step_fn: Callable[[Any], Any], micro_batches: Sequence[Any],
+def run_layer_major(off: LayerMajorOffload, step_fn: Callable[[Any], Any], micro_batches: Sequence[Any],
                     segments: Sequence[nn.Module]) -> list[Any]:
     """``[step_fn(mb) for mb in micro_batches]``, layer by layer where the model runs as a chain of ``segments``;
     else as the loop, with a warning once (see [Note: A layer-major step])."""
@@ -516,7 +536,7 @@ def run_layer_major(off: ModelOffload, step_fn: Callable[[Any], Any], micro_batc
     return [step_fn(mb) for mb in micro_batches]
 
 
-def _refuse(off: ModelOffload, reason: str) -> None:
+def _refuse(off: LayerMajorOffload, reason: str) -> None:
     """From now on ``off``'s steps run as the loop; said once."""
     off.layer_major_refused = reason
     warnings.warn(f"tierstore: the micro-batches run one after another, not layer by layer: {reason}", stacklevel=4)

@@ -35,12 +35,17 @@ parameters is an error naming them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 from tierstore import TierValueError
+
+if TYPE_CHECKING:
+    from tierstore import TierStore
 
 
 REAL_PARAMETERS = ("initialize", "keep")
@@ -66,8 +71,9 @@ def check_meta(model: nn.Module, init_fn: Callable[[nn.Module], None] | None,
     if real and real_parameters is None:
         raise TierValueError(
             f"the model is on the meta device but {len(real)} of its parameters are not: {', '.join(real[:4])}"
-            f"{f' and {len(real) - 4} more' if len(real) > 4 else ''}. A constructor that ignores torch.device('meta') (torch."
-            f"FloatTensor(size), torch.Tensor(size): XLNet's attention builds its weights so) makes them of "
+            f"{f' and {len(real) - 4} more' if len(real) > 4 else ''}. A constructor that ignores "
+            f"torch.device('meta') (torch.FloatTensor(size), torch.Tensor(size): XLNet's attention builds its weights "
+            f"so) makes them of "
             f"uninitialized memory, which would be trained on. Pass real_parameters='initialize' to initialize them "
             f"with their modules, as the meta ones are (and as to_empty() and reset_parameters() would), or "
             f"real_parameters='keep' if they hold values on purpose")
@@ -277,6 +283,24 @@ def _putter(slots: dict, name: str, old: object) -> Callable[[], None]:
     def put_back() -> None:
         slots[name] = old
     return put_back
+
+
+@contextmanager
+def putting(store: TierStore, records: dict) -> Iterator[tuple[list, list[Callable[[], None]]]]:
+    """The put/undo transaction of a model's parameters: yields (store put handles, undo steps of a meta build);
+    on any error the store holds nothing of the model, ``records`` (what the build filled) is emptied and the
+    model is as it was given."""
+    handles: list = []
+    undo: list[Callable[[], None]] = []
+    try:
+        yield handles, undo
+        for h in handles:
+            h.wait()
+    except BaseException:
+        store.undo_puts(handles)
+        unmaterialize(undo)
+        records.clear()
+        raise
 
 
 def unmaterialize(undo: list[Callable[[], None]]) -> None:

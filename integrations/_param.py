@@ -84,20 +84,21 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tierstore import TierStoreError, TierValueError
+from tierstore import Tier, TierStore, TierStoreError, TierValueError
 from tierstore.memory import contiguous_strides, dense_strides
 
-from ._base import OffloadedParameterError
+from ._contract import NotCopyable, OffloadedParameterError
 from ._grads import StoredGrad
 
 if TYPE_CHECKING:
-    from ._contract import ModelOffload
+    from ._contract import Consumers, KeptGradients
+    from ._placing import UnitSchedule
 
 # ---- the parameter class ----------------------------------------------------------------
 _T = torch.Tensor
@@ -149,7 +150,7 @@ class OffloadedParameter(nn.Parameter):
                 p = args[0]
                 if isinstance(p, OffloadedParameter) and not p._tierstore.holds:
                     sp = p._tierstore
-                    if not sp.owner.pass_state.fetch_on_demand(sp):  # outside the model's forward and backward
+                    if not sp.passes.fetch_on_demand(sp):  # outside the model's forward and backward
                         return _Alias.of(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta"), sp)
                     # See [Note: A write through .data].
                     sp.written_through_data = sp.written_through_data or attribute == "data"
@@ -172,7 +173,7 @@ class OffloadedParameter(nn.Parameter):
         """A copy of its values, fetched on demand in the model's forward or backward; elsewhere refused (torch's
         would clone the meta tensor ``.data`` gives there: a copy with no values)."""
         sp = self._tierstore  # unheld: a held parameter is of its own class, and never reaches here
-        if sp.owner.pass_state.fetch_on_demand(sp):  # held now, and of its own class again
+        if sp.passes.fetch_on_demand(sp):  # held now, and of its own class again
             return sp.original_class.__deepcopy__(self, memo)
         raise OffloadedParameterError(read_message("copy.deepcopy", sp))
 
@@ -189,9 +190,9 @@ def kept_grad(sp: StoredParam, how: str, value: Any) -> torch.Tensor | None:
     """``param.grad`` of an offloaded parameter is the gradient its model keeps for it in the store (see [Note: A
     stored gradient read from outside]): torch's ``clip_grad_norm_``, ``model.zero_grad()`` and the like act on
     it."""
-    grads = sp.owner.grads
+    grads = sp.passes.grads
     if how == "__get__":
-        why = sp.owner.grads_taken()
+        why = sp.passes.consumers.grads_taken()
         if why is not None:
             raise TierStoreError(f"{sp.name}.grad: {why}")
         return grads.get(sp.key)
@@ -222,10 +223,10 @@ def _on_read(unheld: list[OffloadedParameter], func: Any, args: Any, kwargs: Any
     conversion that needs no values, or raise."""
     for p in unheld:
         sp = p._tierstore
-        if sp.owner.pass_state.fetch_on_demand(sp):
+        if sp.passes.fetch_on_demand(sp):
             continue
         if func in _CONVERSIONS and args and args[0] is p:  # a no-op conversion returns its input, reading nothing
-            probe = torch.empty(0, dtype=p.dtype, device=sp.owner.compute_device)
+            probe = torch.empty(0, dtype=p.dtype, device=sp.site.device)
             with torch._C.DisableTorchFunctionSubclass():
                 if func(probe, *args[1:], **kwargs) is probe:
                     return (p,)
@@ -362,15 +363,39 @@ def refuse_other_optimizers_from_now() -> None:
         _optimizer_hook = register_optimizer_step_pre_hook(refuse_other_optimizers)
 
 
+@dataclass(frozen=True)
+class ComputeSite:
+    """Where a model's held parameters live and compute: its ``store``, the compute ``tier`` of their held copies
+    and its ``device``. What every level of an offload below its front is given of the store."""
+
+    store: TierStore
+    tier: Tier
+    device: torch.device
+
+
+class ParamPass(Protocol):
+    """What a parameter uses of its model's passes (``_pass.PassState``): a read no hook foresaw fetches it on
+    demand; its held copy's storage is known by it; its kept gradient, and whether consumers let it be read."""
+
+    storage_owner: dict[int, StoredParam]
+    grads: KeptGradients
+    consumers: Consumers
+
+    def fetch_on_demand(self, sp: StoredParam) -> bool: ...
+
+
 @dataclass(eq=False)
-class StoredParam:
+class StoredParam(NotCopyable):
     """One offloaded parameter of an ``OffloadedModel``: its name and store key, and its holds (see [Note:
-    Holding a parameter])."""
+    Holding a parameter]). It is given where it computes (``site``), its model's passes and the units' schedule
+    (whose stall counts its fetch), not the offload they belong to."""
 
     name: str
     key: str
     param: nn.Parameter
-    owner: ModelOffload
+    site: ComputeSite
+    passes: ParamPass
+    schedule: UnitSchedule
     placeholder: torch.Tensor
     nbytes: int
     original_class: type
@@ -386,21 +411,21 @@ class StoredParam:
         self.holds += 1
         if self.holds > 1:
             return
-        owner = self.owner
+        site = self.site
         t0 = time.perf_counter()
         # Under torch.inference_mode() the copy would be an inference tensor, and torch computes with one
         # differently (its eval outputs would round otherwise than the resident model's): it is made outside.
         try:
             with torch.inference_mode(False), torch._C.DisableTorchFunctionSubclass():
-                self.param.data = self.held = owner.store.get(self.key, owner.compute_tier, sync_views=True)
+                self.param.data = self.held = site.store.get(self.key, site.tier, sync_views=True)
         except BaseException:
             self.holds -= 1  # not held: it still has no values
             raise
         self.param.__class__ = self.original_class  # see [Note: A held parameter is an ordinary one]
         self.version = self.param._version
         if self.param.numel():
-            owner.pass_state.storage_owner[self.param.untyped_storage().data_ptr()] = self
-        owner.add_stall(unit, t0)
+            self.passes.storage_owner[self.param.untyped_storage().data_ptr()] = self
+        self.schedule.add_stall(unit, t0)
 
     def unhold(self) -> None:
         """One hold fewer; the last writes home what a forward wrote and gives the copy back to the store."""
@@ -413,12 +438,11 @@ class StoredParam:
         # See [Note: A write while held] and [Note: A write through .data].
         if assigned or self.param._version != self.version or self.written_through_data:
             self._keep_write(held, assigned)
-        owner = self.owner
-        owner.pass_state.storage_owner.pop(held.untyped_storage().data_ptr(), None)
+        self.passes.storage_owner.pop(held.untyped_storage().data_ptr(), None)
         self.param.data = self.placeholder
         self.param.__class__ = OffloadedParameter
         # A view of it kept past the hold (see [Note: A freed buffer still viewed]) keeps its memory.
-        owner.store.release(self.key, owner.compute_tier, guard_views=True)
+        self.site.store.release(self.key, self.site.tier, guard_views=True)
 
     def release(self) -> None:
         """Let go of every hold (what a pass left when it stopped)."""
@@ -439,7 +463,7 @@ class StoredParam:
                     f"{held.dtype} (write values of those in place, under torch.no_grad())")
             with torch.no_grad():
                 held.copy_(value)
-        self.owner.store.mark_dirty(self.key, self.owner.compute_tier)
+        self.site.store.mark_dirty(self.key, self.site.tier)
 
 
 class _NoStorage(torch.Tensor):

@@ -57,12 +57,13 @@ import torch
 
 from tierstore import TierBudgetError
 
-from ._base import OffloadedParameterError
-from ._param import StoredParam, call_weakly, leaves
+from ._contract import NotCopyable, OffloadedParameterError
+from ._param import ComputeSite, StoredParam, call_weakly, leaves
 from ._unit import WHOLE_MODEL, eager
 
 if TYPE_CHECKING:
-    from ._contract import ModelOffload
+    from ._contract import Consumers, KeptGradients
+    from ._placing import StepStarts, UnitSchedule
     from ._unit import Unit
 
 
@@ -89,11 +90,22 @@ def _graph_task() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class PassState:
+class PassState(NotCopyable):
     """The forward and backward passes of one offloaded model (see [Note: Pass phases])."""
 
-    def __init__(self, owner: ModelOffload) -> None:
-        self.owner = owner
+    def __init__(self, params: dict[int, StoredParam], site: ComputeSite, schedule: UnitSchedule,
+                 consumers: Consumers, grads: KeptGradients, handles: list[Any], steps: StepStarts) -> None:
+        """Of one model: its parameters' records (``params``, filled as it is built), where they compute, the
+        units' schedule, its consumers (a gradient goes to them or is kept in ``grads``), the list of hook handles
+        its offload removes, and which forwards start a step."""
+        self.params = params
+        self.site = site
+        self.schedule = schedule
+        self.consumers = consumers
+        self.grads = grads
+        self._handles = handles
+        self._steps = steps
+        self.backwards_failed = 0  # backward passes that raised (an optimizer stepping in backward asks)
         self.phase = Phase.IDLE
         self.forward_thread: int | None = None
         self.forward_depth = 0
@@ -109,7 +121,7 @@ class PassState:
         self._saved_hooks_thread = 0
         self._stale_hooks: dict[int, Any] = {}  # thread -> hooks a stopped pass left pushed there (see clear)
         self._eager_hooks: tuple[Any, Any] = (None, None)  # _pack and _unpack disabled for dynamo, once made
-        self._unhooked = list(owner.params.values())  # gradients not yet taken as they complete (frozen ones)
+        self._unhooked: list[StoredParam] | None = None  # gradients not yet taken as they complete (frozen ones)
         # Threads whose forwards are one pass: a layer-major step's micro-batches, which take turns (see [Note: A
         # layer-major step] in _layer_major.py); anything with ``in``, filled by the step.
         self.group: Any = {}
@@ -277,7 +289,7 @@ class PassState:
             return saved
         sp = saved.param
         if not sp.backward_hold:  # used in backward before its unit's backward fetch
-            self.backward_hold(sp, self.owner.unit_of(sp))
+            self.backward_hold(sp, self.schedule.unit_of(sp))
         data = sp.param.data
         return data.as_strided(saved.size, saved.stride, data.storage_offset() + saved.offset)
 
@@ -287,13 +299,13 @@ class PassState:
         if self.running:
             unit = self.running[-1][0]
             if unit.learn(sp):  # held from now on by this unit's pre-hook, released by its post-hook
-                self.owner.learned(unit, sp)
+                self.schedule.learned(unit, sp)
             sp.hold(unit)  # the unit's post-hook releases it, as it does its own
             if self.in_backward() and torch.is_grad_enabled() and not sp.backward_hold:
                 self.backward_hold(sp, unit)
             return True
         if self.in_backward():
-            self.backward_hold(sp, self.owner.unit_of(sp))
+            self.backward_hold(sp, self.schedule.unit_of(sp))
             return True
         return False
 
@@ -308,45 +320,44 @@ class PassState:
         try:
             sp.hold(unit)
         except TierBudgetError as e:
-            total = sum(q.nbytes for q in self.owner.params.values())
-            raise TierBudgetError(f"{e}. {_backward_holds(total, self.owner.compute_tier.label)}") from e
+            total = sum(q.nbytes for q in self.params.values())
+            raise TierBudgetError(f"{e}. {_backward_holds(total, self.site.tier.label)}") from e
 
     def hook_gradients(self) -> None:
         """Take each trainable parameter's gradient as it completes; also of one unfrozen since the last step
         (a frozen parameter cannot have the hook, and its gradient would otherwise stay unseen in ``.grad``)."""
         still = []
-        for sp in self._unhooked:
+        for sp in list(self.params.values()) if self._unhooked is None else self._unhooked:
             if sp.param.requires_grad:
-                self.owner.keep_handle(sp.param.register_post_accumulate_grad_hook(
+                self._handles.append(sp.param.register_post_accumulate_grad_hook(
                     partial(call_weakly, weakref.WeakMethod(self._grad_accumulated), weakref.ref(sp))))
             else:
                 still.append(sp)
         self._unhooked = still
 
     def _grad_accumulated(self, sp: StoredParam, param: torch.Tensor) -> None:
-        owner = self.owner
         with torch._C.DisableTorchFunctionSubclass():
             grad = param.grad
             param.grad = None
         had = grad is not None
         if grad is not None:  # it leaves the compute tier as soon as it is complete
-            if owner.consumes_grads():  # an optimizer steps it now (see [Note: Stepping in backward])
-                owner.grads.hand_over(sp.key, grad)
+            if self.consumers.consumes_grads():  # an optimizer steps it now (see [Note: Stepping in backward])
+                self.grads.hand_over(sp.key, grad)
             else:  # see [Note: Gradients in the tiers]
-                owner.grads.accumulate(sp.key, grad, sp.param.dtype)
+                self.grads.accumulate(sp.key, grad, sp.param.dtype)
             del grad
         if sp.backward_hold:
             sp.backward_hold = False
             sp.unhold()
-        owner.unit_of(sp).backward_done()
+        self.schedule.unit_of(sp).backward_done()
         if had:
-            owner.grad_ready(sp.key)
+            self.consumers.grad_ready(sp.key)
 
     def settle_failed_backward(self) -> None:
         """Release what a backward that raised still holds (the callback that ends a backward runs only when
         it completes)."""
         if self.phase is Phase.BACKWARD and not _graph_task():
-            self.owner.backwards_failed += 1
+            self.backwards_failed += 1
             self.end_backward()
 
     def end_backward(self) -> None:
@@ -362,12 +373,12 @@ class PassState:
         assert self.phase is Phase.BACKWARD, self.phase
         self.phase = Phase.FORWARD if self.forward_thread is not None else Phase.IDLE
         self.backward_thread = None
-        self.owner.backward_ended()
+        self._steps.backward()
         self.backward_used.clear()
         self.running = [(unit, rerun) for unit, rerun in self.running if not rerun]
         outer = Counter(id(sp) for unit, _ in self.running for sp in unit.params)
         outer.update(id(sp) for sp in self.held_for_outputs)
-        for sp in self.owner.params.values():
+        for sp in self.params.values():
             sp.backward_hold = False
             keep = outer[id(sp)]
             if sp.holds > keep:
@@ -376,7 +387,7 @@ class PassState:
 
     def release_all(self) -> None:
         self.held_for_outputs.clear()
-        for sp in self.owner.params.values():
+        for sp in self.params.values():
             sp.release()
 
 

@@ -75,6 +75,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -84,7 +85,7 @@ from tierstore.scheduling import Placement, StepTrace, choose_depth, plan_placem
 from tierstore.scheduling import LaterUses, PrefetchPolicy
 
 from ._budget import HostBudget
-from ._contract import OPTIMIZER_PREFIX
+from ._contract import OPTIMIZER_PREFIX, NotCopyable
 from .policies import check_prefetch_depth
 
 MAX_AUTO_DEPTH = 16
@@ -156,6 +157,55 @@ def _remember(memory: dict, key: tuple, value: object) -> None:
     memory[key] = value
     while len(memory) > MAX_TRACES_REMEMBERED:
         del memory[next(iter(memory))]
+
+
+class UnitSchedule(NotCopyable):
+    """What the units of one model tell of their use, and where it goes: the read-ahead its prefetch policy names
+    (``policy``, with the placement's clock), the stalls and learned reads counted in ``stats``, and which units
+    hold each parameter (``units`` by name, ``key_units``: a parameter's store key -> the units that hold it).
+    The levels below an offload's front (a unit, a parameter, the pass) are given this, not the front; the front
+    makes the policy and the placer once its units exist."""
+
+    def __init__(self, store: TierStore, stats: Any) -> None:
+        self.store = store
+        self.stats = stats
+        self.units: dict[str, Any] = {}
+        self.key_units: dict[str, tuple[str, ...]] = {}
+        self.policy: PrefetchPolicy | None = None
+        self.placer: Placer | None = None
+
+    def prefetch_after(self, unit: Any, tier: Tier) -> None:
+        """``unit`` is about to be used: read ahead the units the policy names."""
+        assert self.policy is not None and self.placer is not None
+        for name in self.policy.on_use(unit.name, self.placer.clock()):
+            for r in self.units[name].params:
+                self.store.prefetch(r.key, tier)
+                self.stats.prefetches_issued += 1
+
+    def backward_starts(self) -> None:
+        assert self.policy is not None
+        self.policy.backward_starts()
+
+    def add_stall(self, unit: Any, since: float) -> None:
+        """``unit`` waited for its parameters from ``since`` until now."""
+        by_unit = self.stats.stall_seconds_by_unit
+        by_unit[unit.name] = by_unit.get(unit.name, 0.0) + time.perf_counter() - since
+
+    def unit_of(self, r: Any) -> Any:
+        """The unit that owns the parameter record ``r`` (the first that holds it)."""
+        return self.units[self.key_units[r.key][0]]
+
+    def learned(self, unit: Any, r: Any) -> None:
+        """``unit`` was seen to read ``r``: its uses count ``r`` from now on."""
+        self.key_units[r.key] = (*self.key_units.get(r.key, ()), unit.name)
+        assert self.policy is not None
+        self.policy.unit_bytes[unit.name] = unit.nbytes
+        self.stats.reads_learned += 1
+
+    def unit_keys(self) -> dict[str, list[tuple[str, int]]]:
+        """Unit name -> (store key, bytes) of the parameters its uses hold."""
+        return {u.name: [(r.key, TierPool.capacity_for(r.nbytes)) for r in u.params]
+                for u in self.units.values() if u.params}
 
 
 class Placer:
@@ -399,4 +449,4 @@ class Placer:
         self._set(None)
 
 
-__all__ = ["AUTO_START_DEPTH", "Placer", "check_options"]
+__all__ = ["AUTO_START_DEPTH", "Placer", "UnitSchedule", "check_options"]

@@ -75,7 +75,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -83,13 +83,12 @@ from torch import nn
 from tierstore import Tier, TierStore, TierTypeError, TierValueError
 from tierstore.memory import PAGE_BYTES, TierPool
 
-from ._base import OffloadedParameterError
 from ._budget import HostBudget
-from ._contract import note_interrupt
-from ._param import OffloadedParameter, StoredParam, leaves
+from ._contract import NotCopyable, OffloadedParameterError, note_interrupt
+from ._param import ComputeSite, OffloadedParameter, StoredParam, leaves
 
 if TYPE_CHECKING:
-    from ._contract import ModelOffload
+    from ._placing import UnitSchedule
 
 DEFAULT_UNITS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention, nn.TransformerEncoderLayer,
                                                nn.TransformerDecoderLayer)
@@ -98,14 +97,43 @@ DEFAULT_UNITS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention, nn.Transfor
 HOOK_SHY: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer,)
 
 
+class UnitPass(Protocol):
+    """What a unit uses of its model's passes (``_pass.PassState``, see [Note: Pass phases])."""
+
+    running: list[tuple[Unit, bool]]
+    held_for_outputs: list[StoredParam]
+    backward_used: set[str]
+    storage_owner: dict[int, StoredParam]
+
+    def enter_forward(self, unit: Unit) -> bool: ...
+
+    def exit_forward(self, unit: Unit) -> None: ...
+
+    def in_backward(self) -> bool: ...
+
+    def queue_end_backward(self) -> None: ...
+
+    def hold_in_backward(self, sp: StoredParam, unit: Unit) -> None: ...
+
+    def backward_hold(self, sp: StoredParam, unit: Unit) -> None: ...
+
+    def viewed_by(self, output: Any) -> list[StoredParam]: ...
+
+    def stopped_by_interrupt(self) -> None: ...
+
+
 @dataclass(eq=False)
-class Unit:
-    """A unit (see [Note: Units]): the parameters its forward holds, its own and those it was seen to read."""
+class Unit(NotCopyable):
+    """A unit (see [Note: Units]): the parameters its forward holds, its own and those it was seen to read. It is
+    given where it computes (``site``), its model's passes and the units' schedule, not the offload they belong
+    to."""
 
     name: str
     params: list[StoredParam]
     nbytes: int
-    owner: ModelOffload
+    site: ComputeSite
+    passes: UnitPass
+    schedule: UnitSchedule
     module: nn.Module | None = None  # whose forward it hooks
     forward_started: list[float] = field(default_factory=list)  # a stack: a module may be re-entered
     backward_started: float | None = None
@@ -119,7 +147,7 @@ class Unit:
         if compiled(module) == "in place":
             self.hooks = [CompiledCall(module, self.pre_forward, self.post_forward)]
         elif shy:
-            self.hooks = [WrappedForward(module, self.owner, self.pre_forward, self.post_forward)]
+            self.hooks = [WrappedForward(module, self.passes, self.site.store, self.pre_forward, self.post_forward)]
         else:
             self.hooks = [module.register_forward_pre_hook(self.pre_forward, with_kwargs=True),
                           module.register_forward_hook(self.post_forward, always_call=True)]
@@ -143,10 +171,10 @@ class Unit:
 
     def _use(self) -> None:
         if self.params:
-            self.owner.prefetch_after(self, self.owner.compute_tier)
+            self.schedule.prefetch_after(self, self.site.tier)
 
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
-        passes = self.owner.pass_state
+        passes = self.passes
         in_backward = passes.enter_forward(self)
         self._use()
         for sp in self.params:
@@ -158,7 +186,7 @@ class Unit:
                 passes.backward_hold(sp, self)  # a forward rerun inside backward (checkpointing)
         if torch.is_grad_enabled() and any(not sp.param.requires_grad for sp in self.params):
             self._let_frozen_go_after_backward((args, kwargs))
-        if self.owner.store.timeline is not None:
+        if self.site.store.timeline is not None:
             self.forward_started.append(time.perf_counter())
 
     def _let_frozen_go_after_backward(self, inputs: Any) -> None:
@@ -178,7 +206,7 @@ class Unit:
         self.backward_done()
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        passes = self.owner.pass_state
+        passes = self.passes
         viewed = passes.viewed_by(output) if passes.storage_owner and not passes.in_backward() else []
         outermost = bool(passes.running) and passes.running[0][0] is self
         for sp in self.params:
@@ -192,7 +220,7 @@ class Unit:
                 if t.requires_grad:
                     GradArrival.on(t).starting.append(self)
         passes.exit_forward(self)
-        timeline = self.owner.store.timeline
+        timeline = self.site.store.timeline
         if timeline is not None and self.forward_started:
             timeline.add(f"forward {self.name or '<root>'}", "compute", self.forward_started.pop(),
                          time.perf_counter())
@@ -206,23 +234,23 @@ class Unit:
     def pre_backward(self, grad: torch.Tensor) -> None:
         """A hook on a forward output of this unit: its gradient is about to be computed, so the unit's
         backward is next (see [Note: Backward without module backward hooks])."""
-        passes = self.owner.pass_state
+        passes = self.passes
         if self.name in passes.backward_used:
             return
         passes.queue_end_backward()
         if not passes.backward_used:
-            self.owner.prefetch_policy.backward_starts()
+            self.schedule.backward_starts()
         passes.backward_used.add(self.name)
         self._use()
         for sp in self.params:
             if not sp.backward_hold:
                 passes.backward_hold(sp, self)
-        if self.owner.store.timeline is not None:
+        if self.site.store.timeline is not None:
             self.backward_started = time.perf_counter()
 
     def backward_done(self) -> None:
         """A gradient of this unit is complete: its backward ends with its last one (on the timeline)."""
-        timeline = self.owner.store.timeline
+        timeline = self.site.store.timeline
         if (timeline is not None and self.backward_started is not None
                 and not any(p.backward_hold for p in self.params)):
             timeline.add(f"backward {self.name or '<root>'}", "compute", self.backward_started,
@@ -258,12 +286,12 @@ class GradArrival:
             unit.pre_backward(grad)
 
 
-class WrappedForward:
+class WrappedForward(NotCopyable):
     """A unit's pre- and post-forward around its module's ``forward`` instead of as hooks (for ``HOOK_SHY``
     modules), or without them the model's forward, which clears a pass stopped by Ctrl-C (see [Note: A forward
     stopped by Ctrl-C]); ``remove()`` undoes it, as a hook's handle does."""
 
-    def __init__(self, module: nn.Module, owner: ModelOffload, pre: Callable[..., Any] | None = None,
+    def __init__(self, module: nn.Module, passes: UnitPass, store: TierStore, pre: Callable[..., Any] | None = None,
                  post: Callable[..., Any] | None = None) -> None:
         self.module, self.previous = module, module.__dict__.get("forward")
         forward = module.forward
@@ -277,10 +305,10 @@ class WrappedForward:
                 output = forward(*args, **kwargs)
             except BaseException as e:
                 if pre is None and not isinstance(e, Exception):  # the model's own: a unit's ends in finally
-                    owner.pass_state.stopped_by_interrupt()
+                    passes.stopped_by_interrupt()
                     note_interrupt(e, "the offloaded model's forward was stopped; what it held was let go, and the "
                                       "next forward trains on (call opt.zero_grad() first to drop this step's part)",
-                                   owner.store)
+                                   store)
                 raise
             finally:
                 if post is not None:

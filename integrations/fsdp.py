@@ -133,8 +133,7 @@ class FSDPOffload(OffloadBase):
     def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int | str, prefetch_bytes: int | None,
                  home: Tier, init_fn: Callable[[nn.Module], None] | None = None, placement: bool = True,
                  real_parameters: str | None = None, grad_tier: Tier | None = None) -> None:
-        super().__init__(model, store, home)
-        self.stats = FSDPOffloadStats()
+        super().__init__(model, store, home, FSDPOffloadStats())
         self.tells_loads = False  # a load into the shards cannot tell an optimizer of it: load before creating one
         self.keeps_grads = False  # gradient shards are in param.grad (whose local tensor may be in the store)
         groups = list(internals.fsdp_groups(model))
@@ -218,7 +217,7 @@ class FSDPOffload(OffloadBase):
         self.stats.unshards += 1
         if torch._C._current_graph_task_id() != -1:  # an all-gather for backward (its pre-backward hook)
             self.prefetch_policy.backward_starts()
-        self.prefetch_after(su, Tier.HOST)
+        self.schedule.prefetch_after(su, Tier.HOST)
         t0 = time.perf_counter()
         for sh in su.params:
             storage = sh.local.untyped_storage()
@@ -231,7 +230,7 @@ class FSDPOffload(OffloadBase):
                 with torch.no_grad():
                     sh.local.copy_(self.store.get(sh.key, Tier.HOST))
                 self.store.release(sh.key, Tier.HOST)
-        self.add_stall(su, t0)
+        self.schedule.add_stall(su, t0)
         su.materialized = True
 
     def _gradients_ready(self, su: _ShardUnit, group: Any) -> None:
@@ -239,12 +238,12 @@ class FSDPOffload(OffloadBase):
         ready = [sh for sh in su.params if sh.param.grad is not None]
         if ready:
             internals.wait_for_gradients(group)
-        if not self.consumes_grads():  # kept until the step (see [Note: Gradient shards in the tiers])
+        if not self.pass_consumers.consumes_grads():  # kept until the step (see [Note: Gradient shards in the tiers])
             for sh in ready:
                 self.grads.keep(sh)
             return
         for sh in ready:
-            self.grad_ready(sh.key)
+            self.pass_consumers.grad_ready(sh.key)
 
     def _free(self, su: _ShardUnit) -> None:
         """The all-gather has read the shards: free their memory (see [Note: Freeing a shard])."""

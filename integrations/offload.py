@@ -45,12 +45,12 @@ from tierstore import Tier, TierStore, TierStoreError, TierTypeError, TierValueE
 from tierstore.memory import TierPool
 
 from ._base import STATE_KEY, OffloadBase, OffloadedParameterError, UnitStats, check_not_offloaded
-from ._build import check_names_free, put_parameters, room_for, to_compute_device
+from ._build import ParamBuilder, to_compute_device
 from ._contract import zero_grads
 from ._grads import GradientStore, check_grad_dtype, grad_key
 from ._layer_major import run_layer_major
 from ._meta import check_meta
-from ._param import OffloadedParameter, StoredParam, refuse_other_optimizers_from_now
+from ._param import ComputeSite, OffloadedParameter, StoredParam, placeholder_of, refuse_other_optimizers_from_now
 from ._pass import PassState
 from ._placing import check_options
 from .policies import ParamOffloadPolicy
@@ -80,6 +80,21 @@ class OffloadStats(UnitStats):
     why)."""
 
 
+def _kept_grads_of(params: dict[int, StoredParam], grads: GradientStore) -> Callable[[str], tuple[str, int] | None]:
+    """What the placement asks of the gradients (see [Note: Gradients in the tiers]): the store key and bytes of the
+    gradient kept for a parameter's store key, or None for a key that is no parameter's. A function of these two
+    alone, so that the placement holds no level above it."""
+    by_key = {sp.key: sp for sp in params.values()}
+
+    def grad_of(param_key: str) -> tuple[str, int] | None:
+        sp = by_key.get(param_key)
+        if sp is None:
+            return None
+        return grad_key(param_key), TierPool.capacity_for(sp.param.numel() * grads.dtype_of(sp.param).itemsize)
+
+    return grad_of
+
+
 class OffloadedModel(OffloadBase):
     """The offload state of one module; returned by :func:`offload_model` and kept on the module."""
 
@@ -91,32 +106,36 @@ class OffloadedModel(OffloadBase):
                  init_fn: Callable[[nn.Module], None] | None = None, placement: bool = True,
                  real_parameters: str | None = None, grad_tier: Tier | None = None,
                  grad_dtype: str = "float32") -> None:
-        super().__init__(model, store, home)
+        super().__init__(model, store, home, OffloadStats())
         self.compute_tier = compute_tier
         self.compute_device = store.device if compute_tier is Tier.DEVICE else torch.device("cpu")
         self.resident_ids: set[int] = set()
         self.grads = GradientStore(store, grad_tier, grad_dtype)  # see [Note: Gradients in the tiers]
-        self.stats = OffloadStats()
         self._handles: list[Any] = []
         self._loading: list[StoredParam] = []  # held by a load_state_dict() (see [Note: Loading a state dict])
         self._installed: dict[str, Any] = {}  # methods made ours by the adapters (see add_model_methods)
         self._unread = False  # state_dict() leaves offloaded values unread (see state_dict_unread)
         # Why off.accumulate runs the micro-batches as the loop (None: layer by layer, or not asked yet).
         self.layer_major_refused: str | None = None
+        # The levels below are each given what they use (see docs/code-map.md), never this front.
+        self.site = ComputeSite(store, compute_tier, self.compute_device)
+        self.pass_state = PassState(self.params, self.site, self.schedule, self.pass_consumers, self.grads,
+                                    self._handles, self._steps)
         meta = check_meta(model, init_fn, real_parameters)
         plan = partial(plan_units, model, units, resident_threshold_bytes, store, compute_tier)
         offloaded, owned_by = plan()  # checked before any write
-        check_names_free(self, offloaded)
-        room_for(self, offloaded)
-        put_parameters(self, meta, init_fn, real_parameters, resident_threshold_bytes)
+        builder = ParamBuilder(store, home, self.prefix, self._record, resident_threshold_bytes, params=self.params,
+                               resident=self.resident, resident_ids=self.resident_ids)
+        builder.check_names_free(offloaded)
+        builder.room_for(offloaded)
+        builder.put_parameters(model, meta, init_fn, real_parameters)
         if meta:  # the parameters are new objects: what the units hold is known by them now
             offloaded, owned_by = plan()
         for sp in self.params.values():
             sp.param.data = sp.placeholder
             sp.param.__class__ = OffloadedParameter
             setattr(sp.param, "_tierstore", sp)  # read by OffloadedParameter's handlers (see _param.py)
-        to_compute_device(self)
-        self.pass_state = PassState(self)
+        to_compute_device(model, self.resident.values(), self.compute_device)
         self._hook_units(units, owned_by)
         self.pass_state.hook_gradients()
         self._hook_state_dicts()
@@ -128,7 +147,8 @@ class OffloadedModel(OffloadBase):
         # the reverse (a wrong guess departs from the trace: the rest of that step fetches on demand).
         forward = [u.name for u in self._units.values() if u.params]
         self._schedule(prefetch_depth=prefetch_depth, prefetch_bytes=prefetch_bytes, placement=placement,
-                       trace=forward + forward[::-1], forward_uses=len(forward), grad_of=self._grad_of)
+                       trace=forward + forward[::-1], forward_uses=len(forward),
+                       grad_of=_kept_grads_of(self.params, self.grads))
         refuse_other_optimizers_from_now()
 
     # ---- construction ------------------------------------------------------------------
@@ -141,7 +161,8 @@ class OffloadedModel(OffloadBase):
         self.unit_roots = [m for n, m in self.model.named_modules() if roots.get(n) and n]
         for mname, (module, ids) in owned_by.items():
             owned = [self.params[i] for i in ids]
-            unit = self._units[mname] = Unit(mname, owned, sum(sp.nbytes for sp in owned), self)
+            unit = self._units[mname] = Unit(mname, owned, sum(sp.nbytes for sp in owned), self.site,
+                                             self.pass_state, self.schedule)
             unit.hook(module, shy=bool(isinstance(module, HOOK_SHY) and mname and roots.get(mname)))
             if unit.shy:
                 wrapped.add(id(module))
@@ -153,7 +174,8 @@ class OffloadedModel(OffloadBase):
                                                                   always_call=True))
         self._handles.append(self.model.register_forward_pre_hook(self._start_step, prepend=True))
         self._handles.append(self.model.register_forward_hook(self.pass_state.end_pass, always_call=True))
-        self._handles.append(WrappedForward(self.model, self))  # see [Note: A forward stopped by Ctrl-C]
+        # see [Note: A forward stopped by Ctrl-C]
+        self._handles.append(WrappedForward(self.model, self.pass_state, self.store))
         # See [Note: Compiled units]: the modules compiled as offload_model found them.
         self._unit_of_module = {id(u.module): u for u in self._units.values()}
         self._compiled = {id(m): _compiled_call(m) for m in self.model.modules() if compiled(m)}
@@ -208,9 +230,10 @@ class OffloadedModel(OffloadBase):
                 f"(its fused inference path refuses hooks); compiled so, it does not compute exactly as the "
                 f"compiled resident layer. Compile it before offload_model")
 
-    def keep_handle(self, handle: Any) -> None:
-        """A hook's handle, removed by ``remove()``."""
-        self._handles.append(handle)
+    def _record(self, name: str, key: str, p: nn.Parameter, nbytes: int) -> StoredParam:
+        """The record of an offloaded parameter, given what it uses (see ``StoredParam``)."""
+        return StoredParam(name, key, p, self.site, self.pass_state, self.schedule,
+                           placeholder_of(p, self.compute_device), nbytes, type(p))
 
     # ---- what the units and the pass ask ------------------------------------------------------
     def _start_step(self, module: nn.Module, args: Any) -> None:
@@ -230,26 +253,9 @@ class OffloadedModel(OffloadBase):
             passes.hook_gradients()
             self._begin_step()
 
-    def backward_ended(self) -> None:
-        self._steps.backward()
-
-    def unit_of(self, sp: StoredParam) -> Unit:
-        """The unit that owns ``sp`` (the first that holds it)."""
-        return self._units[self._key_units[sp.key][0]]
-
-    def learned(self, unit: Unit, sp: StoredParam) -> None:
-        """``unit`` was seen to read ``sp``: its uses count ``sp`` from now on."""
-        self._key_units[sp.key] = (*self._key_units.get(sp.key, ()), unit.name)
-        self.prefetch_policy.unit_bytes[unit.name] = unit.nbytes
-        self.stats.reads_learned += 1
-
-    def _grad_of(self, param_key: str) -> tuple[str, int] | None:
-        """The store key and bytes of the gradient kept for ``param_key`` (see [Note: Gradients in the tiers])."""
-        sp = self._by_key.get(param_key)
-        if sp is None:
-            return None
-        nbytes = sp.param.numel() * self.grads.dtype_of(sp.param).itemsize
-        return grad_key(param_key), TierPool.capacity_for(nbytes)
+    @property
+    def backwards_failed(self) -> int:
+        return self.pass_state.backwards_failed
 
     # ---- state dicts -------------------------------------------------------------------
     def _before_load(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict,
@@ -263,7 +269,7 @@ class OffloadedModel(OffloadBase):
             raise OffloadedParameterError("load_state_dict(assign=True) would replace offloaded parameters by "
                                           "new tensors; load with assign=False, or before offload_model")
         for sp in mine:
-            sp.hold(self.unit_of(sp))
+            sp.hold(self.schedule.unit_of(sp))
             self._loading.append(sp)
 
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
@@ -313,7 +319,7 @@ class OffloadedModel(OffloadBase):
         norm and the scaled gradients are those torch computes for the resident
         model, bit for bit (tested). Returns the total norm.
         """
-        if self.consumes_grads():
+        if self.pass_consumers.consumes_grads():
             raise TierStoreError("clip_grad_norm_ needs every gradient before any is stepped, but an optimizer steps "
                                  "them during backward: use OffloadedAdamW(..., step_in_backward=False)")
         grads = self.grads_in_order()

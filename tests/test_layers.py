@@ -148,8 +148,9 @@ def _circles(modules: dict[str, pathlib.Path], package: str, layer: str | None =
 @pytest.mark.parametrize("layer", sorted(LAYERS))
 def test_no_module_imports_one_that_imports_it(layer):
     """In every layer, each module is given what it uses instead of importing the one above it (the levels of an
-    offload take ``_contract.ModelOffload``, a protocol; the transformers adapter attaches itself to the generic
-    offload, which imports no adapter); no circle, type-checking imports included."""
+    offload are built with the store, their compute site, the pass and the schedule, never the front: see [Note:
+    The levels below the front]; the transformers adapter attaches itself to the generic offload, which imports no
+    adapter); no circle, type-checking imports included."""
     assert _circles(_MODULES, "tierstore", layer) == []
 
 
@@ -238,3 +239,122 @@ def test_the_check_sees_a_dynamic_import(tmp_path):
     path.write_text("import importlib.metadata\n\ndef f():\n    return __import__('tierstore.integrations')\n\n"
                     "def g(m):\n    for ep in m.entry_points(group='x'):\n        ep.load()\n")
     assert _dynamic_imports(path) == ["line 1: importlib.metadata", "line 4: __import__", "line 7: entry_points"]
+
+
+# [Note: The levels below the front] An offload's levels (each parameter's StoredParam, each module's Unit, the
+# model's PassState, the forwards it wraps, the units' schedule) are built with what they use: the store, the
+# compute site, the pass, the schedule, their records. None holds the front (OffloadedModel / FSDPOffload), so
+# none can reach sideways through it; what reacts to the pass is reached through the typed consumer interface
+# (``_contract.Consumers``), whose members are the levels above and are not walked.
+
+def _reaches(starts: dict[str, object], target: object) -> list[str]:
+    """The paths from ``starts`` by which ``target`` is reachable through the project's own objects: their
+    attributes, the containers, bound methods, partials, closures and weak references they hold. Modules, the
+    store, tensors other than offloaded parameters, hook handles and the attached consumers are where a walk
+    stops: they are given to the levels, not part of them."""
+    import functools
+    import types
+    import weakref
+
+    from torch import nn
+
+    from tierstore import TierStore
+    from tierstore.integrations._contract import PassConsumer
+
+    found, seen = [], set()
+    todo = list(starts.items())
+    while todo:
+        path, obj = todo.pop()
+        if obj is target:
+            found.append(path)
+            continue
+        if id(obj) in seen or isinstance(obj, (nn.Module, TierStore, PassConsumer, type, types.ModuleType)):
+            continue
+        seen.add(id(obj))
+        children: list[tuple[str, object]] = []
+        if isinstance(obj, dict):
+            children = [(f"{path}[{k!r}]", v) for k, v in obj.items()] + [(f"{path}.key", k) for k in obj]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+        elif isinstance(obj, types.MethodType):
+            children = [(f"{path}.__self__", obj.__self__)]
+        elif isinstance(obj, functools.partial):
+            children = [(f"{path}.func", obj.func), (f"{path}.args", obj.args), (f"{path}.keywords", obj.keywords)]
+        elif isinstance(obj, types.FunctionType):
+            children = [(f"{path}.<closure>", c.cell_contents) for c in obj.__closure__ or ()
+                        if c.cell_contents is not None]
+        elif isinstance(obj, weakref.ref):
+            children = [(f"{path}()", obj())]
+        elif type(obj).__module__.startswith("tierstore"):
+            fields = dict(getattr(obj, "__dict__", {}))
+            for cls in type(obj).__mro__:
+                fields.update({s: getattr(obj, s) for s in getattr(cls, "__slots__", ()) if hasattr(obj, s)})
+            children = [(f"{path}.{k}", v) for k, v in fields.items()]
+        todo += children
+    return sorted(found)
+
+
+def _levels(off) -> dict[str, object]:
+    """The levels below the front: its pass, schedule, compute site, parameter records, units and the forwards
+    it put on the model's modules (a unit's own wrapper, or the model's)."""
+    levels: dict[str, object] = {"pass_state": off.pass_state, "schedule": off.schedule, "site": off.site}
+    levels.update({f"params[{sp.name!r}]": sp for sp in off.params.values()})
+    levels.update({f"units[{u.name!r}]": u for u in off.schedule.units.values()})
+    levels.update({f"forward of {n!r}": m.__dict__["forward"] for n, m in off.model.named_modules()
+                   if getattr(m.__dict__.get("forward"), "__globals__", {}).get("__name__", "").startswith("tierstore")})
+    return levels
+
+
+def _tiny_offload(tmp_path):
+    import torch
+
+    from tierstore import TierStore
+    from tierstore.integrations import OffloadedAdamW, offload_model
+
+    store = TierStore(nvme_path=str(tmp_path), host_budget_bytes=1 << 20, device_budget_bytes=1 << 20,
+                      file_size_bytes=1 << 20, block_size_bytes=64 * 1024)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    off = offload_model(model, store)
+    opt = OffloadedAdamW(off, lr=1e-3)
+    model(torch.randn(8, 64)).square().mean().backward()  # the pass's lazily made parts exist now
+    opt.step()
+    opt.zero_grad()
+    return store, off, opt
+
+
+def test_no_level_below_the_front_holds_the_front(tmp_path):
+    """Built, trained a step, stepped: every level of the offload is walked, and the front is not reached."""
+    store, off, opt = _tiny_offload(tmp_path)
+    try:
+        levels = _levels(off)
+        assert len([k for k in levels if k.startswith("units[")]) >= 2 and any(k.startswith("forward") for k in levels)
+        assert _reaches(levels, off) == []
+    finally:
+        off.remove(keep_values=False)  # drops the optimizer's state too
+        store.close()
+
+
+def test_the_check_sees_a_level_that_holds_the_front(tmp_path):
+    """A unit given the front as an attribute, a schedule holding one of its bound methods, and a parameter
+    record holding it weakly are each found."""
+    import weakref
+
+    store, off, opt = _tiny_offload(tmp_path)
+    try:
+        unit = next(iter(off.schedule.units.values()))
+        unit.owner = off
+        off.schedule.later = [off.remove]
+        sp = next(iter(off.params.values()))
+        sp.front = weakref.ref(off)
+        found = _reaches(_levels(off), off)
+        # each under the first path the walk takes to it (the forward's closure reaches the schedule first)
+        assert len(found) == 3, found
+        assert any(path.endswith(f"units[{unit.name!r}].owner") for path in found), found
+        assert any(path.endswith("schedule.later[0].__self__") for path in found), found
+        assert any(path.endswith(".front()") for path in found), found
+        del unit.owner, off.schedule.later, sp.front
+        assert _reaches(_levels(off), off) == []
+    finally:
+        off.remove(keep_values=False)  # drops the optimizer's state too
+        store.close()

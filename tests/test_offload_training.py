@@ -179,11 +179,11 @@ def test_eviction_keeps_what_the_optimizer_still_needs(make_store):
 
         assert order() == [k1, *state, grad, k2]  # after the step none is used again: ties keep their order
         opt._progress = ([(first, k1, p1, None)], 0)  # as the backward hook queues it
-        assert off._next_uses() == {k: 0 for k in (k1, grad, *state)}
+        assert off.pass_consumers.next_uses() == {k: 0 for k in (k1, grad, *state)}
         assert order() == [k2, k1, *state, grad]
     finally:
         opt.close()
-    assert off._next_uses() == {}
+    assert off.pass_consumers.next_uses() == {}
 
 
 def test_prefetched_layers_are_not_read_twice(make_store):
