@@ -11,8 +11,9 @@ room or fails); what shares the host tier is decided here, from what each user d
   half of the budget (measured: half beat a quarter and 16 parameters by 5-9% a step on ViT-large), unless the
   optimizer is given ``readahead_bytes``;
 - the gradient backlog of an update stepping in backward: a quarter of the budget unless given;
-- a whole state dict of the optimizer: at most the budget (else it streams: see [Note: A whole state dict
-  beyond the host budget]);
+- a whole state dict (``model.state_dict()``, ``optimizer.state_dict()``) in ordinary memory: at most the
+  budget; a larger one is read into copies mapped from files (see [Note: A whole state dict beyond the host
+  budget]);
 - a unit's parameters must fit the budget of the tier they compute in.
 
 ``HostBudget.split()`` gives the shares as they stand (``off.host_budget_split()``; the demo prints it).
@@ -44,6 +45,10 @@ class HostBudget:
     def grad_backlog_bytes(self) -> int:
         """An update stepping in backward may have this many bytes of gradients queued by default: a quarter."""
         return default_grad_backlog_bytes(self.total_bytes)
+
+    def state_dict_in_memory(self, nbytes: int) -> bool:
+        """Whether a whole state dict of ``nbytes`` is read into ordinary memory (else into mapped copies)."""
+        return nbytes <= self.total_bytes
 
     def split(self, *, kept_bytes: int, room_bytes: int | None, held_beside_bytes: int) -> dict[str, int | None]:
         """The shares as they stand, by name: the budget, what the placement keeps all run, the room for copies

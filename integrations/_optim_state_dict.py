@@ -1,22 +1,93 @@
 """The part of :class:`~tierstore.integrations.OffloadedAdamW` that reads and writes its state whole: torch's
-``state_dict``/``load_state_dict`` (converting between state layouts), the parameter groups a checkpoint keeps, and
-state made afresh or made again after a load. A base of the optimizer, over the same attributes."""
+``state_dict``/``load_state_dict`` (converting between state layouts), ``opt.state`` as torch's optimizers have it,
+the parameter groups a checkpoint keeps, and state made afresh or made again after a load. A base of the optimizer,
+over the same attributes.
+
+[Note: A whole state dict beyond the host budget] ``model.state_dict()`` and ``optimizer.state_dict()`` return
+every tensor at once, and the savers users call walk them whole: ``torch.save`` (transformers' ``Trainer``,
+Accelerate's ``save_state``, Lightning's checkpoints), torch.distributed.checkpoint's writer. For a state larger
+than the host budget, ordinary copies would be more RAM than the user gave the store, and for a 7B model more
+than the machine has. So such a state dict holds copies mapped from private files on the drive (the store's
+``read_mapped``, [Note: Tensors mapped from a file]), written one tensor at a time through the host tier: the
+saver reads each from the page cache, and the kernel drops their pages when memory is short, so what cannot be
+dropped (the anonymous memory) stays within the budget however large the state. Each costs a write and a read
+of the drive beyond the saver's own; ``save_checkpoint`` (and ``stream_checkpoints(trainer)``) write each tensor
+straight from the store instead. A load writes each tensor it is given into the store, whatever memory holds it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from tierstore import TierBudgetError, TierKeyError, TierStore, TierStoreError, TierValueError
+from tierstore import TierKeyError, TierStore, TierStoreError, TierTypeError, TierValueError
 
 from ._budget import HostBudget
+from ._contract import optimizer_key
 from ._layouts import StateLayout
 from ._optim_params import check_group_states, group_states
 from ._optim_state import AdamWState
+
+
+class ParamStateView(Mapping):
+    """One parameter's entry in ``opt.state``: ``step`` and each piece of its state, read from the store when
+    asked for (an ordinary copy of one tensor), as the layout stores it (see :meth:`StateDictIO.state_dict`)."""
+
+    def __init__(self, opt: StateDictIO, name: str) -> None:
+        self._opt, self._name = opt, name
+
+    def _keys(self) -> dict[str, str | None]:
+        return {"step": None, **{what: k for _, what, k in self._opt.state_tensors({self._name: 0.0})}}
+
+    def __getitem__(self, what: str) -> torch.Tensor:
+        k = self._keys()[what]  # KeyError for a piece it does not have, as a dict
+        return torch.tensor(self._opt.steps.get(self._name, 0.0)) if k is None else self._opt.store.read(k)
+
+    def __setitem__(self, what: str, value: Any) -> None:
+        raise TierTypeError(f"opt.state of an OffloadedAdamW is read from the store, and {self._name!r}'s "
+                            f"{what!r} cannot be set in it: load a whole state with opt.load_state_dict()")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(self._keys())
+
+    def __repr__(self) -> str:
+        return f"<state of {self._name!r} in the store: {', '.join(self._keys())}>"
+
+
+class StateView(Mapping):
+    """``opt.state`` of an :class:`~tierstore.integrations.OffloadedAdamW`: parameter -> its state, as torch's
+    optimizers key it, for every parameter the optimizer steps, from its creation (zero moments, ``step`` 0), so
+    that code which takes an empty state for one never stepped does not step it to make one
+    (torch.distributed.checkpoint's ``get_state_dict`` does). Nothing is read until a value is asked for, one
+    tensor at a time; read-only (``opt.load_state_dict()`` writes a state)."""
+
+    def __init__(self, opt: StateDictIO) -> None:
+        self._opt = opt
+
+    def _params(self) -> dict[int, tuple[torch.nn.Parameter, str]]:
+        return {} if self._opt._removed else {id(p): (p, name) for name, _, p in self._opt._items}
+
+    def __getitem__(self, p: torch.Tensor) -> ParamStateView:
+        found = self._params().get(id(p))
+        if found is None or found[0] is not p:
+            raise KeyError(p)
+        return ParamStateView(self._opt, found[1])
+
+    def __iter__(self) -> Iterator[torch.nn.Parameter]:
+        return (p for p, _ in self._params().values())
+
+    def __len__(self) -> int:
+        return len(self._params())
+
+    def __repr__(self) -> str:
+        return f"<OffloadedAdamW state of {len(self)} parameters, in the store>"
 
 
 class StateDictIO:
@@ -32,6 +103,8 @@ class StateDictIO:
     _applied: dict[str, tuple[weakref.ref, int]]
     wait: Callable[[], None]  # the optimizer's: waits for its write-behind
     _removed = False  # its model's offload was removed (off.remove() or store.close()) and its state with it
+    # masters load_state_dict() loaded since the last step, whose weights a model load may bring after them
+    _masters_loaded: frozenset[str] = frozenset()
 
     def _check_attached(self) -> None:
         if self._removed:
@@ -49,9 +122,14 @@ class StateDictIO:
     def _remake_masters(self, names: list[str]) -> None:
         """The model loaded new values into these parameters: their fp32 masters are made from them, as this
         optimizer made them when it was created (a bf16 master left as it was would overwrite the loaded value
-        at the next step)."""
+        at the next step). Not those whose masters :meth:`load_state_dict` loaded since the last step: their
+        weights are arriving after them (torch.distributed.checkpoint's ``set_state_dict`` loads the
+        optimizer's state first), and a split master's low half is kept only beside the weight it was saved
+        with."""
         self.wait()
-        self._state.remake_masters(names)
+        pending = self._masters_loaded
+        self._masters_loaded = pending - set(names)
+        self._state.remake_masters([n for n in names if n not in pending])
 
     def reset_state(self, names: list[str] | set[str]) -> None:
         """Start these parameters' state afresh, as a new optimizer would: zero moments, no step, masters made
@@ -64,11 +142,14 @@ class StateDictIO:
             self._applied.pop(name, None)
         self._state.reset(chosen)
 
-    def state_tensors(self, steps: dict[str, float] | None = None) -> list[tuple[str, str, str]]:
+    def state_tensors(self, steps: dict[str, float] | None = None, *,
+                      all_params: bool = False) -> list[tuple[str, str, str]]:
         """(parameter name, state name, store key) of every state tensor of parameters stepped so far (or,
-        given ``steps``, of those it names). Refused once its model's offload was removed (its state went with
-        it): a checkpoint would hold none."""
+        given ``steps``, of those it names; with ``all_params``, of every parameter it steps). Refused once its
+        model's offload was removed (its state went with it): a checkpoint would hold none."""
         self._check_attached()
+        if all_params:
+            steps = {name: 0.0 for name, _, _ in self._items}
         return self._state.tensors(self.steps if steps is None else steps)
 
     def group_states(self) -> list[dict[str, Any]]:
@@ -89,39 +170,35 @@ class StateDictIO:
                 if k != "params":
                     target[k] = v
 
+    def _index_names(self) -> list[str]:
+        """The names of the parameters in torch's numbering: those of ``param_groups``, one group after another."""
+        return [self._name_of[id(p)] for g in self.param_groups for p in g["params"]]
+
     def state_dict(self, *, beyond_host_budget: bool = False) -> dict[str, Any]:
-        """Plain tensors (read from the store), like torch.optim's state_dict, keyed by parameter name: each piece
-        of state as the layout stores it (an 8-bit moment is its packed bytes: nothing is inflated, and a load
-        into the same layout gives back the same bits), with ``"state_layout"`` naming the layout.
+        """The state as torch.optim's ``state_dict()`` gives it: ``"state"`` keyed by each parameter's index (the
+        parameters of ``param_groups`` counted one group after another), ``"param_groups"`` with those indices as
+        ``"params"`` and the parameters' names as ``"param_names"``, and ``"state_layout"`` naming the layout.
+        Each piece of state is as the layout stores it (an 8-bit moment is its packed bytes: nothing is inflated,
+        and a load into the same layout gives back the same bits). Every parameter this optimizer steps has an
+        entry from its creation (zero moments, ``step`` 0), as ``opt.state`` has.
 
-        Every piece is read into memory at once, so a state larger than the store's host budget is refused (see
-        [Note: A whole state dict beyond the host budget]) unless ``beyond_host_budget=True``."""
-        tensors = self.state_tensors()  # refused for an optimizer whose model's offload was removed
-        if not beyond_host_budget:
-            self._check_state_fits([k for _, _, k in tensors])
-        state: dict[str, dict[str, torch.Tensor]] = {}
+        A state within the store's host budget is read into ordinary memory. A larger one is read one tensor at
+        a time into copies mapped from files on the drive (see [Note: A whole state dict beyond the host
+        budget]), which a saver (``torch.save``, torch.distributed.checkpoint) walks with no more than the host
+        budget of ordinary memory; ``beyond_host_budget=True`` reads it into ordinary memory all the same."""
+        tensors = self.state_tensors(all_params=True)  # refused for an optimizer whose model's offload was removed
+        read = self.store.read
+        if not beyond_host_budget and not HostBudget(self.store).state_dict_in_memory(
+                sum(self.store.info(k)["nbytes"] for _, _, k in tensors)):
+            read = self.store.read_mapped
+        index = {name: i for i, name in enumerate(self._index_names())}
+        state: dict[int, dict[str, torch.Tensor]] = {}
         for name, what, k in tensors:
-            state.setdefault(name, {"step": torch.tensor(self.steps[name])})[what] = self.store.read(k)
-        return {"state": state, "param_groups": self.group_states(), "state_layout": self.layout.as_dict()}
-
-    def _check_state_fits(self, keys: list[str]) -> None:
-        """[Note: A whole state dict beyond the host budget] ``state_dict()`` returns every piece of state in
-        memory at once: for a state larger than the host budget that is more RAM than the user gave the store,
-        and for a 7B model more than the machine has. transformers' ``Trainer`` calls it at each checkpoint
-        (``torch.save(optimizer.state_dict())``), so without ``stream_checkpoints(trainer)`` a run would peak at
-        its first save or die there, with nothing said. So it raises instead, naming the streamed savers: the
-        one line for ``Trainer``, ``save_checkpoint`` for a loop of one's own. A state within the budget is
-        returned as torch returns it."""
-        budget = HostBudget(self.store).total_bytes
-        total = sum(self.store.info(k)["nbytes"] for k in keys)
-        if total > budget:
-            raise TierBudgetError(
-                f"optimizer.state_dict() would read the whole optimizer state ({total / 2**20:.1f} MiB) into memory, "
-                f"more than the store's host budget ({budget / 2**20:.1f} MiB). Save it one tensor at a time "
-                f"instead: with transformers' Trainer, call tierstore.integrations.stream_checkpoints(trainer) "
-                f"once after building it; in a loop of your own, "
-                f"tierstore.integrations.save_checkpoint(path, model, optimizer). To read it all into memory "
-                f"anyway, call state_dict(beyond_host_budget=True)")
+            entry = state.setdefault(index[name], {"step": torch.tensor(self.steps.get(name, 0.0))})
+            entry[what] = read(k)
+        groups = [{**g, "params": [index[n] for n in g["params"]], "param_names": g["params"]}
+                  for g in self.group_states()]
+        return {"state": state, "param_groups": groups, "state_layout": self.layout.as_dict()}
 
     def decoded(self, name: str, what: str, stored: torch.Tensor, layout: StateLayout | None = None) -> torch.Tensor:
         """The values of one piece of ``name``'s state stored under ``layout`` (this optimizer's by default), as
@@ -129,31 +206,89 @@ class StateDictIO:
         model)."""
         return self._state.decoded(name, what, stored, layout)
 
-    def load_state_dict(self, sd: dict[str, Any], *, convert: bool = False) -> None:
-        """Load what :meth:`state_dict` gave. State saved under another layout (``"state_layout"``; the fp32
-        one where it names none, as torch.optim's state dicts) is refused unless ``convert=True``, which decodes
-        each piece and encodes it into this layout: converting to fewer bits rounds, a master the layout keeps
-        none of (``master="none"``) is dropped, and one the saved state lacks is made from the weight."""
+    def load_state_dict(self, state_dict: dict[str, Any], *, convert: bool = False) -> None:
+        """Load what :meth:`state_dict` gave, or a dict of the same form keyed by parameter name (as earlier
+        versions gave, and as torch.distributed.checkpoint passes it). Parameters given by index are matched to
+        this optimizer's by their ``"param_names"`` where the dict has them, else by their place in the groups,
+        as torch's optimizers match them. An entry whose ``step`` is 0 starts afresh; a parameter with no entry
+        too, as torch replaces the whole state.
+
+        State saved under another layout (``"state_layout"``; where the dict names none, this optimizer's layout
+        where every piece has the dtype and shape it stores, else the fp32 one, as torch.optim's) is refused
+        unless ``convert=True``, which decodes each piece and encodes it into this layout: converting to fewer
+        bits rounds, a master the layout keeps none of (``master="none"``) is dropped, and one the saved state
+        lacks is made from the weight."""
         self._check_attached()
         self.wait()
-        saved = StateLayout.from_dict(sd.get("state_layout", {}))
+        groups, state = self._by_name(state_dict)
+        saved = self._saved_layout(state_dict, state)
         # split masters of the first version convert without loss: the same masters, weights rounded from them
         if saved != self.layout and not convert and saved != dataclasses.replace(self.layout, split="truncated"):
             raise TierValueError(f"this optimizer state was saved with {saved.describe()}, and this OffloadedAdamW "
                                  f"stores {self.layout.describe()}: build it with the saved layout, or pass "
                                  f"convert=True to convert the state (rounded where the new layout has fewer bits)")
-        self.load_group_states(sd["param_groups"])
+        self.load_group_states(groups)
         names = {n for n, _, _ in self._items}
-        unknown = [name for name in sd["state"] if name not in names]
+        unknown = [name for name in state if name not in names]
         if unknown:
             raise TierKeyError(f"optimizer state for unknown parameter {unknown[0]!r}")
-        # The whole state is replaced, as torch's is: a parameter with no saved state starts afresh.
-        self.reset_state(names - set(sd["state"]))
-        for name, entry in sd["state"].items():
+        # The whole state is replaced, as torch's is: a parameter with no saved state, or none stepped, starts afresh.
+        stepped = {name: entry for name, entry in state.items() if float(entry["step"]) != 0}
+        self.reset_state(names - set(stepped))
+        for name, entry in stepped.items():
             self._state.load(name, {what: v for what, v in entry.items() if what != "step"}, saved)
             self.steps[name] = float(entry["step"])
             self._applied.pop(name, None)
+        self._masters_loaded = frozenset(name for name, entry in stepped.items() if "master" in entry)
         self.store.flush()
+
+    def _by_name(self, sd: Any) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+        """The parameter groups and the state of ``sd`` with parameters named, not numbered."""
+        if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) or not isinstance(
+                sd.get("param_groups"), list) or not all(isinstance(g, dict) for g in sd["param_groups"]):
+            raise TierValueError("an optimizer state dict has a 'state' dict and a 'param_groups' list of dicts "
+                                 "(what opt.state_dict() gives)")
+        groups = [{k: v for k, v in g.items() if k != "param_names"} for g in sd["param_groups"]]
+        numbered = [i for g in groups for i in g.get("params", ()) if not isinstance(i, str)]
+        if not numbered:
+            return groups, sd["state"]
+        mine = self.group_states()
+        if len(sd["param_groups"]) != len(mine) or any(
+                len(saved.get("params", [])) != len(current["params"]) for saved, current in zip(sd["param_groups"], mine)):
+            raise TierValueError(f"the saved parameter groups ({[len(g.get('params', [])) for g in sd['param_groups']]} "
+                                 f"parameters) do not hold the same parameters as this optimizer's "
+                                 f"({[len(g['params']) for g in mine]}): build it with the param_groups it was saved "
+                                 f"with")
+        name_of: dict[Any, str] = {}
+        for saved, current in zip(sd["param_groups"], mine):
+            names = saved.get("param_names", current["params"])  # by place where the dict names none, as torch
+            if sorted(names) != sorted(current["params"]):
+                raise TierValueError(f"the saved parameter group holds {sorted(set(names) - set(current['params']))[:3]}"
+                                     f" where this optimizer's holds {sorted(set(current['params']) - set(names))[:3]}:"
+                                     f" build it with the param_groups it was saved with")
+            name_of.update(zip(saved["params"], names))
+        missing = [i for i in sd["state"] if i not in name_of]
+        if missing:
+            raise TierKeyError(f"optimizer state for parameter {missing[0]!r}, which no parameter group holds")
+        for g in groups:
+            g["params"] = [name_of[i] for i in g.get("params", ())]
+        return groups, {name_of[i]: entry for i, entry in sd["state"].items()}
+
+    def _saved_layout(self, sd: dict[str, Any], state: dict[str, dict[str, Any]]) -> StateLayout:
+        """The layout ``sd`` was saved with: the one it names; where it names none (torch.distributed.checkpoint
+        keeps only ``state`` and ``param_groups``), this optimizer's where every piece is what it stores, else
+        the fp32 layout (torch's AdamW)."""
+        if "state_layout" in sd:
+            return StateLayout.from_dict(sd["state_layout"])
+        for name, entry in state.items():
+            for what, v in entry.items():
+                if what == "step" or not self.store.contains(k := optimizer_key(name, what)):
+                    continue
+                info = self.store.info(k)
+                if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(info["shape"]) or \
+                        v.dtype != info["dtype"]:
+                    return StateLayout.from_dict({})
+        return self.layout
 
     def load_values(self, name: str, values: dict[str, torch.Tensor]) -> None:
         """Set one parameter's ``exp_avg``, ``exp_avg_sq`` and ``master`` from values of the fp32 layout

@@ -21,10 +21,12 @@ contract an optimizer and a checkpoint use) is ``_base.OffloadBase``.
 ``param.copy_(value)``. Before a module's own parameters are loaded, those that are offloaded and named in
 the state dict are held, so the copy writes the held copy; after the module's subtree is loaded they are
 marked changed and let go (``_after_load``, also when a submodule alone is loaded), to be written home.
-An ``OffloadedAdamW`` of the model then remakes the fp32 masters of those parameters from the loaded
-values (its consumer's ``loaded``), as a new optimizer would; its moments stay, as a torch optimizer's do when
-the model it steps loads a state dict (transformers' Trainer, resuming, loads the model, then the optimizer's
-state). Not with ``assign=True``.
+An ``OffloadedAdamW`` of the model then remakes the fp32 masters of those whose values changed from the
+loaded values (its consumer's ``loaded``), as a new optimizer would; its moments stay, as a torch optimizer's do
+when the model it steps loads a state dict (transformers' Trainer, resuming, loads the model, then the
+optimizer's state). A parameter given the value it has keeps its master: torch.distributed.checkpoint's
+``set_state_dict`` loads the optimizer's state (masters included) first and the model's after it, and a master
+remade then would lose what the weight's rounding dropped. Not with ``assign=True``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from tierstore import Tier, TierStore, TierStoreError, TierTypeError, TierValueE
 from tierstore.memory import TierPool
 
 from ._base import STATE_KEY, OffloadBase, OffloadedParameterError, UnitStats, check_not_offloaded
+from ._budget import HostBudget
 from ._build import ParamBuilder, to_compute_device
 from ._contract import zero_grads
 from ._grads import GradientStore, check_grad_dtype, grad_key
@@ -80,6 +83,15 @@ class OffloadStats(UnitStats):
     why)."""
 
 
+def _same_values(held: torch.Tensor | None, value: Any) -> bool:
+    """Whether a load gives a held parameter the very values it has, bit for bit (another dtype counts as other
+    values)."""
+    if held is None or not isinstance(value, torch.Tensor) or value.shape != held.shape or value.dtype != held.dtype:
+        return False
+    bits = [t.detach().to(held.device).reshape(-1).view(torch.uint8) for t in (held, value)]
+    return held.numel() == 0 or torch.equal(*bits)
+
+
 def _kept_grads_of(params: dict[int, StoredParam], grads: GradientStore) -> Callable[[str], tuple[str, int] | None]:
     """What the placement asks of the gradients (see [Note: Gradients in the tiers]): the store key and bytes of the
     gradient kept for a parameter's store key, or None for a key that is no parameter's. A function of these two
@@ -112,9 +124,12 @@ class OffloadedModel(OffloadBase):
         self.resident_ids: set[int] = set()
         self.grads = GradientStore(store, grad_tier, grad_dtype)  # see [Note: Gradients in the tiers]
         self._handles: list[Any] = []
-        self._loading: list[StoredParam] = []  # held by a load_state_dict() (see [Note: Loading a state dict])
+        # held by a load_state_dict(), each with whether its value changes (see [Note: Loading a state dict])
+        self._loading: list[tuple[StoredParam, bool]] = []
         self._installed: dict[str, Any] = {}  # methods made ours by the adapters (see add_model_methods)
         self._unread = False  # state_dict() leaves offloaded values unread (see state_dict_unread)
+        # how state_dict() reads them: into ordinary copies, or mapped ones beyond the host budget
+        self._state_dict_read: Callable[[str], torch.Tensor] | None = None
         # Why off.accumulate runs the micro-batches as the loop (None: layer by layer, or not asked yet).
         self.layer_major_refused: str | None = None
         # The levels below are each given what they use (see docs/code-map.md), never this front.
@@ -260,36 +275,42 @@ class OffloadedModel(OffloadBase):
     # ---- state dicts -------------------------------------------------------------------
     def _before_load(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict,
                      *_: Any) -> None:
-        """Hold the offloaded parameters a load names: see [Note: Loading a state dict]."""
-        mine = [self.params[id(p)] for name, p in module._parameters.items()
+        """Hold the offloaded parameters a load names, each noted with whether the value it is given differs from
+        its own: see [Note: Loading a state dict]."""
+        mine = [(self.params[id(p)], state_dict[prefix + name]) for name, p in module._parameters.items()
                 if p is not None and id(p) in self.params and prefix + name in state_dict]
         if not mine:
             return
         if local_metadata.get("assign_to_params_buffers"):
             raise OffloadedParameterError("load_state_dict(assign=True) would replace offloaded parameters by "
                                           "new tensors; load with assign=False, or before offload_model")
-        for sp in mine:
+        for sp, value in mine:
             sp.hold(self.schedule.unit_of(sp))
-            self._loading.append(sp)
+            self._loading.append((sp, not _same_values(sp.held, value)))
 
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         """Every parameter held for loading has been copied by now (a module loads its own before its
         children's): mark them changed and let them go."""
         loading, self._loading = self._loading, []
-        for sp in loading:
+        for sp, _ in loading:
             self.store.mark_dirty(sp.key, self.compute_tier)
             sp.unhold()
-        if loading:
-            self.loaded([sp.name for sp in loading])
+        changed = [sp.name for sp, differs in loading if differs]
+        if changed:
+            self.loaded(changed)
 
     def _fill_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         """A module's state_dict post-hook: its own offloaded parameters' values (in place of placeholders)."""
         if self._unread:
             return
+        if self._state_dict_read is None:  # see [Note: A whole state dict beyond the host budget]
+            total = sum(self.store.info(sp.key)["nbytes"] for sp in self.params.values())
+            in_memory = HostBudget(self.store).state_dict_in_memory(total)
+            self._state_dict_read = self.store.read if in_memory else self.store.read_mapped
         for pname, p in module._parameters.items():
             sp = self.params.get(id(p)) if p is not None else None
             if sp is not None and prefix + pname in state_dict:
-                state_dict[prefix + pname] = self.store.read(sp.key)
+                state_dict[prefix + pname] = self._state_dict_read(sp.key)
 
 
     # ---- public ------------------------------------------------------------------------

@@ -51,7 +51,7 @@ from ._optim_params import (
     torch_groups,
 )
 from ._optim_state import AdamWState
-from ._optim_state_dict import StateDictIO
+from ._optim_state_dict import StateDictIO, StateView
 from ._pipeline import StatePipeline, UnrestorableUpdateError
 from .policies import OptimizerStatePolicy
 
@@ -100,8 +100,9 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
     torch.optim.AdamW given the same flag, and the fused kernel's results differ
     from the default's in the last bits, as torch's do. ``amsgrad``, ``capturable`` and
     ``differentiable`` must be False. It is a ``torch.optim.Optimizer``, so learning-rate
-    schedulers drive it through ``param_groups``; its state lives in the store
-    (read it with :meth:`state_dict`), not in ``self.state``.
+    schedulers drive it through ``param_groups``; its state lives in the store,
+    and ``opt.state`` reads it from there (parameter -> its state, as torch's
+    optimizers key it, one tensor at a time; see :class:`StateView`).
 
     ``keep_grads``: after backward, ``step()`` leaves each gradient in place
     until ``zero_grad()``, as torch's optimizers do (the default); the update
@@ -161,6 +162,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self._building = True
         super().__init__(torch_groups(param_groups, defaults, self._items, self._frozen, self._name_of), defaults)
         self._building = False
+        self.state = StateView(self)  # type: ignore[assignment]  # torch's is a defaultdict: ours reads the store
         # name -> its group, the very dict a scheduler changes: each update reads its hyper-parameters from it.
         self._group_of = {self._name_of[id(p)]: g for g in self.param_groups for p in g["params"]}
         self._pipeline.state_bytes = self._state.create(home)
@@ -281,6 +283,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
 
     def _step(self) -> None:
         self._check_attached()
+        self._masters_loaded = frozenset()  # a model load from now on gives new weights (see _remake_masters)
         broken = self.offloaded.broken
         if broken is not None and not broken.mendable_by(self):
             raise UnrestorableUpdateError(str(broken))

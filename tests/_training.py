@@ -9,6 +9,29 @@ from tierstore.integrations import OffloadedAdamW, offload_model
 from tierstore.tools.vit import PRESETS, SyntheticImages, ViT
 
 
+def named_state(sd):
+    """The ``"state"`` of an optimizer state dict keyed by parameter name, with the entries of parameters never
+    stepped left out: OffloadedAdamW's state dicts number the parameters as torch's do (their names under each
+    group's ``"param_names"``) and hold every parameter it steps from its creation (``step`` 0)."""
+    names = [n for g in sd["param_groups"] for n in g["param_names"]]
+    return {names[i]: entry for i, entry in sd["state"].items() if float(entry["step"]) != 0}
+
+
+def is_mapped(t):
+    """Whether a tensor's memory is mapped from a file that no name reaches: a mapped copy (see [Note: Tensors mapped
+    from a file])."""
+    if t.numel() == 0:
+        return False
+    ptr = t.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= ptr < hi:
+                return len(fields) == 6 and fields[5].rstrip().endswith("(deleted)")
+    return False
+
+
 def _train(model, data, steps, opt, after_step=None, *, batch=8, rank=0, world=1):
     """``steps`` steps; their losses. ``after_step(step)`` is called after each. Over ``world`` ranks, each rank
     trains on its slice of one batch of ``batch * world``."""

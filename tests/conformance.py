@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch import nn
+from _training import named_state
 from tierstore.integrations.offload import offload_model
 from tierstore.integrations.optim import OffloadedAdamW
 
@@ -123,7 +124,7 @@ def _assert_same_state(model: torch.nn.Module, ref: torch.nn.Module, opt: Offloa
     assert list(sd) == list(ref_sd), when
     for name, value in ref_sd.items():
         assert torch.equal(sd[name], value), f"{name} differs {when} (max {(sd[name] - value).abs().max()})"
-    ours = opt.state_dict(beyond_host_budget=True)["state"]
+    ours = named_state(opt.state_dict(beyond_host_budget=True))
     for name, p in ref.named_parameters():
         st = ref_opt.state.get(p)
         if not st:  # never had a gradient (an expert no token chose): torch keeps no state, ours is zeros
@@ -180,7 +181,7 @@ def check_compressed_streamed_as_in_memory(case: Case, nvme_path: str, *, moment
             ref_sd, sd = ref.state_dict(), model.state_dict()
             for name, value in ref_sd.items():
                 assert torch.equal(sd[name], value), f"{name} differs {when}"
-            ref_state, state = ref_opt.state_dict()["state"], opt.state_dict(beyond_host_budget=True)["state"]
+            ref_state, state = named_state(ref_opt.state_dict(beyond_host_budget=True)), named_state(opt.state_dict(beyond_host_budget=True))
             assert list(state) == list(ref_state), when
             for name, entry in ref_state.items():
                 for key, value in entry.items():

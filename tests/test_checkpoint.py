@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _training import named_state
 from conftest import child_script
 from tierstore.integrations.checkpoint import (
     MODEL_FILE,
@@ -94,7 +95,7 @@ def test_parameters_load_with_plain_safetensors(make_store, tmp_path):
     ours = load_parameters(str(tmp_path / "c"))
     assert set(ours) == set(sd) and all(torch.equal(ours[k], v) for k, v in sd.items())
     moments = st.load_file(str(tmp_path / "c" / OPTIMIZER_FILE))
-    state = opt.state_dict(beyond_host_budget=True)["state"]
+    state = named_state(opt.state_dict(beyond_host_budget=True))
     assert torch.equal(moments["blocks.0.fc1.weight/exp_avg"], state["blocks.0.fc1.weight"]["exp_avg"])
 
 
@@ -280,7 +281,7 @@ def _small(make_store, seed):
 def _everything(model, opt):
     """Parameters, optimizer state, step counts and groups, as plain values to compare."""
     sd = opt.state_dict(beyond_host_budget=True)
-    return (model.state_dict(), {n: dict(s) for n, s in sd["state"].items()}, dict(opt.steps), sd["param_groups"])
+    return (model.state_dict(), {n: dict(s) for n, s in named_state(sd).items()}, dict(opt.steps), sd["param_groups"])
 
 
 def _same_everything(a, b):
@@ -566,7 +567,7 @@ def test_a_state_dict_loaded_after_the_optimizer_exists_is_what_it_steps(make_st
     if dtype == torch.float32:
         ref(x).pow(2).mean().backward()
         ropt.step()
-    state = opt.state_dict(beyond_host_budget=True)["state"]
+    state = named_state(opt.state_dict(beyond_host_budget=True))
     assert all(torch.equal(state[k]["master"], v.float()) for k, v in sd.items() if dtype == torch.bfloat16)
     model(x).float().pow(2).mean().backward()
     opt.step()
@@ -641,7 +642,7 @@ def test_resuming_from_an_older_checkpoint_replaces_the_whole_state(make_store, 
     assert late == fresh_late
     for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
         assert torch.equal(a, b), name
-    ours, theirs = opt.state_dict(beyond_host_budget=True)["state"], fopt.state_dict(beyond_host_budget=True)["state"]
+    ours, theirs = named_state(opt.state_dict(beyond_host_budget=True)), named_state(fopt.state_dict(beyond_host_budget=True))
     assert ours.keys() == theirs.keys()
     for name in ours:
         for what in ours[name]:

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from _training import _assert_same_parameters, _tiny_pair, _train, train_offloaded, train_resident
+from _training import _assert_same_parameters, _tiny_pair, _train, named_state, train_offloaded, train_resident
 from conftest import open_fds, tierstore_threads
 from tierstore.integrations.offload import OffloadedParameterError, offload_model
 from tierstore.integrations.optim import OffloadedAdamW
@@ -44,7 +44,7 @@ def test_offloaded_training_is_bit_identical(make_store, checkpointing, tied, in
     for mname, module in ref.named_modules():  # a module's own state_dict() too: values, never placeholders
         for name, value in module.state_dict().items():
             assert torch.equal(model.get_submodule(mname).state_dict()[name], value), f"{mname}: {name}"
-    ours = opt.state_dict(beyond_host_budget=True)["state"]
+    ours = named_state(opt.state_dict(beyond_host_budget=True))
     for name, p in ref.named_parameters():
         st = ref_opt.state[p]
         assert torch.equal(ours[name]["exp_avg"], st["exp_avg"]), name

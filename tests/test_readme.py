@@ -58,6 +58,7 @@ def test_the_docs_have_python_blocks_to_run():
 
 @pytest.mark.parametrize("page", [p for p in PAGES if _blocks(p)])
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # asked by peft
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP in one process says it is one
 def test_python_blocks_run_as_written(tmp_path, monkeypatch, page):
     blocks = _blocks(page)
     nvme = tmp_path / "nvme"

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _training import named_state
 from tierstore.integrations import OffloadedAdamW, load_checkpoint, offload_model, save_checkpoint, split_settings
 from tierstore.integrations import _layouts as L
 
@@ -346,9 +347,9 @@ def test_a_checkpoint_keeps_compressed_state_as_it_is_and_resumes_bit_identicall
     stored = opt.state_dict(beyond_host_budget=True)
     expected = _train(model, opt, 3, start=3)
     load_checkpoint(str(tmp_path / "ck"), model, opt)
-    for name, entry in opt.state_dict(beyond_host_budget=True)["state"].items():
+    for name, entry in named_state(opt.state_dict(beyond_host_budget=True)).items():
         for what, value in entry.items():
-            assert torch.equal(value, stored["state"][name][what]), (name, what)
+            assert torch.equal(value, named_state(stored)[name][what]), (name, what)
     assert _train(model, opt, 3, start=3) == expected
     # the optimizer file holds the packed bytes: about a quarter of the fp32 layout's moments
     params = sum(p.numel() for _, _, p in off.named_offloaded())
@@ -368,9 +369,9 @@ def test_a_state_dict_loads_into_its_own_layout_bit_identically_and_into_another
     weights = copy.deepcopy(model.state_dict())
     assert sd["state_layout"] == {"moments": "8bit", "master": "split", "split": "nearest"}
     opt.load_state_dict(sd)
-    for name, entry in opt.state_dict(beyond_host_budget=True)["state"].items():
+    for name, entry in named_state(opt.state_dict(beyond_host_budget=True)).items():
         for what, value in entry.items():
-            assert torch.equal(value, sd["state"][name][what])
+            assert torch.equal(value, named_state(sd)[name][what])
 
     other = _model()
     off2 = offload_model(other, make_store())
@@ -380,9 +381,9 @@ def test_a_state_dict_loads_into_its_own_layout_bit_identically_and_into_another
         opt2.load_state_dict(sd)
     opt2.load_state_dict(sd, convert=True)
     name = "0.weight"
-    converted = opt2.state_dict(beyond_host_budget=True)["state"][name]
-    assert torch.equal(converted["exp_avg"], opt.decoded(name, "exp_avg", sd["state"][name]["exp_avg"]))
-    assert torch.equal(converted["master"], opt.decoded(name, "master", sd["state"][name]["master"]))
+    converted = named_state(opt2.state_dict(beyond_host_budget=True))[name]
+    assert torch.equal(converted["exp_avg"], opt.decoded(name, "exp_avg", named_state(sd)[name]["exp_avg"]))
+    assert torch.equal(converted["master"], opt.decoded(name, "master", named_state(sd)[name]["master"]))
     # both continue the same way up to the moments' quantization
     a, b = _train(model, opt, 5, start=3), _train(other, opt2, 5, start=3)
     assert np.allclose(a, b, rtol=0.02)
@@ -490,8 +491,8 @@ def test_split_masters_of_the_first_version_load_exactly_with_rounded_weights(ma
         save_checkpoint(str(tmp_path / "ck"), model, opt)
         sd = copy.deepcopy(opt.state_dict(beyond_host_budget=True))
         weights = copy.deepcopy(model.state_dict())
-    masters = {name: _ref_truncated(weights[name], sd["state"][name]["master"]) for name in sd["state"]
-               if "master" in sd["state"][name]}
+    masters = {name: _ref_truncated(weights[name], named_state(sd)[name]["master"]) for name in named_state(sd)
+               if "master" in named_state(sd)[name]}
     assert masters and sd["state_layout"] == {"moments": "8bit", "master": "split"}
     for how in ("checkpoint", "state_dict"):
         other = _model()
@@ -505,7 +506,7 @@ def test_split_masters_of_the_first_version_load_exactly_with_rounded_weights(ma
         now = opt2.state_dict(beyond_host_budget=True)
         loaded = dict(other.state_dict())
         for name, master in masters.items():
-            assert torch.equal(opt2.decoded(name, "master", now["state"][name]["master"]), master), (how, name)
+            assert torch.equal(opt2.decoded(name, "master", named_state(now)[name]["master"]), master), (how, name)
             assert torch.equal(loaded[name].view(torch.int16), _ref_rounded(master)), (how, name)
         assert all(x == x for x in _train(other, opt2, 2, start=3))
 
@@ -547,7 +548,7 @@ def test_two_threads_training_compressed_state_at_once_each_train_as_alone(make_
         opt.wait()
         results[seed] = (losses, {k: v.clone() for k, v in model.state_dict().items()},
                          {n: {w: t.clone() for w, t in e.items() if torch.is_tensor(t)}
-                          for n, e in opt.state_dict(beyond_host_budget=True)["state"].items()})
+                          for n, e in named_state(opt.state_dict(beyond_host_budget=True)).items()})
         opt.close()
 
     alone, together = {}, {}
@@ -626,7 +627,7 @@ def test_a_compressed_step_stopped_by_an_io_error_finishes_as_an_unbroken_run(ma
         assert sysc.failed == (fail_after is not None)
         result = ({k: v.clone() for k, v in model.state_dict().items()},
                   {n: {w: t.clone() for w, t in e.items() if torch.is_tensor(t)}
-                   for n, e in opt.state_dict(beyond_host_budget=True)["state"].items()})
+                   for n, e in named_state(opt.state_dict(beyond_host_budget=True)).items()})
         opt.close()
         store.close()
         return result, part_way

@@ -319,13 +319,18 @@ class NvmeEngine:
                 return Extent(f, off, length)
         return None
 
-    def _new_file_locked(self, size: int) -> _SwapFile:
+    def require_free(self, nbytes: int, what: str) -> None:
+        """Raise StoreFullError where the filesystem under the swap directory cannot take ``nbytes`` more (``what``)
+        and keep nvme_reserve_bytes free."""
         free, reserve = self._drive_free_bytes(), self.config.nvme_reserve_bytes
-        if free < size + reserve:
+        if free < nbytes + reserve:
             raise StoreFullError(
-                f"a new swap file of {_mib(size)} does not fit under nvme_path {self.config.nvme_path!r}: the "
+                f"{what} of {_mib(nbytes)} does not fit under nvme_path {self.config.nvme_path!r}: the "
                 f"filesystem has {_mib(free)} free, of which nvme_reserve_bytes={_mib(reserve)} stays free. Free "
                 f"space there, point nvme_path at a larger drive, or lower nvme_reserve_bytes")
+
+    def _new_file_locked(self, size: int) -> _SwapFile:
+        self.require_free(size, "a new swap file")
         path = os.path.join(self.directory, f"swap-{len(self._files):04d}.bin")
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
         try:

@@ -24,6 +24,7 @@ from ._config import StoreConfig, check_settings
 from ._copies import Copy, Entry, StoreState, check_put, dense_strides
 from ._device import Device, default_device
 from ._handle import Handle
+from ._mapped import mapped_copy
 from ._memory import TierPool
 from ._nvme import NvmeEngine, Syscalls
 from ._residency import Residency
@@ -204,6 +205,22 @@ class TierStore(Residency):
         t = self.get(key, Tier.HOST)
         try:
             return t.clone()
+        finally:
+            self.release(key, Tier.HOST)
+
+    def read_mapped(self, key: str) -> torch.Tensor:
+        """A copy of the tensor's current value, as :meth:`read` gives, in a private file on the drive mapped into
+        memory (see [Note: Tensors mapped from a file]): for a caller that holds more such copies at once than the
+        host budget (a whole state dict a saver walks). Its file lies beside the swap files, outside
+        ``nvme_budget_bytes``, while the tensor lives; StoreFullError where the drive cannot take it beside
+        ``nvme_reserve_bytes``. An ordinary copy where the store has no NVMe tier."""
+        engine = self._state.engine
+        if engine is None:
+            return self.read(key)
+        engine.require_free(self.info(key)["nbytes"], "a mapped copy of tensor " + repr(key))
+        t = self.get(key, Tier.HOST)
+        try:
+            return mapped_copy(engine.directory, t)
         finally:
             self.release(key, Tier.HOST)
 

@@ -1,0 +1,75 @@
+"""Copies of tensors in private files on the drive, mapped back into memory.
+
+[Note: Tensors mapped from a file] A caller that must hold many tensors at once (a whole state dict that a
+saver walks: ``torch.save``, torch.distributed.checkpoint, a framework's checkpoint) would hold more than the
+host budget, or than the machine's RAM, if each were an ordinary copy. A mapped copy is written to a file of
+its own under the swap directory, then mapped (``MAP_SHARED``) as the tensor's storage: its pages are the
+page cache's, read from the file when touched and dropped by the kernel when memory is short (clean ones at
+once, written ones after their write-back), so they count in the RSS only while the kernel has room for them.
+The file has no name (``O_TMPFILE``; where refused, a name unlinked at once) and mode 0600: nothing is left on
+the drive when the tensor is freed, the process killed included, and no other user can read it. No descriptor
+stays open (torch maps the file through ``/proc/self/fd`` and closes its own), so a state dict of thousands of
+tensors holds thousands of mappings, not of open files. Writes into the
+tensor go to the file (a load into a mapped tensor stays out of the anonymous memory as well).
+
+The bytes are written with ``pwrite`` (a full drive is an error here, not a SIGBUS at a later page fault), in
+``_CHUNK_BYTES`` pieces.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import torch
+
+from ._types import StoreFullError, TierIOError
+
+_CHUNK_BYTES = 64 * 2**20
+
+
+def _private_file(directory: str) -> int:
+    """A file under ``directory`` that no name reaches, readable and writable by this user only."""
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+    except (AttributeError, OSError) as e:  # no O_TMPFILE on this platform or filesystem
+        if isinstance(e, OSError) and e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    for i in range(1000):
+        path = os.path.join(directory, f"mapped-{os.getpid()}-{i}.tmp")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            continue
+        os.unlink(path)
+        return fd
+    raise TierIOError(f"cannot create a file for a mapped copy under {directory!r}")
+
+
+def mapped_copy(directory: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` (a CPU tensor) in a private file under ``directory``, mapped back into memory (see
+    [Note: Tensors mapped from a file]). Raises StoreFullError where the drive fills, TierIOError on another
+    I/O error; nothing stays on the drive either way."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return torch.empty(tensor.shape, dtype=tensor.dtype)
+    data = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    fd = _private_file(directory)
+    try:
+        done = 0
+        while done < nbytes:
+            try:
+                done += os.pwrite(fd, data[done:done + _CHUNK_BYTES], done)
+            except OSError as e:
+                full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+                raise (StoreFullError if full else TierIOError)(
+                    f"a mapped copy of {nbytes / 2**20:.1f} MiB could not be written under {directory!r}: "
+                    f"{e.strerror}" + (": free space there or choose another nvme_path" if full else "")) from e
+        # torch maps the file and lets go of the descriptor (a mmap object would keep one open per tensor)
+        storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
+    finally:
+        os.close(fd)  # the mapping keeps the file
+    return torch.empty((0,), dtype=torch.uint8).set_(storage).view(tensor.dtype).view(tensor.shape)
+
+
+__all__ = ["mapped_copy"]
