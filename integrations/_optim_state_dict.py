@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -33,23 +33,36 @@ from ._optim_params import check_group_states, group_states
 from ._optim_state import AdamWState
 
 
-class ParamStateView(Mapping):
+class ParamStateView(MutableMapping):
     """One parameter's entry in ``opt.state``: ``step`` and each piece of its state, read from the store when
-    asked for (an ordinary copy of one tensor), as the layout stores it (see :meth:`StateDictIO.state_dict`)."""
+    asked for (an ordinary copy of one tensor), as the layout stores it (see :meth:`StateDictIO.state_dict`).
+
+    Setting a piece to the very tensor this entry gave for it changes nothing (what moving a state to its device
+    does, as Lightning does at the start and end of ``fit``); any other value is refused."""
 
     def __init__(self, opt: StateDictIO, name: str) -> None:
         self._opt, self._name = opt, name
+        self._given: dict[str, weakref.ref] = {}
 
     def _keys(self) -> dict[str, str | None]:
         return {"step": None, **{what: k for _, what, k in self._opt.state_tensors({self._name: 0.0})}}
 
     def __getitem__(self, what: str) -> torch.Tensor:
         k = self._keys()[what]  # KeyError for a piece it does not have, as a dict
-        return torch.tensor(self._opt.steps.get(self._name, 0.0)) if k is None else self._opt.store.read(k)
+        t = torch.tensor(self._opt.steps.get(self._name, 0.0)) if k is None else self._opt.store.read(k)
+        self._given[what] = weakref.ref(t)
+        return t
 
     def __setitem__(self, what: str, value: Any) -> None:
+        given = self._given.get(what)
+        if given is not None and given() is value:
+            return
         raise TierTypeError(f"opt.state of an OffloadedAdamW is read from the store, and {self._name!r}'s "
                             f"{what!r} cannot be set in it: load a whole state with opt.load_state_dict()")
+
+    def __delitem__(self, what: str) -> None:
+        raise TierTypeError(f"opt.state of an OffloadedAdamW is read from the store: {self._name!r}'s {what!r} "
+                            f"cannot be deleted from it")
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys())
@@ -77,7 +90,8 @@ class StateView(Mapping):
     def __getitem__(self, p: torch.Tensor) -> ParamStateView:
         found = self._params().get(id(p))
         if found is None or found[0] is not p:
-            raise KeyError(p)
+            raise TierKeyError("not a parameter this OffloadedAdamW steps (opt.state is keyed by the parameters of "
+                               "opt.param_groups)")
         return ParamStateView(self._opt, found[1])
 
     def __iter__(self) -> Iterator[torch.nn.Parameter]:

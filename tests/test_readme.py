@@ -59,6 +59,10 @@ def test_the_docs_have_python_blocks_to_run():
 @pytest.mark.parametrize("page", [p for p in PAGES if _blocks(p)])
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # asked by peft
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP in one process says it is one
+@pytest.mark.filterwarnings("ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")  # its advice on workers
+@pytest.mark.filterwarnings("ignore:Starting from v1.9.0, `tensorboardX` has been removed:UserWarning")  # Lightning's
+@pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning")  # Lightning's
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty:UserWarning")  # a resume's, Lightning's
 def test_python_blocks_run_as_written(tmp_path, monkeypatch, page):
     blocks = _blocks(page)
     nvme = tmp_path / "nvme"
@@ -69,8 +73,9 @@ def test_python_blocks_run_as_written(tmp_path, monkeypatch, page):
         "offload_param": {"device": "nvme", "nvme_path": str(nvme)}}}))
     data = SyntheticImages(PRESETS["tiny"])
     x, y = data.batch(0, 4)
-    ns: dict = {"loader": [data.batch(i, 4) for i in range(2)], "loss_fn": F.cross_entropy, "x": x, "y": y,
-                "steps": 2, "step": 1}
+    # a DataLoader as users have one (Lightning takes a list for several loaders)
+    ns: dict = {"loader": torch.utils.data.DataLoader([data.batch(i, 4) for i in range(2)], batch_size=None), "loss_fn": F.cross_entropy, "x": x, "y": y,
+                "steps": 2, "step": 1, "make_model": _fresh_model}
     made: list = []  # every store and optimizer the blocks make, to close at the end
     for cls in (ts.TierStore, OffloadedAdamW):
         monkeypatch.setattr(cls, "__init__", _recording(cls.__init__, made))

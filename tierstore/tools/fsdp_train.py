@@ -281,7 +281,9 @@ def _compare(off, opt, reference, losses: list[float]) -> bool:
     if losses != ref_losses:
         print(f"rank {dist.get_rank()}: losses differ: {losses} vs {ref_losses}", file=sys.stderr)
         return False
-    ours = opt.state_dict(beyond_host_budget=True)["state"]
+    sd = opt.state_dict(beyond_host_budget=True)  # by index, as torch's: the names under "param_names"
+    names = [n for g in sd["param_groups"] for n in g["param_names"]]
+    ours = {names[i]: entry for i, entry in sd["state"].items()}
     for name, p in ref_model.named_parameters():
         mine = off.read_param(name)
         st = ref_opt.state[p]
