@@ -64,3 +64,46 @@ def test_the_store_reads_a_mapped_copy_of_any_tier(make_store):
     host_only.put("c", t, home="host").wait()
     c = host_only.read_mapped("c")
     assert not is_mapped(c) and torch.equal(c, t)  # no drive: an ordinary copy
+
+
+def _resident_bytes(t):
+    """Bytes of the mapping that holds ``t`` resident in this process (its Rss line in /proc/self/smaps)."""
+    ptr = t.untyped_storage().data_ptr()
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds the tensor")
+
+
+def _eventually(condition, seconds=10.0):
+    """Polls ``condition`` until it holds or ``seconds`` pass (what a background thread does, it does in time)."""
+    import time
+
+    end = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_mapped_copy_s_pages_are_given_back_once_read_and_the_thread_ends_with_the_copies(tmp_path):
+    """See [Note: Mapped pages given back]: read whole, the copy's pages leave the RSS (the values stay), and the
+    trimming thread ends once no copy lives."""
+    import threading
+
+    t = torch.randn(8 * 2**20 // 4)
+    c = _mapped.mapped_copy(str(tmp_path), t)
+    assert torch.equal(c, t)  # every page read
+    assert _eventually(lambda: _resident_bytes(c) < t.nbytes // 8), _resident_bytes(c)
+    assert torch.equal(c, t)  # read again from the page cache
+    c[0] = 7.0  # a write stays, trimmed or not
+    assert _eventually(lambda: _resident_bytes(c) < t.nbytes // 8) and c[0] == 7.0
+    del c
+    assert _eventually(lambda: not [th for th in threading.enumerate() if th.name == "mapped-copies-trimmer"])

@@ -216,9 +216,10 @@ def test_a_mapped_state_dict_needs_room_on_the_drive(make_store, monkeypatch):
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
 def test_accelerate_saves_and_resumes_bit_identically(make_store, tmp_path):
     """Accelerate as its docs write it (``prepare``, ``accumulate``, ``clip_grad_norm_``, ``save_state``,
-    ``load_state`` with the optimizer's file mapped), the state beyond the host budget: the resumed run's losses
-    and weights are the uninterrupted run's."""
+    ``load_state`` with the optimizer's file mapped, ``save_model``), the state beyond the host budget: the resumed
+    run's losses and weights are the uninterrupted run's, and the saved weights are the model's."""
     accelerate = pytest.importorskip("accelerate")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
     from accelerate.state import AcceleratorState, GradientState
 
     batches = [_batch(i) for i in range(8)]
@@ -248,6 +249,10 @@ def test_accelerate_saves_and_resumes_bit_identically(make_store, tmp_path):
         if save is not None:
             assert _state_bytes(ours) > 4 * ours.store.config.host_budget_bytes
             accelerator.save_state(save)
+            accelerator.save_model(model, save + "-model")  # the weights alone, as safetensors
+            saved = safetensors_torch.load_file(os.path.join(save + "-model", "model.safetensors"))
+            assert saved.keys() == {n for n, _ in model.named_parameters()}
+            assert all(torch.equal(v, off.read_param(n)) for n, v in saved.items())
         return losses, {name: off.read_param(name) for name, _ in model.named_parameters()}
 
     whole, final = run((0, 8))

@@ -9,23 +9,75 @@ once, written ones after their write-back), so they count in the RSS only while 
 The file has no name (``O_TMPFILE``; where refused, a name unlinked at once) and mode 0600: nothing is left on
 the drive when the tensor is freed, the process killed included, and no other user can read it. No descriptor
 stays open (torch maps the file through ``/proc/self/fd`` and closes its own), so a state dict of thousands of
-tensors holds thousands of mappings, not of open files. Writes into the
-tensor go to the file (a load into a mapped tensor stays out of the anonymous memory as well).
+tensors holds thousands of mappings, not of open files. Writes into the tensor go to the file (a load into a
+mapped tensor stays out of the anonymous memory as well).
 
 The bytes are written with ``pwrite`` (a full drive is an error here, not a SIGBUS at a later page fault), in
 ``_CHUNK_BYTES`` pieces.
+
+[Note: Mapped pages given back] The kernel drops a mapped copy's pages only when memory is short, and until
+then each page a saver has read counts in the process's RSS: a save of a state several times the host budget
+would show the whole state in the RSS (and in a container's memory limit) though none of it needs to stay.
+So while mapped copies live, a thread (``_Trimmer``) unmaps their pages from the process every
+``TRIM_SECONDS`` (``madvise(MADV_DONTNEED)``): for a ``MAP_SHARED`` file mapping that changes no byte (the page
+stays in the page cache, written ones are written back there) and a later read faults the page in again from
+the cache. A copy is trimmed only while the thread holds it (its storage cannot be unmapped meanwhile) and
+only where its storage is still the mapping it was made with. The thread ends once no copy lives.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
+import threading
+import weakref
 
 import torch
 
 from ._types import StoreFullError, TierIOError
 
 _CHUNK_BYTES = 64 * 2**20
+TRIM_SECONDS = 0.05
+_MADV_DONTNEED = 4
+
+
+class _Trimmer:
+    """Gives back the pages of the live mapped copies every ``TRIM_SECONDS`` (see [Note: Mapped pages given back]).
+    ``add`` is called by any thread making a copy; the trimming thread alone walks the copies, under the lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._copies: dict[int, tuple[weakref.ref, int, int]] = {}  # id -> (the tensor, its address, its bytes)
+        self._thread: threading.Thread | None = None
+        self._madvise = ctypes.CDLL(None, use_errno=True).madvise
+        self._madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+    def add(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        with self._lock:
+            self._copies[id(t)] = (weakref.ref(t), storage.data_ptr(), storage.nbytes())
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mapped-copies-trimmer", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        stop = threading.Event()
+        while not stop.wait(TRIM_SECONDS):
+            with self._lock:
+                for key, (ref, address, nbytes) in list(self._copies.items()):
+                    t = ref()  # held while trimmed: its storage is not unmapped meanwhile
+                    if t is None or t.untyped_storage().data_ptr() != address:
+                        del self._copies[key]
+                        continue
+                    self._madvise(address, nbytes, _MADV_DONTNEED)
+                    del t
+                if not self._copies:
+                    self._thread = None
+                    return
+
+
+_trimmer = _Trimmer()
 
 
 def _private_file(directory: str) -> int:
@@ -69,7 +121,9 @@ def mapped_copy(directory: str, tensor: torch.Tensor) -> torch.Tensor:
         storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
     finally:
         os.close(fd)  # the mapping keeps the file
-    return torch.empty((0,), dtype=torch.uint8).set_(storage).view(tensor.dtype).view(tensor.shape)
+    copy = torch.empty((0,), dtype=torch.uint8).set_(storage).view(tensor.dtype).view(tensor.shape)
+    _trimmer.add(copy)
+    return copy
 
 
 __all__ = ["mapped_copy"]
