@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from tierstore import TierKeyError, TierStore, TierStoreError, TierTypeError, TierValueError
+from tierstore.memory import give_back_pages
 
 from ._budget import HostBudget
 from ._contract import optimizer_key
@@ -251,6 +252,7 @@ class StateDictIO:
         self.reset_state(names - set(stepped))
         for name, entry in stepped.items():
             self._state.load(name, {what: v for what, v in entry.items() if what != "step"}, saved)
+            give_back_pages(list(entry.values()))  # in the store now: see [Note: Loaded pages given back]
             self.steps[name] = float(entry["step"])
             self._applied.pop(name, None)
         self._masters_loaded = frozenset(name for name, entry in stepped.items() if "master" in entry)

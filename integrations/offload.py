@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from tierstore import Tier, TierStore, TierStoreError, TierTypeError, TierValueError
-from tierstore.memory import TierPool
+from tierstore.memory import TierPool, give_back_pages
 
 from ._base import STATE_KEY, OffloadBase, OffloadedParameterError, UnitStats, check_not_offloaded
 from ._budget import HostBudget
@@ -124,8 +124,9 @@ class OffloadedModel(OffloadBase):
         self.resident_ids: set[int] = set()
         self.grads = GradientStore(store, grad_tier, grad_dtype)  # see [Note: Gradients in the tiers]
         self._handles: list[Any] = []
-        # held by a load_state_dict(), each with whether its value changes (see [Note: Loading a state dict])
-        self._loading: list[tuple[StoredParam, bool]] = []
+        # held by a load_state_dict(), each with the value it is given and whether that changes it (see [Note:
+        # Loading a state dict])
+        self._loading: list[tuple[StoredParam, Any, bool]] = []
         self._installed: dict[str, Any] = {}  # methods made ours by the adapters (see add_model_methods)
         self._unread = False  # state_dict() leaves offloaded values unread (see state_dict_unread)
         # how state_dict() reads them: into ordinary copies, or mapped ones beyond the host budget
@@ -286,16 +287,17 @@ class OffloadedModel(OffloadBase):
                                           "new tensors; load with assign=False, or before offload_model")
         for sp, value in mine:
             sp.hold(self.schedule.unit_of(sp))
-            self._loading.append((sp, not _same_values(sp.held, value)))
+            self._loading.append((sp, value, not _same_values(sp.held, value)))
 
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         """Every parameter held for loading has been copied by now (a module loads its own before its
         children's): mark them changed and let them go."""
         loading, self._loading = self._loading, []
-        for sp, _ in loading:
+        for sp, _, _ in loading:
             self.store.mark_dirty(sp.key, self.compute_tier)
             sp.unhold()
-        changed = [sp.name for sp, differs in loading if differs]
+        give_back_pages([value for _, value, _ in loading])  # copied: see [Note: Loaded pages given back]
+        changed = [sp.name for sp, _, differs in loading if differs]
         if changed:
             self.loaded(changed)
 

@@ -289,3 +289,25 @@ def test_lightning_checkpoints_and_resumes_as_plain_lightning_does_within_the_bu
     assert resumed["load_rise_bytes"] and max(resumed["load_rise_bytes"]) < state / 4, resumed
     theirs = _lightning(tmp_path / "b", "first", "--default-io")
     assert theirs["losses"] == first["losses"] and max(theirs["save_rise_bytes"]) > state / 2, theirs
+
+
+def test_a_load_gives_back_the_pages_of_a_checkpoint_mapped_from_its_file(make_store, tmp_path):
+    """torch.load(mmap=True), then model.load_state_dict and opt.load_state_dict: once each tensor is in the store,
+    the pages the load read of the checkpoint's file leave the RSS (see [Note: Loaded pages given back])."""
+    from test_mapped import _resident_bytes
+
+    model, off, opt = _offloaded(make_store(host_budget_bytes="64KiB"))
+    _train(model, opt, 2)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "ckpt.pt")
+    size = (tmp_path / "ckpt.pt").stat().st_size
+    model2, off2, opt2 = _offloaded(make_store(host_budget_bytes="64KiB"))
+    ckpt = torch.load(tmp_path / "ckpt.pt", mmap=True, weights_only=True)
+    some = ckpt["optimizer"]["state"][0]["exp_avg"]
+    for t in [*ckpt["model"].values(), *(v for e in ckpt["optimizer"]["state"].values() for v in e.values())]:
+        t.sum()  # every page read, as the load reads them
+    assert _resident_bytes(some) > 0.9 * size
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["optimizer"])
+    # what stays: the pages a tensor shares with another or with the file's headers (tiny tensors here)
+    assert _resident_bytes(some) < size // 2, (_resident_bytes(some), size)
+    assert _train(model2, opt2, 1, start=2) == _train(model, opt, 1, start=2)  # the values stayed

@@ -23,6 +23,14 @@ So while mapped copies live, a thread (``_Trimmer``) unmaps their pages from the
 stays in the page cache, written ones are written back there) and a later read faults the page in again from
 the cache. A copy is trimmed only while the thread holds it (its storage cannot be unmapped meanwhile) and
 only where its storage is still the mapping it was made with. The thread ends once no copy lives.
+
+[Note: Loaded pages given back] A load reads a checkpoint mapped from its file (``torch.load(mmap=True)``,
+safetensors' reader) and writes each tensor into the store; the pages it read stay in the RSS, as above, until
+memory is short. Once a tensor is in the store, :func:`give_back_pages` asks the kernel to reclaim its pages
+where they are mapped from a file (``madvise(MADV_PAGEOUT)``, Linux 5.4 and later): a hint that changes no
+byte (a clean page is read again from its file when touched; a page written since it was mapped stays, or goes
+to swap). Anonymous memory is left alone (without swap it could not go; with swap, paging it out would only
+cost).
 """
 
 from __future__ import annotations
@@ -40,6 +48,10 @@ from ._types import StoreFullError, TierIOError
 _CHUNK_BYTES = 64 * 2**20
 TRIM_SECONDS = 0.05
 _MADV_DONTNEED = 4
+_MADV_PAGEOUT = 21
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 class _Trimmer:
@@ -50,8 +62,6 @@ class _Trimmer:
         self._lock = threading.Lock()
         self._copies: dict[int, tuple[weakref.ref, int, int]] = {}  # id -> (the tensor, its address, its bytes)
         self._thread: threading.Thread | None = None
-        self._madvise = ctypes.CDLL(None, use_errno=True).madvise
-        self._madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
     def add(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -70,7 +80,7 @@ class _Trimmer:
                     if t is None or t.untyped_storage().data_ptr() != address:
                         del self._copies[key]
                         continue
-                    self._madvise(address, nbytes, _MADV_DONTNEED)
+                    _libc.madvise(address, nbytes, _MADV_DONTNEED)
                     del t
                 if not self._copies:
                     self._thread = None
@@ -126,4 +136,33 @@ def mapped_copy(directory: str, tensor: torch.Tensor) -> torch.Tensor:
     return copy
 
 
-__all__ = ["mapped_copy"]
+def _file_mappings() -> list[tuple[int, int]]:
+    """The address ranges of this process mapped from files (not anonymous memory, the heap or the stack)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/"):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                out.append((lo, hi))
+    return out
+
+
+def give_back_pages(tensors: list[torch.Tensor]) -> None:
+    """Ask the kernel to reclaim the pages of these CPU tensors (the caller holds them) where a file backs them:
+    see [Note: Loaded pages given back]. Tensors in anonymous memory, or on a device, are left as they are."""
+    spans = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel():
+            storage = t.untyped_storage()
+            spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    if not spans:
+        return
+    files = _file_mappings()
+    for lo, hi in spans:
+        start, stop = -(-lo // _PAGE) * _PAGE, hi // _PAGE * _PAGE  # whole pages within the storage only
+        if stop > start and any(a <= lo and hi <= b for a, b in files):
+            _libc.madvise(start, stop - start, _MADV_PAGEOUT)
+
+
+__all__ = ["give_back_pages", "mapped_copy"]
