@@ -9,7 +9,8 @@ four flows as their users write them:
   torch.distributed.checkpoint (``get_state_dict``, ``dcp.save``, ``dcp.load``, ``set_state_dict``);
 - ``accelerate``: ``prepare``, ``accumulate``, ``clip_grad_norm_``; ``save_state`` and ``load_state`` (the
   optimizer's file mapped);
-- ``lightning``: ``configure_optimizers``, ``gradient_clip_val``, ``accumulate_grad_batches``; ``ModelCheckpoint``
+- ``lightning``: the offload in ``configure_model``, ``configure_optimizers``, ``gradient_clip_val``,
+  ``accumulate_grad_batches``; ``ModelCheckpoint``
   at the end of the run with ``MappedCheckpointIO``, and a resume with ``ckpt_path=`` for one more step.
 
 For each flow: the run that trains and saves, and the run that resumes from it (and trains one more step), each
@@ -173,8 +174,11 @@ def _lightning(args, model, store, micro, what, ckpt, losses) -> int:
             losses.append(loss.item())
             return loss
 
+        def configure_model(self):  # before a resume loads the weights: they go straight into the store
+            if not hasattr(self, "offload"):
+                self.offload = offload_model(self.model, store)
+
         def configure_optimizers(self):
-            self.offload = offload_model(self.model, store)
             return OffloadedAdamW(self.offload, lr=1e-4)
 
     saving = what != "train"
