@@ -311,3 +311,15 @@ def test_a_load_gives_back_the_pages_of_a_checkpoint_mapped_from_its_file(make_s
     # what stays: the pages a tensor shares with another or with the file's headers (tiny tensors here)
     assert _resident_bytes(some) < size // 2, (_resident_bytes(some), size)
     assert _train(model2, opt2, 1, start=2) == _train(model, opt, 1, start=2)  # the values stayed
+
+
+def test_a_model_given_its_own_values_keeps_its_masters(make_store):
+    """``model.load_state_dict(model.state_dict())`` changes nothing, a bf16 model's split masters included (made
+    again from the weights, their low halves would be lost): the run goes on as if it had not been called."""
+    kw = {"moments": "8bit", "master": "split"}
+    model, off, opt = _offloaded(make_store(host_budget_bytes="64KiB"), torch.bfloat16, **kw)
+    twin, twin_off, twin_opt = _offloaded(make_store(host_budget_bytes="64KiB"), torch.bfloat16, **kw)
+    assert _train(model, opt, 2) == _train(twin, twin_opt, 2)
+    model.load_state_dict(model.state_dict())
+    assert _train(model, opt, 2, start=2) == _train(twin, twin_opt, 2, start=2)
+    assert all(torch.equal(off.read_param(n), twin_off.read_param(n)) for n, _ in model.named_parameters())

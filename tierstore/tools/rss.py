@@ -23,16 +23,22 @@ def reset_peak_rss() -> bool:
     return write_kernel_control("/proc/self/clear_refs", "5")
 
 
-def peak_rss_bytes() -> int:
-    """Peak RSS since start or since the last :func:`reset_peak_rss` (current RSS where VmHWM is unknown)."""
+def _status_bytes(field: str) -> int | None:
+    """A size this process's /proc/self/status gives (``VmHWM``, ``RssAnon``), or None where it gives none."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return psutil.Process().memory_info().rss
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """Peak RSS since start or since the last :func:`reset_peak_rss` (current RSS where VmHWM is unknown)."""
+    peak = _status_bytes("VmHWM")
+    return rss_bytes() if peak is None else peak
 
 
 def rss_bytes() -> int:
@@ -43,14 +49,8 @@ def anon_rss_bytes() -> int:
     """The part of the RSS that no file backs (``RssAnon``): what the kernel cannot drop, with no swap, while the
     process lives. Pages mapped from files (a mapped copy's: see [Note: Tensors mapped from a file]) count in the
     RSS but not here. The whole RSS where the kernel does not say."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return rss_bytes()
+    anon = _status_bytes("RssAnon")
+    return rss_bytes() if anon is None else anon
 
 
 class AnonRssPeak:
