@@ -107,3 +107,39 @@ def test_a_mapped_copy_s_pages_are_given_back_once_read_and_the_thread_ends_with
     assert _eventually(lambda: _resident_bytes(c) < t.nbytes // 8) and c[0] == 7.0
     del c
     assert _eventually(lambda: not [th for th in threading.enumerate() if th.name == "mapped-copies-trimmer"])
+
+
+def test_mapped_copies_made_and_read_on_many_threads_while_they_are_trimmed_keep_their_values(tmp_path):
+    """Threads make mapped copies, write into them and read them back, switching every microsecond, while the
+    trimming thread gives their pages back: every value read is the one written (see [Note: Mapped pages given
+    back])."""
+    import sys
+    import threading
+    import time
+
+    errors = []
+
+    def work(seed):
+        g = torch.Generator().manual_seed(seed)
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            t = torch.randn(64 * 1024, generator=g)
+            c = _mapped.mapped_copy(str(tmp_path), t)
+            c[::4097] += 1
+            t[::4097] += 1
+            for _ in range(3):
+                if not torch.equal(c, t):
+                    errors.append(seed)
+                time.sleep(_mapped.TRIM_SECONDS / 3)
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(before)
+    assert errors == []
