@@ -26,6 +26,7 @@ from torch import nn
 from tierstore import Tier, TierKeyError, TierStore, TierStoreError, TierTypeError, TierValueError
 from tierstore.scheduling import LaterUses, Placement, PrefetchPolicy, unit_victim_order
 
+from ._budget import HostBudget
 from ._contract import (
     OPTIMIZER_PREFIX, BrokenValues, Consumers, Mend, NotCopyable, OffloadedParameterError, OffloadedParameters,
     PassConsumer,
@@ -98,6 +99,8 @@ class OffloadBase(NotCopyable, OffloadedParameters):
         self._by_key: dict[str, Any] = {}
         # The units, their read-ahead and stalls: what the levels below are given (see UnitSchedule).
         self.schedule = UnitSchedule(store, self.stats)
+        # how state_dict() reads offloaded values: into ordinary copies, or mapped ones beyond the host budget
+        self._state_dict_read: Callable[[str], torch.Tensor] | None = None
 
     @property
     def backwards_failed(self) -> int:
@@ -203,6 +206,16 @@ class OffloadBase(NotCopyable, OffloadedParameters):
         if name in self.resident:
             return self.resident[name].detach().cpu().clone()
         raise TierKeyError(f"no parameter named {name!r}")
+
+    def _state_dict_value(self, record: Any) -> torch.Tensor:
+        """What ``model.state_dict()`` holds for an offloaded parameter (``record``: its entry in ``params``): its
+        value read from the store, an ordinary copy, or, for a model beyond the host budget, a mapped one (see
+        [Note: A whole state dict beyond the host budget])."""
+        if self._state_dict_read is None:
+            total = sum(self.store.info(r.key)["nbytes"] for r in self.params.values())
+            in_memory = HostBudget(self.store).state_dict_in_memory(total)
+            self._state_dict_read = self.store.read if in_memory else self.store.read_mapped
+        return self._state_dict_read(record.key)
 
     def units(self) -> dict[str, list[str]]:
         """Each unit that holds parameters (module name, ``""`` for the root) with the names of what it fetches

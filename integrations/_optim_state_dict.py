@@ -269,19 +269,19 @@ class StateDictIO:
         if not numbered:
             return groups, sd["state"]
         mine = self.group_states()
-        if len(sd["param_groups"]) != len(mine) or any(
-                len(saved.get("params", [])) != len(current["params"]) for saved, current in zip(sd["param_groups"], mine)):
-            raise TierValueError(f"the saved parameter groups ({[len(g.get('params', [])) for g in sd['param_groups']]} "
-                                 f"parameters) do not hold the same parameters as this optimizer's "
-                                 f"({[len(g['params']) for g in mine]}): build it with the param_groups it was saved "
-                                 f"with")
+        saved_sizes = [len(g.get("params", [])) for g in sd["param_groups"]]
+        if saved_sizes != [len(g["params"]) for g in mine]:
+            raise TierValueError(f"the saved parameter groups ({saved_sizes} parameters) do not hold the same "
+                                 f"parameters as this optimizer's ({[len(g['params']) for g in mine]}): build it with "
+                                 f"the param_groups it was saved with")
         name_of: dict[Any, str] = {}
         for saved, current in zip(sd["param_groups"], mine):
             names = saved.get("param_names", current["params"])  # by place where the dict names none, as torch
             if sorted(names) != sorted(current["params"]):
-                raise TierValueError(f"the saved parameter group holds {sorted(set(names) - set(current['params']))[:3]}"
-                                     f" where this optimizer's holds {sorted(set(current['params']) - set(names))[:3]}:"
-                                     f" build it with the param_groups it was saved with")
+                extra = sorted(set(names) - set(current["params"]))
+                lacking = sorted(set(current["params"]) - set(names))
+                raise TierValueError(f"the saved parameter group holds {extra[:3]} where this optimizer's holds "
+                                     f"{lacking[:3]}: build it with the param_groups it was saved with")
             name_of.update(zip(saved["params"], names))
         missing = [i for i in sd["state"] if i not in name_of]
         if missing:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -170,6 +171,10 @@ class FSDPOffload(OffloadBase):
         # in FSDP2's dtype, which it accumulates in (see [Note: Gradient shards in the tiers])
         self.grads = _ShardGrads(self._by_key, GradientStore(store, grad_tier, "param"))
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
+        self._state_dict_hooks = [hook for module in model.modules()
+                                  if any(id(p) in self.params for p in module._parameters.values() if p is not None)
+                                  for hook in (module.register_state_dict_post_hook(partial(self._fill_state_dict)),
+                                               module.register_load_state_dict_pre_hook(self._refuse_load))]
 
     def _put_shards(self, groups: list, sharded: set[int], names: dict[int, str], meta: bool,
                     init_fn: Callable[[nn.Module], None] | None, real_parameters: str | None) -> dict[int, int]:
@@ -206,6 +211,24 @@ class FSDPOffload(OffloadBase):
                     if id(p) not in put:
                         give(p, free=meta)
         return put
+
+    # ---- state dicts -------------------------------------------------------------------
+    def _fill_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        """A module's state_dict post-hook: each of its shards as FSDP2 gives it (a DTensor), its local tensor read
+        from the store (the parameter's own has no memory between all-gathers: see [Note: Freeing a shard])."""
+        for pname, p in module._parameters.items():
+            sh = self.params.get(id(p)) if p is not None else None
+            if sh is not None and prefix + pname in state_dict:
+                state_dict[prefix + pname] = internals.with_local(sh.param, self._state_dict_value(sh))
+
+    def _refuse_load(self, module: nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:
+        if any(prefix + pname in state_dict for pname, p in module._parameters.items()
+               if p is not None and id(p) in self.params):
+            raise UnsupportedError(
+                "model.load_state_dict() into the shards of a model under offload_fsdp is not supported yet (they "
+                "have no memory between all-gathers): load a checkpoint of save_checkpoint with "
+                "tierstore.integrations.load_checkpoint(path, off, opt), or load the state dict before "
+                "offload_fsdp")
 
     # ---- the all-gather loop -----------------------------------------------------------
     def _start_step(self, module: nn.Module, args: Any) -> None:
@@ -287,7 +310,7 @@ class FSDPOffload(OffloadBase):
         if not keep_values:
             raise UnsupportedError("remove(keep_values=False) of FSDP2 shards: FSDP2 keeps no shard without "
                                    "memory; remove() (the values come back) or end the process")
-        self._detach([self._hook])
+        self._detach([self._hook, *self._state_dict_hooks])
         self.grads.clear()  # gradients go, as offload_model's remove() drops its own
         for su in self._units.values():
             su.remove()

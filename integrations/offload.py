@@ -47,7 +47,6 @@ from tierstore import Tier, TierStore, TierStoreError, TierTypeError, TierValueE
 from tierstore.memory import TierPool, give_back_pages
 
 from ._base import STATE_KEY, OffloadBase, OffloadedParameterError, UnitStats, check_not_offloaded
-from ._budget import HostBudget
 from ._build import ParamBuilder, to_compute_device
 from ._contract import zero_grads
 from ._grads import GradientStore, check_grad_dtype, grad_key
@@ -129,8 +128,6 @@ class OffloadedModel(OffloadBase):
         self._loading: list[tuple[StoredParam, Any, bool]] = []
         self._installed: dict[str, Any] = {}  # methods made ours by the adapters (see add_model_methods)
         self._unread = False  # state_dict() leaves offloaded values unread (see state_dict_unread)
-        # how state_dict() reads them: into ordinary copies, or mapped ones beyond the host budget
-        self._state_dict_read: Callable[[str], torch.Tensor] | None = None
         # Why off.accumulate runs the micro-batches as the loop (None: layer by layer, or not asked yet).
         self.layer_major_refused: str | None = None
         # The levels below are each given what they use (see docs/code-map.md), never this front.
@@ -305,14 +302,10 @@ class OffloadedModel(OffloadBase):
         """A module's state_dict post-hook: its own offloaded parameters' values (in place of placeholders)."""
         if self._unread:
             return
-        if self._state_dict_read is None:  # see [Note: A whole state dict beyond the host budget]
-            total = sum(self.store.info(sp.key)["nbytes"] for sp in self.params.values())
-            in_memory = HostBudget(self.store).state_dict_in_memory(total)
-            self._state_dict_read = self.store.read if in_memory else self.store.read_mapped
         for pname, p in module._parameters.items():
             sp = self.params.get(id(p)) if p is not None else None
             if sp is not None and prefix + pname in state_dict:
-                state_dict[prefix + pname] = self._state_dict_read(sp.key)
+                state_dict[prefix + pname] = self._state_dict_value(sp)
 
 
     # ---- public ------------------------------------------------------------------------

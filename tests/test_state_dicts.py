@@ -323,3 +323,43 @@ def test_a_model_given_its_own_values_keeps_its_masters(make_store):
     model.load_state_dict(model.state_dict())
     assert _train(model, opt, 2, start=2) == _train(twin, twin_opt, 2, start=2)
     assert all(torch.equal(off.read_param(n), twin_off.read_param(n)) for n, _ in model.named_parameters())
+
+
+def test_under_offload_fsdp_a_model_s_state_dict_holds_its_shards_and_a_load_into_them_is_refused(nvme_dir):
+    """One gloo rank: model.state_dict() gives each shard as a DTensor whose local tensor is read from the store
+    (the parameter's own has no memory between all-gathers: reading it crashed the process before), torch.save
+    writes it, and model.load_state_dict() into the shards says what to use instead; training goes on."""
+    import io
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from tierstore.integrations.fsdp import offload_fsdp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        model = _mlp()
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        store = ts.TierStore(nvme_path=nvme_dir, host_budget_bytes="64KiB")  # gloo's sockets outlive the test
+        off = offload_fsdp(model, store)
+        opt = OffloadedAdamW(off, lr=1e-2)
+        _train(model, opt, 1)
+        sd = model.state_dict()
+        assert list(sd) == [n for n, _ in model.named_parameters()]
+        for name, value in sd.items():
+            assert isinstance(value, DTensor) and torch.equal(value.to_local(), off.read_param(name)), name
+            assert is_mapped(value.to_local()), name  # beyond the host budget
+        torch.save(sd, io.BytesIO())
+        with pytest.raises(ts.UnsupportedError, match="load_checkpoint"):
+            model.load_state_dict(sd)
+        assert len(_train(model, opt, 1, start=1)) == 1
+        off.remove()
+        store.close()
+    finally:
+        dist.destroy_process_group()
