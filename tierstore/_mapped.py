@@ -88,6 +88,8 @@ class _Trimmer:
 
 
 _trimmer = _Trimmer()
+# a forked child (a DataLoader's worker) has none of the thread, and maybe a lock held at the fork: its own
+os.register_at_fork(after_in_child=lambda: globals().__setitem__("_trimmer", _Trimmer()))
 
 
 def _private_file(directory: str) -> int:
