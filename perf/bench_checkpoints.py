@@ -40,11 +40,10 @@ SAVERS = ("torch_save", "dcp", "accelerate", "lightning")
 
 
 def _model(preset: str):
+    import torch
     import transformers
 
     hidden, layers, inter, vocab, heads, _, _ = PRESETS[preset]
-    import torch
-
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter,
                                       vocab_size=vocab, num_attention_heads=heads, num_key_value_heads=heads,
@@ -64,8 +63,6 @@ def _child(args: argparse.Namespace) -> dict:
     import warnings
 
     warnings.simplefilter("ignore")
-    import torch
-
     import tierstore as ts
     from tierstore.integrations import OffloadedAdamW, offload_model
     from tierstore.tools.rss import AnonRssPeak, peak_rss_bytes
