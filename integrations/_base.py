@@ -211,10 +211,8 @@ class OffloadBase(NotCopyable, OffloadedParameters):
         """What ``model.state_dict()`` holds for an offloaded parameter (``record``: its entry in ``params``): its
         value read from the store, an ordinary copy, or, for a model beyond the host budget, a mapped one (see
         [Note: A whole state dict beyond the host budget])."""
-        if self._state_dict_read is None:
-            total = sum(self.store.info(r.key)["nbytes"] for r in self.params.values())
-            in_memory = HostBudget(self.store).state_dict_in_memory(total)
-            self._state_dict_read = self.store.read if in_memory else self.store.read_mapped
+        if self._state_dict_read is None:  # decided once: the hooks of each module ask it
+            self._state_dict_read = HostBudget(self.store).state_dict_reader(r.key for r in self.params.values())
         return self._state_dict_read(record.key)
 
     def units(self) -> dict[str, list[str]]:

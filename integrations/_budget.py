@@ -21,6 +21,10 @@ room or fails); what shares the host tier is decided here, from what each user d
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
+import torch
+
 from tierstore import Tier, TierStore
 
 from .policies import default_grad_backlog_bytes
@@ -30,6 +34,7 @@ class HostBudget:
     """The host budget of one store and the shares of it (see [Note: Splitting the host budget])."""
 
     def __init__(self, store: TierStore) -> None:
+        self._store = store
         self.total_bytes = store.config.host_budget_bytes
         self.device_bytes = store.config.device_budget_bytes
 
@@ -46,9 +51,11 @@ class HostBudget:
         """An update stepping in backward may have this many bytes of gradients queued by default: a quarter."""
         return default_grad_backlog_bytes(self.total_bytes)
 
-    def state_dict_in_memory(self, nbytes: int) -> bool:
-        """Whether a whole state dict of ``nbytes`` is read into ordinary memory (else into mapped copies)."""
-        return nbytes <= self.total_bytes
+    def state_dict_reader(self, keys: Iterable[str]) -> Callable[[str], torch.Tensor]:
+        """How a whole state dict of these store keys reads each: into an ordinary copy where all of them fit the
+        budget, else into a mapped one (``store.read_mapped``)."""
+        total = sum(self._store.info(k)["nbytes"] for k in keys)
+        return self._store.read if total <= self.total_bytes else self._store.read_mapped
 
     def split(self, *, kept_bytes: int, room_bytes: int | None, held_beside_bytes: int) -> dict[str, int | None]:
         """The shares as they stand, by name: the budget, what the placement keeps all run, the room for copies

@@ -202,10 +202,8 @@ class StateDictIO:
         budget]), which a saver (``torch.save``, torch.distributed.checkpoint) walks with no more than the host
         budget of ordinary memory; ``beyond_host_budget=True`` reads it into ordinary memory all the same."""
         tensors = self.state_tensors(all_params=True)  # refused for an optimizer whose model's offload was removed
-        read = self.store.read
-        if not beyond_host_budget and not HostBudget(self.store).state_dict_in_memory(
-                sum(self.store.info(k)["nbytes"] for _, _, k in tensors)):
-            read = self.store.read_mapped
+        read = self.store.read if beyond_host_budget else HostBudget(self.store).state_dict_reader(
+            k for _, _, k in tensors)
         index = {name: i for i, name in enumerate(self._index_names())}
         state: dict[int, dict[str, torch.Tensor]] = {}
         for name, what, k in tensors:
