@@ -77,6 +77,10 @@ class OffloadBase(NotCopyable, OffloadedParameters):
     _units: dict[str, Any]  # unit name -> its record
     prefix: str  # of its parameters' store keys
 
+    streams_updates = False
+    """Whether an optimizer may stream its updates into the next forward (see [Note: Updates streamed into the
+    next forward]): every read of a parameter's values goes through the store, which waits for a queued update."""
+
     def __init__(self, model: nn.Module, store: TierStore, home: Tier, stats: UnitStats) -> None:
         self.model = model
         self.stats = stats
@@ -220,6 +224,17 @@ class OffloadBase(NotCopyable, OffloadedParameters):
         at once: a module's own parameters and those its forward was seen to read (see [Note: Units]), or an
         FSDP2 parameter group's shards."""
         return {u.name: [r.name for r in u.params] for u in self._units.values() if u.params}
+
+    def forward_order(self) -> dict[str, int]:
+        """Store key -> its place among the keys the last recorded step's forward used, by first use (empty before
+        a step is recorded)."""
+        policy = self.prefetch_policy
+        trace = policy.trace or []
+        out: dict[str, int] = {}
+        for name in trace[:len(trace) if policy.forward_uses is None else policy.forward_uses]:
+            for r in self._units[name].params:
+                out.setdefault(r.key, len(out))
+        return out
 
     def grads_in_order(self) -> list[torch.Tensor]:
         """The gradient of every parameter that has one, in ``model.parameters()`` order (tied ones once)."""

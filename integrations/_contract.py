@@ -220,9 +220,17 @@ def note_interrupt(error: BaseException, where: str, store: TierStore) -> None:
 
 
 class GradientSource(Protocol):
+    """A model's gradients by store key: ``get``; ``pop`` also lets one go; ``claim``/``release_claim`` keep the bytes
+    of one an update queued for later reads, whoever lets it go meanwhile (``OffloadedModel``'s alone: see [Note:
+    Updates streamed into the next forward])."""
+
     def get(self, key: str, default: torch.Tensor | None = None) -> torch.Tensor | None: ...
 
     def pop(self, key: str, default: torch.Tensor | None = None) -> torch.Tensor | None: ...
+
+    def claim(self, grad: torch.Tensor) -> None: ...
+
+    def release_claim(self, grad: torch.Tensor, *, drop: bool) -> None: ...
 
 
 @runtime_checkable
@@ -240,6 +248,7 @@ class OffloadedParameters(Protocol):
       a load (False: weights are loaded before an optimizer is made); ``loaded(names)``: tell them of one;
       ``backwards_failed``: how many backward passes raised;
     - ``later_uses`` and ``prefetch_policy``: what eviction weighs (an optimizer's state keys), the prefetch trace;
+    - ``forward_order()``: store key -> its place in the last recorded forward, by first use;
     - ``in_forward_or_backward()``: whether a forward or backward of the model is running now;
     - ``held_beside_updates()``: offloaded parameter name -> bytes of the host tier that backward may hold while
       that parameter's update runs in backward (what the optimizer's host budget must leave room for);
@@ -283,6 +292,8 @@ class OffloadedParameters(Protocol):
     def zero_grad(self, set_to_none: bool = True) -> None: ...
 
     def grads_in_order(self) -> list[torch.Tensor]: ...
+
+    def forward_order(self) -> dict[str, int]: ...
 
     def in_forward_or_backward(self) -> bool: ...
 

@@ -121,6 +121,7 @@ class _Record:
     norm: torch.Tensor | None = None  # its 2-norm, while its values are those it was computed from
     generation: int = 0  # changes whenever its values do
     handle: StoredGrad | None = None
+    claims: int = 0  # updates queued to read it (see ``GradientStore.claim``)
 
 
 class GradientStore:
@@ -183,9 +184,30 @@ class GradientStore:
             out = self.get(param_key, default)
             self._direct.pop(param_key, None)
             rec = self._records.pop(param_key, None)
-            if rec is not None:
+            if rec is not None and not rec.claims:  # else the last claim's release drops it
                 self.store.drop(rec.key)
             return out
+
+    def claim(self, grad: torch.Tensor) -> None:
+        """An update queued to run later reads ``grad`` (one ``get`` gave): ``zero_grad()`` lets it go from the model
+        but keeps its bytes until :meth:`release_claim` (see [Note: Updates streamed into the next forward])."""
+        if isinstance(grad, StoredGrad):
+            with self._lock:
+                grad._record.claims += 1
+
+    def release_claim(self, grad: torch.Tensor, *, drop: bool) -> None:
+        """The queued update has read ``grad``; ``drop``: it goes from the model too (``keep_grads=False``)."""
+        if not isinstance(grad, StoredGrad):
+            return
+        with self._lock:
+            rec = grad._record
+            rec.claims -= 1
+            current = self._records.get(rec.param_key) is rec
+            if current and drop:
+                del self._records[rec.param_key]
+                current = False
+            if not current and not rec.claims:
+                self.store.drop(rec.key)
 
     def __setitem__(self, param_key: str, grad: torch.Tensor) -> None:
         with self._lock:
@@ -248,6 +270,9 @@ class GradientStore:
     # ---- inside ---------------------------------------------------------------------------
     def _put(self, param_key: str, grad: torch.Tensor, dtype: torch.dtype) -> None:
         key = grad_key(param_key)
+        if key in self.store:  # a queued update still reads the last one, which its parameter's uses wait for
+            raise TierStoreError(f"the gradient of {param_key!r} was made while the update queued to read the last "
+                                 f"one has not run: its parameter was used without waiting for its update")
         value = grad.detach().to(device="cpu", dtype=dtype)  # in its own layout: channels_last stays so
         if not value.is_contiguous() and dense_strides(value) is None:
             value = value.contiguous()

@@ -35,6 +35,20 @@ def check_flags(offloaded: object, *, amsgrad: bool, capturable: bool, different
                             f"returned, not {type(offloaded).__name__}")
 
 
+def check_streaming(offloaded: object, *, stream_update: bool, step_in_backward: bool) -> None:
+    """Refuse ``stream_update=True`` where it cannot run (see [Note: Updates streamed into the next forward])."""
+    if not isinstance(stream_update, bool):
+        raise TierTypeError(f"stream_update={stream_update!r} must be True or False")
+    if not stream_update:
+        return
+    if step_in_backward:
+        raise TierValueError("stream_update=True runs the updates after backward (clipped, accumulated) during the "
+                             "next forward, and step_in_backward=True runs them during backward: choose one")
+    if not getattr(offloaded, "streams_updates", False):
+        raise TierValueError(f"stream_update=True is not available for {type(offloaded).__name__} yet (an "
+                             f"offload_model model has it): leave it False")
+
+
 def positive_bytes(value: int | str | None, default: int, name: str) -> int:
     """A byte count given as an int or a size such as '64MiB'; ``default`` when None."""
     n = default if value is None else parse_bytes(value, name=name)

@@ -50,6 +50,7 @@ class ParamStateView(MutableMapping):
 
     def __getitem__(self, what: str) -> torch.Tensor:
         k = self._keys()[what]  # KeyError for a piece it does not have, as a dict
+        self._opt.updates_done()  # its step count too
         t = torch.tensor(self._opt.steps.get(self._name, 0.0)) if k is None else self._opt.store.read(k)
         self._given[what] = weakref.ref(t)
         return t
@@ -121,6 +122,10 @@ class StateDictIO:
     # masters load_state_dict() loaded since the last step, whose weights a model load may bring after them
     _masters_loaded: frozenset[str] = frozenset()
 
+    def updates_done(self) -> None:
+        """Wait for the updates the last step queued to run beside the next forward (see [Note: Updates streamed
+        into the next forward]): a whole state read now sees none half-applied."""
+
     def _check_attached(self) -> None:
         if self._removed:
             raise TierStoreError("this OffloadedAdamW's model is no longer offloaded (off.remove(), or store.close(), "
@@ -163,6 +168,7 @@ class StateDictIO:
         given ``steps``, of those it names; with ``all_params``, of every parameter it steps). Refused once its
         model's offload was removed (its state went with it): a checkpoint would hold none."""
         self._check_attached()
+        self.updates_done()
         if all_params:
             steps = {name: 0.0 for name, _, _ in self._items}
         return self._state.tensors(self.steps if steps is None else steps)

@@ -110,6 +110,7 @@ class OffloadedModel(OffloadBase):
     """The offload state of one module; returned by :func:`offload_model` and kept on the module."""
 
     prefix = "param/"
+    streams_updates = True
 
     def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int | str, prefetch_bytes: int | None,
                  resident_threshold_bytes: int, home: Tier, compute_tier: Tier,

@@ -46,6 +46,7 @@ from ._in_backward import BackwardSteps
 from ._layouts import StateLayout
 from ._optim_params import (
     check_flags,
+    check_streaming,
     positive_bytes,
     stepped_items,
     torch_groups,
@@ -53,6 +54,7 @@ from ._optim_params import (
 from ._optim_state import AdamWState
 from ._optim_state_dict import StateDictIO, StateView
 from ._pipeline import StatePipeline, UnrestorableUpdateError
+from ._streamed import Queued, StreamedUpdates
 from .policies import OptimizerStatePolicy
 
 
@@ -123,10 +125,12 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
                  max_grad_backlog_bytes: int | str | None = None, maximize: bool = False, amsgrad: bool = False,
                  foreach: bool | None = None, fused: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, moments: str | None = None, master: str | None = None,
-                 keep_grads: bool = True, policy: OptimizerStatePolicy | None = None) -> None:
+                 keep_grads: bool = True, stream_update: bool = False,
+                 policy: OptimizerStatePolicy | None = None) -> None:
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         check_hyper(defaults, "")
         check_flags(offloaded, amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
+        check_streaming(offloaded, stream_update=stream_update, step_in_backward=step_in_backward)
         impl = _adamw.impl_of(foreach, fused)
         chosen = (policy or OptimizerStatePolicy()).overridden(moments=moments, master=master, home=home)
         self.layout = StateLayout(chosen.moments, chosen.master)
@@ -148,7 +152,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
             (lambda: fixed) if fixed is not None else (lambda: host.readahead_bytes(offloaded.readahead_room()))),
             impl=impl, layout=self.layout,
             # stepping in backward, one thread beside backward's compute; after it, the CPU's threads are the update's
-            threads=1 if step_in_backward else torch.get_num_threads())
+            threads=1 if step_in_backward or stream_update else torch.get_num_threads())
         home = chosen.home
         self.steps: dict[str, float] = {}
         self._items, self._frozen = stepped_items(offloaded)
@@ -181,6 +185,9 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self._backwards_failed = offloaded.backwards_failed  # as of the last step()
         # See [Note: Stepping in backward].
         self._in_backward = BackwardSteps(self) if step_in_backward else None
+        # See [Note: Updates streamed into the next forward].
+        self.stream_update = stream_update
+        self._streamed = StreamedUpdates(self) if stream_update else None
         self._attach(offloaded, step_in_backward)
 
     def _attach(self, offloaded: OffloadedParameters, step_in_backward: bool) -> None:
@@ -223,6 +230,8 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         if self._in_backward is not None:
             self._in_backward.close()
             self.offloaded.detach(self._in_backward)
+        if self._streamed is not None:
+            self._streamed.close()
         self._consumer.stepping = False
 
     def _drop_state(self) -> None:
@@ -230,6 +239,8 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self.close()
         with contextlib.suppress(BaseException):
             self.wait()
+        if self._streamed is not None:
+            self._streamed.forget()
         self._state.drop()
         self._items = []
         self.steps = {}
@@ -246,6 +257,8 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self._check_attached()
         if self._unfinished is not None:
             raise TierStoreError(self._unfinished)
+        if not set_to_none and self._streamed is not None:
+            self._streamed.settle()  # zeroing in place writes what queued updates read
         if not set_to_none and self.step_in_backward:
             raise TierValueError("zero_grad(set_to_none=False) keeps every gradient, zeroed, until the next step; with "
                                  "step_in_backward=True each gradient is applied and dropped as backward makes it, so "
@@ -284,9 +297,15 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
     def _step(self) -> None:
         self._check_attached()
         self._masters_loaded = frozenset()  # a model load from now on gives new weights (see _remake_masters)
+        if self._streamed is not None:
+            self._streamed.settle()  # the last step's queue first
         broken = self.offloaded.broken
         if broken is not None and not broken.mendable_by(self):
             raise UnrestorableUpdateError(str(broken))
+        if self._streamed is not None and self._streamed.left:
+            self._streamed.run_left()  # see [Note: Updates streamed into the next forward]
+            self._mended()
+            return
         early = self._in_backward.take() if self._in_backward is not None else {}
         self._backwards_failed = self.offloaded.backwards_failed
         t0 = time.perf_counter()  # the training loop waits here for I/O-bound work: stall time
@@ -311,6 +330,9 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
             if ready and not work and not early and self._unfinished is None:
                 raise TierStoreError("step() again with the gradients the last step() applied: run backward() first "
                                      "(after zero_grad()); a step applies a gradient once")
+            queued: list[Queued] = []
+            if self._streamed is not None and self._streamed.open:  # queued once the resident ones are stepped
+                work, queued = self._to_queue(work)
             self._progress = (work, 0)
             for i, (name, key, p, grad) in enumerate(work):
                 self._pipeline.read_ahead(work, i)
@@ -328,10 +350,28 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
                 self._stopped_part_way(updated, e)
             raise
         self._progress = ([], 0)
+        self._mended()
+        if queued:
+            self._streamed.queue(queued)
+        else:
+            self._pipeline.end_step()
+
+    def _mended(self) -> None:
+        """A step finished: the model is one whole step ahead again."""
         if self.offloaded.broken is not None and self.offloaded.broken.mendable_by(self):
-            self.offloaded.broken = None  # finished: the model is one whole step ahead again
+            self.offloaded.broken = None
         self._unfinished = None
-        self._pipeline.end_step()
+
+    def _to_queue(self, work: list[tuple]) -> tuple[list[tuple], list[Queued]]:
+        """(the resident parameters of ``work``, which step() steps itself; the updates of the offloaded ones, in
+        the order the forward uses them, each with its group's hyper-parameters now): see [Note: Updates streamed
+        into the next forward]."""
+        order = self.offloaded.forward_order()
+        offloaded = [item for item in work if item[1] is not None]
+        offloaded.sort(key=lambda item: order.get(item[1], len(order)))  # stable: the unseen keep model order
+        return ([item for item in work if item[1] is None],
+                [Queued(name, key, p, grad, self.steps.get(name, 0.0) + 1.0, self._hyper(name))
+                 for name, key, p, grad in offloaded])
 
     def _stopped_part_way(self, updated: int, error: BaseException) -> None:
         """An update failed after others succeeded: see [Note: A step that stops part-way]."""
@@ -348,15 +388,18 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
             self.offloaded.broken = BrokenValues(self, self._unfinished, Mend.BY_STEPPING_AGAIN)
         note_interrupt(error, self._unfinished, self.store)
 
-    def _timed_step(self, name: str, key: str | None, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
-        """One parameter's update through the pipeline (a timeline span when one is recorded)."""
-        step = self.steps.get(name, 0.0) + 1.0
+    def _timed_step(self, name: str, key: str | None, p: torch.nn.Parameter, grad: torch.Tensor, *,
+                    step: float | None = None, hyper: tuple | None = None) -> None:
+        """One parameter's update through the pipeline (a timeline span when one is recorded), as its group
+        stands now unless queued with its own ``step`` count and ``hyper``-parameters."""
+        step = self.steps.get(name, 0.0) + 1.0 if step is None else step
+        hyper_of = (lambda: self._hyper(name)) if hyper is None else (lambda: hyper)
         timeline = self.store.timeline
         with timeline.span(f"adamw {name}", "optimizer") if timeline is not None else contextlib.nullcontext():
             try:
                 # a stored gradient is read into the host tier for its update; one kept after it stays unchanged
                 with values_of(grad, keep_stored=self.keep_grads) as values:
-                    self._pipeline.update(name, key, p, values, step, lambda: self._hyper(name))
+                    self._pipeline.update(name, key, p, values, step, hyper_of)
             except UnrestorableUpdateError as e:  # no later step or forward may use the half-updated values
                 self.offloaded.broken = BrokenValues(self, str(e), Mend.NEVER)
                 raise
@@ -364,8 +407,14 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self._applied[name] = (weakref.ref(grad), generation(grad))
 
     def wait(self) -> None:
-        """Wait for the write-behind of the last step; raises the first failure (the data stays in memory)."""
+        """Wait for the updates the last step queued (``stream_update=True``) and its write-behind; raises the first
+        failure of a write (the data stays in memory)."""
+        self.updates_done()
         self._pipeline.wait()
+
+    def updates_done(self) -> None:
+        if self._streamed is not None:
+            self._streamed.settle()
 
     def _hyper(self, name: str) -> tuple:
         """(lr, betas, eps, weight_decay, maximize) of the parameter's group now: read once per update, so a scheduler

@@ -155,7 +155,7 @@ class _Tokens(torch.utils.data.Dataset):
 
 
 def _trainer_run(output, nvme_dir, lora: bool, *, steps: int, resume: bool = False,
-                 layer_major: bool = False) -> tuple[dict, list]:
+                 layer_major: bool = False, stream_update: bool = False) -> tuple[dict, list]:
     """Trainer's loop (2 micro-batches, clipping to norm 1, a checkpoint every step) over a Llama (or LoRA on it)
     four times the host budget."""
     if lora:
@@ -165,7 +165,7 @@ def _trainer_run(output, nvme_dir, lora: bool, *, steps: int, resume: bool = Fal
     store = _store(nvme_dir, model)
     try:
         off = offload_model(model, store, units=units)
-        opt = OffloadedAdamW(off, lr=1e-2)
+        opt = OffloadedAdamW(off, lr=1e-2, stream_update=stream_update)
         args = transformers.TrainingArguments(
             output_dir=str(output), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=1.0,
             max_steps=steps, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="steps", save_steps=1,
@@ -200,6 +200,17 @@ def test_trainer_checkpoints_and_resumes_through_the_store(lora, layer_major, nv
     if lora:
         frozen = [k for k in whole if "lora_" not in k]
         assert frozen and _same({k: whole[k] for k in frozen}, {k: resumed[k] for k in frozen})
+
+
+@pytest.mark.parametrize("layer_major", [False, True], ids=["loop", "layer-major"])
+def test_trainer_with_updates_streamed_into_the_next_forward_is_the_same_run(layer_major, nvme_dir, tmp_path):
+    """OffloadedAdamW(stream_update=True) in Trainer's loop (clipping, accumulation, a checkpoint every step right
+    after its step() returned): the losses and weights of the optimizer that steps after backward, bit for bit."""
+    plain, losses = _trainer_run(tmp_path / "plain", nvme_dir, False, steps=3, layer_major=layer_major)
+    streamed, streamed_losses = _trainer_run(tmp_path / "streamed", nvme_dir, False, steps=3, layer_major=layer_major,
+                                             stream_update=True)
+    assert streamed_losses == losses and len(losses) == 3
+    assert _same(streamed, plain)
 
 
 def test_stream_checkpoints_needs_an_offloaded_model(tmp_path):

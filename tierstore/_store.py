@@ -23,6 +23,7 @@ from ._allocator import set_mmap_threshold
 from ._config import StoreConfig, check_settings
 from ._copies import Copy, Entry, StoreState, check_put, dense_strides
 from ._device import Device, default_device
+from ._fences import Fences
 from ._handle import Handle
 from ._mapped import mapped_copy
 from ._memory import TierPool
@@ -83,6 +84,7 @@ class TierStore(Residency):
         self._room = Room(state, start_writeback=lambda entry: self._transfers.start_writeback(entry))
         self._transfers = Transfers(state, self._room, max(2, config.io_threads // 2))
         self._users: list[StoreUser] = []  # see attach_user; the training thread's alone
+        self._fences = Fences()  # keys a queued writer will change (see [Note: Fenced keys])
 
     # ---- put, get, release -------------------------------------------------------------
     def put(self, key: str, tensor: torch.Tensor, home: Tier | str = Tier.NVME, *,
@@ -135,11 +137,24 @@ class TierStore(Residency):
         entry.copies[tier] = copy
         return copy
 
+    def fence(self, keys: list[str], done: Future, writer: int) -> None:
+        """Until ``done`` completes, a :meth:`get` of these keys by any thread but ``writer`` (a thread ident)
+        waits for it, and raises ``FencedWriteError`` if it failed (until :meth:`unfence`); a prefetch of one starts once it is done (see
+        [Note: Fenced keys]). For work queued to change them on another thread."""
+        self._fences.fence(keys, done, writer)
+
+    def unfence(self, keys: list[str]) -> None:
+        """Lift the fences of ``keys`` (those a failed writer left: see :meth:`fence`)."""
+        self._fences.lift(keys)
+
     def prefetch(self, key: str, tier: Tier | str = Tier.DEVICE) -> Handle:
-        """Start bringing ``key`` into ``tier`` in the background; idempotent while in flight."""
+        """Start bringing ``key`` into ``tier`` in the background; idempotent while in flight (after its fence:
+        see :meth:`fence`)."""
         state = self._state
         state.check_open()
         tier = _memory_tier(tier)
+        if self._fences.after(key, lambda: self.prefetch(key, tier)):
+            return Handle(done_future(), key, tier)
         with state.lock:
             entry = state.lookup(key)
             copy = entry.copies.get(tier)
@@ -168,6 +183,8 @@ class TierStore(Residency):
         state = self._state
         state.check_open()
         tier = _memory_tier(tier)
+        if (done := self._fences.pending(key)) is not None:  # see [Note: Fenced keys]
+            self._fences.wait(key, done, lambda a, b: self.stats.add_wait(a, b, key=key, tier=tier.label))
         start = time.perf_counter()
         with state.lock:
             entry = state.lookup(key)

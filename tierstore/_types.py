@@ -87,6 +87,10 @@ class StoreUser(Protocol):
         ...
 
 
+class FencedWriteError(TierStoreError):
+    """Work queued to change a key failed (see ``TierStore.fence``): the key's value cannot be trusted."""
+
+
 class TierBudgetError(TierStoreError):
     """A tier cannot hold a request within its byte budget."""
 

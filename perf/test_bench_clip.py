@@ -1,0 +1,21 @@
+"""The clip-tax benchmark at a tiny size: each loop's step time, the reference and their ratio are printed, and the
+clipped and streamed loops end bit-identical (and the reference too where the norm is never reached)."""
+
+import bench_clip
+import pytest
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 1e-4], ids=["never-clips", "always-clips"])
+def test_bench_clip_tiny(tmp_path, capsys, max_norm):
+    res = bench_clip.main(["--layers", "3", "--width", "96", "--batch", "4", "--host-budget", "1MiB",
+                           "--rounds", "1", "--steps", "2", "--max-norm", str(max_norm), "--nvme-path", str(tmp_path)])
+    assert [r["loop"] for r in res["results"]] == list(bench_clip.LOOPS)
+    assert all(r["step_seconds"] > 0 and r["ratio"] > 0 for r in res["results"])
+    by = {r["loop"]: r for r in res["results"]}
+    # step() only queues: the drive bytes move after it returns (the worker may start one before the count)
+    assert by["streamed"]["inside_step_share"] < 0.5 < by["clipped"]["inside_step_share"]
+    assert all(res["identical"].values()) and len(res["identical"]) == (2 if max_norm == 1.0 else 1)
+    assert res["steps_clipped"] == (0 if max_norm == 1.0 else 4)
+    out = capsys.readouterr().out
+    assert "the reference" in out and "bit-identical" in out
+    assert list(tmp_path.iterdir()) == []

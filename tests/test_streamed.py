@@ -1,0 +1,215 @@
+"""OffloadedAdamW(stream_update=True): the updates step() queues run while the next forward computes, with the
+numbers of the step that runs after backward (see [Note: Updates streamed into the next forward])."""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tierstore import FencedWriteError, TierStoreError, TierValueError
+from tierstore.integrations import OffloadedAdamW, load_checkpoint, offload_model, save_checkpoint
+
+from _training import _assert_same_parameters, _tiny_pair
+
+
+def _loop(model, data, opt, *, steps, clip, micro=2, sched=None, after_step=None, first=0):
+    """Trainer's loop: ``micro`` micro-batches, clipping by the global norm at ``clip``, step, a scheduler step,
+    zero_grad; the losses and clip norms."""
+    losses, norms = [], []
+    for step in range(first, first + steps):
+        for m in range(micro):
+            x, y = data.batch(micro * step + m, 4)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            losses.append(loss.item())
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        opt.step()
+        if sched is not None:
+            sched.step()
+        if after_step is not None:
+            after_step(step)
+        opt.zero_grad()
+    return losses, norms
+
+
+def _resident(ref, data, **kw):
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(ropt, lambda s: 1.0 / (1 + s)) if kw.pop("schedule", False) else None
+    return _loop(ref, data, ropt, sched=sched, **kw)
+
+
+def _streamed(model, store, **kw):
+    off = offload_model(model, store, resident_threshold_bytes=1024)
+    assert off.resident and off.params  # clipping spans both kinds of parameter
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, stream_update=True, keep_grads=kw.pop("keep_grads", True))
+    return off, opt
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1e9], ids=["always-clipped", "never-clipped"])
+def test_a_clipped_accumulated_loop_matches_torch(make_store, clip):
+    ref, model, data = _tiny_pair(tie_head=True)
+    ref_losses, ref_norms = _resident(ref, data, steps=4, clip=clip, schedule=True)
+    off, opt = _streamed(model, make_store(host_budget_bytes="704KiB", device_budget_bytes="320KiB"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))  # lr changes after each step()
+    losses, norms = _loop(model, data, opt, steps=4, clip=clip, sched=sched)
+    assert losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(norms, ref_norms))
+    assert (min(n.item() for n in norms) > clip) == (clip < 1)
+    _assert_same_parameters(model, ref)  # model.state_dict() waits for the last step's updates
+    opt.close()
+
+
+def test_step_returns_before_the_updates_and_the_forward_waits_for_each(make_store, monkeypatch):
+    """step() returns with the updates queued; the next forward's fetch of a unit waits for that unit's updates,
+    which run in the order the forward uses them."""
+    ref, model, data = _tiny_pair()
+    off, opt = _streamed(model, make_store())
+    _loop(model, data, opt, steps=1, clip=1.0)  # records the trace
+    opt.wait()
+    gate = threading.Event()
+    ran: list[str] = []
+    timed_step = opt._timed_step
+
+    def gated(name, *args, **kw):
+        if threading.current_thread() is not threading.main_thread():  # the queue's, not a resident one's
+            gate.wait(30)
+            ran.append(name)
+        return timed_step(name, *args, **kw)
+
+    monkeypatch.setattr(opt, "_timed_step", gated)
+    x, y = data.batch(9, 4)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()  # returns although no update can run yet
+    assert opt._streamed.busy and not ran
+    gate.set()
+    opt.zero_grad()
+    model(x)  # waits for each unit's updates as it reaches it
+    order = off.forward_order()
+    keys = {name: key for name, key, _ in off.named_offloaded()}
+    assert [order[keys[n]] for n in ran] == sorted(order[keys[n]] for n in ran)
+    assert len(ran) == len(off.params)
+    opt.close()
+
+
+def test_reads_between_step_and_the_next_forward_see_the_step(make_store, tmp_path, monkeypatch):
+    """A parameter read, p.grad, opt.state, state dicts and a checkpoint, while the updates of a streamed step() are
+    still queued: each waits for exactly what it reads, and gives what the resident model has after its step."""
+    ref, model, data = _tiny_pair()
+    ref_grads = {}
+
+    def keep_ref_grads(step):
+        if step == 1:
+            ref_grads.update({n: p.grad.clone() for n, p in ref.named_parameters()})
+            ref_grads["exp_avg"] = {n: ropt.state[p]["exp_avg"].clone() for n, p in ref.named_parameters()}
+
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    _loop(ref, data, ropt, steps=2, clip=1e-3, after_step=keep_ref_grads)
+    off, opt = _streamed(model, make_store())
+    gate = threading.Event()
+    gate.set()
+    timed_step = opt._timed_step
+    monkeypatch.setattr(opt, "_timed_step", lambda *a, **k: (
+        threading.current_thread() is threading.main_thread() or gate.wait(30), timed_step(*a, **k))[1])
+    name = next(n for n, _, _ in off.named_offloaded())
+    p = dict(model.named_parameters())[name]
+    seen = {}
+
+    def read(step):
+        if step == 0:
+            opt.wait()
+            gate.clear()  # the next step's updates wait
+            return
+        assert opt._streamed.busy
+        threading.Timer(0.2, gate.set).start()  # each read below waits for the updates it reads
+        seen["param"] = off.read_param(name)
+        seen["grad"] = p.grad.clone()  # kept until zero_grad, as torch keeps it
+        seen["exp_avg"] = opt.state[p]["exp_avg"]
+        seen["model"] = {k: v.clone() for k, v in model.state_dict().items()}
+        save_checkpoint(str(tmp_path / "ck"), model, opt)
+
+    _loop(model, data, opt, steps=2, clip=1e-3, after_step=read)
+    assert torch.equal(seen["param"], ref.state_dict()[name])
+    assert torch.equal(seen["grad"], ref_grads[name])
+    assert torch.equal(seen["exp_avg"], ref_grads["exp_avg"][name])
+    assert all(torch.equal(seen["model"][k], v) for k, v in ref.state_dict().items())
+    _assert_same_parameters(model, ref)
+    opt.close()
+    # the checkpoint resumes into a fresh model with the resident model's values
+    _, model2, _ = _tiny_pair()
+    _, opt2 = _streamed(model2, make_store())
+    load_checkpoint(str(tmp_path / "ck"), model2, opt2)
+    _assert_same_parameters(model2, ref)
+    opt2.close()
+
+
+@pytest.mark.parametrize("keep_grads", [True, False])
+def test_zero_grad_lets_a_queued_gradient_go_once_read(make_store, monkeypatch, keep_grads):
+    """zero_grad() before the queued updates ran: the gradients they read stay in the store until read, then go;
+    nothing is left behind."""
+    ref, model, data = _tiny_pair()
+    _resident(ref, data, steps=2, clip=0.5)
+    off, opt = _streamed(model, make_store(), keep_grads=keep_grads)
+    gate = threading.Event()
+    timed_step = opt._timed_step
+    monkeypatch.setattr(opt, "_timed_step", lambda *a, **k: (
+        threading.current_thread() is threading.main_thread() or gate.wait(30), timed_step(*a, **k))[1])
+    gate.set()
+    _loop(model, data, opt, steps=1, clip=0.5)
+    opt.wait()
+    gate.clear()
+    x, y = data.batch(2, 4)
+    F.cross_entropy(model(x), y).backward()
+    x, y = data.batch(3, 4)
+    F.cross_entropy(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    opt.step()
+    if keep_grads:
+        assert all(p.grad is not None for p in model.parameters())
+    opt.zero_grad()  # while every update waits
+    assert all(p.grad is None for p in model.parameters())
+    assert any(k.startswith("grad/") for k in off.store.keys())  # still read by the queue
+    gate.set()
+    opt.wait()
+    assert not any(k.startswith("grad/") for k in off.store.keys())
+    _assert_same_parameters(model, ref)
+    opt.close()
+
+
+def test_a_failed_update_stops_the_queue_and_step_again_finishes_it(make_store, monkeypatch):
+    ref, model, data = _tiny_pair()
+    ref_losses, _ = _resident(ref, data, steps=3, clip=0.5)
+    off, opt = _streamed(model, make_store())
+    losses, _ = _loop(model, data, opt, steps=1, clip=0.5)
+    opt.wait()
+    update = opt._pipeline.update
+    calls = []
+
+    def failing(*args, **kw):
+        if threading.current_thread() is not threading.main_thread():
+            calls.append(args[0])
+            if len(calls) == 3:
+                raise OSError(5, "Input/output error")
+        return update(*args, **kw)
+
+    monkeypatch.setattr(opt._pipeline, "update", failing)
+    losses += _loop(model, data, opt, steps=1, clip=0.5, first=1)[0]  # its updates stop at the third
+    x, y = data.batch(4, 4)
+    with pytest.raises((FencedWriteError, TierStoreError)):
+        model(x)  # reaches a unit whose update did not run, or refuses at once
+    with pytest.raises(TierStoreError, match="step\\(\\) again"):
+        model(x)  # the model is part of a step ahead
+    opt.step()  # runs the updates left, with the gradients and lr they were queued with
+    monkeypatch.setattr(opt._pipeline, "update", update)
+    losses += _loop(model, data, opt, steps=1, clip=0.5, first=2)[0]
+    assert losses == ref_losses
+    _assert_same_parameters(model, ref)
+    opt.close()
+
+
+def test_refused_where_it_cannot_run(make_store):
+    _, model, _ = _tiny_pair()
+    off = offload_model(model, make_store())
+    with pytest.raises(TierValueError, match="choose one"):
+        OffloadedAdamW(off, stream_update=True, step_in_backward=True)
+    with pytest.raises(TypeError, match="True or False"):
+        OffloadedAdamW(off, stream_update="yes")
