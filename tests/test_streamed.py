@@ -213,3 +213,22 @@ def test_refused_where_it_cannot_run(make_store):
         OffloadedAdamW(off, stream_update=True, step_in_backward=True)
     with pytest.raises(TypeError, match="True or False"):
         OffloadedAdamW(off, stream_update="yes")
+
+
+def test_stress_streamed_updates_beside_a_forward_under_a_tight_budget(make_store):
+    """Many thread switches, a host tier that makes the worker and the forward evict each other's copies: the run
+    stays that of torch, step after step."""
+    import sys
+
+    ref, model, data = _tiny_pair(tie_head=True)
+    ref_losses, _ = _resident(ref, data, steps=6, clip=0.05, micro=1)
+    off, opt = _streamed(model, make_store(host_budget_bytes="704KiB", device_budget_bytes="320KiB"))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        losses, _ = _loop(model, data, opt, steps=6, clip=0.05, micro=1)
+    finally:
+        sys.setswitchinterval(interval)
+    assert losses == ref_losses
+    _assert_same_parameters(model, ref)
+    opt.close()
