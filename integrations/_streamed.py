@@ -96,6 +96,7 @@ class StreamedUpdates:
         for it in items:
             grads.claim(it.grad)
         self._failed = None
+        opt.store.stats.add("updates_streamed", len(items))
         ready = [(it.name, it.key, it.param, it.grad) for it in items]
         opt._progress = (ready, 0)
         layout = opt._pipeline.layout

@@ -114,6 +114,15 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
     as when stepping in backward), and its room with it. Loops that read no
     gradient after ``step()`` (transformers' ``Trainer``, most training loops)
     lose nothing; the numbers are the same either way.
+
+    ``stream_update``: ``step()`` steps the resident parameters, queues the
+    updates of the offloaded ones (in the order the forward uses them, each with
+    its group's hyper-parameters at this ``step()``) and returns; a worker runs
+    them while the next forward computes, and whatever reads a value one of them
+    changes waits for exactly that update (see [Note: Updates streamed into the
+    next forward]). For loops that clip by the global norm, which
+    ``step_in_backward`` cannot run; the numbers are the same. Call
+    :meth:`close` when done with it.
     """
 
     steps_offloaded_parameters = True  # other torch optimizers are refused over offloaded parameters

@@ -88,6 +88,9 @@ def test_step_returns_before_the_updates_and_the_forward_waits_for_each(make_sto
     keys = {name: key for name, key, _ in off.named_offloaded()}
     assert [order[keys[n]] for n in ran] == sorted(order[keys[n]] for n in ran)
     assert len(ran) == len(off.params)
+    stats = off.store.stats_dict()
+    assert stats["updates_streamed"] == 2 * len(off.params)
+    assert stats["fenced_waits"] >= 1 and stats["fenced_wait_seconds"] > 0  # the forward waited for the gate
     opt.close()
 
 

@@ -47,7 +47,8 @@ class StoreStats:
                 "hits": 0, "misses": 0, "get_calls": 0, "stall_seconds": 0.0, "background_wait_seconds": 0.0,
                 "queue_wait_seconds": 0.0, "io_calls": 0, "evictions": 0, "write_backs": 0, "budget_waits": 0,
                 "prefetches": 0, "prefetch_skipped": 0, "late_prefetches": 0, "kept_evictions": 0,
-                "read_busy_seconds": 0.0, "write_busy_seconds": 0.0,
+                "read_busy_seconds": 0.0, "write_busy_seconds": 0.0, "fenced_waits": 0, "fenced_wait_seconds": 0.0,
+                "updates_streamed": 0,
             }
             self._busy: dict[str, tuple[int, float]] = {}  # "read"/"write" -> (calls in flight, since when)
 

@@ -143,6 +143,11 @@ class TierStore(Residency):
         [Note: Fenced keys]). For work queued to change them on another thread."""
         self._fences.fence(keys, done, writer)
 
+    def _fenced_wait(self, start: float, end: float, key: str, tier: Tier) -> None:
+        self.stats.add_wait(start, end, key=key, tier=tier.label)
+        self.stats.add("fenced_waits")
+        self.stats.add("fenced_wait_seconds", end - start)
+
     def unfence(self, keys: list[str]) -> None:
         """Lift the fences of ``keys`` (those a failed writer left: see :meth:`fence`)."""
         self._fences.lift(keys)
@@ -184,7 +189,7 @@ class TierStore(Residency):
         state.check_open()
         tier = _memory_tier(tier)
         if (done := self._fences.pending(key)) is not None:  # see [Note: Fenced keys]
-            self._fences.wait(key, done, lambda a, b: self.stats.add_wait(a, b, key=key, tier=tier.label))
+            self._fences.wait(key, done, lambda a, b: self._fenced_wait(a, b, key, tier))
         start = time.perf_counter()
         with state.lock:
             entry = state.lookup(key)
