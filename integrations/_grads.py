@@ -140,6 +140,7 @@ class GradientStore:
         self._records: dict[str, _Record] = {}
         self._direct: dict[str, torch.Tensor] = {}  # handed to an optimizer stepping in backward
         self._lock = threading.RLock()
+        self._claims_released = threading.Condition(self._lock)  # see claim()
 
     # ---- what backward and the optimizer call --------------------------------------------
 
@@ -155,6 +156,7 @@ class GradientStore:
             if rec is None:
                 self._put(param_key, grad, stored_dtype(param_dtype, self.grad_dtype))
                 return
+            self._unclaimed(rec)
             with self._held(rec, write=True) as t:
                 t.add_(grad.to(t.device))
                 rec.norm = torch.linalg.vector_norm(t, 2.0)
@@ -190,7 +192,8 @@ class GradientStore:
 
     def claim(self, grad: torch.Tensor) -> None:
         """An update queued to run later reads ``grad`` (one ``get`` gave): ``zero_grad()`` lets it go from the model
-        but keeps its bytes until :meth:`release_claim` (see [Note: Updates streamed into the next forward])."""
+        but keeps its bytes, and a write into it (``p.grad.mul_(...)``, ``zero_()``, a backward adding to it) waits,
+        until :meth:`release_claim` (see [Note: Updates streamed into the next forward])."""
         if isinstance(grad, StoredGrad):
             with self._lock:
                 grad._record.claims += 1
@@ -208,6 +211,12 @@ class GradientStore:
                 current = False
             if not current and not rec.claims:
                 self.store.drop(rec.key)
+            self._claims_released.notify_all()
+
+    def _unclaimed(self, rec: _Record) -> None:
+        """Wait (the lock held, let go meanwhile) until no queued update is still to read ``rec``."""
+        while rec.claims:
+            self._claims_released.wait(0.05)
 
     def __setitem__(self, param_key: str, grad: torch.Tensor) -> None:
         with self._lock:
@@ -230,8 +239,9 @@ class GradientStore:
     def zero(self) -> None:
         """Zero every gradient in place (``zero_grad(set_to_none=False)``)."""
         with self._lock:
-            for rec in self._records.values():
-                self.get(rec.param_key).zero_()
+            for rec in list(self._records.values()):
+                if self._records.get(rec.param_key) is rec:  # not let go by an update meanwhile
+                    self.get(rec.param_key).zero_()
             for t in self._direct.values():
                 t.zero_()
 
@@ -242,18 +252,21 @@ class GradientStore:
     # ---- operations on a StoredGrad ----------------------------------------------------------
     def apply(self, rec: _Record, func: Any, args: Any, kwargs: Any) -> Any:
         """``func`` on a stored gradient: see [Note: A stored gradient read from outside]."""
+        scaling = func in _SCALINGS and not kwargs and len(args) == 2 and _is_scalar(args[1])
+        writes = scaling or _writes_grad(func, args, kwargs)
         with self._lock:
+            if writes:
+                self._unclaimed(rec)
             if self._records.get(rec.param_key) is not rec:
                 raise TierStoreError("this gradient was dropped (zero_grad() or a new assignment to .grad since it was "
                                      "read): read param.grad again")
-            if func in _SCALINGS and not kwargs and len(args) == 2 and _is_scalar(args[1]):
+            if scaling:
                 rec.scales.append(args[1].detach().clone() if isinstance(args[1], torch.Tensor) else args[1])
                 rec.norm = None
                 rec.generation += 1
                 return args[0]
             if func is _NORM and not rec.scales and rec.norm is not None and _is_plain_2_norm(args, kwargs):
                 return rec.norm.clone()
-            writes = _writes_grad(func, args, kwargs)
             with self._held(rec, write=writes) as t:
                 out = func(*_swap(args, rec, t), **_swap(kwargs, rec, t))
                 if writes:

@@ -45,8 +45,8 @@ def check_streaming(offloaded: object, *, stream_update: bool, step_in_backward:
         raise TierValueError("stream_update=True runs the updates after backward (clipped, accumulated) during the "
                              "next forward, and step_in_backward=True runs them during backward: choose one")
     if not getattr(offloaded, "streams_updates", False):
-        raise TierValueError(f"stream_update=True is not available for {type(offloaded).__name__} yet (an "
-                             f"offload_model model has it): leave it False")
+        raise TierValueError(f"stream_update=True needs a model of offload_model or offload_fsdp, whose every read "
+                             f"of a parameter goes through the store, not {type(offloaded).__name__}: leave it False")
 
 
 def positive_bytes(value: int | str | None, default: int, name: str) -> int:

@@ -13,8 +13,9 @@ pipeline's on the same inputs, so the results are those of the step that runs af
 Parameters kept resident are stepped inside ``step()``: the forward reads them where no fence is.
 
 The gradients an update reads are claimed (``GradientStore.claim``): ``zero_grad()`` lets them go from the model
-while their bytes stay until the update has read them. ``zero_grad(set_to_none=False)``, which writes them, a second
-``step()``, ``wait()``, ``close()`` and the optimizer's state dicts wait for the queue first.
+while their bytes stay until the update has read them, and a write into one (``zero_grad(set_to_none=False)``,
+``p.grad.mul_(...)``) waits for its update. A second ``step()``, ``wait()``, ``close()`` and the optimizer's state
+dicts wait for the whole queue.
 
 An update that fails stops the queue: the keys of those not run give ``FencedWriteError`` to whoever reads them
 (the next forward, say), the model's values refuse use (``off.broken``), and ``step()`` again runs the updates left

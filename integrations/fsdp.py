@@ -109,6 +109,18 @@ class _ShardGrads:
             self.stored.pop(key)
         return grad
 
+    def claim(self, grad: torch.Tensor) -> None:
+        self.stored.claim(grad)
+
+    def release_claim(self, grad: torch.Tensor, *, drop: bool) -> None:
+        """See ``GradientStore.release_claim``; ``drop`` lets the shard's ``param.grad`` go too (on the updates'
+        worker: a forward, which waited for this update to reach the shard, does not touch it)."""
+        if drop and isinstance(grad, StoredGrad):
+            sh = self._by_key.get(grad._record.param_key)
+            if sh is not None and sh.param.grad is not None and internals.local_shard(sh.param.grad) is grad:
+                sh.param.grad = None
+        self.stored.release_claim(grad, drop=drop)
+
     def keep(self, sh: _Shard) -> None:
         """Put the gradient shard FSDP2 just assigned in the store, and ``param.grad`` on it (see [Note: Gradient
         shards in the tiers]); one FSDP2 accumulated into is there already."""
@@ -130,6 +142,7 @@ class FSDPOffload(OffloadBase):
     """The NVMe tier under one rank's FSDP2 shards; returned by :func:`offload_fsdp`."""
 
     prefix = "fsdp/"
+    streams_updates = True  # FSDP2's all-gather reads each shard from the store first (``_materialize``)
 
     def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int | str, prefetch_bytes: int | None,
                  home: Tier, init_fn: Callable[[nn.Module], None] | None = None, placement: bool = True,

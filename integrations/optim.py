@@ -266,8 +266,6 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self._check_attached()
         if self._unfinished is not None:
             raise TierStoreError(self._unfinished)
-        if not set_to_none and self._streamed is not None:
-            self._streamed.settle()  # zeroing in place writes what queued updates read
         if not set_to_none and self.step_in_backward:
             raise TierValueError("zero_grad(set_to_none=False) keeps every gradient, zeroed, until the next step; with "
                                  "step_in_backward=True each gradient is applied and dropped as backward makes it, so "

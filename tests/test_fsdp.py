@@ -153,6 +153,21 @@ def test_gradient_shards_are_kept_in_the_store_through_accumulation_and_clipping
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("flags", [["accumulate-clip"], ["accumulate-clip", "8bit-split"]], ids=["fp32", "8bit-split"])
+def test_updates_streamed_into_the_next_forward_under_fsdp_are_fsdp2_alones(tmp_path, flags):
+    """OffloadedAdamW(stream_update=True) on 2 ranks, two micro-batches and torch's clip_grad_norm_ (its norm
+    all-reduced by FSDP2) a step: each rank's next all-gather of a group waits for that group's updates; losses, clip
+    norms, shards, moments and param.grad are FSDP2 alone's."""
+    pytest.importorskip("transformers")
+    child = child_script("fsdp_conformance_child.py")
+    lines = _rows(_launch(2, child, "llama-tied", str(tmp_path), "1", "stream", *flags))
+    assert sorted(r["rank"] for r in lines) == [0, 1]
+    for r in lines:
+        assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"], r
+        assert all(r["same_grads"]) and r["removed_clean"] is True, r
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [[], ["accumulate-clip"]], ids=["in-backward", "accumulate-clip"])
 def test_a_frozen_backbone_under_fsdp_trains_as_fsdp2_alone(tmp_path, flags):
     """All but the first layer frozen (see [Note: Frozen parameters in backward]): FSDP2 all-gathers the frozen

@@ -178,6 +178,37 @@ def test_zero_grad_lets_a_queued_gradient_go_once_read(make_store, monkeypatch, 
     opt.close()
 
 
+def test_a_write_into_a_gradient_a_queued_update_reads_waits_for_that_update(make_store, monkeypatch):
+    """p.grad.mul_() and zero_grad(set_to_none=False) right after step(), while its updates wait: each write waits
+    for the update that reads that gradient, which applies the gradient step() saw, as torch's step did."""
+    ref, model, data = _tiny_pair()
+
+    def after(step):
+        for p in ref.parameters():
+            p.grad.mul_(0.5)
+
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    ref_losses, _ = _loop(ref, data, ropt, steps=3, clip=0.5, after_step=after)
+    off, opt = _streamed(model, make_store())
+    gate = threading.Event()
+    timed_step = opt._timed_step
+    monkeypatch.setattr(opt, "_timed_step", lambda *a, **k: (
+        threading.current_thread() is threading.main_thread() or gate.wait(30), timed_step(*a, **k))[1])
+    zero_grad = opt.zero_grad
+    monkeypatch.setattr(opt, "zero_grad", lambda: zero_grad(set_to_none=False))
+
+    def writes(step):
+        gate.clear()
+        threading.Timer(0.2, gate.set).start()
+        for p in model.parameters():
+            p.grad.mul_(0.5)
+
+    losses, _ = _loop(model, data, opt, steps=3, clip=0.5, after_step=writes)
+    assert losses == ref_losses
+    _assert_same_parameters(model, ref)
+    opt.close()
+
+
 def test_a_failed_update_stops_the_queue_and_step_again_finishes_it(make_store, monkeypatch):
     ref, model, data = _tiny_pair()
     ref_losses, _ = _resident(ref, data, steps=3, clip=0.5)

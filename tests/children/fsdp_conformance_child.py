@@ -9,7 +9,8 @@ whether ``param.grad`` read equal to FSDP2's (see [Note: Gradient shards in the 
 model in bf16 with 8-bit moments and split masters, FSDP2 alone stepping each local shard with the layout's
 reference update (torch operations, the state kept beside it), and compares the stored state byte for byte;
 ``frozen`` freezes every parameter but the first layer's (a frozen backbone: most groups have nothing to reduce in
-backward, yet are all-gathered for it)."""
+backward, yet are all-gathered for it); ``stream`` streams the updates into the next forward
+(``OffloadedAdamW(stream_update=True)``)."""
 
 import copy
 import json
@@ -102,7 +103,7 @@ def _grads_in_store(store):
 
 
 def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compressed: bool = False,
-         frozen: bool = False) -> None:
+         frozen: bool = False, stream: bool = False) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     case = CASES[name]
@@ -124,7 +125,7 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compres
     with TierStore(StoreConfig(nvme_path=nvme_path, host_budget_bytes="256KiB", device_budget_bytes="1MiB",
                                file_size_bytes="4MiB", block_size_bytes="64KiB")) as store:
         off = offload_fsdp(model, store)
-        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, fused=fused,
+        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, fused=fused, stream_update=stream,
                              **({"moments": "8bit", "master": "split"} if compressed else {}))
         losses, seen = train(model, opt, case, rank, world, views, clip, store)
         opt.wait()
@@ -168,6 +169,7 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compres
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1, "fused" in sys.argv[4:],
-         "accumulate-clip" in sys.argv[4:], "8bit-split" in sys.argv[4:], "frozen" in sys.argv[4:])
+         "accumulate-clip" in sys.argv[4:], "8bit-split" in sys.argv[4:], "frozen" in sys.argv[4:],
+         "stream" in sys.argv[4:])
     sys.stdout.flush()
     os._exit(0)  # skip C++ teardown at exit, as the torchrun example does (see tierstore/tools/fsdp_train.py)
