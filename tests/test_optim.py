@@ -480,9 +480,11 @@ def test_parameter_groups_refuse_bad_input(make_store):
 
 @pytest.mark.parametrize("unscale", [True, False], ids=["unscale-and-clip", "no-clip"])
 @pytest.mark.parametrize("fused", [False, True], ids=["single", "fused"])
-def test_loss_scaling_matches_torch_grad_scaler(make_store, fused, unscale):
+@pytest.mark.parametrize("stream", [False, True], ids=["after-backward", "streamed"])
+def test_loss_scaling_matches_torch_grad_scaler(make_store, fused, unscale, stream):
     """torch's fused AdamW takes the scale into its kernel when nothing unscaled the gradients before the step
-    (the scaler hands it the scale instead): bit for bit the same, the scaler's scales being powers of two."""
+    (the scaler hands it the scale instead): bit for bit the same, the scaler's scales being powers of two. With the
+    updates streamed into the next forward, a step the scaler skips queues nothing."""
     from tierstore.integrations.optim import OffloadedGradScaler
 
     ref, model, data = _tiny_pair(tie_head=True)
@@ -494,7 +496,7 @@ def test_loss_scaling_matches_torch_grad_scaler(make_store, fused, unscale):
     for who, m, opt, scaler, clip in (
             ("ref", ref, torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False, fused=fused),
              torch.amp.GradScaler("cpu", **scaler_kw), lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)),
-            ("ours", model, OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, fused=fused),
+            ("ours", model, OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, fused=fused, stream_update=stream),
              OffloadedGradScaler("cpu", **scaler_kw), lambda: off.clip_grad_norm_(1.0))):
         losses, scales, norms = [], [], []
         for step in range(5):
@@ -517,6 +519,8 @@ def test_loss_scaling_matches_torch_grad_scaler(make_store, fused, unscale):
     if unscale:
         assert not torch.isfinite(runs["ref"][2][0]) and torch.isfinite(runs["ref"][2][-1])
     _assert_same_parameters(model, ref)
+    if stream:
+        opt.close()
 
 
 def test_clipping_and_loss_scaling_refuse_stepping_in_backward(make_store):

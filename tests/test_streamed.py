@@ -266,3 +266,21 @@ def test_stress_streamed_updates_beside_a_forward_under_a_tight_budget(make_stor
     assert losses == ref_losses
     _assert_same_parameters(model, ref)
     opt.close()
+
+
+def test_a_forward_that_raises_between_steps_leaves_the_queue_running(make_store):
+    """The next forward raises part-way (a bad batch) while the updates it waits for run: the queue goes on, and
+    the run, retried with a good batch, is torch's."""
+    ref, model, data = _tiny_pair()
+    ref_losses, _ = _resident(ref, data, steps=3, clip=0.5, micro=1)
+    off, opt = _streamed(model, make_store())
+    bad = torch.zeros(4, 3, 5, 5)  # not the image size the patch embedding expects
+
+    def raise_in_forward(step):
+        with pytest.raises(RuntimeError):
+            model(bad)
+
+    losses, _ = _loop(model, data, opt, steps=3, clip=0.5, micro=1, after_step=raise_in_forward)
+    assert losses == ref_losses
+    _assert_same_parameters(model, ref)
+    opt.close()
