@@ -97,7 +97,7 @@ def _child(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         off = offload_model(model, store, units=[LlamaDecoderLayer], init_fn=init, grad_dtype=args.grad_dtype)
         opt = OffloadedAdamW(off, lr=1e-4, moments=args.moments, master=args.master,
-                             keep_grads=args.keep_grads == "yes")
+                             keep_grads=args.keep_grads == "yes", stream_update=args.stream_update)
         built_s = time.perf_counter() - t0
         steps = args.steps + (1 if args.mode == "resume" else 0)
         training = transformers.TrainingArguments(
@@ -113,6 +113,7 @@ def _child(args: argparse.Namespace) -> dict:
         moved: list[int] = []
         read: list[int] = []
         seconds: list[float] = []
+        inside: list[int] = []  # drive bytes moved inside opt.step(), while the loop waited for it
 
         waits: list[dict[str, float]] = []  # a step's stall time and what its gets found (store counters)
 
@@ -122,8 +123,17 @@ def _child(args: argparse.Namespace) -> dict:
                 self.start = (time.perf_counter(), s["bytes_read_nvme"] + s["bytes_written_nvme"], s["bytes_read_nvme"])
                 self.counts = {k: s[k] for k in WAIT_COUNTERS}
 
-            def on_step_end(self, *_: object, **__: object) -> None:
-                opt.wait()  # the step's write-behind belongs to it
+            def on_pre_optimizer_step(self, *_: object, **__: object) -> None:
+                s = store.stats_dict()
+                self.before_step = s["bytes_read_nvme"] + s["bytes_written_nvme"]
+
+            def on_optimizer_step(self, *_: object, **__: object) -> None:
+                s = store.stats_dict()
+                inside.append(s["bytes_read_nvme"] + s["bytes_written_nvme"] - self.before_step)
+
+            def on_step_end(self, _args: object, state: transformers.TrainerState, *__: object, **___: object) -> None:
+                if not args.stream_update or state.global_step == steps:
+                    opt.wait()  # the step's write-behind belongs to it (streamed: its updates run in the next)
                 s = store.stats_dict()
                 seconds.append(time.perf_counter() - self.start[0])
                 moved.append(s["bytes_read_nvme"] + s["bytes_written_nvme"] - self.start[1])
@@ -145,7 +155,7 @@ def _child(args: argparse.Namespace) -> dict:
     out = {"mode": args.mode, "compute": "fp32" if compute == "fp32" else args.dtype, "params": params,
            "host_budget_bytes": host, "peak_rss_bytes": peak_rss_bytes(),
            "drive_bytes": drive, "build_s": built_s, "step_seconds": seconds, "bytes_moved": moved,
-           "bytes_read": read, "waits": waits, "losses": losses}
+           "bytes_read": read, "waits": waits, "losses": losses, "inside_step_bytes": inside}
     if args.measure_drive:  # after training, so that it costs the peak nothing
         share = read[-1] / max(1, moved[-1])
         out["drive"] = measure_drive(args.nvme_path or tempfile.gettempdir(), size_mib=args.measure_drive,
@@ -183,6 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--nvme-path", default=None, help="directory on the drive for the swap files")
     p.add_argument("--output", default=None, help="Trainer's output directory (default: a temporary one)")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--stream-update", action="store_true",
+                   help="OffloadedAdamW(stream_update=True): each step's updates run while the next forward computes")
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.mode:
@@ -227,6 +239,9 @@ def main(argv: list[str] | None = None) -> dict:
         params = r["params"]
         print(f"{r['mode']}: {' '.join(f'{b / params:.1f}' for b in r['bytes_moved'])} B/param a step; drive peak "
               f"{r['drive_bytes'] / params:.2f} B/param; losses {' '.join(f'{x:.4f}' for x in r['losses'])}")
+        shares = [b / max(1, m) for b, m in zip(r["inside_step_bytes"], r["bytes_moved"])]
+        print(f"  inside opt.step(): {' '.join(f'{x:.0%}' for x in shares)} of each step's drive bytes"
+              f"{' (updates streamed into the next forward)' if args.stream_update else ''}")
         for i, w in enumerate(r["waits"]):
             print(f"  step {i + 1}: stalled {w['stall_seconds']:.1f} s; gets {w['hits']:.0f} found, "
                   f"{w['late_prefetches']:.0f} waited on a prefetch, {w['misses']:.0f} fetched; "
