@@ -161,7 +161,8 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
             (lambda: fixed) if fixed is not None else (lambda: host.readahead_bytes(offloaded.readahead_room()))),
             impl=impl, layout=self.layout,
             # stepping in backward, one thread beside backward's compute; after it, the CPU's threads are the update's
-            threads=1 if step_in_backward or stream_update else torch.get_num_threads())
+            # (streamed too: the next forward waits for the updates in its order, so they are its critical path)
+            threads=1 if step_in_backward else torch.get_num_threads())
         home = chosen.home
         self.steps: dict[str, float] = {}
         self._items, self._frozen = stepped_items(offloaded)
