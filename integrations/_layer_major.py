@@ -275,9 +275,9 @@ class LayerMajorStep(PassConsumer):
         if k != self.next_segment[i]:
             raise NotAChain(f"segment {k} ({type(module).__name__}) ran where segment {self.next_segment[i]} was next "
                             f"(a segment called twice, or out of order)")
-        holding = [u.name for u, _ in self.off.pass_state.running if u.params]
+        holding = [u for u, _ in self.off.pass_state.running if u.params]
         if holding:
-            raise NotAChain(f"unit {holding[0]!r} holds its parameters across segment {k}")
+            raise NotAChain(_held_across(holding[0], k))
         self._switch(i)
         kwargs = {name: (None if _is_cache(v) else v) for name, v in kwargs.items()}
         leaves, spec = tree_flatten((args, kwargs))
@@ -484,6 +484,18 @@ class LayerMajorStep(PassConsumer):
                     self.store.drop(call.key)
                 call.kept = None
                 call.outputs = []
+
+
+def _held_across(unit: Any, k: int) -> str:
+    """Why a unit running around segment ``k`` with offloaded parameters refuses the step, and what makes it run:
+    those parameters kept resident (a ViT's class token and position embedding, owned by the model itself, are
+    used around the segments; resident, no unit holds anything across them)."""
+    params = sorted(unit.params, key=lambda sp: -sp.nbytes)
+    names = ", ".join(f"{sp.name} ({sp.nbytes} bytes)" for sp in params[:4]) + (", ..." if len(params) > 4 else "")
+    return (f"unit {unit.name!r} holds its parameters across segment {k}: {names}, used by a module around the "
+            f"segments (as a ViT's class token and position embedding are). Kept resident, they hold nothing across "
+            f"the segments: offload_model(..., resident_threshold_bytes={params[0].nbytes + 1}) keeps them (and "
+            f"every smaller parameter) in memory, and the step runs layer by layer")
 
 
 def _refusal(model: nn.Module, segments: Sequence[nn.Module]) -> str | None:

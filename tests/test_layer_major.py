@@ -382,3 +382,48 @@ def test_eviction_reads_the_step_s_queues_while_its_threads_change_them(tmp_path
     finally:
         sys.setswitchinterval(switch)
     assert not errors, errors[0]
+
+
+def test_a_vit_whose_class_token_the_model_owns_says_how_to_run_layer_by_layer(tmp_path):
+    """A ViT written as timm writes it (class token and position embedding parameters of the model itself, used
+    before the first block): the warning names them and the resident_threshold_bytes that keeps them in memory;
+    with it the step runs layer by layer, bit-identical to the loop."""
+    import torch.nn.functional as F
+
+    from tierstore.tools.vit import PRESETS, Block, SyntheticImages, ViT
+
+    torch.manual_seed(0)
+    ref = ViT(PRESETS["tiny"])
+    data = SyntheticImages(PRESETS["tiny"])
+    mbs = [data.batch(i, 4) for i in range(3)]
+    runs = []
+    threshold = None
+    for layer_major in (False, True, True):
+        model = copy.deepcopy(ref)
+        path = tmp_path / str(len(runs))
+        path.mkdir()
+        with _store(str(path), ref, 8 << 20) as store:
+            kw = {} if threshold is None else {"resident_threshold_bytes": threshold}
+            off = offload_model(model, store, units=[Block], **kw)
+
+            def step_fn(mb):
+                loss = F.cross_entropy(model(mb[0]), mb[1]) / len(mbs)
+                loss.backward()
+                return loss.item()
+
+            if not layer_major:
+                losses = [step_fn(mb) for mb in mbs]
+            elif threshold is None:
+                with pytest.warns(UserWarning, match="resident_threshold_bytes=") as seen:
+                    losses = off.accumulate(step_fn, mbs)
+                why = off.layer_major_refused
+                assert "cls_token" in why and "pos" in why, why
+                threshold = int(str(seen[0].message).split("resident_threshold_bytes=")[1].split(")")[0])
+                assert threshold == max(ref.cls_token.nbytes, ref.pos.nbytes) + 1
+            else:
+                losses = off.accumulate(step_fn, mbs)
+                assert off.layer_major_refused is None and off.stats.layer_major_steps == 1
+            runs.append((losses, [g.clone() for g in off.grads_in_order()]))
+    for losses, grads in runs[1:]:
+        assert losses == runs[0][0]
+        assert all(torch.equal(a, b) for a, b in zip(grads, runs[0][1]))
