@@ -46,6 +46,16 @@ order, so an fp32 run is bit-identical to the loop. How:
 - ``use_cache``: a transformers cache given to a segment is not passed (the
   segment runs twice; a cache would be filled twice).
 
+[Note: Parameters held around the segments] A module around the segments may own parameters it uses there (a
+ViT written as timm writes it adds its class token and position embedding before the first block): its unit holds
+them across the segments, for every micro-batch's forward at once (fetched once for the forward, once for the
+backward, as a segment's weights are). Used only before the first segment, their gradients' parts come from the
+glue's backward, micro-batch after micro-batch, as in the loop. Used after the first segment too (inside a segment,
+or by the head), their parts would be summed in another order than the loop's: the gradient of each is looked at
+when the segments' backward ends, and one that changed since the step first saw it makes the step run as the loop
+(the gradients it made dropped, as for a skip); the warning names them and the ``resident_threshold_bytes`` that
+keeps them in memory, with which nothing is held across the segments.
+
 [Note: Activations in the tiers] A boundary activation is a key of the store
 (``act/<n>``), put with ``write_home=False`` under the same budgets as the
 weights: kept in the host tier while it has room, written to the drive when
@@ -76,6 +86,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from tierstore import Tier, TierStoreError
 
 from ._contract import KeptGradients, OffloadedParameters, PassConsumer, note_interrupt
+from ._grads import generation
 from ._unit import compiled
 
 if TYPE_CHECKING:
@@ -265,6 +276,9 @@ class LayerMajorStep(PassConsumer):
         self.reached: list[str] = []  # skips into a segment's output from the glue after it
         self._keys = 0
         self._handles: list[Any] = []
+        # Parameters a unit around the segments holds across them (see [Note: Parameters held around the
+        # segments]): store key -> (the unit, the parameter, its gradient and that gradient's generation when seen).
+        self.held_across: dict[str, tuple[Any, Any, Any]] = {}
 
     # ---- forward, on the workers ----------------------------------------------------------
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
@@ -275,9 +289,10 @@ class LayerMajorStep(PassConsumer):
         if k != self.next_segment[i]:
             raise NotAChain(f"segment {k} ({type(module).__name__}) ran where segment {self.next_segment[i]} was next "
                             f"(a segment called twice, or out of order)")
-        holding = [u for u, _ in self.off.pass_state.running if u.params]
-        if holding:
-            raise NotAChain(_held_across(holding[0], k))
+        for u, _ in self.off.pass_state.running:  # see [Note: Parameters held around the segments]
+            for sp in u.params:
+                if sp.key not in self.held_across:
+                    self.held_across[sp.key] = (u, sp, self._grad_state(sp.key))
         self._switch(i)
         kwargs = {name: (None if _is_cache(v) else v) for name, v in kwargs.items()}
         leaves, spec = tree_flatten((args, kwargs))
@@ -327,6 +342,11 @@ class LayerMajorStep(PassConsumer):
             for y in call.outputs:  # a skip from this output past the next segment (see [Note: A layer-major step])
                 y.register_hook(lambda g, k=k: self.reached.append(f"segment {k}'s output"))
         return tree_unflatten(made, spec)
+
+    def _grad_state(self, key: str) -> tuple[Any, int | None]:
+        """The gradient kept for ``key`` and its generation (what changes when a part is added to it)."""
+        g = self.off.grads.get(key)
+        return g, None if g is None else generation(g)
 
     def _switch(self, i: int, *, done: bool = False) -> None:
         """Hand over to the next micro-batch's thread and wait for this one's turn; each thread's part of the pass
@@ -461,6 +481,11 @@ class LayerMajorStep(PassConsumer):
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             inputs[i] = x.grad if x is not None else None
             del out, outs, pairs
+        for u, sp, before in self.held_across.values():
+            now = self._grad_state(sp.key)
+            if now[0] is not before[0] or now[1] != before[1]:
+                raise NotAChain(f"{_held_across(u)}; {sp.name} has gradient parts from after the first segment, "
+                                f"which would be summed in another order than the loop's")
         for i in range(n):  # the glue before the first segment, each micro-batch in order
             call = self.calls[0][i]
             g = inputs[i]
@@ -486,16 +511,14 @@ class LayerMajorStep(PassConsumer):
                 call.outputs = []
 
 
-def _held_across(unit: Any, k: int) -> str:
-    """Why a unit running around segment ``k`` with offloaded parameters refuses the step, and what makes it run:
-    those parameters kept resident (a ViT's class token and position embedding, owned by the model itself, are
-    used around the segments; resident, no unit holds anything across them)."""
+def _held_across(unit: Any) -> str:
+    """A unit around the segments holds these parameters across them, and what makes the step run layer by layer
+    however they are used: those parameters kept resident."""
     params = sorted(unit.params, key=lambda sp: -sp.nbytes)
     names = ", ".join(f"{sp.name} ({sp.nbytes} bytes)" for sp in params[:4]) + (", ..." if len(params) > 4 else "")
-    return (f"unit {unit.name!r} holds its parameters across segment {k}: {names}, used by a module around the "
-            f"segments (as a ViT's class token and position embedding are). Kept resident, they hold nothing across "
-            f"the segments: offload_model(..., resident_threshold_bytes={params[0].nbytes + 1}) keeps them (and "
-            f"every smaller parameter) in memory, and the step runs layer by layer")
+    return (f"unit {unit.name!r} holds its parameters across the segments ({names}); kept resident "
+            f"(offload_model(..., resident_threshold_bytes={params[0].nbytes + 1}) keeps them and every smaller "
+            f"parameter in memory), they would run layer by layer")
 
 
 def _refusal(model: nn.Module, segments: Sequence[nn.Module]) -> str | None:

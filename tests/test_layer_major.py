@@ -384,46 +384,89 @@ def test_eviction_reads_the_step_s_queues_while_its_threads_change_them(tmp_path
     assert not errors, errors[0]
 
 
-def test_a_vit_whose_class_token_the_model_owns_says_how_to_run_layer_by_layer(tmp_path):
-    """A ViT written as timm writes it (class token and position embedding parameters of the model itself, used
-    before the first block): the warning names them and the resident_threshold_bytes that keeps them in memory;
-    with it the step runs layer by layer, bit-identical to the loop."""
+class _Around(nn.Module):
+    """A chain of blocks with parameters of the model itself around it: ``pos`` added before the first block and,
+    with ``after``, ``gain`` multiplied after the last (the head's side)."""
+
+    def __init__(self, after: bool) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, 16)
+        self.pos = nn.Parameter(torch.randn(16))
+        self.gain = nn.Parameter(torch.rand(16) + 0.5) if after else None
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.emb(x) + self.pos
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x * self.gain if self.gain is not None else x)
+
+
+def _runs_around(model_of, units, loss_of, mbs, tmp_path, **kw) -> list:
+    """The loop's and the layer-major step's (losses, gradients) over a copy of one model each."""
+    ref = model_of()
+    runs = []
+    for layer_major in (False, True):
+        model = copy.deepcopy(ref)
+        path = tmp_path / str(layer_major)
+        path.mkdir()
+        with _store(str(path), ref, 8 << 20) as store:
+            off = offload_model(model, store, units=units, **kw)
+
+            def step_fn(mb):
+                loss = loss_of(model, mb) / len(mbs)
+                loss.backward()
+                return loss.item()
+
+            losses = off.accumulate(step_fn, mbs) if layer_major else [step_fn(mb) for mb in mbs]
+            runs.append((losses, [g.clone() for g in off.grads_in_order()], off.layer_major_refused,
+                         off.stats.layer_major_steps))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    return runs
+
+
+def test_a_vit_whose_class_token_the_model_owns_runs_layer_by_layer(tmp_path):
+    """A ViT written as timm writes it: its class token and position embedding are parameters of the model itself,
+    held across the blocks (see [Note: Parameters held around the segments]); the step runs layer by layer,
+    bit-identical to the loop."""
     import torch.nn.functional as F
 
     from tierstore.tools.vit import PRESETS, Block, SyntheticImages, ViT
 
-    torch.manual_seed(0)
-    ref = ViT(PRESETS["tiny"])
     data = SyntheticImages(PRESETS["tiny"])
-    mbs = [data.batch(i, 4) for i in range(3)]
-    runs = []
-    threshold = None
-    for layer_major in (False, True, True):
-        model = copy.deepcopy(ref)
-        path = tmp_path / str(len(runs))
-        path.mkdir()
-        with _store(str(path), ref, 8 << 20) as store:
-            kw = {} if threshold is None else {"resident_threshold_bytes": threshold}
-            off = offload_model(model, store, units=[Block], **kw)
 
-            def step_fn(mb):
-                loss = F.cross_entropy(model(mb[0]), mb[1]) / len(mbs)
-                loss.backward()
-                return loss.item()
+    def model_of():
+        torch.manual_seed(0)
+        return ViT(PRESETS["tiny"])
 
-            if not layer_major:
-                losses = [step_fn(mb) for mb in mbs]
-            elif threshold is None:
-                with pytest.warns(UserWarning, match="resident_threshold_bytes=") as seen:
-                    losses = off.accumulate(step_fn, mbs)
-                why = off.layer_major_refused
-                assert "cls_token" in why and "pos" in why, why
-                threshold = int(str(seen[0].message).split("resident_threshold_bytes=")[1].split(")")[0])
-                assert threshold == max(ref.cls_token.nbytes, ref.pos.nbytes) + 1
-            else:
-                losses = off.accumulate(step_fn, mbs)
-                assert off.layer_major_refused is None and off.stats.layer_major_steps == 1
-            runs.append((losses, [g.clone() for g in off.grads_in_order()]))
-    for losses, grads in runs[1:]:
-        assert losses == runs[0][0]
-        assert all(torch.equal(a, b) for a, b in zip(grads, runs[0][1]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        runs = _runs_around(model_of, [Block], lambda m, mb: F.cross_entropy(m(mb[0]), mb[1]),
+                            [data.batch(i, 4) for i in range(3)], tmp_path)
+    assert runs[1][2] is None and runs[1][3] == 1
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before-only", "before-and-after"])
+def test_parameters_of_the_model_used_after_the_first_segment_run_as_the_loop(after, tmp_path):
+    """A parameter the model itself uses after the last segment too would have its gradient's parts summed in
+    another order: the step runs as the loop, bit-identical, and the warning names it and the resident threshold
+    that keeps it in memory. Used before the first segment only, the step runs layer by layer."""
+    def model_of():
+        torch.manual_seed(0)
+        return _Around(after)
+
+    mbs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    loss_of = lambda m, x: m(x).square().mean()  # noqa: E731
+    if not after:
+        runs = _runs_around(model_of, [nn.Sequential], loss_of, mbs, tmp_path)
+        assert runs[1][2] is None and runs[1][3] == 1
+        return
+    with pytest.warns(UserWarning, match=r"gain.*resident_threshold_bytes=65\)"):
+        runs = _runs_around(model_of, [nn.Sequential], loss_of, mbs, tmp_path)
+    assert "another order" in runs[1][2] and runs[1][3] == 0
+    # kept resident as it says, they hold nothing across the segments: layer by layer
+    (tmp_path / "resident").mkdir()
+    runs = _runs_around(model_of, [nn.Sequential], loss_of, mbs, tmp_path / "resident", resident_threshold_bytes=65)
+    assert runs[1][2] is None and runs[1][3] == 1
