@@ -3,12 +3,18 @@ micro-batch after another) against the layer-major step (``off.accumulate``; see
 
     python perf/bench_layer_major.py --preset llama-150m --nvme-path DIR [--micro-batches 1,2,4,8,16]
         [--tokens-sweep 256,1024,4096] [--plot OUT.png] [--json OUT]
+    python perf/bench_layer_major.py --vit large --host-budget 256MiB --micro-batches 2,8 --nvme-path DIR
 
 Each run is a fresh process training an offloaded Llama built on meta (bf16, 8-bit moments, split masters,
 clipping to norm 1, the optimizer after backward) in a plain PyTorch loop for ``--steps`` steps; the last step's
 drive bytes, time and stall are reported, with the process's peak RSS. The two loops alternate, run by run, at
 each size. Printed: each run, and per size the layer-major figure, the loop's (the reference) and their ratio;
 then bytes a step at the most micro-batches against those at the fewest, for each loop.
+
+With ``--vit PRESET`` the model is the demo's ViT of that preset instead (as timm writes one: its class token and
+position embedding are parameters of the model itself, held across the blocks: see [Note: Parameters held around the
+segments]), built in memory and cast to bf16, trained on the demo's synthetic images, ``--batch-size`` images a
+micro-batch; ``--tokens`` does not apply.
 """
 
 from __future__ import annotations
@@ -36,23 +42,38 @@ def _child(args: argparse.Namespace) -> dict:
     from tierstore.integrations import OffloadedAdamW, offload_model
     from tierstore.tools.rss import peak_rss_bytes
 
-    config, host = llama_config(args.preset, args.host_budget, tokens=args.tokens)
     torch.manual_seed(0)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    if args.vit:
+        from tierstore.tools.vit import PRESETS as VIT_PRESETS
+        from tierstore.tools.vit import Block, SyntheticImages, ViT
+
+        host = ts.parse_bytes(args.host_budget or "256MiB", name="--host-budget")
+        model = ViT(VIT_PRESETS[args.vit]).to(torch.bfloat16)
+        images = SyntheticImages(VIT_PRESETS[args.vit])
+        units, init = [Block], None
+    else:
+        config, host = llama_config(args.preset, args.host_budget, tokens=args.tokens)
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        units, init = [LlamaDecoderLayer], model._init_weights
     store = ts.TierStore(nvme_path=args.nvme_path, host_budget_bytes=host, device_budget_bytes="1MiB")
     try:
-        off = offload_model(model, store, units=[LlamaDecoderLayer], init_fn=model._init_weights,
-                            grad_dtype="param")
+        off = offload_model(model, store, units=units, init_fn=init, grad_dtype="param")
         opt = OffloadedAdamW(off, lr=1e-4, moments="8bit", master="split", keep_grads=False)
         n = args.micro_batch_count
         rows = []
         for step in range(args.steps):
-            mbs = [torch.randint(0, config.vocab_size, (args.batch_size, args.tokens),
-                                 generator=torch.Generator().manual_seed(1000 * step + i)) for i in range(n)]
+            if args.vit:
+                mbs = [images.batch(1000 * step + i, args.batch_size) for i in range(n)]
+            else:
+                mbs = [torch.randint(0, config.vocab_size, (args.batch_size, args.tokens),
+                                     generator=torch.Generator().manual_seed(1000 * step + i)) for i in range(n)]
 
-            def step_fn(ids: torch.Tensor) -> float:
-                loss = model(ids, labels=ids).loss / n
+            def step_fn(mb: torch.Tensor | tuple) -> float:
+                if args.vit:
+                    loss = torch.nn.functional.cross_entropy(model(mb[0].to(torch.bfloat16)), mb[1]) / n
+                else:
+                    loss = model(mb, labels=mb).loss / n
                 loss.backward()
                 return loss.item()
 
@@ -69,12 +90,14 @@ def _child(args: argparse.Namespace) -> dict:
                          "moved": sum(after[k] - before[k] for k in ("bytes_read_nvme", "bytes_written_nvme")),
                          "loss": sum(losses)})
         params = sum(p.numel() for p in model.parameters())
+        refused = off.layer_major_refused
         opt.close()
         off.remove(keep_values=False)  # its values are not kept: nothing to read back at close
     finally:
         store.close()
     return {"loop": args.loop, "micro_batches": args.micro_batch_count, "tokens": args.tokens, "params": params,
-            "host_budget_bytes": host, "peak_rss_bytes": peak_rss_bytes(), "steps": rows}
+            "host_budget_bytes": host, "peak_rss_bytes": peak_rss_bytes(), "steps": rows,
+            "layer_major_refused": refused}
 
 
 def _run(argv: list[str], loop: str, micro_batches: int, tokens: int) -> dict:
@@ -94,6 +117,7 @@ def _ints(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama-150m")
+    p.add_argument("--vit", default=None, help="the demo's ViT of this preset (tiny, small, large, ...) instead")
     p.add_argument("--host-budget", default=None, help="default: the preset's")
     p.add_argument("--micro-batches", default="1,2,4,8,16", help="micro-batch counts to run at --tokens")
     p.add_argument("--tokens", type=int, default=64, help="tokens a sequence in the micro-batch sweep")
@@ -120,8 +144,14 @@ def main(argv: list[str] | None = None) -> dict:
         for loop in (LOOPS if k % 2 == 0 else LOOPS[::-1]):  # alternating, size by size
             results.append(_run(passed, loop, n, tokens))
     params = results[0]["params"]
-    print(f"{args.preset}: {params / 1e6:.1f}M parameters, bf16, 8-bit moments, split masters, host budget "
-          f"{results[0]['host_budget_bytes'] / MIB:.0f} MiB; micro-batches of {args.batch_size} sequence(s); the "
+    for r in results:
+        if r["loop"] == "layer-major" and r["layer_major_refused"]:
+            print(f"the layer-major runs fell back to the loop: {r['layer_major_refused']}")
+            break
+    print(f"{f'ViT-{args.vit}' if args.vit else args.preset}: {params / 1e6:.1f}M parameters, bf16, 8-bit moments, "
+          f"split masters, host budget "
+          f"{results[0]['host_budget_bytes'] / MIB:.0f} MiB; micro-batches of {args.batch_size} "
+          f"{'image' if args.vit else 'sequence'}(s); the "
           f"last of {args.steps} steps")
     print(f"{'loop':<12}{'micro-batches':>14}{'tokens':>8}{'B/param':>9}{'GB moved':>10}{'step s':>8}{'stall s':>8}"
           f"{'peak RSS MiB':>14}")
@@ -148,7 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
             growth[loop] = by[loop, hi, args.tokens]["steps"][-1]["moved"] / by[loop, lo, args.tokens]["steps"][-1][
                 "moved"]
             print(f"{loop}: bytes a step with {hi} micro-batches = {growth[loop]:.2f}x those with {lo}")
-    out = {"preset": args.preset, "params": params, "results": results, "growth": growth}
+    out = {"preset": f"vit-{args.vit}" if args.vit else args.preset, "params": params, "results": results,
+           "growth": growth}
     if args.plot:
         _plot(out, counts, args.tokens, args.plot)
     if args.json:

@@ -20,3 +20,16 @@ def test_bench_layer_major_tiny(tmp_path, capsys):
     assert (tmp_path / "lm.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "against the loop (the reference)" in out and "x those with 1" in out
+
+
+@pytest.mark.slow  # fresh processes
+def test_bench_layer_major_vit_tiny(tmp_path, capsys):
+    """The demo's ViT (its class token and position embedding parameters of the model itself) runs layer by layer."""
+    res = bench_layer_major.main(["--vit", "tiny", "--host-budget", "1MiB", "--micro-batches", "1,2", "--steps", "2",
+                                  "--nvme-path", str(tmp_path)])
+    assert {(r["loop"], r["micro_batches"]) for r in res["results"]} == {
+        (loop, n) for loop in bench_layer_major.LOOPS for n in (1, 2)}
+    assert all(r["layer_major_refused"] is None and r["bytes_per_param"] > 0 for r in res["results"])
+    assert res["preset"] == "vit-tiny" and all(g > 0 for g in res["growth"].values())
+    out = capsys.readouterr().out
+    assert "ViT-tiny" in out and "fell back" not in out and "x those with 1" in out
