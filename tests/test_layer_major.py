@@ -470,3 +470,42 @@ def test_parameters_of_the_model_used_after_the_first_segment_run_as_the_loop(af
     (tmp_path / "resident").mkdir()
     runs = _runs_around(model_of, [nn.Sequential], loss_of, mbs, tmp_path / "resident", resident_threshold_bytes=65)
     assert runs[1][2] is None and runs[1][3] == 1
+
+
+def test_a_timm_style_vit_trains_layer_by_layer_as_torch_trains_it_resident(tmp_path):
+    """fp32, 4 micro-batches, clipping at 1.0, 2 steps: the ViT whose class token and position embedding the model
+    owns runs layer by layer with no fallback, and ends bit-identical to resident training with torch's AdamW."""
+    import torch.nn.functional as F
+
+    from tierstore.tools.vit import PRESETS, Block, SyntheticImages, ViT
+
+    torch.manual_seed(0)
+    ref = ViT(PRESETS["tiny"])
+    model = copy.deepcopy(ref)
+    data = SyntheticImages(PRESETS["tiny"])
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    with _store(str(tmp_path), ref, 8 << 20) as store:
+        off = offload_model(model, store, units=[Block])
+        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
+        for step in range(2):
+            mbs = [data.batch(10 * step + i, 2) for i in range(4)]
+
+            def step_fn(mb, m=model):
+                loss = F.cross_entropy(m(mb[0]), mb[1]) / 4
+                loss.backward()
+                return loss.item()
+
+            ref_losses = [step_fn(mb, ref) for mb in mbs]
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            ropt.step()
+            ropt.zero_grad()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no fallback
+                losses = off.accumulate(step_fn, mbs)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            assert losses == ref_losses and torch.equal(norm, ref_norm)
+        assert off.stats.layer_major_steps == 2 and off.layer_major_refused is None
+        assert all(torch.equal(off.read_param(n), p.detach()) for n, p in ref.named_parameters())
+        assert "cls_token" in {r.name for r in off.params.values()}  # offloaded, not kept resident
