@@ -16,7 +16,8 @@ What is used, all present and exercised by the suite on torch 2.13.0 and
 - ``FSDPModule._get_fsdp_state()._fsdp_param_group``: a module's param group;
 - ``FSDPParamGroup``: ``fsdp_params``, ``unshard``, ``wait_for_unshard``,
   ``post_backward`` (wrapped per object), ``_all_gather_result``,
-  ``is_unsharded``, ``_use_post_forward_mesh``, ``_post_reduce_event``;
+  ``is_unsharded``, ``_use_post_forward_mesh``, ``_post_reduce_event``,
+  ``reduce_grads`` (``set_requires_gradient_sync``'s flag, read only);
 - ``FSDPParam``: ``sharded_param``, ``offload_to_cpu``, and for a model built
   on the meta device ``reset_sharded_param()``, ``_sharded_param_data``,
   ``_sharding_spec``;
@@ -129,6 +130,12 @@ def wrap_group(group: Any, before_unshard: Callable[[], None], after_wait: Calla
     return remove
 
 
+def syncs_gradients(group: Any) -> bool:
+    """Whether the group's post-backward reduce-scatters its gradients (``set_requires_gradient_sync``'s flag:
+    False keeps the unsharded gradients, accumulated, until a backward that syncs)."""
+    return bool(getattr(group, "reduce_grads", True))
+
+
 def wait_for_gradients(group: Any) -> None:
     """Block until the reduce-scatter that produced the group's sharded gradients has finished (on CUDA it
     runs on FSDP2's own stream; on the CPU it already has)."""
@@ -138,4 +145,5 @@ def wait_for_gradients(group: Any) -> None:
 
 
 __all__ = ["TESTED_TORCH", "adopt_local_tensor", "check_group_supported", "check_torch_version", "fsdp_groups",
-           "fsdp_params_by_id", "group_params", "local_shard", "wait_for_gradients", "with_local", "wrap_group"]
+           "fsdp_params_by_id", "group_params", "local_shard", "syncs_gradients", "wait_for_gradients", "with_local",
+           "wrap_group"]

@@ -34,6 +34,7 @@ state needs rewriting. The private details this relies on are in
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -184,6 +185,7 @@ class FSDPOffload(OffloadBase):
         # in FSDP2's dtype, which it accumulates in (see [Note: Gradient shards in the tiers])
         self.grads = _ShardGrads(self._by_key, GradientStore(store, grad_tier, "param"))
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
+        self._said_unsynced = False  # see _unsynced_message
         self._state_dict_hooks = [hook for module in model.modules()
                                   if any(id(p) in self.params for p in module._parameters.values() if p is not None)
                                   for hook in (module.register_state_dict_post_hook(partial(self._fill_state_dict)),
@@ -271,6 +273,9 @@ class FSDPOffload(OffloadBase):
 
     def _gradients_ready(self, su: _ShardUnit, group: Any) -> None:
         self._steps.backward()
+        if not internals.syncs_gradients(group) and not self._said_unsynced:
+            self._said_unsynced = True
+            warnings.warn(_unsynced_message(self.model), stacklevel=2)
         ready = [sh for sh in su.params if sh.param.grad is not None]
         if ready:
             internals.wait_for_gradients(group)
@@ -332,6 +337,17 @@ class FSDPOffload(OffloadBase):
             for sh in su.params:
                 self.store.drop(sh.key)
         self._forget()
+
+
+def _unsynced_message(model: nn.Module) -> str:
+    """What a backward with gradient sync off costs (said once): FSDP2 keeps each group's unsharded gradient,
+    accumulated, in ordinary memory until a backward that syncs."""
+    full = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return (f"offload_fsdp: with gradient sync off (set_requires_gradient_sync(False)), FSDP2 keeps every group's "
+            f"unsharded gradient in ordinary memory until the backward that syncs: up to {full / 2**20:.1f} MiB on "
+            f"each rank (the full size of the trainable parameters), outside the store's budgets. Syncing on every "
+            f"micro-batch keeps only the gradient shards, in the store, at the cost of a reduce-scatter a "
+            f"micro-batch")
 
 
 def offload_fsdp(model: nn.Module, store: TierStore, *, prefetch_depth: int | str | None = None,

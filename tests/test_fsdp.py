@@ -153,6 +153,21 @@ def test_gradient_shards_are_kept_in_the_store_through_accumulation_and_clipping
 
 
 @pytest.mark.slow
+def test_gradient_sync_off_under_fsdp_says_fsdp2_holds_unsharded_gradients_and_trains_as_fsdp2_alone(tmp_path):
+    """FSDP2's accumulation recipe (set_requires_gradient_sync(False) but on the last micro-batch): FSDP2 keeps the
+    unsharded gradients in ordinary memory meanwhile, which offload_fsdp says once, with their size; the run is
+    FSDP2 alone's, bit for bit."""
+    pytest.importorskip("transformers")
+    child = child_script("fsdp_conformance_child.py")
+    lines = _rows(_launch(2, child, "llama-tied", str(tmp_path), "1", "accumulate-clip", "no-sync"))
+    assert sorted(r["rank"] for r in lines) == [0, 1]
+    for r in lines:
+        assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"] and all(r["same_grads"]), r
+        assert len(r["warned"]) == 1 and "set_requires_gradient_sync(False)" in r["warned"][0], r
+        assert "MiB on each rank" in r["warned"][0] and "outside the store's budgets" in r["warned"][0], r
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [["accumulate-clip"], ["accumulate-clip", "8bit-split"]], ids=["fp32", "8bit-split"])
 def test_updates_streamed_into_the_next_forward_under_fsdp_are_fsdp2_alones(tmp_path, flags):
     """OffloadedAdamW(stream_update=True) on 2 ranks, two micro-batches and torch's clip_grad_norm_ (its norm

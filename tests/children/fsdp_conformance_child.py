@@ -10,12 +10,15 @@ model in bf16 with 8-bit moments and split masters, FSDP2 alone stepping each lo
 reference update (torch operations, the state kept beside it), and compares the stored state byte for byte;
 ``frozen`` freezes every parameter but the first layer's (a frozen backbone: most groups have nothing to reduce in
 backward, yet are all-gathered for it); ``stream`` streams the updates into the next forward
-(``OffloadedAdamW(stream_update=True)``)."""
+(``OffloadedAdamW(stream_update=True)``); ``no-sync`` turns FSDP2's gradient sync off for each step's first
+micro-batch (with ``accumulate-clip``), as FSDP2's recipe for accumulation does, and reports the warnings that say
+so."""
 
 import copy
 import json
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -40,10 +43,12 @@ def shard(model, layers):
     return model
 
 
-def train(model, opt, case, rank, world, views, clip=False, store=None):
+def train(model, opt, case, rank, world, views, clip=False, store=None, no_sync=False):
     losses, seen = [], []
     for step in range(3 if views == 1 else 6):
         for micro in range(2 if clip else 1):
+            if no_sync:  # FSDP2's recipe: gradient sync on the last micro-batch only
+                model.set_requires_gradient_sync(micro == 1)
             torch.manual_seed(100 + rank * 10 + step)  # dropout: the same masks in both runs
             loss = sum(case.loss(model, case.batch(10 * step + v + 5 * micro, batch=2 * world)[rank::world])
                        for v in range(views))
@@ -103,7 +108,7 @@ def _grads_in_store(store):
 
 
 def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compressed: bool = False,
-         frozen: bool = False, stream: bool = False) -> None:
+         frozen: bool = False, stream: bool = False, no_sync: bool = False) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     case = CASES[name]
@@ -120,14 +125,17 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compres
     ref = shard(copy.deepcopy(base), LAYERS[name])
     ref_opt = CompressedReference(ref) if compressed else torch.optim.AdamW(
         ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False, fused=fused)
-    ref_losses, ref_seen = train(ref, ref_opt, case, rank, world, views, clip)
+    ref_losses, ref_seen = train(ref, ref_opt, case, rank, world, views, clip, no_sync=no_sync)
     model = shard(copy.deepcopy(base), LAYERS[name])
     with TierStore(StoreConfig(nvme_path=nvme_path, host_budget_bytes="256KiB", device_budget_bytes="1MiB",
                                file_size_bytes="4MiB", block_size_bytes="64KiB")) as store:
         off = offload_fsdp(model, store)
         opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, fused=fused, stream_update=stream,
                              **({"moments": "8bit", "master": "split"} if compressed else {}))
-        losses, seen = train(model, opt, case, rank, world, views, clip, store)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            losses, seen = train(model, opt, case, rank, world, views, clip, store, no_sync=no_sync)
+        warned = [str(w.message) for w in said if "offload_fsdp" in str(w.message)]
         opt.wait()
         moments = named_state(opt.state_dict(beyond_host_budget=True))
         same = all(torch.equal(off.read_param(n), p.to_local()) for n, p in ref.named_parameters())
@@ -157,7 +165,7 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compres
             off.remove()
             removed_clean = kept > 0 and _grads_in_store(store)[0] == 0 and all(
                 p.grad is None for p in model.parameters())
-    print(json.dumps({"rank": rank, "ref": ref_losses, "ours": losses, "same_parameters": same,
+    print(json.dumps({"rank": rank, "ref": ref_losses, "ours": losses, "same_parameters": same, "warned": warned,
                       "same_moments": same_moments, "read_bytes": read,
                       "trained": len(moments), "parameters": len(list(model.parameters())), "uses_of_a_layer": uses,
                       "uses_of_it_in_forward": forward.count(first), "verdict": off.placement_verdict,
@@ -170,6 +178,6 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compres
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1, "fused" in sys.argv[4:],
          "accumulate-clip" in sys.argv[4:], "8bit-split" in sys.argv[4:], "frozen" in sys.argv[4:],
-         "stream" in sys.argv[4:])
+         "stream" in sys.argv[4:], "no-sync" in sys.argv[4:])
     sys.stdout.flush()
     os._exit(0)  # skip C++ teardown at exit, as the torchrun example does (see tierstore/tools/fsdp_train.py)
