@@ -574,7 +574,9 @@ def run_layer_major(off: LayerMajorOffload, step_fn: Callable[[Any], Any], micro
 def _refuse(off: LayerMajorOffload, reason: str) -> None:
     """From now on ``off``'s steps run as the loop; said once."""
     off.layer_major_refused = reason
-    warnings.warn(f"tierstore: the micro-batches run one after another, not layer by layer: {reason}", stacklevel=4)
+    warnings.warn(f"tierstore: the micro-batches run one after another, not layer by layer: {reason} (docs/"
+                  f"layer-major.md lists what runs as the loop, and what to do where something can be done)",
+                  stacklevel=4)
 
 
 __all__ = ["ACT_PREFIX", "LayerMajorStep", "NotAChain", "micro_batch_seeds", "run_layer_major"]
