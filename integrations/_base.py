@@ -211,6 +211,13 @@ class OffloadBase(NotCopyable, OffloadedParameters):
             return self.resident[name].detach().cpu().clone()
         raise TierKeyError(f"no parameter named {name!r}")
 
+    def _owned(self, module: nn.Module) -> Iterator[tuple[str, Any]]:
+        """(its name in ``module``, its record) of each offloaded parameter ``module`` itself owns: what the state
+        dict hooks of that module read and write."""
+        for pname, p in module._parameters.items():
+            if p is not None and (record := self.params.get(id(p))) is not None:
+                yield pname, record
+
     def _state_dict_value(self, record: Any) -> torch.Tensor:
         """What ``model.state_dict()`` holds for an offloaded parameter (``record``: its entry in ``params``): its
         value read from the store, an ordinary copy, or, for a model beyond the host budget, a mapped one (see

@@ -33,7 +33,7 @@ import torch
 
 from tierstore import TierStore, TierStoreError
 
-from ._contract import BrokenValues, Mend, OffloadedParameters, note_interrupt
+from ._contract import OffloadedParameters
 from ._pipeline import StatePipeline, UnrestorableUpdateError, state_keys
 
 
@@ -53,18 +53,19 @@ class Queued:
 class StreamingOptimizer(Protocol):
     """What the worker uses of the optimizer it steps for (``OffloadedAdamW``): its model and store, its pipeline,
     the queue with its progress (``_progress``, set whole: evicting threads read it), the update of one parameter
-    (``_timed_step``), whether gradients stay after their update (``keep_grads``) and why a step stopped
-    (``_unfinished``)."""
+    (``_timed_step``), whether gradients stay after their update (``keep_grads``) and what marks a step stopped
+    part-way (``_part_way``)."""
 
     offloaded: OffloadedParameters
     store: TierStore
     keep_grads: bool
     _pipeline: StatePipeline
     _progress: tuple[list[tuple], int]
-    _unfinished: str | None
 
     def _timed_step(self, name: str, key: str | None, p: torch.nn.Parameter, grad: Any, *, step: float,
                     hyper: tuple) -> None: ...
+
+    def _part_way(self, error: BaseException, stopped: str, again: str) -> None: ...
 
 
 class StreamedUpdates:
@@ -133,15 +134,8 @@ class StreamedUpdates:
         opt._pipeline.drop_window()
         if isinstance(error, UnrestorableUpdateError):
             return  # its update marked the values broken for good
-        why = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-        opt._unfinished = (f"the updates step() queued stopped after {done} of {done + len(self.left)} ({why}). Call "
-                           f"opt.step() again, before anything else: it runs the {len(self.left)} left with the "
-                           f"gradients and learning rates they were queued with, and the step ends as if it had not "
-                           f"failed; until then forward, zero_grad() and checkpoints refuse, since the model is part "
-                           f"of a step ahead")
-        if opt.offloaded.broken is None:
-            opt.offloaded.broken = BrokenValues(opt, opt._unfinished, Mend.BY_STEPPING_AGAIN)
-        note_interrupt(error, opt._unfinished, opt.store)
+        opt._part_way(error, f"the updates step() queued stopped after {done} of {done + len(self.left)}",
+                      f"it runs the {len(self.left)} left with the gradients and learning rates they were queued with")
 
     def settle(self) -> None:
         """Wait for every queued update (a failure stays for ``run_left`` and the fenced readers)."""

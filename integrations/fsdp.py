@@ -186,8 +186,7 @@ class FSDPOffload(OffloadBase):
         self.grads = _ShardGrads(self._by_key, GradientStore(store, grad_tier, "param"))
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
         self._said_unsynced = False  # see _unsynced_message
-        self._state_dict_hooks = [hook for module in model.modules()
-                                  if any(id(p) in self.params for p in module._parameters.values() if p is not None)
+        self._state_dict_hooks = [hook for module in model.modules() if any(self._owned(module))
                                   for hook in (module.register_state_dict_post_hook(partial(self._fill_state_dict)),
                                                module.register_load_state_dict_pre_hook(self._refuse_load))]
 
@@ -231,14 +230,12 @@ class FSDPOffload(OffloadBase):
     def _fill_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         """A module's state_dict post-hook: each of its shards as FSDP2 gives it (a DTensor), its local tensor read
         from the store (the parameter's own has no memory between all-gathers: see [Note: Freeing a shard])."""
-        for pname, p in module._parameters.items():
-            sh = self.params.get(id(p)) if p is not None else None
-            if sh is not None and prefix + pname in state_dict:
+        for pname, sh in self._owned(module):
+            if prefix + pname in state_dict:
                 state_dict[prefix + pname] = internals.with_local(sh.param, self._state_dict_value(sh))
 
     def _refuse_load(self, module: nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:
-        if any(prefix + pname in state_dict for pname, p in module._parameters.items()
-               if p is not None and id(p) in self.params):
+        if any(prefix + pname in state_dict for pname, _ in self._owned(module)):
             raise UnsupportedError(
                 "model.load_state_dict() into the shards of a model under offload_fsdp is not supported yet (they "
                 "have no memory between all-gathers): load a checkpoint of save_checkpoint with "

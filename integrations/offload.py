@@ -198,7 +198,7 @@ class OffloadedModel(OffloadBase):
         """model.load_state_dict() writes each offloaded parameter's held copy (see [Note: Loading a state dict]);
         state_dict() of the model or of any of its modules reads the real values."""
         for module in self.model.modules():
-            if any(id(p) in self.params for p in module._parameters.values() if p is not None):
+            if any(self._owned(module)):
                 self._handles.append(module.register_state_dict_post_hook(partial(self._fill_state_dict)))
                 self._handles.append(module.register_load_state_dict_pre_hook(self._before_load))
                 self._handles.append(module.register_load_state_dict_post_hook(self._after_load))
@@ -276,8 +276,7 @@ class OffloadedModel(OffloadBase):
                      *_: Any) -> None:
         """Hold the offloaded parameters a load names, each noted with whether the value it is given differs from
         its own: see [Note: Loading a state dict]."""
-        mine = [(self.params[id(p)], state_dict[prefix + name]) for name, p in module._parameters.items()
-                if p is not None and id(p) in self.params and prefix + name in state_dict]
+        mine = [(sp, state_dict[prefix + name]) for name, sp in self._owned(module) if prefix + name in state_dict]
         if not mine:
             return
         if local_metadata.get("assign_to_params_buffers"):
@@ -303,9 +302,8 @@ class OffloadedModel(OffloadBase):
         """A module's state_dict post-hook: its own offloaded parameters' values (in place of placeholders)."""
         if self._unread:
             return
-        for pname, p in module._parameters.items():
-            sp = self.params.get(id(p)) if p is not None else None
-            if sp is not None and prefix + pname in state_dict:
+        for pname, sp in self._owned(module):
+            if prefix + pname in state_dict:
                 state_dict[prefix + pname] = self._state_dict_value(sp)
 
 

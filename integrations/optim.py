@@ -387,11 +387,16 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
                    if (g := self._grad(n, k, p)) is not None and not self._was_applied(n, g))
         if not left:
             return
+        self._part_way(error, f"step() stopped after updating {updated} parameters, {left} not yet",
+                       "it updates the rest with the gradients it kept")
+
+    def _part_way(self, error: BaseException, stopped: str, again: str) -> None:
+        """The step stopped part-way (``stopped``: where) on ``error``; ``again``: what step() again does. See
+        [Note: A step that stops part-way]."""
         why = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__  # Ctrl-C has no text
-        self._unfinished = (f"step() stopped after updating {updated} parameters, {left} not yet ({why}). Call "
-                            f"opt.step() again, before anything else: it updates the rest with the gradients it kept, "
-                            f"and the step ends as if it had not failed; until then forward, zero_grad() and "
-                            f"checkpoints refuse, since the model is part of a step ahead")
+        self._unfinished = (f"{stopped} ({why}). Call opt.step() again, before anything else: {again}, and the step "
+                            f"ends as if it had not failed; until then forward, zero_grad() and checkpoints refuse, "
+                            f"since the model is part of a step ahead")
         if self.offloaded.broken is None:
             self.offloaded.broken = BrokenValues(self, self._unfinished, Mend.BY_STEPPING_AGAIN)
         note_interrupt(error, self._unfinished, self.store)
