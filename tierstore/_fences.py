@@ -69,8 +69,8 @@ class Fences:
             raise FencedWriteError(f"{key!r} was to be written by work that failed ({type(error).__name__}: "
                                    f"{error}): its value cannot be trusted") from error
 
-    def after(self, key: str, then: Callable[[], object]) -> bool:
-        """Run ``then`` once ``key``'s fence (if any, for this thread) is lifted; False when there is none."""
+    def after(self, key: str, then: Callable[..., object], *args: object) -> bool:
+        """Run ``then(*args)`` once ``key``'s fence (if any, for this thread) is lifted; False when there is none."""
         done = self.pending(key)
         if done is None:
             return False
@@ -78,7 +78,7 @@ class Fences:
         def run(f: Future) -> None:
             if f.exception() is None:
                 with contextlib.suppress(Exception):  # a prefetch, say: advice, and the store may be closing
-                    then()
+                    then(*args)
 
         done.add_done_callback(run)
         return True

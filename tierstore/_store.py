@@ -139,8 +139,8 @@ class TierStore(Residency):
 
     def fence(self, keys: list[str], done: Future, writer: int) -> None:
         """Until ``done`` completes, a :meth:`get` of these keys by any thread but ``writer`` (a thread ident)
-        waits for it, and raises ``FencedWriteError`` if it failed (until :meth:`unfence`); a prefetch of one starts once it is done (see
-        [Note: Fenced keys]). For work queued to change them on another thread."""
+        waits for it, and raises ``FencedWriteError`` if it failed (until :meth:`unfence`); a prefetch of one
+        starts once it is done (see [Note: Fenced keys]). For work queued to change them on another thread."""
         self._fences.fence(keys, done, writer)
 
     def _fenced_wait(self, start: float, end: float, key: str, tier: Tier) -> None:
@@ -158,7 +158,7 @@ class TierStore(Residency):
         state = self._state
         state.check_open()
         tier = _memory_tier(tier)
-        if self._fences.after(key, lambda: self.prefetch(key, tier)):
+        if self._fences.after(key, self.prefetch, key, tier):  # no closure made where no fence is
             return Handle(done_future(), key, tier)
         with state.lock:
             entry = state.lookup(key)
