@@ -120,6 +120,9 @@ class PassConsumer:
       backward (the training thread on a CPU; autograd's device thread with CUDA), outside the store's lock;
       only consumers whose ``consumes_grads`` is true get it, and while one is attached the gradients are handed
       over to it instead of being kept (see [Note: Stepping in backward]).
+    - ``takes_part(key, grad)``: a part of the parameter's gradient from one backward; a consumer that returns True
+      keeps it instead (a layer-major step holds a tied parameter's parts until they can be summed in the loop's
+      order: see [Note: Tied parameters layer by layer]). Where ``grad_ready`` is called, before it.
     - ``grads_taken()``: why no gradient may be read now (None: they may), on the thread reading ``param.grad``.
     - ``loaded(names)``: the model's ``load_state_dict`` or a checkpoint wrote these parameters; ``finish()``:
       the offload is about to be removed (finish what is in flight on its values); ``removed()``: it was, its
@@ -138,6 +141,11 @@ class PassConsumer:
 
     def grad_ready(self, key: str) -> None:
         """The gradient of ``key``'s parameter is complete for this backward."""
+
+    def takes_part(self, key: str, grad: torch.Tensor) -> bool:
+        """Whether this consumer keeps ``grad``, one backward's part of ``key``'s gradient, instead of it being
+        added to the kept gradient."""
+        return False
 
     def grads_taken(self) -> str | None:
         """Why no gradient may be read now (an update in backward is consuming them), or None."""
@@ -187,6 +195,10 @@ class Consumers:
         for c in self.attached:
             if c.consumes_grads:
                 c.grad_ready(key)
+
+    def takes_part(self, key: str, grad: torch.Tensor) -> bool:
+        """Whether a consumer kept this part of ``key``'s gradient (see :meth:`PassConsumer.takes_part`)."""
+        return any(c.takes_part(key, grad) for c in self.attached)
 
     def grads_taken(self) -> str | None:
         """Why no gradient may be read now, or None."""
@@ -311,6 +323,8 @@ class KeptGradients(GradientSource, Protocol):
     def accumulate(self, param_key: str, grad: torch.Tensor, param_dtype: torch.dtype) -> None: ...
 
     def hand_over(self, param_key: str, grad: torch.Tensor) -> None: ...
+
+    def dtype_of(self, param: torch.Tensor) -> torch.dtype: ...
 
 
 __all__ = ["NOT_COPYABLE", "OPTIMIZER_PREFIX", "OPTIMIZER_STATE", "BrokenValues", "Consumers", "GradientSource",

@@ -43,8 +43,9 @@ order, so an fp32 run is bit-identical to the loop. How:
   step the global generator is where the first micro-batch left it. A model
   that draws none (no dropout) is unaffected; with dropout, the step equals
   the loop that seeds each micro-batch so (tested).
-- ``use_cache``: a transformers cache given to a segment is not passed (the
-  segment runs twice; a cache would be filled twice).
+- ``use_cache``: a transformers cache given to a segment (by name, or by
+  position as GPT-2 gives it) is not passed: the segment runs twice, and its
+  rerun would attend to the keys its forward put into the cache.
 
 [Note: Parameters held around the segments] A module around the segments may own parameters it uses there (a
 ViT written as timm writes it adds its class token and position embedding before the first block): its unit holds
@@ -87,6 +88,7 @@ from tierstore import Tier, TierStoreError
 
 from ._contract import KeptGradients, OffloadedParameters, PassConsumer, note_interrupt
 from ._grads import generation
+from ._tied import TiedParts, tied_parameters
 from ._unit import compiled
 
 if TYPE_CHECKING:
@@ -104,6 +106,7 @@ class LayerMajorOffload(OffloadedParameters, Protocol):
     and the counts of what it ran (``stats``)."""
 
     store: TierStore
+    params: dict[int, Any]  # id of an offloaded parameter -> its record (name, key)
     pass_state: PassState
     compute_tier: Tier
     grads: KeptGradients
@@ -279,6 +282,13 @@ class LayerMajorStep(PassConsumer):
         # Parameters a unit around the segments holds across them (see [Note: Parameters held around the
         # segments]): store key -> (the unit, the parameter, its gradient and that gradient's generation when seen).
         self.held_across: dict[str, tuple[Any, Any, Any]] = {}
+        # Tied trainable parameters (see [Note: Tied parameters layer by layer]), and where the backward stands for
+        # them: inside the segments, or in which micro-batch's glue before the first segment.
+        self.tied = TiedParts(self, [(name, off.params[i].key, off.params[i].param, owners)
+                                     for i, (name, owners) in tied_parameters(off.model).items()
+                                     if i in off.params and off.params[i].param.requires_grad])
+        self.in_segments_backward = False
+        self.glue_micro_batch: int | None = None
 
     # ---- forward, on the workers ----------------------------------------------------------
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
@@ -291,9 +301,10 @@ class LayerMajorStep(PassConsumer):
                             f"(a segment called twice, or out of order)")
         for u, _ in self.off.pass_state.running:  # see [Note: Parameters held around the segments]
             for sp in u.params:
-                if sp.key not in self.held_across:
+                if sp.key not in self.held_across and sp.key not in self.tied.by_key:
                     self.held_across[sp.key] = (u, sp, self._grad_state(sp.key))
         self._switch(i)
+        args = tuple(None if _is_cache(v) else v for v in args)  # GPT-2 passes its cache by position
         kwargs = {name: (None if _is_cache(v) else v) for name, v in kwargs.items()}
         leaves, spec = tree_flatten((args, kwargs))
         needing = [j for j, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -307,11 +318,7 @@ class LayerMajorStep(PassConsumer):
         if boundary is not None:
             x = leaves[boundary]
             if k:  # made by the segment before: into the store (see [Note: Activations in the tiers])
-                key = f"{ACT_PREFIX}{id(self)}/{self._keys}"
-                self._keys += 1
-                self._uses = {**self._uses, key: (len(self.segments) - 1 - k) * len(self.next_segment) + i}
-                self.off.claimed.add(key)
-                self.store.put(key, x.detach(), self.home, write_home=False)
+                key = self.keep(x, (len(self.segments) - 1 - k) * len(self.next_segment) + i)
                 self.calls[k - 1][i].outputs = [None] * len(previous)  # its gradient comes from this segment's
                 self.calls[k - 1][i].next_input = at
             else:
@@ -390,11 +397,13 @@ class LayerMajorStep(PassConsumer):
         self.next_segment = [0] * n
         self._grad_mode = [True] * n
         self.rotation = _Rotation(n, _forked_rng(n))
+        start = self.rotation.rng[0]  # a step that raises leaves the global generator here, for the loop after it
         self.contexts: list[tuple[Any, ...]] = [([], [], None, 0) for _ in range(n)]
         results: list[Any] = [None] * n
         for m in self.segments:
             self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True))
             self._handles.append(m.register_forward_hook(self._post, always_call=True))
+        self._handles.extend(self.tied.hook(self._not_a_chain))
         self.off.attach(self)  # its activations ranked for eviction (see [Note: Activations in the tiers])
         passes = self.off.pass_state
         threads = [threading.Thread(target=self._worker, args=(i, step_fn, mb, results),
@@ -418,6 +427,7 @@ class LayerMajorStep(PassConsumer):
             passes.end_group()
         first_rng = self.rotation.rng[0]
         if self.rotation.error is not None:
+            _set_rng_state(start)
             self._drop_activations()
             passes.clear()
             reached = ", ".join(map(str, self.next_segment))
@@ -428,6 +438,7 @@ class LayerMajorStep(PassConsumer):
         try:
             self._backward(n)
         except BaseException as e:
+            _set_rng_state(start)
             note_interrupt(e, "off.accumulate was stopped in its backward; call opt.zero_grad() and run the step "
                               "again", self.store)
             raise
@@ -435,6 +446,36 @@ class LayerMajorStep(PassConsumer):
             self._drop_activations()
         _set_rng_state(first_rng)
         return results
+
+    @staticmethod
+    def _not_a_chain(why: str) -> None:
+        raise NotAChain(why)
+
+    def takes_part(self, key: str, grad: torch.Tensor) -> bool:
+        return self.tied.take(key, grad)  # see [Note: Tied parameters layer by layer]
+
+    def glue_place(self, i: int) -> int:
+        """The backward's place of micro-batch ``i``'s glue before the first segment (after every segment's)."""
+        return len(self.segments) * len(self.next_segment) + i
+
+    def keep(self, value: torch.Tensor, place: int) -> str:
+        """Put ``value`` into the store as an activation is (see [Note: Activations in the tiers]), used at the
+        backward's ``place``; its key."""
+        key = f"{ACT_PREFIX}{id(self)}/{self._keys}"
+        self._keys += 1
+        self._uses = {**self._uses, key: place}
+        self.off.claimed.add(key)
+        self.store.put(key, value.detach(), self.home, write_home=False)
+        return key
+
+    def take_kept(self, key: str) -> torch.Tensor:
+        """A value :meth:`keep` put, let go by the store."""
+        x = self.store.get(key, self.off.compute_tier).detach().clone()
+        self.store.release(key, self.off.compute_tier)
+        self.store.drop(key)
+        self.off.claimed.discard(key)
+        self._uses = {k: at for k, at in self._uses.items() if k != key}
+        return x
 
     # ---- backward, on the caller's thread ------------------------------------------------------
     def _backward(self, n: int) -> None:
@@ -444,7 +485,8 @@ class LayerMajorStep(PassConsumer):
         for call in self.calls[-1]:
             call.outputs = []
         order = [(k, i) for k in reversed(range(len(self.segments))) for i in range(n)]
-        tier = self.off.compute_tier
+        self._check_tied()
+        self.in_segments_backward = True
         for step, (k, i) in enumerate(order):
             self._now = step
             call = self.calls[k][i]
@@ -458,11 +500,7 @@ class LayerMajorStep(PassConsumer):
             x = None
             if call.boundary is not None:
                 if call.key is not None:
-                    x = self.store.get(call.key, tier).detach().clone().requires_grad_(True)
-                    self.store.release(call.key, tier)
-                    self.store.drop(call.key)
-                    self.off.claimed.discard(call.key)
-                    self._uses = {key: at for key, at in self._uses.items() if key != call.key}
+                    x = self.take_kept(call.key).requires_grad_(True)
                 else:
                     assert call.kept is not None
                     x = call.kept.detach().requires_grad_(call.kept.requires_grad)
@@ -481,17 +519,31 @@ class LayerMajorStep(PassConsumer):
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             inputs[i] = x.grad if x is not None else None
             del out, outs, pairs
+        self.in_segments_backward = False
+        self._check_tied()
         for u, sp, before in self.held_across.values():
             now = self._grad_state(sp.key)
             if now[0] is not before[0] or now[1] != before[1]:
                 raise NotAChain(f"{_held_across(u)}; {sp.name} has gradient parts from after the first segment, "
                                 f"which would be summed in another order than the loop's")
         for i in range(n):  # the glue before the first segment, each micro-batch in order
+            self._now = self.glue_place(i)
             call = self.calls[0][i]
             g = inputs[i]
-            if call.kept is not None and g is not None:  # kept: an input that needs a gradient
-                torch.autograd.backward(call.kept, g)
+            self.glue_micro_batch = i
+            try:
+                if call.kept is not None and g is not None:  # kept: an input that needs a gradient
+                    torch.autograd.backward(call.kept, g)
+            finally:
+                self.glue_micro_batch = None
             call.kept = None
+            self._check_tied()
+            self.tied.glue_done(i)
+        self.tied.end()
+
+    def _check_tied(self) -> None:
+        if self.tied.bad is not None:
+            raise NotAChain(self.tied.bad)
 
     def next_uses(self) -> dict[str, int]:
         """Each activation still to be used: how many segment backwards away its use is (on an evicting thread)."""
@@ -502,11 +554,12 @@ class LayerMajorStep(PassConsumer):
         """Let go of the step's activations (those not used yet: a step that raised) and of their ranking."""
         self.off.detach(self)
         self.off.claimed.difference_update(self._uses)
-        self._uses = {}
+        left, self._uses = self._uses, {}
+        for key in left:  # the boundaries' and the tied parameters' parts not taken
+            if self.store.contains(key):
+                self.store.drop(key)
         for calls in self.calls:
             for call in calls:
-                if call.key is not None and self.store.contains(call.key):
-                    self.store.drop(call.key)
                 call.kept = None
                 call.outputs = []
 
@@ -521,9 +574,11 @@ def _held_across(unit: Any) -> str:
             f"parameter in memory), they would run layer by layer")
 
 
-def _refusal(model: nn.Module, segments: Sequence[nn.Module]) -> str | None:
-    """Why ``model`` cannot run layer by layer, seen before it runs: no segments, or a parameter used in two
-    places (tied embeddings): its gradient's parts would be summed in another order than the loop's."""
+def _refusal(off: LayerMajorOffload, segments: Sequence[nn.Module]) -> str | None:
+    """Why ``off``'s model cannot run layer by layer, seen before it runs: no segments, a compiled segment, or a
+    trainable tied parameter kept resident (its gradient's parts, added by torch as they come, would be summed in
+    another order than the loop's; offloaded, they are summed as the loop sums them: see [Note: Tied parameters
+    layer by layer])."""
     if not segments:
         return ("no units were given to offload_model (units=[DecoderLayer]): there is no chain of segments to run "
                 "layer by layer")
@@ -531,12 +586,12 @@ def _refusal(model: nn.Module, segments: Sequence[nn.Module]) -> str | None:
         if compiled(m) is not None:
             return (f"{type(m).__name__} is compiled: a compiled unit runs hooks inside its compiled code, and the "
                     f"step's hooks switch threads")
-    seen: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            return (f"parameter {name!r} is {seen[id(p)]!r} too (tied): its gradient's parts from the two places "
-                    f"would be summed in another order than one micro-batch after another sums them")
-        seen[id(p)] = name
+    params = {id(p): p for p in off.model.parameters()}
+    for i, (name, _) in tied_parameters(off.model).items():
+        if i not in off.params and params[i].requires_grad:
+            return (f"parameter {name!r} is tied (used in two places) and kept resident: its gradient's parts from "
+                    f"the two places would be summed in another order than the loop's (offloaded, lower "
+                    f"resident_threshold_bytes below its {params[i].nbytes} bytes, they are not)")
     return None
 
 
@@ -546,7 +601,7 @@ def run_layer_major(off: LayerMajorOffload, step_fn: Callable[[Any], Any], micro
     else as the loop, with a warning once (see [Note: A layer-major step])."""
     micro_batches = list(micro_batches)
     if off.layer_major_refused is None:
-        refused = _refusal(off.model, segments)
+        refused = _refusal(off, segments)
         if refused is not None:
             _refuse(off, refused)
     if off.layer_major_refused is None and micro_batches:

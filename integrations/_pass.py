@@ -341,7 +341,9 @@ class PassState(NotCopyable):
             param.grad = None
         had = grad is not None
         if grad is not None:  # it leaves the compute tier as soon as it is complete
-            if self.consumers.consumes_grads():  # an optimizer steps it now (see [Note: Stepping in backward])
+            if self.consumers.takes_part(sp.key, grad):  # see [Note: Tied parameters layer by layer]
+                pass
+            elif self.consumers.consumes_grads():  # an optimizer steps it now (see [Note: Stepping in backward])
                 self.grads.hand_over(sp.key, grad)
             else:  # see [Note: Gradients in the tiers]
                 self.grads.accumulate(sp.key, grad, sp.param.dtype)

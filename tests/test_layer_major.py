@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import copy
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -214,9 +215,10 @@ def test_the_step_says_it_ran_layer_by_layer(tmp_path, capfd):
     assert (off.stats.layer_major_steps, off.stats.loop_steps, off.layer_major_refused) == (2, 0, None)
 
 
-@pytest.mark.parametrize("kind", ["twice", "tied"])
+@pytest.mark.parametrize("kind", ["twice", "tied-resident"])
 def test_a_model_that_is_not_a_chain_runs_as_the_loop(kind, tmp_path):
-    """A block called twice, or tied embeddings: a warning once, and the loop's numbers."""
+    """A block called twice, or tied embeddings kept resident: a warning once, and the loop's numbers."""
+    kept = {}
     if kind == "twice":
         torch.manual_seed(0)
         ref, units = _Twice(), [nn.Sequential]
@@ -224,6 +226,7 @@ def test_a_model_that_is_not_a_chain_runs_as_the_loop(kind, tmp_path):
         loss_of = lambda m, x: m(x).square().mean()  # noqa: E731
     else:
         ref, units = _llama(tie_word_embeddings=True), [LlamaDecoderLayer]
+        kept = {"resident_threshold_bytes": VOCAB * 64 * 4 + 1}
         mbs = _batches(0, 3)
         loss_of = lambda m, ids: m(ids, labels=ids).loss  # noqa: E731
     grads = []
@@ -232,7 +235,7 @@ def test_a_model_that_is_not_a_chain_runs_as_the_loop(kind, tmp_path):
         (tmp_path / str(layer_major)).mkdir()
         budget = sum(p.numel() * p.element_size() for p in ref.parameters()) // 2 + (64 << 10)
         with _store(str(tmp_path / str(layer_major)), ref, budget) as store:
-            off = offload_model(model, store, units=units)
+            off = offload_model(model, store, units=units, **kept)
 
             def step_fn(mb):
                 loss = loss_of(model, mb) / len(mbs)
@@ -247,7 +250,8 @@ def test_a_model_that_is_not_a_chain_runs_as_the_loop(kind, tmp_path):
                     off.accumulate(lambda mb: None, mbs)
                 # the stats say so too, and why
                 assert (off.stats.loop_steps, off.stats.layer_major_steps) == (2, 0)
-                assert ("called twice" if kind == "twice" else "tied") in off.layer_major_refused
+                assert ("called twice" if kind == "twice" else "tied (used in two places) and kept resident"
+                        ) in off.layer_major_refused
             else:
                 losses = [step_fn(mb) for mb in mbs]
             grads.append((losses, [g.clone() for g in off.grads_in_order()]))
@@ -286,11 +290,11 @@ def _layer_class(model: nn.Module) -> type[nn.Module]:
 
 
 @pytest.mark.parametrize("name", ["llama-untied", "mixtral", "gpt-neox", "gemma2", "mistral-sliding", "falcon",
-                                  "llama-tied", "t5", "albert"])
+                                  "llama-tied", "gpt2", "t5", "albert"])
 def test_conformance_models_run_layer_major_as_the_loop(name, tmp_path):
     """Models it did not write, 3 micro-batches a step with clipping: the step's numbers are the loop's, bit for bit
-    (the loop seeded as the step seeds, for those with dropout); tied embeddings (llama-tied, gemma2, falcon),
-    cross-attention (t5) and a layer shared across depth (albert) run as the loop, with the warning."""
+    (the loop seeded as the step seeds, for those with dropout), tied embeddings (llama-tied, gemma2, falcon, gpt2)
+    included; cross-attention (t5) and a layer shared across depth (albert) run as the loop, with the warning."""
     from conformance import CASES, state_bytes
 
     case = CASES[name]
@@ -299,7 +303,6 @@ def test_conformance_models_run_layer_major_as_the_loop(name, tmp_path):
     ref.train()
     units = [_layer_class(ref)]
     budget = max(int(state_bytes(ref) * case.host_budget_fraction), 5 * max(p.numel() * 4 for p in ref.parameters()))
-    tied = len(list(ref.parameters())) < len(list(ref.named_parameters(remove_duplicate=False)))
     runs, fell_back = [], None
     for layer_major in (True, False):
         model = copy.deepcopy(ref)
@@ -328,7 +331,7 @@ def test_conformance_models_run_layer_major_as_the_loop(name, tmp_path):
                 opt.zero_grad()
             opt.close()
             runs.append((losses, {k: v.clone() for k, v in model.state_dict().items()}))
-    assert fell_back == (tied or name in ("t5", "albert"))
+    assert fell_back == (name in ("t5", "albert"))
     assert runs[0][0] == runs[1][0]
     assert _same(runs[0][1], runs[1][1])
 
@@ -509,3 +512,144 @@ def test_a_timm_style_vit_trains_layer_by_layer_as_torch_trains_it_resident(tmp_
         assert off.stats.layer_major_steps == 2 and off.layer_major_refused is None
         assert all(torch.equal(off.read_param(n), p.detach()) for n, p in ref.named_parameters())
         assert "cls_token" in {r.name for r in off.params.values()}  # offloaded, not kept resident
+
+
+def _qwen2_tied() -> nn.Module:
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def _tied_case(name: str):
+    """(model, its segments' class, step -> its 4 micro-batches, the loss) of a language model with tied
+    embeddings."""
+    from conformance import CASES
+
+    if name in ("llama-tied", "qwen2-tied"):
+        model = _llama(layers=3, tie_word_embeddings=True) if name == "llama-tied" else _qwen2_tied()
+        batches, loss = partial(_batches, n=4), lambda m, ids: m(ids, labels=ids).loss
+    else:
+        torch.manual_seed(0)
+        case = CASES[name]
+        model, loss = case.build(), case.loss
+        batches = lambda step: [case.batch(4 * step + i) for i in range(4)]  # noqa: E731
+    assert len(list(model.parameters())) < len(list(model.named_parameters(remove_duplicate=False)))  # tied
+    return model, _layer_class(model), batches, loss
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-tied", "gemma2", "gpt2"])
+def test_tied_language_models_train_layer_by_layer_as_torch_trains_them_resident(name, tmp_path):
+    """fp32, 4 micro-batches, clipping at 1.0, 2 steps: a model whose head is its embedding (see [Note: Tied
+    parameters layer by layer]) runs layer by layer with no fallback, and ends bit-identical to resident training
+    with torch's AdamW (GPT-2's dropout drawn as the step draws it)."""
+    ref, unit, batches, loss_of = _tied_case(name)
+    ref.train()
+    model = copy.deepcopy(ref)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    total = sum(p.numel() * p.element_size() for p in ref.parameters())
+    layer = max(sum(p.nbytes for p in m.parameters()) for m in ref.modules() if isinstance(m, unit))
+    with _store(str(tmp_path), ref, max(total // 3, 3 * layer)) as store:
+        off = offload_model(model, store, units=[unit])
+        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
+        for step in range(2):
+            mbs = batches(step)
+
+            def step_fn(ids, m=model):
+                loss = loss_of(m, ids) / 4
+                loss.backward()
+                return loss.item()
+
+            rng = torch.get_rng_state()
+            ref_losses = _seeded_loop(lambda ids: step_fn(ids, ref), mbs)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            ropt.step()
+            ropt.zero_grad()
+            torch.set_rng_state(rng)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no fallback
+                losses = off.accumulate(step_fn, mbs)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            assert losses == ref_losses and torch.equal(norm, ref_norm)
+        opt.close()
+        assert off.stats.layer_major_steps == 2 and off.layer_major_refused is None
+        assert all(torch.equal(off.read_param(n), p.detach()) for n, p in ref.named_parameters())
+
+
+def test_a_tied_embedding_keeps_only_the_rows_of_the_step_s_tokens(tmp_path, monkeypatch):
+    """The head's part of each micro-batch is kept for the rows of the step's tokens only (k x |R| x width), not
+    whole (k x vocab x width); the step stays the loop's, bit for bit, and two calls before one step add as the
+    loop's micro-batches do."""
+    from tierstore.integrations._layer_major import LayerMajorStep
+
+    kept = []
+    keep = LayerMajorStep.keep
+    monkeypatch.setattr(LayerMajorStep, "keep", lambda self, value, place: kept.append(value.shape) or
+                        keep(self, value, place))
+    ref = _llama(layers=2, tie_word_embeddings=True)
+    mbs = [torch.randint(0, VOCAB // 8, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    rows = len(torch.unique(torch.cat(mbs)))
+    grads = []
+    for how in ("loop", "one step", "two calls"):
+        model = copy.deepcopy(ref)
+        (tmp_path / how).mkdir()
+        with _store(str(tmp_path / how), ref, 8 << 20) as store:
+            off = offload_model(model, store, units=[LlamaDecoderLayer])
+
+            def step_fn(ids):
+                loss = model(ids, labels=ids).loss / 4
+                loss.backward()
+                return loss.item()
+
+            if how == "loop":
+                losses = [step_fn(mb) for mb in mbs]
+            elif how == "one step":
+                losses = off.accumulate(step_fn, mbs)
+            else:
+                losses = off.accumulate(step_fn, mbs[:2]) + off.accumulate(step_fn, mbs[2:])
+            grads.append((losses, [g.clone() for g in off.grads_in_order()]))
+    heads = [s for s in kept if s[-1] == 64 and s[0] != 2]  # not a boundary activation (2 sequences)
+    assert len(heads) == 4 + 2 + 2 and all(s[0] <= rows for s in heads) and rows < VOCAB // 4
+    assert grads[0][0] == grads[1][0] == grads[2][0]
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(grads[0][1], grads[1][1], grads[2][1]))
+
+
+class _TiedOther(nn.Module):
+    """A head tied to an input weight that is used otherwise than by an embedding of the step's tokens alone:
+    ``dense``, by a Linear before the blocks; ``shifted``, by the embedding and by a lookup of shifted tokens."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.inp = nn.Linear(16, 16) if kind == "dense" else nn.Embedding(16, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(16, 16, bias=False)
+        self.head.weight = self.inp.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "dense":
+            x = self.inp(x)
+        else:
+            x = self.inp(x) + nn.functional.embedding((x + 1) % 16, self.inp.weight)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("kind", ["dense", "shifted"])
+def test_a_tied_parameter_used_otherwise_runs_as_the_loop(kind, tmp_path):
+    """Used before the blocks by a module that is no embedding (found in the forward), or in rows beyond those of
+    the embedding's tokens (found when its part comes): the step runs as the loop, bit-identical, and says why."""
+    def model_of():
+        torch.manual_seed(0)
+        return _TiedOther(kind)
+
+    g = torch.Generator().manual_seed(0)
+    mbs = [torch.randn(4, 16, generator=g) if kind == "dense" else torch.randint(0, 8, (4, 3), generator=g)
+           for _ in range(3)]
+    with pytest.warns(UserWarning, match="not layer by layer"):
+        runs = _runs_around(model_of, [nn.Sequential], lambda m, x: m(x).square().mean(), mbs, tmp_path)
+    assert ("no dense nn.Embedding" if kind == "dense" else "not zero outside the rows") in runs[1][2]
+    assert runs[1][3] == 0
