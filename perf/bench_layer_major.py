@@ -4,6 +4,7 @@ micro-batch after another) against the layer-major step (``off.accumulate``; see
     python perf/bench_layer_major.py --preset llama-150m --nvme-path DIR [--micro-batches 1,2,4,8,16]
         [--tokens-sweep 256,1024,4096] [--plot OUT.png] [--json OUT]
     python perf/bench_layer_major.py --vit large --host-budget 256MiB --micro-batches 2,8 --nvme-path DIR
+    python perf/bench_layer_major.py --preset llama-0.5b --tied --micro-batches 2,8 --tokens 128 --nvme-path DIR
 
 Each run is a fresh process training an offloaded Llama built on meta (bf16, 8-bit moments, split masters,
 clipping to norm 1, the optimizer after backward) in a plain PyTorch loop for ``--steps`` steps; the last step's
@@ -14,7 +15,8 @@ then bytes a step at the most micro-batches against those at the fewest, for eac
 With ``--vit PRESET`` the model is the demo's ViT of that preset instead (as timm writes one: its class token and
 position embedding are parameters of the model itself, held across the blocks: see [Note: Parameters held around the
 segments]), built in memory and cast to bf16, trained on the demo's synthetic images, ``--batch-size`` images a
-micro-batch; ``--tokens`` does not apply.
+micro-batch; ``--tokens`` does not apply. With ``--tied`` the Llama's head is its embedding (``tie_word_embeddings``,
+as Llama-3.2, Qwen2.5 and Gemma have it; see [Note: Tied parameters layer by layer]).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def _child(args: argparse.Namespace) -> dict:
         units, init = [Block], None
     else:
         config, host = llama_config(args.preset, args.host_budget, tokens=args.tokens)
+        config.tie_word_embeddings = args.tied
         with torch.device("meta"):
             model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
         units, init = [LlamaDecoderLayer], model._init_weights
@@ -119,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama-150m")
     p.add_argument("--vit", default=None, help="the demo's ViT of this preset (tiny, small, large, ...) instead")
     p.add_argument("--host-budget", default=None, help="default: the preset's")
+    p.add_argument("--tied", action="store_true", help="the Llama's head tied to its embedding")
     p.add_argument("--micro-batches", default="1,2,4,8,16", help="micro-batch counts to run at --tokens")
     p.add_argument("--tokens", type=int, default=64, help="tokens a sequence in the micro-batch sweep")
     p.add_argument("--tokens-sweep", default="", help="sequence lengths to run with one micro-batch")
@@ -148,7 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
         if r["loop"] == "layer-major" and r["layer_major_refused"]:
             print(f"the layer-major runs fell back to the loop: {r['layer_major_refused']}")
             break
-    print(f"{f'ViT-{args.vit}' if args.vit else args.preset}: {params / 1e6:.1f}M parameters, bf16, 8-bit moments, "
+    print(f"{f'ViT-{args.vit}' if args.vit else args.preset}{' tied' if args.tied else ''}: {params / 1e6:.1f}M "
+          f"parameters, bf16, 8-bit moments, "
           f"split masters, host budget "
           f"{results[0]['host_budget_bytes'] / MIB:.0f} MiB; micro-batches of {args.batch_size} "
           f"{'image' if args.vit else 'sequence'}(s); the "

@@ -33,3 +33,15 @@ def test_bench_layer_major_vit_tiny(tmp_path, capsys):
     assert res["preset"] == "vit-tiny" and all(g > 0 for g in res["growth"].values())
     out = capsys.readouterr().out
     assert "ViT-tiny" in out and "fell back" not in out and "x those with 1" in out
+
+
+@pytest.mark.slow  # fresh processes
+def test_bench_layer_major_tied_tiny(tmp_path, capsys):
+    """A Llama whose head is its embedding runs layer by layer (see [Note: Tied parameters layer by layer])."""
+    pytest.importorskip("transformers")
+    res = bench_layer_major.main(["--preset", "llama-tiny", "--tied", "--micro-batches", "1,2", "--steps", "2",
+                                  "--nvme-path", str(tmp_path)])
+    assert all(r["layer_major_refused"] is None and r["bytes_per_param"] > 0 for r in res["results"])
+    assert all(g > 0 for g in res["growth"].values())
+    out = capsys.readouterr().out
+    assert "llama-tiny tied" in out and "fell back" not in out and "x those with 1" in out
