@@ -37,6 +37,15 @@ from ._placing import AUTO_START_DEPTH, Placer, StepStarts, UnitSchedule
 STATE_KEY = "_tierstore_offload"  # the attribute of an offloaded module that holds its OffloadBase
 
 
+def same_values(held: torch.Tensor | None, value: Any) -> bool:
+    """Whether a load gives a held parameter the very values it has, bit for bit (another dtype counts as other
+    values)."""
+    if held is None or not isinstance(value, torch.Tensor) or value.shape != held.shape or value.dtype != held.dtype:
+        return False
+    bits = [t.detach().to(held.device).reshape(-1).view(torch.uint8) for t in (held, value)]
+    return held.numel() == 0 or torch.equal(*bits)
+
+
 @dataclass
 class UnitStats:
     """What the units' fetches did since the offload began (the store keeps its own counters)."""
@@ -372,5 +381,5 @@ def free_memory_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
-__all__ = ["STATE_KEY", "OffloadBase", "OffloadedParameterError", "UnitStats", "check_not_offloaded",
+__all__ = ["STATE_KEY", "OffloadBase", "OffloadedParameterError", "UnitStats", "check_not_offloaded", "same_values",
            "offloaded_of"]

@@ -27,6 +27,7 @@ What is used, all present and exercised by the suite on torch 2.13.0 and
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -83,6 +84,46 @@ def with_local(dtensor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, getattr(dtensor, "_spec"), requires_grad=False)  # DTensor's own, private
+
+
+def shard_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A DTensor placed as sharded ``param`` is (mesh, placements, global shape), whose local tensor is ``local``
+    (of the parameter's local shape, any dtype): a piece of its optimizer state."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
+def dim0_shards(param: torch.Tensor) -> tuple[int, int, int] | None:
+    """(ranks, this rank's place, rows a rank holds at most) of a parameter sharded on dim 0 alone, as FSDP2
+    shards (``Shard(0)`` on one mesh dimension, ``Replicate`` on any other); None otherwise."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    dims = [i for i, pl in enumerate(param.placements) if isinstance(pl, Shard)]
+    if len(dims) != 1 or param.placements[dims[0]] != Shard(0) or not all(
+            isinstance(pl, Replicate) for i, pl in enumerate(param.placements) if i != dims[0]) or param.dim() == 0:
+        return None
+    ranks = param.device_mesh.size(dims[0])
+    return ranks, param.device_mesh.get_local_rank(dims[0]), -(-param.shape[0] // ranks)
+
+
+def rows_of_ranks(param: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """``row`` (this rank's, of shape (1, length)) as row r of a (ranks, length) DTensor placed as ``param``'s
+    dim-0 shards (see :func:`dim0_shards`): a piece of a shard's state with no shape of the parameter's, saved so
+    that each rank's row is its own."""
+    from torch.distributed.tensor import DTensor
+
+    ranks, length = dim0_shards(param)[0], row.shape[1]
+    return DTensor.from_local(row, param.device_mesh, param.placements, run_check=False, shape=(ranks, length),
+                              stride=(length, 1))
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (what FSDP2's state dicts hold). Imports nothing: where torch's DTensor module
+    was never imported (tens of MiB), no tensor is one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def fsdp_params_by_id(model: nn.Module) -> dict[int, Any]:

@@ -220,22 +220,26 @@ class AdamWState:
         return decode_state(layout.moments_of(key, p, shape.numel()), stored, what == "exp_avg", shape, stride)
 
     def load(self, name: str, pieces: dict[str, torch.Tensor], saved: StateLayout) -> None:
-        """Pieces of ``name``'s state as layout ``saved`` stores them (from ``state_dict()``), copied in, or
-        converted when ``saved`` is not this layout."""
-        if saved != self.layout:
-            self.load_values(name, {what: self.decoded(name, what, v, saved) for what, v in pieces.items()})
-            return
-        for what, value in pieces.items():
+        """Pieces of ``name``'s state as layout ``saved`` stores them (from ``state_dict()``): each kind (the
+        moments, the master) copied in where ``saved`` stores it as this layout does, else converted (a split
+        master joined with the weight now in the model)."""
+        same = {"master": (saved.master, saved.split) == (self.layout.master, self.layout.split),
+                "moments": saved.moments == self.layout.moments}
+        copied = {what: v for what, v in pieces.items() if same["master" if what == "master" else "moments"]}
+        converted = {what: self.decoded(name, what, v, saved) for what, v in pieces.items() if what not in copied}
+        for what, value in copied.items():
             k = optimizer_key(name, what)
             info = self.store.info(k)
             if tuple(value.shape) != tuple(info["shape"]) or value.dtype != info["dtype"]:
                 raise TierValueError(f"optimizer state {name}/{what} is {list(value.shape)} {value.dtype}, but "
                                      f"this optimizer stores {info['shape']} {info['dtype']}: wrong model")
             self._write(k, lambda t, value=value: t.copy_(value))
+        if converted:
+            self.load_values(name, converted, master="master" not in copied)
 
-    def load_values(self, name: str, values: dict[str, torch.Tensor]) -> None:
-        """Set one parameter's ``exp_avg``, ``exp_avg_sq`` and ``master`` from values of the fp32 layout
-        (encoded into this one)."""
+    def load_values(self, name: str, values: dict[str, torch.Tensor], *, master: bool = True) -> None:
+        """Set one parameter's ``exp_avg``, ``exp_avg_sq`` and (with ``master``) ``master`` from values of the fp32
+        layout (encoded into this one); a master not given is made from the weight."""
         key, p = self.item(name)
         shape, stride = self.param_layout(key, p)
         for what in ("exp_avg", "exp_avg_sq"):
@@ -243,7 +247,7 @@ class AdamWState:
                 how = self.layout.moments_of(key, p, shape.numel())
                 self._write(optimizer_key(name, what),
                             lambda t, what=what: encode_state(how, values[what], t, what == "exp_avg", stride))
-        if self.layout.master_of(key, p) is not None:
+        if master and self.layout.master_of(key, p) is not None:
             self.write_master(name, key, p, values.get("master"))
 
 

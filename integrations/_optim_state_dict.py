@@ -13,6 +13,17 @@ saver reads each from the page cache, and the kernel drops their pages when memo
 dropped (the anonymous memory) stays within the budget however large the state. Each costs a write and a read
 of the drive beyond the saver's own; ``save_checkpoint`` (and ``stream_checkpoints(trainer)``) write each tensor
 straight from the store instead. A load writes each tensor it is given into the store, whatever memory holds it.
+
+[Note: Optimizer state of shards] Under FSDP2 (``offload_fsdp``) each rank steps its shards, and its state is the
+state of those shards. torch's AdamW keeps it as DTensors placed as the parameters are, and
+torch.distributed.checkpoint saves each such piece as the shards of one tensor; a plain tensor it would take for
+a copy of one tensor that every rank holds and keep one rank's. So ``state_dict()`` gives each piece of a shard's
+state as a DTensor placed as its parameter: a piece of the parameter's local shape as it is stored (fp32 or bf16
+moments, an fp32 master, a split master's low half), and an 8-bit moment, whose packed bytes have no such shape,
+decoded to torch's fp32 values. A load takes each DTensor's local tensor, and encodes moments given in fp32 into
+this optimizer's layout without ``convert=True`` (what it decoded encodes into the same codes: the largest value
+of each block sets its scale exactly, and every other decodes to a point of the map, which it encodes to again).
+Masters are copied as they are saved, never joined with the weight in the model, which DCP loads after them.
 """
 
 from __future__ import annotations
@@ -29,7 +40,8 @@ from tierstore.memory import give_back_pages
 
 from ._budget import HostBudget
 from ._contract import optimizer_key
-from ._layouts import StateLayout
+from ._fsdp_internals import dim0_shards, is_dtensor, local_shard, rows_of_ranks, shard_like
+from ._layouts import StateLayout, packed_size
 from ._optim_params import check_group_states, group_states
 from ._optim_state import AdamWState
 
@@ -211,13 +223,56 @@ class StateDictIO:
         read = self.store.read if beyond_host_budget else HostBudget(self.store).state_dict_reader(
             k for _, _, k in tensors)
         index = {name: i for i, name in enumerate(self._index_names())}
+        shards = {name: p for name, _, p in self._items if is_dtensor(p)}
         state: dict[int, dict[str, torch.Tensor]] = {}
         for name, what, k in tensors:
             entry = state.setdefault(index[name], {"step": torch.tensor(self.steps.get(name, 0.0))})
             entry[what] = read(k)
+            if name in shards:  # see [Note: Optimizer state of shards]
+                entry[what] = self._as_shard(name, what, entry[what], shards[name], mapped=read != self.store.read)
         groups = [{**g, "params": [index[n] for n in g["params"]], "param_names": g["params"]}
                   for g in self.group_states()]
         return {"state": state, "param_groups": groups, "state_layout": self.layout.as_dict()}
+
+    def _as_shard(self, name: str, what: str, piece: torch.Tensor, param: torch.Tensor, *, mapped: bool) -> torch.Tensor:
+        """A piece of a sharded parameter's state as a DTensor (see [Note: Optimizer state of shards]); a piece
+        made here is mapped from a file where ``mapped`` says the pieces are."""
+        if tuple(piece.shape) == tuple(local_shard(param).shape):
+            return shard_like(param, piece)
+        length = self._packed_length(name, param)
+        if length is not None:  # every rank's is packed: each its own row
+            row = torch.zeros(1, length, dtype=piece.dtype)
+            row[0, :piece.numel()] = piece.reshape(-1)
+            return rows_of_ranks(param, self.store.mapped(row) if mapped else row)
+        piece = self.decoded(name, what, piece)  # packed on some ranks, not on others: torch's fp32 values
+        return shard_like(param, self.store.mapped(piece) if mapped else piece)
+
+    def _packed_length(self, name: str, param: torch.Tensor) -> int | None:
+        """Bytes of the 8-bit moment of a rank's padded shard of ``param`` (the most any rank's has), where
+        every rank's moment of it is 8-bit; else None."""
+        shards = dim0_shards(param)
+        if shards is None:
+            return None
+        ranks, _, rows = shards
+        per_row = param.numel() // param.shape[0] if param.shape[0] else 0
+        key = next(k for n, k, _ in self._items if n == name)
+        numels = [max(0, min(rows, param.shape[0] - r * rows)) * per_row for r in range(ranks)]
+        if any(self.layout.moments_of(key, param, n) != "8bit" for n in numels):
+            return None
+        return packed_size(rows * per_row)
+
+    def _from_shard(self, name: str, what: str, value: torch.Tensor) -> torch.Tensor:
+        """The local piece of a shard's state :meth:`_as_shard` gave (its row, cut to what this rank stores, for a
+        packed one); a value that is no DTensor as it is."""
+        if not is_dtensor(value):
+            return value
+        local = value.to_local()
+        k = optimizer_key(name, what)
+        if local.dim() == 2 and local.shape[0] == 1 and self.store.contains(k):
+            info = self.store.info(k)
+            if len(info["shape"]) == 1 and local.dtype == info["dtype"] and local.shape[1] >= info["shape"][0]:
+                return local[0, :info["shape"][0]]
+        return local
 
     def decoded(self, name: str, what: str, stored: torch.Tensor, layout: StateLayout | None = None) -> torch.Tensor:
         """The values of one piece of ``name``'s state stored under ``layout`` (this optimizer's by default), as
@@ -240,9 +295,14 @@ class StateDictIO:
         self._check_attached()
         self.wait()
         groups, state = self._by_name(state_dict)
+        state = {name: {what: self._from_shard(name, what, v) for what, v in entry.items()}
+                 for name, entry in state.items()}  # a shard's pieces (see [Note: Optimizer state of shards])
         saved = self._saved_layout(state_dict, state)
-        # split masters of the first version convert without loss: the same masters, weights rounded from them
-        if saved != self.layout and not convert and saved != dataclasses.replace(self.layout, split="truncated"):
+        # Split masters of the first version convert without loss: the same masters, weights rounded from them; and
+        # moments a sharded state dict gave decoded encode again into what they were.
+        if saved != self.layout and not convert and saved not in (
+                dataclasses.replace(self.layout, split="truncated"),
+                *([dataclasses.replace(self.layout, moments="fp32")] if self._sharded() else [])):
             raise TierValueError(f"this optimizer state was saved with {saved.describe()}, and this OffloadedAdamW "
                                  f"stores {self.layout.describe()}: build it with the saved layout, or pass "
                                  f"convert=True to convert the state (rounded where the new layout has fewer bits)")
@@ -296,10 +356,11 @@ class StateDictIO:
 
     def _saved_layout(self, sd: dict[str, Any], state: dict[str, dict[str, Any]]) -> StateLayout:
         """The layout ``sd`` was saved with: the one it names; where it names none (torch.distributed.checkpoint
-        keeps only ``state`` and ``param_groups``), this optimizer's where every piece is what it stores, else
-        the fp32 layout (torch's AdamW)."""
+        keeps only ``state`` and ``param_groups``), for the moments and for the masters apart, this optimizer's
+        where every such piece is what it stores, else the fp32 layout's (torch's AdamW)."""
         if "state_layout" in sd:
             return StateLayout.from_dict(sd["state_layout"])
+        same = {"moments": True, "master": True}
         for name, entry in state.items():
             for what, v in entry.items():
                 if what == "step" or not self.store.contains(k := optimizer_key(name, what)):
@@ -307,8 +368,16 @@ class StateDictIO:
                 info = self.store.info(k)
                 if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(info["shape"]) or \
                         v.dtype != info["dtype"]:
-                    return StateLayout.from_dict({})
-        return self.layout
+                    same["master" if what == "master" else "moments"] = False
+        if all(same.values()):
+            return self.layout
+        fp32 = StateLayout.from_dict({})
+        return dataclasses.replace(self.layout, **({} if same["moments"] else {"moments": fp32.moments}),
+                                   **({} if same["master"] else {"master": fp32.master, "split": fp32.split}))
+
+    def _sharded(self) -> bool:
+        """Whether the parameters are FSDP2's shards (DTensors): their state dict gives decoded moments."""
+        return any(is_dtensor(p) for _, _, p in self._items)
 
     def load_values(self, name: str, values: dict[str, torch.Tensor]) -> None:
         """Set one parameter's ``exp_avg``, ``exp_avg_sq`` and ``master`` from values of the fp32 layout

@@ -23,6 +23,17 @@ optimizer reads it ahead with its state. So a rank holds no gradient memory
 outside the budgets between backward and the step. An optimizer stepping in
 backward takes each shard as it is reduced, as before.
 
+[Note: Loading into the shards] ``model.load_state_dict()`` (what
+torch.distributed.checkpoint's ``set_state_dict`` calls, with the DTensors
+``get_state_dict`` gave and ``dcp.load`` filled) copies each loaded value
+into its parameter, whose local shard has no memory between all-gathers. So
+a pre-hook of each module gives the shards the load names their memory
+back, filled from the store; torch copies into them; a post-hook writes each
+into the store and frees its memory again, and an optimizer of the model is
+told of those whose values changed (it makes their masters again, except
+those its own ``load_state_dict`` loaded since the last step: DCP loads the
+optimizer first).
+
 [Note: Freeing a shard] A shard's memory is freed by resizing its storage
 to zero bytes and restored by resizing it back, as FSDP2 does with its
 unsharded parameters: the tensors FSDP2 keeps (the padded shard and the
@@ -47,7 +58,7 @@ from torch import nn
 from tierstore import Tier, TierStore, TierStoreError, TierValueError, UnsupportedError
 
 from . import _fsdp_internals as internals
-from ._base import STATE_KEY, OffloadBase, UnitStats, check_not_offloaded
+from ._base import STATE_KEY, OffloadBase, UnitStats, check_not_offloaded, same_values
 from ._contract import zero_grads
 from ._grads import GradientStore, StoredGrad
 from ._meta import check_meta, materialize
@@ -149,7 +160,6 @@ class FSDPOffload(OffloadBase):
                  home: Tier, init_fn: Callable[[nn.Module], None] | None = None, placement: bool = True,
                  real_parameters: str | None = None, grad_tier: Tier | None = None) -> None:
         super().__init__(model, store, home, FSDPOffloadStats())
-        self.tells_loads = False  # a load into the shards cannot tell an optimizer of it: load before creating one
         self.keeps_grads = False  # gradient shards are in param.grad (whose local tensor may be in the store)
         groups = list(internals.fsdp_groups(model))
         for gname, _module, group in groups:
@@ -186,9 +196,12 @@ class FSDPOffload(OffloadBase):
         self.grads = _ShardGrads(self._by_key, GradientStore(store, grad_tier, "param"))
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
         self._said_unsynced = False  # see _unsynced_message
+        # shards a load names: whether it gave them memory, whether it changes them (see [Note: Loading into the shards])
+        self._loading: list[tuple[_Shard, bool, bool]] = []
         self._state_dict_hooks = [hook for module in model.modules() if any(self._owned(module))
                                   for hook in (module.register_state_dict_post_hook(partial(self._fill_state_dict)),
-                                               module.register_load_state_dict_pre_hook(self._refuse_load))]
+                                               module.register_load_state_dict_pre_hook(self._before_load),
+                                               module.register_load_state_dict_post_hook(self._after_load))]
 
     def _put_shards(self, groups: list, sharded: set[int], names: dict[int, str], meta: bool,
                     init_fn: Callable[[nn.Module], None] | None, real_parameters: str | None) -> dict[int, int]:
@@ -234,13 +247,43 @@ class FSDPOffload(OffloadBase):
             if prefix + pname in state_dict:
                 state_dict[prefix + pname] = internals.with_local(sh.param, self._state_dict_value(sh))
 
-    def _refuse_load(self, module: nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:
-        if any(prefix + pname in state_dict for pname, _ in self._owned(module)):
-            raise UnsupportedError(
-                "model.load_state_dict() into the shards of a model under offload_fsdp is not supported yet (they "
-                "have no memory between all-gathers): load a checkpoint of save_checkpoint with "
-                "tierstore.integrations.load_checkpoint(path, off, opt), or load the state dict before "
-                "offload_fsdp")
+    def _before_load(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict,
+                     *_: Any) -> None:
+        """model.load_state_dict() into shards (torch.distributed.checkpoint's ``set_state_dict``): each shard the
+        load names gets its memory back, filled from the store, for torch to copy the loaded value into (see
+        [Note: Loading into the shards])."""
+        mine = [(sh, state_dict[prefix + pname]) for pname, sh in self._owned(module) if prefix + pname in state_dict]
+        if not mine:
+            return
+        if local_metadata.get("assign_to_params_buffers"):
+            raise UnsupportedError("load_state_dict(assign=True) would replace FSDP2's sharded parameters by new "
+                                   "tensors; load with assign=False")
+        self._check_usable()
+        for sh, value in mine:
+            restored = sh.local.untyped_storage().nbytes() != sh.storage_nbytes
+            if restored:
+                self._restore(sh)
+            local = value.to_local() if internals.is_dtensor(value) else value
+            self._loading.append((sh, restored, not same_values(sh.local, local)))
+
+    def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
+        """The shards restored for a load hold their loaded values: into the store, their memory freed again; an
+        optimizer of the model hears of those that changed (it makes their masters again)."""
+        loading, self._loading = self._loading, []
+        for sh, restored, _ in loading:
+            if sh.local.numel():
+                stored = self.store.get(sh.key, Tier.HOST)
+                try:
+                    self.store.writing(sh.key).wait()  # a write of its bytes in flight must not see them change
+                    stored.copy_(sh.local)
+                    self.store.mark_dirty(sh.key, Tier.HOST)
+                finally:
+                    self.store.release(sh.key, Tier.HOST)
+            if restored:
+                sh.local.untyped_storage().resize_(0)
+        changed = [sh.name for sh, _, differs in loading if differs]
+        if changed:
+            self.loaded(changed)
 
     # ---- the all-gather loop -----------------------------------------------------------
     def _start_step(self, module: nn.Module, args: Any) -> None:
@@ -255,18 +298,22 @@ class FSDPOffload(OffloadBase):
         self.schedule.prefetch_after(su, Tier.HOST)
         t0 = time.perf_counter()
         for sh in su.params:
-            storage = sh.local.untyped_storage()
-            if storage.nbytes() != sh.storage_nbytes:
-                storage.resize_(sh.storage_nbytes)
-                used = sh.nbytes
-                if used < sh.storage_nbytes:  # FSDP2's padding: all-gathered, never read
-                    torch.empty(0, dtype=torch.uint8, device=sh.local.device).set_(storage)[used:].zero_()
-            if sh.local.numel():
-                with torch.no_grad():
-                    sh.local.copy_(self.store.get(sh.key, Tier.HOST))
-                self.store.release(sh.key, Tier.HOST)
+            self._restore(sh)
         self.schedule.add_stall(su, t0)
         su.materialized = True
+
+    def _restore(self, sh: _Shard) -> None:
+        """A shard's storage back (see [Note: Freeing a shard]), filled from the store."""
+        storage = sh.local.untyped_storage()
+        if storage.nbytes() != sh.storage_nbytes:
+            storage.resize_(sh.storage_nbytes)
+            used = sh.nbytes
+            if used < sh.storage_nbytes:  # FSDP2's padding: all-gathered, never read
+                torch.empty(0, dtype=torch.uint8, device=sh.local.device).set_(storage)[used:].zero_()
+        if sh.local.numel():
+            with torch.no_grad():
+                sh.local.copy_(self.store.get(sh.key, Tier.HOST))
+            self.store.release(sh.key, Tier.HOST)
 
     def _gradients_ready(self, su: _ShardUnit, group: Any) -> None:
         self._steps.backward()

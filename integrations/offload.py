@@ -46,7 +46,7 @@ from torch import nn
 from tierstore import Tier, TierStore, TierStoreError, TierTypeError, TierValueError
 from tierstore.memory import TierPool, give_back_pages
 
-from ._base import STATE_KEY, OffloadBase, OffloadedParameterError, UnitStats, check_not_offloaded
+from ._base import STATE_KEY, OffloadBase, OffloadedParameterError, UnitStats, check_not_offloaded, same_values
 from ._build import ParamBuilder, to_compute_device
 from ._contract import zero_grads
 from ._grads import GradientStore, check_grad_dtype, grad_key
@@ -80,15 +80,6 @@ class OffloadStats(UnitStats):
     loop_steps: int = 0
     """Steps ``off.accumulate`` ran as the loop, one micro-batch after another (``off.layer_major_refused`` says
     why)."""
-
-
-def _same_values(held: torch.Tensor | None, value: Any) -> bool:
-    """Whether a load gives a held parameter the very values it has, bit for bit (another dtype counts as other
-    values)."""
-    if held is None or not isinstance(value, torch.Tensor) or value.shape != held.shape or value.dtype != held.dtype:
-        return False
-    bits = [t.detach().to(held.device).reshape(-1).view(torch.uint8) for t in (held, value)]
-    return held.numel() == 0 or torch.equal(*bits)
 
 
 def _kept_grads_of(params: dict[int, StoredParam], grads: GradientStore) -> Callable[[str], tuple[str, int] | None]:
@@ -284,7 +275,7 @@ class OffloadedModel(OffloadBase):
                                           "new tensors; load with assign=False, or before offload_model")
         for sp, value in mine:
             sp.hold(self.schedule.unit_of(sp))
-            self._loading.append((sp, value, not _same_values(sp.held, value)))
+            self._loading.append((sp, value, not same_values(sp.held, value)))
 
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         """Every parameter held for loading has been copied by now (a module loads its own before its

@@ -325,10 +325,12 @@ def test_a_model_given_its_own_values_keeps_its_masters(make_store):
     assert all(torch.equal(off.read_param(n), twin_off.read_param(n)) for n, _ in model.named_parameters())
 
 
-def test_under_offload_fsdp_a_model_s_state_dict_holds_its_shards_and_a_load_into_them_is_refused(nvme_dir):
+def test_under_offload_fsdp_state_dicts_hold_dtensors_and_a_load_writes_the_shards(nvme_dir):
     """One gloo rank: model.state_dict() gives each shard as a DTensor whose local tensor is read from the store
     (the parameter's own has no memory between all-gathers: reading it crashed the process before), torch.save
-    writes it, and model.load_state_dict() into the shards says what to use instead; training goes on."""
+    writes it; opt.state_dict() gives each piece of state as a DTensor too, as torch's AdamW under FSDP2 does; and
+    model.load_state_dict() writes each shard into the store (see [Note: Loading into the shards]); training goes
+    on."""
     import io
     import socket
 
@@ -356,8 +358,14 @@ def test_under_offload_fsdp_a_model_s_state_dict_holds_its_shards_and_a_load_int
             assert isinstance(value, DTensor) and torch.equal(value.to_local(), off.read_param(name)), name
             assert is_mapped(value.to_local()), name  # beyond the host budget
         torch.save(sd, io.BytesIO())
-        with pytest.raises(ts.UnsupportedError, match="load_checkpoint"):
-            model.load_state_dict(sd)
+        osd = opt.state_dict()
+        assert all(isinstance(v, DTensor) and v.placements == model[0].weight.placements
+                   for entry in osd["state"].values() for what, v in entry.items() if what != "step")
+        doubled = {name: value * 2 for name, value in sd.items()}
+        model.load_state_dict(doubled)
+        for name, value in doubled.items():
+            assert torch.equal(off.read_param(name), value.to_local()), name
+        assert all(p.to_local().untyped_storage().nbytes() == 0 for p in model.parameters())  # freed again
         assert len(_train(model, opt, 1, start=1)) == 1
         off.remove()
         store.close()

@@ -246,6 +246,16 @@ class TierStore(Residency):
         finally:
             self.release(key, Tier.HOST)
 
+    def mapped(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of ``tensor`` (a CPU tensor) mapped from a private file, as :meth:`read_mapped` gives a stored
+        tensor's (a value computed from one, such as decoded optimizer state, for a whole state dict). An
+        ordinary copy where the store has no NVMe tier."""
+        engine = self._state.engine
+        if engine is None:
+            return tensor.clone()
+        engine.require_free(tensor.numel() * tensor.element_size(), "a mapped copy of a tensor")
+        return mapped_copy(engine.directory, tensor)
+
     def release(self, key: str, tier: Tier | str = Tier.DEVICE, *, guard_views: bool = False) -> None:
         """The caller is done with the tensor :meth:`get` returned; the copy becomes evictable.
 

@@ -283,12 +283,12 @@ def _compare(off, opt, reference, losses: list[float]) -> bool:
         return False
     sd = opt.state_dict(beyond_host_budget=True)  # by index, as torch's: the names under "param_names"
     names = [n for g in sd["param_groups"] for n in g["param_names"]]
-    ours = {names[i]: entry for i, entry in sd["state"].items()}
+    ours = {names[i]: entry for i, entry in sd["state"].items()}  # each piece a DTensor, as torch's AdamW's
     for name, p in ref_model.named_parameters():
         mine = off.read_param(name)
         st = ref_opt.state[p]
-        if not torch.equal(mine, p.to_local()) or not torch.equal(ours[name]["exp_avg"], st["exp_avg"].to_local()) \
-                or not torch.equal(ours[name]["exp_avg_sq"], st["exp_avg_sq"].to_local()):
+        if not torch.equal(mine, p.to_local()) or any(not torch.equal(ours[name][m].to_local(), st[m].to_local())
+                                                       for m in ("exp_avg", "exp_avg_sq")):
             print(f"rank {dist.get_rank()}: {name} differs", file=sys.stderr)
             return False
     return True
