@@ -219,23 +219,33 @@ class AdamWState:
                 self.offloaded.read_param(name), stored, split=layout.split)
         return decode_state(layout.moments_of(key, p, shape.numel()), stored, what == "exp_avg", shape, stride)
 
-    def load(self, name: str, pieces: dict[str, torch.Tensor], saved: StateLayout) -> None:
-        """Pieces of ``name``'s state as layout ``saved`` stores them (from ``state_dict()``): each kind (the
-        moments, the master) copied in where ``saved`` stores it as this layout does, else converted (a split
-        master joined with the weight now in the model)."""
-        same = {"master": (saved.master, saved.split) == (self.layout.master, self.layout.split),
-                "moments": saved.moments == self.layout.moments}
-        copied = {what: v for what, v in pieces.items() if same["master" if what == "master" else "moments"]}
+    def load(self, name: str, pieces: dict[str, torch.Tensor], saved: StateLayout | None) -> None:
+        """Pieces of ``name``'s state from a state dict saved under layout ``saved``: each kind (the moments, the
+        master) copied in where ``saved`` stores it as this layout does, else converted (a split master joined
+        with the weight now in the model). Where the state dict named no layout (``saved`` None), each piece is
+        copied where it has the dtype and shape this optimizer stores, else taken for torch's fp32 values."""
+        if saved is None:
+            copied = {what: v for what, v in pieces.items() if self._stored_as(name, what, v)}
+            saved = StateLayout.from_dict({})
+        else:
+            same = {"master": (saved.master, saved.split) == (self.layout.master, self.layout.split),
+                    "moments": saved.moments == self.layout.moments}
+            copied = {what: v for what, v in pieces.items() if same["master" if what == "master" else "moments"]}
         converted = {what: self.decoded(name, what, v, saved) for what, v in pieces.items() if what not in copied}
         for what, value in copied.items():
-            k = optimizer_key(name, what)
-            info = self.store.info(k)
-            if tuple(value.shape) != tuple(info["shape"]) or value.dtype != info["dtype"]:
+            if not self._stored_as(name, what, value):
+                info = self.store.info(optimizer_key(name, what))
                 raise TierValueError(f"optimizer state {name}/{what} is {list(value.shape)} {value.dtype}, but "
                                      f"this optimizer stores {info['shape']} {info['dtype']}: wrong model")
-            self._write(k, lambda t, value=value: t.copy_(value))
+            self._write(optimizer_key(name, what), lambda t, value=value: t.copy_(value))
         if converted:
             self.load_values(name, converted, master="master" not in copied)
+
+    def _stored_as(self, name: str, what: str, value: Any) -> bool:
+        """Whether ``value`` has the dtype and shape this optimizer stores ``name``'s ``what`` in."""
+        info = self.store.info(optimizer_key(name, what))
+        return isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(info["shape"]) and \
+            value.dtype == info["dtype"]
 
     def load_values(self, name: str, values: dict[str, torch.Tensor], *, master: bool = True) -> None:
         """Set one parameter's ``exp_avg``, ``exp_avg_sq`` and (with ``master``) ``master`` from values of the fp32

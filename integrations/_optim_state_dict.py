@@ -18,11 +18,14 @@ straight from the store instead. A load writes each tensor it is given into the 
 state of those shards. torch's AdamW keeps it as DTensors placed as the parameters are, and
 torch.distributed.checkpoint saves each such piece as the shards of one tensor; a plain tensor it would take for
 a copy of one tensor that every rank holds and keep one rank's. So ``state_dict()`` gives each piece of a shard's
-state as a DTensor placed as its parameter: a piece of the parameter's local shape as it is stored (fp32 or bf16
-moments, an fp32 master, a split master's low half), and an 8-bit moment, whose packed bytes have no such shape,
-decoded to torch's fp32 values. A load takes each DTensor's local tensor, and encodes moments given in fp32 into
-this optimizer's layout without ``convert=True`` (what it decoded encodes into the same codes: the largest value
-of each block sets its scale exactly, and every other decodes to a point of the map, which it encodes to again).
+state as a DTensor: a piece of the parameter's local shape (fp32 or bf16 moments, an fp32 master, a split master's
+low half) placed as its parameter. An 8-bit moment's packed bytes have no such shape, and a rank whose shard has
+fewer than ``MIN_COMPRESSED`` values keeps fp32 moments where another packs them; so where any rank packs a
+parameter's moments (each rank knows every rank's shard from the global shape: FSDP2 chunks dim 0), each rank's
+moment is its stored bytes as its own row of a (ranks, most bytes) uint8 DTensor, which a load cuts back to what
+it stores. Decoding them to fp32 instead would not give back the same codes (a block whose largest value is
+negative has no code for -1, so its scale comes back smaller). Only a parameter sharded otherwise than on dim 0
+with packed moments gives torch's fp32 values, and a load encodes them again without ``convert=True`` (rounded).
 Masters are copied as they are saved, never joined with the weight in the model, which DCP loads after them.
 """
 
@@ -39,9 +42,9 @@ from tierstore import TierKeyError, TierStore, TierStoreError, TierTypeError, Ti
 from tierstore.memory import give_back_pages
 
 from ._budget import HostBudget
-from ._contract import optimizer_key
+from ._contract import moment_dtype, optimizer_key
 from ._fsdp_internals import dim0_shards, is_dtensor, local_shard, rows_of_ranks, shard_like
-from ._layouts import StateLayout, packed_size
+from ._layouts import StateLayout
 from ._optim_params import check_group_states, group_states
 from ._optim_state import AdamWState
 
@@ -234,44 +237,48 @@ class StateDictIO:
                   for g in self.group_states()]
         return {"state": state, "param_groups": groups, "state_layout": self.layout.as_dict()}
 
-    def _as_shard(self, name: str, what: str, piece: torch.Tensor, param: torch.Tensor, *, mapped: bool) -> torch.Tensor:
+    def _as_shard(self, name: str, what: str, piece: torch.Tensor, param: torch.Tensor, *,
+                  mapped: bool) -> torch.Tensor:
         """A piece of a sharded parameter's state as a DTensor (see [Note: Optimizer state of shards]); a piece
         made here is mapped from a file where ``mapped`` says the pieces are."""
-        if tuple(piece.shape) == tuple(local_shard(param).shape):
-            return shard_like(param, piece)
-        length = self._packed_length(name, param)
-        if length is not None:  # every rank's is packed: each its own row
-            row = torch.zeros(1, length, dtype=piece.dtype)
-            row[0, :piece.numel()] = piece.reshape(-1)
+        sizes = None if what == "master" else self._moment_bytes_of_ranks(name, param)
+        if sizes is not None and any(self.layout.moments_of(self._key_of(name), param, n) == "8bit"
+                                     for n in sizes[1]):  # packed on some rank: each rank's bytes its row
+            row = torch.zeros(1, max(sizes[0]), dtype=torch.uint8)
+            row[0, :piece.numel() * piece.element_size()] = piece.reshape(-1).view(torch.uint8)
             return rows_of_ranks(param, self.store.mapped(row) if mapped else row)
-        piece = self.decoded(name, what, piece)  # packed on some ranks, not on others: torch's fp32 values
-        return shard_like(param, self.store.mapped(piece) if mapped else piece)
+        if tuple(piece.shape) != tuple(local_shard(param).shape):  # packed, sharded otherwise than on dim 0
+            piece = self.decoded(name, what, piece)  # torch's fp32 values
+            piece = self.store.mapped(piece) if mapped else piece
+        return shard_like(param, piece)
 
-    def _packed_length(self, name: str, param: torch.Tensor) -> int | None:
-        """Bytes of the 8-bit moment of a rank's padded shard of ``param`` (the most any rank's has), where
-        every rank's moment of it is 8-bit; else None."""
+    def _key_of(self, name: str) -> str | None:
+        return next(k for n, k, _ in self._items if n == name)
+
+    def _moment_bytes_of_ranks(self, name: str, param: torch.Tensor) -> tuple[list[int], list[int]] | None:
+        """(bytes of a moment, values of the shard) of each rank's shard of ``param``, sharded on dim 0 as FSDP2
+        shards (a rank's rows as ``torch.chunk`` gives them); None where it is sharded otherwise."""
         shards = dim0_shards(param)
         if shards is None:
             return None
         ranks, _, rows = shards
         per_row = param.numel() // param.shape[0] if param.shape[0] else 0
-        key = next(k for n, k, _ in self._items if n == name)
+        key = self._key_of(name)
         numels = [max(0, min(rows, param.shape[0] - r * rows)) * per_row for r in range(ranks)]
-        if any(self.layout.moments_of(key, param, n) != "8bit" for n in numels):
-            return None
-        return packed_size(rows * per_row)
+        return [self.layout.piece_bytes(key, param, n, moment_dtype(key, param))[0] for n in numels], numels
 
     def _from_shard(self, name: str, what: str, value: torch.Tensor) -> torch.Tensor:
-        """The local piece of a shard's state :meth:`_as_shard` gave (its row, cut to what this rank stores, for a
-        packed one); a value that is no DTensor as it is."""
+        """The local piece of a shard's state :meth:`_as_shard` gave (from its row of bytes, the bytes this rank
+        stores, as it stores them); a value that is no DTensor as it is."""
         if not is_dtensor(value):
             return value
         local = value.to_local()
         k = optimizer_key(name, what)
-        if local.dim() == 2 and local.shape[0] == 1 and self.store.contains(k):
+        if local.dtype == torch.uint8 and local.dim() == 2 and local.shape[0] == 1 and self.store.contains(k):
             info = self.store.info(k)
-            if len(info["shape"]) == 1 and local.dtype == info["dtype"] and local.shape[1] >= info["shape"][0]:
-                return local[0, :info["shape"][0]]
+            if (tuple(local.shape), local.dtype) != (tuple(info["shape"]), info["dtype"]) and \
+                    local.shape[1] >= info["nbytes"]:
+                return local[0, :info["nbytes"]].view(info["dtype"]).view(info["shape"])
         return local
 
     def decoded(self, name: str, what: str, stored: torch.Tensor, layout: StateLayout | None = None) -> torch.Tensor:
@@ -287,11 +294,13 @@ class StateDictIO:
         as torch's optimizers match them. An entry whose ``step`` is 0 starts afresh; a parameter with no entry
         too, as torch replaces the whole state.
 
-        State saved under another layout (``"state_layout"``; where the dict names none, this optimizer's layout
-        where every piece has the dtype and shape it stores, else the fp32 one, as torch.optim's) is refused
-        unless ``convert=True``, which decodes each piece and encodes it into this layout: converting to fewer
-        bits rounds, a master the layout keeps none of (``master="none"``) is dropped, and one the saved state
-        lacks is made from the weight."""
+        State saved under another layout (``"state_layout"``; where the dict names none, for the moments and for
+        the masters apart, this optimizer's where every such piece has the dtype and shape it stores, else the
+        fp32 one, as torch.optim's) is refused unless ``convert=True``, which decodes each piece and encodes it
+        into this layout: converting to fewer bits rounds, a master the layout keeps none of (``master="none"``)
+        is dropped, and one the saved state lacks is made from the weight. Where the dict names no layout, each
+        piece with the dtype and shape this optimizer stores is copied as it is. Pieces given as DTensors (a
+        sharded state dict: see [Note: Optimizer state of shards]) load as their local tensors."""
         self._check_attached()
         self.wait()
         groups, state = self._by_name(state_dict)
@@ -315,7 +324,8 @@ class StateDictIO:
         stepped = {name: entry for name, entry in state.items() if float(entry["step"]) != 0}
         self.reset_state(names - set(stepped))
         for name, entry in stepped.items():
-            self._state.load(name, {what: v for what, v in entry.items() if what != "step"}, saved)
+            self._state.load(name, {what: v for what, v in entry.items() if what != "step"},
+                             saved if "state_layout" in state_dict else None)
             give_back_pages(list(entry.values()))  # in the store now: see [Note: Loaded pages given back]
             self.steps[name] = float(entry["step"])
             self._applied.pop(name, None)

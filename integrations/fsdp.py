@@ -196,7 +196,8 @@ class FSDPOffload(OffloadBase):
         self.grads = _ShardGrads(self._by_key, GradientStore(store, grad_tier, "param"))
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
         self._said_unsynced = False  # see _unsynced_message
-        # shards a load names: whether it gave them memory, whether it changes them (see [Note: Loading into the shards])
+        # Shards a load names: whether it gave them memory, whether it changes them (see [Note: Loading into the
+        # shards]).
         self._loading: list[tuple[_Shard, bool, bool]] = []
         self._state_dict_hooks = [hook for module in model.modules() if any(self._owned(module))
                                   for hook in (module.register_state_dict_post_hook(partial(self._fill_state_dict)),

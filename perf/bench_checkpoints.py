@@ -11,7 +11,10 @@ four flows as their users write them:
   optimizer's file mapped);
 - ``lightning``: the offload in ``configure_model``, ``configure_optimizers``, ``gradient_clip_val``,
   ``accumulate_grad_batches``; ``ModelCheckpoint``
-  at the end of the run with ``MappedCheckpointIO``, and a resume with ``ckpt_path=`` for one more step.
+  at the end of the run with ``MappedCheckpointIO``, and a resume with ``ckpt_path=`` for one more step;
+- ``dcp-fsdp``: FSDP2 on 2 gloo ranks (``fully_shard`` on each decoder layer and the root, ``offload_fsdp``, torch's
+  ``clip_grad_norm_``), each rank with its own store (half the host budget, for its half of the state) and data,
+  saved and resumed through torch.distributed.checkpoint as ``dcp``; each figure the larger of the two ranks'.
 
 For each flow: the run that trains and saves, and the run that resumes from it (and trains one more step), each
 set against the run that only trains (the reference): peak RSS (the kernel's high-water mark, pages mapped from
@@ -36,7 +39,8 @@ PRESETS = {  # hidden, layers, intermediate, vocab, heads, tokens, host budget
     "tiny": (64, 2, 176, 512, 4, 16, "1MiB"),
     "llama-30m": (512, 8, 1376, 4000, 8, 64, "56MiB"),
 }
-SAVERS = ("torch_save", "dcp", "accelerate", "lightning")
+SAVERS = ("torch_save", "dcp", "accelerate", "lightning", "dcp-fsdp")
+RANKS = 2  # of the dcp-fsdp flow
 
 
 def _model(preset: str):
@@ -51,11 +55,11 @@ def _model(preset: str):
     return transformers.LlamaForCausalLM(config)
 
 
-def _batches(preset: str, n: int):
+def _batches(preset: str, n: int, rank: int = 0):
     import torch
 
     _, _, _, vocab, _, tokens, _ = PRESETS[preset]
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1 + rank)
     return [torch.randint(0, vocab, (2, tokens), generator=g) for _ in range(n)]
 
 
@@ -69,17 +73,38 @@ def _child(args: argparse.Namespace) -> dict:
 
     flow, what = args.flow, args.what  # what: train | save | resume
     ckpt = os.path.join(args.work, f"ckpt-{flow}")
-    budget = PRESETS[args.preset][6]
-    store = ts.TierStore(nvme_path=os.path.join(args.work, "nvme"), host_budget_bytes=budget)
+    budget = ts.parse_bytes(PRESETS[args.preset][6], name="host budget")
+    rank = 0
+    if flow == "dcp-fsdp":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        budget //= RANKS  # each rank holds its share of the state
+    nvme = os.path.join(args.work, "nvme", str(rank))
+    os.makedirs(nvme, exist_ok=True)
+    store = ts.TierStore(nvme_path=nvme, host_budget_bytes=budget)
     model = _model(args.preset)
-    micro = _batches(args.preset, 2 * (args.steps + 1))
+    micro = _batches(args.preset, 2 * (args.steps + 1), rank)
     steps = 1 if what == "resume" else args.steps
     losses: list[float] = []
     with AnonRssPeak() as anon:
         if flow == "lightning":
             state_bytes = _lightning(args, model, store, micro, what, ckpt, losses)
         else:
-            off = offload_model(model, store)
+            if flow == "dcp-fsdp":
+                import torch
+                from torch.distributed.fsdp import fully_shard
+
+                from tierstore.integrations import offload_fsdp
+
+                for layer in model.model.layers:
+                    fully_shard(layer)
+                off = offload_fsdp(fully_shard(model), store)
+                clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # noqa: E731 (all-reduced)
+            else:
+                off = offload_model(model, store)
+                clip = lambda: off.clip_grad_norm_(1.0)  # noqa: E731
             opt = OffloadedAdamW(off, lr=1e-4)
             accelerator = None
             if flow == "accelerate":
@@ -103,16 +128,24 @@ def _child(args: argparse.Namespace) -> dict:
                         loss.backward()
                     losses.append(loss.item())
                 if accelerator is None:
-                    off.clip_grad_norm_(1.0)
+                    clip()
                     opt.step()
                     opt.zero_grad()
             if what == "save":
                 _save(flow, model, opt, accelerator, ckpt)
             state_bytes = _state_bytes(store)
-            off.remove(keep_values=False)
-    store.close()
-    return {"flow": flow, "what": what, "peak_rss_bytes": peak_rss_bytes(), "peak_anon_bytes": anon.peak_bytes,
-            "state_bytes": state_bytes, "host_budget_bytes": store.config.host_budget_bytes, "losses": losses}
+            if flow != "dcp-fsdp":  # FSDP2 keeps no shard without memory: the process ends with its store
+                off.remove(keep_values=False)
+    out = {"flow": flow, "what": what, "peak_rss_bytes": peak_rss_bytes(), "peak_anon_bytes": anon.peak_bytes,
+           "state_bytes": state_bytes, "host_budget_bytes": store.config.host_budget_bytes, "losses": losses}
+    if flow == "dcp-fsdp":  # each figure the larger of the ranks', rank 0's losses
+        every: list[dict] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(every, out)
+        out = {**out, **{k: max(r[k] for r in every) for k in ("peak_rss_bytes", "peak_anon_bytes", "state_bytes")}}
+        dist.destroy_process_group()
+    else:
+        store.close()
+    return out if rank == 0 else {}
 
 
 def _state_bytes(store) -> int:
@@ -124,7 +157,7 @@ def _save(flow: str, model, opt, accelerator, ckpt: str) -> None:
 
     if flow == "torch_save":
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, ckpt)
-    elif flow == "dcp":
+    elif flow in ("dcp", "dcp-fsdp"):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -141,7 +174,7 @@ def _load(flow: str, model, opt, accelerator, ckpt: str) -> None:
         sd = torch.load(ckpt, mmap=True, weights_only=True)
         model.load_state_dict(sd["model"])
         opt.load_state_dict(sd["optimizer"])
-    elif flow == "dcp":
+    elif flow in ("dcp", "dcp-fsdp"):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -206,7 +239,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--work", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.flow:
-        print(json.dumps(_child(args)))
+        out = _child(args)
+        if out:
+            print(json.dumps(out))
         return {}
     flows = [f for f in args.flows.split(",") if f]
     unknown = sorted(set(flows) - set(SAVERS))
@@ -220,9 +255,12 @@ def main(argv: list[str] | None = None) -> dict:
         for flow in flows:
             runs = {}
             for what in ("train", "save", "resume"):
-                cmd = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--steps", str(args.steps),
-                       "--flow", flow, "--what", what, "--work", work]
-                done = subprocess.run(cmd, capture_output=True, text=True)
+                launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS)] \
+                    if flow == "dcp-fsdp" else []
+                cmd = [sys.executable, *launch, os.path.abspath(__file__), "--preset", args.preset, "--steps",
+                       str(args.steps), "--flow", flow, "--what", what, "--work", work]
+                env = dict(os.environ, OMP_NUM_THREADS="1") if launch else None  # 2 ranks on the machine's cores
+                done = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if done.returncode != 0:
                     raise SystemExit(f"{flow} {what} failed:\n{done.stderr[-4000:]}")
                 runs[what] = json.loads(done.stdout.strip().splitlines()[-1])
