@@ -302,12 +302,14 @@ def test_a_state_within_the_host_budget_is_returned_whole(nvme_dir):
         store.close()
 
 
-def test_trainer_accumulating_layer_major_is_trainers_own_loop_bit_for_bit(nvme_dir, tmp_path):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_trainer_accumulating_layer_major_is_trainers_own_loop_bit_for_bit(tied, nvme_dir, tmp_path):
     """accumulate_layer_major(trainer): 4 micro-batches a step, clipping, a model three times the host budget: the
-    losses logged and the weights are those of Trainer's own loop, and the step reads fewer bytes from the drive."""
+    losses logged and the weights are those of Trainer's own loop, and the step reads fewer bytes from the drive;
+    with the head tied to the embedding too, with no fallback (see [Note: Tied parameters layer by layer])."""
     runs = []
     for layer_major in (False, True):
-        model = _llama()
+        model = _llama(tied)
         total = sum(p.numel() * p.element_size() for p in model.parameters())
         out = tmp_path / str(layer_major)
         with ts.TierStore(nvme_path=nvme_dir, host_budget_bytes=total // 3, file_size_bytes="4MiB",
@@ -322,6 +324,8 @@ def test_trainer_accumulating_layer_major_is_trainers_own_loop_bit_for_bit(nvme_
             if layer_major:
                 assert accumulate_layer_major(trainer) is trainer
             trainer.train()
+            if layer_major:
+                assert (off.stats.layer_major_steps, off.layer_major_refused) == (3, None)
             opt.close()
             read = store.stats_dict()["bytes_read_nvme"]
             runs.append(([h["loss"] for h in trainer.state.log_history if "loss" in h],

@@ -653,3 +653,33 @@ def test_a_tied_parameter_used_otherwise_runs_as_the_loop(kind, tmp_path):
         runs = _runs_around(model_of, [nn.Sequential], lambda m, x: m(x).square().mean(), mbs, tmp_path)
     assert ("no dense nn.Embedding" if kind == "dense" else "not zero outside the rows") in runs[1][2]
     assert runs[1][3] == 0
+
+
+def test_a_tied_model_layer_by_layer_with_updates_streamed_is_the_same_run(tmp_path):
+    """Tied embeddings layer by layer with the update streamed into the next forward (the embedding's fetch waits
+    for its update while the step's kept rows are gone): the losses and weights of the optimizer that steps after
+    backward, bit for bit."""
+    ref = _llama(layers=3, tie_word_embeddings=True)
+    runs = []
+    for stream in (False, True):
+        model = copy.deepcopy(ref)
+        (tmp_path / str(stream)).mkdir()
+        with _store(str(tmp_path / str(stream)), ref, 1 << 20) as store:  # weights and moments 1.9x that
+            off = offload_model(model, store, units=[LlamaDecoderLayer])
+            opt = OffloadedAdamW(off, lr=1e-2, stream_update=stream)
+            losses = []
+            for step in range(3):
+                def step_fn(ids):
+                    loss = model(ids, labels=ids).loss / 4
+                    loss.backward()
+                    return loss.item()
+
+                losses.append(off.accumulate(step_fn, _batches(step, 4)))
+                off.clip_grad_norm_(1.0)
+                opt.step()
+                opt.zero_grad()
+            opt.close()
+            assert off.stats.layer_major_steps == 3 and (not stream or store.stats_dict()["updates_streamed"] > 0)
+            runs.append((losses, {k: v.clone() for k, v in model.state_dict().items()}))
+    assert runs[0][0] == runs[1][0]
+    assert _same(runs[0][1], runs[1][1])
