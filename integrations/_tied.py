@@ -41,16 +41,33 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-
-if TYPE_CHECKING:
-    from ._layer_major import LayerMajorStep
-
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class TiedStep(Protocol):
+    """What :class:`TiedParts` uses of the layer-major step it serves (``_layer_major.LayerMajorStep``): its offload
+    (``off.grads``: the kept gradients), its micro-batches' threads and the segment each is at, the turn, where its
+    backward stands (inside the segments, or in which micro-batch's glue before them), and its store of activations
+    (``keep``, ``take_kept``, ``glue_place``)."""
+
+    off: Any
+    segments: list[nn.Module]
+    workers: dict[int, int]
+    next_segment: list[int]
+    rotation: Any
+    in_segments_backward: bool
+    glue_micro_batch: int | None
+
+    def keep(self, value: torch.Tensor, place: int) -> str: ...
+
+    def take_kept(self, key: str) -> torch.Tensor: ...
+
+    def glue_place(self, i: int) -> int: ...
 
 
 @dataclass(eq=False)
@@ -86,7 +103,7 @@ class TiedParts:
     """The tied parameters of one layer-major step (see [Note: Tied parameters layer by layer]): the embeddings'
     tokens seen, the parts kept, their sums; ``bad`` says why the step must run as the loop."""
 
-    def __init__(self, step: LayerMajorStep, tied: Sequence[tuple[str, str, nn.Parameter, list[nn.Module]]]) -> None:
+    def __init__(self, step: TiedStep, tied: Sequence[tuple[str, str, nn.Parameter, list[nn.Module]]]) -> None:
         self.step = step
         self.by_key = {key: _Tied(name, key, p) for name, key, p, _ in tied}
         self.owners = [(m, self.by_key[key]) for _, key, _, owners in tied for m in owners]
@@ -202,4 +219,4 @@ class TiedParts:
             t.sums = None
 
 
-__all__ = ["TiedParts", "tied_parameters"]
+__all__ = ["TiedParts", "TiedStep", "tied_parameters"]
