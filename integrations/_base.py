@@ -220,6 +220,17 @@ class OffloadBase(NotCopyable, OffloadedParameters):
             return self.resident[name].detach().cpu().clone()
         raise TierKeyError(f"no parameter named {name!r}")
 
+    def _named_by_load(self, module: nn.Module, state_dict: Any, prefix: str,
+                       local_metadata: dict) -> list[tuple[Any, Any]]:
+        """(record, value) of each offloaded parameter ``module`` itself owns that a load (a load_state_dict
+        pre-hook's arguments) names; one with ``assign=True`` is refused, as it would replace them."""
+        mine = [(r, state_dict[prefix + pname]) for pname, r in self._owned(module) if prefix + pname in state_dict]
+        if mine and local_metadata.get("assign_to_params_buffers"):
+            raise OffloadedParameterError(f"load_state_dict(assign=True) would replace the parameters "
+                                          f"{self.wrapper_name} keeps by new tensors; load with assign=False, or "
+                                          f"before {self.wrapper_name}")
+        return mine
+
     def _owned(self, module: nn.Module) -> Iterator[tuple[str, Any]]:
         """(its name in ``module``, its record) of each offloaded parameter ``module`` itself owns: what the state
         dict hooks of that module read and write."""

@@ -253,12 +253,9 @@ class FSDPOffload(OffloadBase):
         """model.load_state_dict() into shards (torch.distributed.checkpoint's ``set_state_dict``): each shard the
         load names gets its memory back, filled from the store, for torch to copy the loaded value into (see
         [Note: Loading into the shards])."""
-        mine = [(sh, state_dict[prefix + pname]) for pname, sh in self._owned(module) if prefix + pname in state_dict]
+        mine = self._named_by_load(module, state_dict, prefix, local_metadata)
         if not mine:
             return
-        if local_metadata.get("assign_to_params_buffers"):
-            raise UnsupportedError("load_state_dict(assign=True) would replace FSDP2's sharded parameters by new "
-                                   "tensors; load with assign=False")
         self._check_usable()
         for sh, value in mine:
             restored = sh.local.untyped_storage().nbytes() != sh.storage_nbytes

@@ -267,13 +267,7 @@ class OffloadedModel(OffloadBase):
                      *_: Any) -> None:
         """Hold the offloaded parameters a load names, each noted with whether the value it is given differs from
         its own: see [Note: Loading a state dict]."""
-        mine = [(sp, state_dict[prefix + name]) for name, sp in self._owned(module) if prefix + name in state_dict]
-        if not mine:
-            return
-        if local_metadata.get("assign_to_params_buffers"):
-            raise OffloadedParameterError("load_state_dict(assign=True) would replace offloaded parameters by "
-                                          "new tensors; load with assign=False, or before offload_model")
-        for sp, value in mine:
+        for sp, value in self._named_by_load(module, state_dict, prefix, local_metadata):
             sp.hold(self.schedule.unit_of(sp))
             self._loading.append((sp, value, not same_values(sp.held, value)))
 

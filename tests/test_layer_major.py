@@ -475,6 +475,25 @@ def test_parameters_of_the_model_used_after_the_first_segment_run_as_the_loop(af
     assert runs[1][2] is None and runs[1][3] == 1
 
 
+def _step_both(ref: nn.Module, ropt, off, opt, step_fn, mbs: list, *, seeded: bool = False) -> None:
+    """One step of ``mbs`` with clipping at 1.0, resident on ``ref`` with torch's AdamW (the loop drawing as the
+    layer-major step draws, with ``seeded``) and layer by layer through ``off`` with no fallback: the same losses and
+    gradient norm, bit for bit."""
+    rng = torch.get_rng_state()
+    ref_losses = (_seeded_loop(lambda mb: step_fn(mb, ref), mbs) if seeded else [step_fn(mb, ref) for mb in mbs])
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    ropt.step()
+    ropt.zero_grad()
+    torch.set_rng_state(rng)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        losses = off.accumulate(step_fn, mbs)
+    norm = torch.nn.utils.clip_grad_norm_(off.model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    assert losses == ref_losses and torch.equal(norm, ref_norm)
+
+
 def test_a_timm_style_vit_trains_layer_by_layer_as_torch_trains_it_resident(tmp_path):
     """fp32, 4 micro-batches, clipping at 1.0, 2 steps: the ViT whose class token and position embedding the model
     owns runs layer by layer with no fallback, and ends bit-identical to resident training with torch's AdamW."""
@@ -498,17 +517,7 @@ def test_a_timm_style_vit_trains_layer_by_layer_as_torch_trains_it_resident(tmp_
                 loss.backward()
                 return loss.item()
 
-            ref_losses = [step_fn(mb, ref) for mb in mbs]
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-            ropt.step()
-            ropt.zero_grad()
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")  # no fallback
-                losses = off.accumulate(step_fn, mbs)
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            assert losses == ref_losses and torch.equal(norm, ref_norm)
+            _step_both(ref, ropt, off, opt, step_fn, mbs)
         assert off.stats.layer_major_steps == 2 and off.layer_major_refused is None
         assert all(torch.equal(off.read_param(n), p.detach()) for n, p in ref.named_parameters())
         assert "cls_token" in {r.name for r in off.params.values()}  # offloaded, not kept resident
@@ -560,19 +569,7 @@ def test_tied_language_models_train_layer_by_layer_as_torch_trains_them_resident
                 loss.backward()
                 return loss.item()
 
-            rng = torch.get_rng_state()
-            ref_losses = _seeded_loop(lambda ids: step_fn(ids, ref), mbs)
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-            ropt.step()
-            ropt.zero_grad()
-            torch.set_rng_state(rng)
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")  # no fallback
-                losses = off.accumulate(step_fn, mbs)
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            assert losses == ref_losses and torch.equal(norm, ref_norm)
+            _step_both(ref, ropt, off, opt, step_fn, mbs, seeded=True)
         opt.close()
         assert off.stats.layer_major_steps == 2 and off.layer_major_refused is None
         assert all(torch.equal(off.read_param(n), p.detach()) for n, p in ref.named_parameters())
