@@ -24,7 +24,9 @@ fewer than ``MIN_COMPRESSED`` values keeps fp32 moments where another packs them
 parameter's moments (each rank knows every rank's shard from the global shape: FSDP2 chunks dim 0), each rank's
 moment is its stored bytes as its own row of a (ranks, most bytes) uint8 DTensor, which a load cuts back to what
 it stores. Decoding them to fp32 instead would not give back the same codes (a block whose largest value is
-negative has no code for -1, so its scale comes back smaller). Only a parameter sharded otherwise than on dim 0
+negative has no code for -1, so its scale comes back smaller). A split master's low half (int16, which neither
+gloo nor NCCL gathers, as DCP's full state dicts do) is given as a bf16 view of its bits, taken back as int16 where
+that is what is stored. Only a parameter sharded otherwise than on dim 0
 with packed moments gives torch's fp32 values, and a load encodes them again without ``convert=True`` (rounded).
 Masters are copied as they are saved, never joined with the weight in the model, which DCP loads after them.
 """
@@ -250,7 +252,8 @@ class StateDictIO:
         if tuple(piece.shape) != tuple(local_shard(param).shape):  # packed, sharded otherwise than on dim 0
             piece = self.decoded(name, what, piece)  # torch's fp32 values
             piece = self.store.mapped(piece) if mapped else piece
-        return shard_like(param, piece)
+        # A split master's low half (int16, which neither gloo nor NCCL gathers: DCP's full_state_dict) as its bits.
+        return shard_like(param, piece.view(torch.bfloat16) if piece.dtype == torch.int16 else piece)
 
     def _key_of(self, name: str) -> str | None:
         return next(k for n, k, _ in self._items if n == name)
@@ -274,11 +277,16 @@ class StateDictIO:
             return value
         local = value.to_local()
         k = optimizer_key(name, what)
-        if local.dtype == torch.uint8 and local.dim() == 2 and local.shape[0] == 1 and self.store.contains(k):
-            info = self.store.info(k)
-            if (tuple(local.shape), local.dtype) != (tuple(info["shape"]), info["dtype"]) and \
-                    local.shape[1] >= info["nbytes"]:
-                return local[0, :info["nbytes"]].view(info["dtype"]).view(info["shape"])
+        if not self.store.contains(k):
+            return local
+        info = self.store.info(k)
+        if (tuple(local.shape), local.dtype) == (tuple(info["shape"]), info["dtype"]):
+            return local
+        if local.dtype == torch.uint8 and local.dim() == 2 and local.shape[0] == 1 and \
+                local.shape[1] >= info["nbytes"]:
+            return local[0, :info["nbytes"]].view(info["dtype"]).view(info["shape"])
+        if local.dtype == torch.bfloat16 and info["dtype"] == torch.int16 and tuple(local.shape) == tuple(info["shape"]):
+            return local.view(torch.int16)  # a low half's bits
         return local
 
     def decoded(self, name: str, what: str, stored: torch.Tensor, layout: StateLayout | None = None) -> torch.Tensor:

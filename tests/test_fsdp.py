@@ -261,15 +261,17 @@ def test_compressed_state_under_fsdp_checkpoints_as_it_is_and_resumes_bit_identi
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fp32", "8bit-split"])
-def test_torch_distributed_checkpoint_saves_and_resumes_the_shards_bit_for_bit(tmp_path, layout):
+@pytest.mark.parametrize("layout,full", [("fp32", ""), ("8bit-split", ""), ("8bit-split", "full")],
+                         ids=["fp32", "8bit-split", "8bit-split-full"])
+def test_torch_distributed_checkpoint_saves_and_resumes_the_shards_bit_for_bit(tmp_path, layout, full):
     """get_state_dict, dcp.save, then a fresh model's get_state_dict, dcp.load and set_state_dict, on 2 ranks (see
-    [Note: Optimizer state of shards], [Note: Loading into the shards]): each rank's stored shards and optimizer
-    state are what they were at the save, bit for bit (8-bit moments and split masters too), the resumed losses
-    are the uninterrupted run's, and FSDP2 alone with torch's AdamW resumes from the same checkpoint to them."""
+    [Note: Optimizer state of shards], [Note: Loading into the shards]), sharded or with DCP's full state dicts:
+    each rank's stored shards and optimizer state are what they were at the save, bit for bit (8-bit moments and
+    split masters too), the resumed losses are the uninterrupted run's, and FSDP2 alone with torch's AdamW resumes
+    from the same checkpoint to them."""
     (tmp_path / "nvme").mkdir()
     rows = _rows(_launch(2, child_script("fsdp_dcp_child.py"), str(tmp_path / "nvme"), str(tmp_path / "ckpt"),
-                         layout))
+                         layout, full))
     assert sorted(r["rank"] for r in rows) == [0, 1]
     for r in rows:
         assert r["state_bytes"] > 4 * r["host_budget_bytes"]  # each rank's state beyond its host budget

@@ -1,6 +1,6 @@
 """Run under torchrun: torch.distributed.checkpoint under offload_fsdp, as FSDP2's users write it.
 
-    python -m torch.distributed.run --nproc_per_node 2 fsdp_dcp_child.py NVME_DIR CHECKPOINT_DIR LAYOUT
+    python -m torch.distributed.run --nproc_per_node 2 fsdp_dcp_child.py NVME_DIR CHECKPOINT_DIR LAYOUT [full]
 
 The project's ViT (3 blocks, patches of 4 pixels; fp32 with torch's AdamW layout, or bf16 with 8-bit moments and
 split masters: LAYOUT ``fp32`` or ``8bit-split``) is sharded with FSDP2 and offloaded; after 2 steps
@@ -9,7 +9,8 @@ offloaded with its own optimizer, takes ``get_state_dict``, ``dcp.load`` and ``s
 2 steps. With ``fp32`` FSDP2 alone with torch's AdamW loads the same checkpoint (its parameter groups' keys this
 optimizer does not save left at torch's defaults) and trains them too. Prints one JSON line per rank: the losses,
 those of each resumed run, and whether every stored tensor of the resumed optimizer and shards equals what was
-saved, bit for bit.
+saved, bit for bit. With ``full``, the state dicts are DCP's full ones (``StateDictOptions(full_state_dict=True)``:
+every tensor gathered whole on every rank, and each rank's shard cut from it at the load).
 """
 
 import json
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import tierstore as ts
 from tierstore.integrations import OffloadedAdamW, offload_fsdp
@@ -38,9 +39,10 @@ def _state_keys(store: ts.TierStore) -> list[str]:
     return sorted(k for k in store.keys() if k.startswith(("adam/", "fsdp/")))
 
 
-def main(nvme: str, ckpt: str, layout: str) -> None:
+def main(nvme: str, ckpt: str, layout: str, full: str = "") -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    options = StateDictOptions(full_state_dict=True) if full == "full" else None
     dtype, kw = ("bf16", {"moments": "8bit", "master": "split"}) if layout == "8bit-split" else ("fp32", {})
     host_budget = (88 if layout == "8bit-split" else 128) << 10  # a rank's state 4-5x that
     data = SyntheticImages(CONFIG)
@@ -57,15 +59,15 @@ def main(nvme: str, ckpt: str, layout: str) -> None:
     def torch_resume(model, opt) -> list[float]:
         """torch's AdamW has parameter group keys this optimizer does not save (amsgrad, foreach, ...): loaded
         partially, they keep torch's defaults, which the run used."""
-        model_sd, optim_sd = get_state_dict(model, opt)
+        model_sd, optim_sd = get_state_dict(model, opt, options=options)
         sd = {"model": model_sd, "optim": optim_sd}
         dcp.load(sd, checkpoint_id=ckpt, planner=DefaultLoadPlanner(allow_partial_load=True))
-        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
         return [_train_step(model, opt, data, s, 4, rank, world) for s in range(SAVE_AT, STEPS)]
 
     model, store, opt = offloaded(0, "first")
     losses = [_train_step(model, opt, data, s, 4, rank, world) for s in range(SAVE_AT)]
-    model_sd, optim_sd = get_state_dict(model, opt)
+    model_sd, optim_sd = get_state_dict(model, opt, options=options)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
     del model_sd, optim_sd
     saved = {k: store.read(k) for k in _state_keys(store)}
@@ -76,10 +78,10 @@ def main(nvme: str, ckpt: str, layout: str) -> None:
     store.close()
 
     model, store, opt = offloaded(1, "resumed")
-    model_sd, optim_sd = get_state_dict(model, opt)
+    model_sd, optim_sd = get_state_dict(model, opt, options=options)
     sd = {"model": model_sd, "optim": optim_sd}
     dcp.load(sd, checkpoint_id=ckpt)
-    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
     del model_sd, optim_sd, sd
     loaded = {k: store.read(k) for k in _state_keys(store)}
     same_state = loaded.keys() == saved.keys() and all(
@@ -101,4 +103,4 @@ def main(nvme: str, ckpt: str, layout: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
