@@ -29,14 +29,17 @@ order, so an fp32 run is bit-identical to the loop. How:
   each micro-batch in order. Each backward is one call of its own, so each
   parameter's gradient sums its micro-batches' parts in their order, as the
   loop's backward calls do.
-- Not a chain. A model whose segments do not follow one another (a segment
-  called twice, a segment whose input is not the previous one's output,
-  units held across a segment: encoder-decoder cross-attention, a layer
-  shared across depth, skips over segments) is found in its first
-  micro-batch's forward, before any gradient is made; the step then runs as
-  the loop does, with a warning once. A skip from a segment's output to the
-  head is found when its gradient arrives: the gradients the step made are
-  dropped (they were none before it) and it runs as the loop does.
+- Values the segments take. A segment may take, besides the previous
+  segment's output, any earlier segment's output or a tensor made before
+  the first segment (see [Note: Values the segments take]).
+- Not a chain. A model whose segments do not run so (a segment called
+  twice, a segment that takes a tensor made between segments: an
+  encoder-decoder's decoder input; a parameter passed as an argument; a
+  layer shared across depth) is found in its first micro-batch's forward,
+  before any gradient is made; the step then runs as the loop does, with a
+  warning once. A segment's output (but the last's) used by the glue after
+  the segments is found when its gradient arrives: the gradients the step
+  made are dropped (they were none before it) and it runs as the loop does.
 - Random numbers. Each micro-batch draws from a generator of its own: the
   first from the global generator as it is, the i-th (i >= 1) from one seeded
   with ``s + i``, ``s`` drawn from a copy of the global generator; after the
@@ -46,6 +49,20 @@ order, so an fp32 run is bit-identical to the loop. How:
 - ``use_cache``: a transformers cache given to a segment (by name, or by
   position as GPT-2 gives it) is not passed: the segment runs twice, and its
   rerun would attend to the keys its forward put into the cache.
+
+[Note: Values the segments take] Each tensor needing a gradient that a segment takes is a *value*: a segment's
+output (the leaf the step returned for it), or a tensor made before the first segment (kept with its graph). T5's
+blocks all take the position bias the first block made; a model may give every block one tensor it made first. A
+segment's output goes into the store at its first taker (see [Note: Activations in the tiers]) and is read at each
+taker's rerun, let go at the last. In the loop's one backward, a value's gradient is the sum of its parts in the
+order autograd makes them: the later taker's first, and within one taker in that taker's own order (each use is a
+part: T5's attention adds the bias once, cross-attention projects its input twice). The reruns take a value as a
+fresh leaf each, so each rerun's parts would sum apart, and adding those sums gives other bits where a taker has
+more than one part. So each rerun also backpropagates ``x * 1.0`` (made after the segment's graph, so that autograd
+runs it first) with the sum so far as its gradient: the leaf's sum starts from it and adds this taker's parts in
+their order, as the loop's does. A value made before the first segment gets its whole gradient at the end, in that
+glue's backward, with the chain's input, as one call. Which tensors the glue made before the first segment autograd
+tells: it numbers the nodes it makes on each thread in order, and the step notes the number at the first segment.
 
 [Note: Parameters held around the segments] A module around the segments may own parameters it uses there (a
 ViT written as timm writes it adds its class token and position embedding before the first block): its unit holds
@@ -76,6 +93,7 @@ import contextlib
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -123,19 +141,31 @@ class _Stopped(Exception):
     """A worker told to stop: another raised."""
 
 
+@dataclass(eq=False)
+class _Value:
+    """A tensor needing a gradient that segments take (see [Note: Values the segments take]): a segment's output
+    (a leaf the step made; its value in the store from its first taker on) or one the glue before the first segment
+    made (kept, with its graph, for that glue's backward)."""
+
+    ref: Callable[[], torch.Tensor | None]  # the tensor, while it lives (a weak reference for an output)
+    segment: int | None  # the segment whose output it is; None: made before the first segment
+    kept: torch.Tensor | None = None  # a value made before the first segment, with its graph
+    key: str | None = None  # its value in the store, for the segments' reruns
+    takers: list[int] = field(default_factory=list)  # the segments that take it, in forward order
+    grad: torch.Tensor | None = None  # the sum of its gradient's parts so far, in the loop's order
+
+
 @dataclass
 class _Call:
     """One segment's call for one micro-batch: what its backward runs again."""
 
     spec: Any  # the (args, kwargs) tree
-    leaves: list[Any]  # its leaves; the boundary's slot holds None
-    boundary: int | None  # the leaf index of the input that needs a gradient
-    key: str | None  # its store key (an input made by the segment before), else None
-    kept: torch.Tensor | None  # the input itself, where it came from the glue (kept with its graph)
+    leaves: list[Any]  # its leaves; the slots of the values it takes hold None
+    inputs: list[tuple[int, _Value]]  # (leaf index, value) of each input that needs a gradient
     rng: tuple[torch.Tensor, torch.Tensor | None]
     autocast: list[tuple[str, torch.dtype]]  # the devices whose autocast was on, and its dtype
-    outputs: list[torch.Tensor | None] = field(default_factory=list)  # the leaves returned for its outputs
-    next_input: int | None = None  # which of them the next segment takes
+    outputs: list[_Value] = field(default_factory=list)  # its outputs' values (floating point ones, in order)
+    last_outputs: list[torch.Tensor] = field(default_factory=list)  # the last segment's: the head's part in .grad
 
 
 def _autocast_state() -> list[tuple[str, torch.dtype]]:
@@ -277,6 +307,8 @@ class LayerMajorStep(PassConsumer):
         self.calls: list[list[_Call]] = []  # [segment][micro-batch]
         self.next_segment: list[int] = []
         self.reached: list[str] = []  # skips into a segment's output from the glue after it
+        self.values: list[dict[int, _Value]] = []  # [micro-batch]: id of a tensor segments take -> its value
+        self.backward_started = False
         self._keys = 0
         self._handles: list[Any] = []
         # Parameters a unit around the segments holds across them (see [Note: Parameters held around the
@@ -306,27 +338,21 @@ class LayerMajorStep(PassConsumer):
         self._switch(i)
         args = tuple(None if _is_cache(v) else v for v in args)  # GPT-2 passes its cache by position
         kwargs = {name: (None if _is_cache(v) else v) for name, v in kwargs.items()}
+        if k == 0:  # what the glue made before now, autograd numbered below this (a thread's own numbers)
+            with torch.enable_grad():
+                self.first_node[i] = (torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr()
         leaves, spec = tree_flatten((args, kwargs))
-        needing = [j for j, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-        previous = self.calls[k - 1][i].outputs if k else []
-        at = next((j for j, y in enumerate(previous) if needing and leaves[needing[0]] is y), None)
-        if len(needing) > 1 or (k and at is None):
-            raise NotAChain(f"segment {k}'s input needing a gradient is not segment {k - 1}'s output only"
-                            if k else "the first segment takes more than one input that needs a gradient")
-        boundary = needing[0] if needing else None
-        key = kept = None
-        if boundary is not None:
-            x = leaves[boundary]
-            if k:  # made by the segment before: into the store (see [Note: Activations in the tiers])
-                key = self.keep(x, (len(self.segments) - 1 - k) * len(self.next_segment) + i)
-                self.calls[k - 1][i].outputs = [None] * len(previous)  # its gradient comes from this segment's
-                self.calls[k - 1][i].next_input = at
-            else:
-                kept = x
-            leaves = list(leaves)
-            leaves[boundary] = None
+        leaves = list(leaves)
+        inputs = []
+        for j, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                if any(leaves[at] is t for at, _ in inputs):
+                    raise NotAChain(f"segment {k} takes one tensor needing a gradient twice")
+                inputs.append((j, self._taken(t, k, i)))
         assert len(self.calls[k]) == i
-        self.calls[k].append(_Call(spec, leaves, boundary, key, kept, _rng_state(), _autocast_state()))
+        for j, _ in inputs:
+            leaves[j] = None
+        self.calls[k].append(_Call(spec, leaves, inputs, _rng_state(), _autocast_state()))
         self.next_segment[i] = k + 1
         self._grad_mode[i] = torch.is_grad_enabled()
         torch.set_grad_enabled(False)
@@ -344,11 +370,43 @@ class LayerMajorStep(PassConsumer):
         made = [t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                 for t in leaves]
         call = self.calls[k][i]
-        call.outputs = [t for t in made if isinstance(t, torch.Tensor) and t.requires_grad]
-        if k < len(self.segments) - 1:
-            for y in call.outputs:  # a skip from this output past the next segment (see [Note: A layer-major step])
+        ys = [t for t in made if isinstance(t, torch.Tensor) and t.requires_grad]
+        call.outputs = [_Value(weakref.ref(y), k) for y in ys]
+        self.values[i].update((id(y), v) for y, v in zip(ys, call.outputs))
+        if k == len(self.segments) - 1:
+            call.last_outputs = ys  # the head's backward leaves their gradients' parts in .grad
+        else:
+            for y in ys:  # used by the glue after a later segment (see [Note: Values the segments take])
                 y.register_hook(lambda g, k=k: self.reached.append(f"segment {k}'s output"))
         return tree_unflatten(made, spec)
+
+    def _taken(self, t: torch.Tensor, k: int, i: int) -> _Value:
+        """The value of ``t``, an input of segment ``k`` that needs a gradient, in micro-batch ``i``: a segment's
+        output (its value into the store at its first taker), or one made before the first segment (see [Note:
+        Values the segments take])."""
+        v = self.values[i].get(id(t))
+        if v is None or v.ref() is not t:
+            if isinstance(t, nn.Parameter):  # its value is the store's, held only while its unit runs
+                raise NotAChain(f"segment {k} takes a parameter as an argument")
+            if k and t.grad_fn is not None and t.grad_fn._sequence_nr() >= self.first_node[i]:
+                raise NotAChain(f"segment {k} takes a tensor needing a gradient that is neither an earlier "
+                                f"segment's output nor made before the first segment (made between segments: "
+                                f"an encoder-decoder's cross-attention input)")
+            v = _Value(lambda t=t: t, None, kept=t)
+            self.values[i][id(t)] = v
+            if t.grad_fn is not None:  # used by the glue after the segments: its graph would be run too early
+                t.register_hook(lambda g: self.reached.append("a tensor made before the first segment") if
+                                not self.backward_started else None)
+        elif v.segment is not None and v.key is None:  # its value for the reruns
+            v.key = self.keep(t, self._place(k, i))
+        v.takers.append(k)
+        if v.key is not None:  # ranked by its next use in backward: its last taker's rerun
+            self._uses = {**self._uses, v.key: self._place(k, i)}
+        return v
+
+    def _place(self, k: int, i: int) -> int:
+        """The backward's place of segment ``k``'s rerun for micro-batch ``i``."""
+        return (len(self.segments) - 1 - k) * len(self.next_segment) + i
 
     def _grad_state(self, key: str) -> tuple[Any, int | None]:
         """The gradient kept for ``key`` and its generation (what changes when a part is added to it)."""
@@ -394,6 +452,8 @@ class LayerMajorStep(PassConsumer):
     def run(self, step_fn: Callable[[Any], Any], micro_batches: Sequence[Any]) -> list[Any]:
         n = len(micro_batches)
         self.calls = [[] for _ in self.segments]
+        self.values = [{} for _ in range(n)]
+        self.first_node = [0] * n  # see _taken
         self.next_segment = [0] * n
         self._grad_mode = [True] * n
         self.rotation = _Rotation(n, _forked_rng(n))
@@ -479,46 +539,25 @@ class LayerMajorStep(PassConsumer):
 
     # ---- backward, on the caller's thread ------------------------------------------------------
     def _backward(self, n: int) -> None:
-        grads: list[list[torch.Tensor | None]] = [[y.grad if y is not None else None for y in call.outputs]
-                                                  for call in self.calls[-1]]
-        inputs: list[torch.Tensor | None] = [None] * n  # the gradient of each micro-batch's last segment input
-        for call in self.calls[-1]:
-            call.outputs = []
+        self.backward_started = True
+        for call in self.calls[-1]:  # the head's parts of the last segment's outputs
+            for v, y in zip(call.outputs, call.last_outputs):
+                v.grad = y.grad
+            call.last_outputs = []
         order = [(k, i) for k in reversed(range(len(self.segments))) for i in range(n)]
         self._check_tied()
         self.in_segments_backward = True
         for step, (k, i) in enumerate(order):
             self._now = step
             call = self.calls[k][i]
-            if k < len(self.segments) - 1:  # the gradient of the output the next segment took, from its backward
-                grads[i] = [inputs[i] if j == call.next_input else None for j in range(len(call.outputs))]
             if step + 1 < len(order):
-                ahead = self.calls[order[step + 1][0]][order[step + 1][1]].key
-                if ahead is not None:
-                    self.store.prefetch(ahead, Tier.HOST)
-            leaves = list(call.leaves)
-            x = None
-            if call.boundary is not None:
-                if call.key is not None:
-                    x = self.take_kept(call.key).requires_grad_(True)
-                else:
-                    assert call.kept is not None
-                    x = call.kept.detach().requires_grad_(call.kept.requires_grad)
-                leaves[call.boundary] = x
-            args, kwargs = tree_unflatten(leaves, call.spec)
-            before = _rng_state()
-            _set_rng_state(call.rng)
-            with torch.enable_grad(), contextlib.ExitStack() as autocasts:
-                for device, dtype in call.autocast:  # as the forward ran it (Trainer's bf16=True)
-                    autocasts.enter_context(torch.autocast(device, dtype=dtype))
-                out = self.segments[k](*args, **kwargs)
-            _set_rng_state(before)
-            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
-            pairs = [(o, g) for o, g in zip(outs, grads[i]) if g is not None and o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            inputs[i] = x.grad if x is not None else None
-            del out, outs, pairs
+                for _, v in self.calls[order[step + 1][0]][order[step + 1][1]].inputs:
+                    if v.key is not None:
+                        self.store.prefetch(v.key, Tier.HOST)
+            self._rerun(k, call)
+            for v in call.outputs:  # every taker has run: its gradient went into this segment's
+                v.grad = None
+            call.outputs = []
         self.in_segments_backward = False
         self._check_tied()
         for u, sp, before in self.held_across.values():
@@ -528,18 +567,61 @@ class LayerMajorStep(PassConsumer):
                                 f"which would be summed in another order than the loop's")
         for i in range(n):  # the glue before the first segment, each micro-batch in order
             self._now = self.glue_place(i)
-            call = self.calls[0][i]
-            g = inputs[i]
+            made = [v for v in self.values[i].values() if v.kept is not None]
+            roots = [(v.kept, v.grad) for v in made if v.grad is not None]
             self.glue_micro_batch = i
             try:
-                if call.kept is not None and g is not None:  # kept: an input that needs a gradient
-                    torch.autograd.backward(call.kept, g)
+                if roots:  # in one backward, as the loop's runs this glue's graph
+                    torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
             finally:
                 self.glue_micro_batch = None
-            call.kept = None
+            for v in made:
+                v.kept = v.grad = None
             self._check_tied()
             self.tied.glue_done(i)
         self.tied.end()
+
+    def _rerun(self, k: int, call: _Call) -> None:
+        """Segment ``k``'s forward again from its inputs' values, and its backward from its outputs' gradients;
+        each input's gradient so far goes first into the sum its parts join (see [Note: Values the segments
+        take])."""
+        leaves = list(call.leaves)
+        xs = []
+        for j, v in call.inputs:
+            x = self._value_of(v, k)
+            leaves[j] = x
+            xs.append((x, v))
+        args, kwargs = tree_unflatten(leaves, call.spec)
+        before = _rng_state()
+        _set_rng_state(call.rng)
+        with torch.enable_grad(), contextlib.ExitStack() as autocasts:
+            for device, dtype in call.autocast:  # as the forward ran it (Trainer's bf16=True)
+                autocasts.enter_context(torch.autocast(device, dtype=dtype))
+            out = self.segments[k](*args, **kwargs)
+            # made after the segment's graph, so autograd runs them first: each sum so far, then this segment's parts
+            first = [(x * 1.0, v.grad) for x, v in xs if v.grad is not None]
+        _set_rng_state(before)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        pairs = [(o, v.grad) for o, v in zip(outs, call.outputs) if v.grad is not None and o.requires_grad] + first
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        for x, v in xs:
+            if x.grad is not None:
+                v.grad = x.grad
+
+    def _value_of(self, v: _Value, k: int) -> torch.Tensor:
+        """A fresh leaf of the value segment ``k`` takes: from the store (let go at its first taker, the last
+        rerun that needs it), or the tensor made before the first segment."""
+        if v.key is None:
+            assert v.kept is not None
+            return v.kept.detach().requires_grad_(v.kept.requires_grad)
+        if k == v.takers[0]:
+            return self.take_kept(v.key).requires_grad_(True)
+        x = self.store.get(v.key, self.off.compute_tier).detach().clone()
+        self.store.release(v.key, self.off.compute_tier)
+        earlier = max(t for t in v.takers if t < k)
+        self._uses = {**self._uses, v.key: self._place(earlier, self._now % len(self.next_segment))}
+        return x.requires_grad_(True)
 
     def _check_tied(self) -> None:
         if self.tied.bad is not None:
@@ -560,8 +642,9 @@ class LayerMajorStep(PassConsumer):
                 self.store.drop(key)
         for calls in self.calls:
             for call in calls:
-                call.kept = None
                 call.outputs = []
+                call.last_outputs = []
+        self.values = []
 
 
 def _held_across(unit: Any) -> str:

@@ -680,3 +680,111 @@ def test_a_tied_model_layer_by_layer_with_updates_streamed_is_the_same_run(tmp_p
             runs.append((losses, {k: v.clone() for k, v in model.state_dict().items()}))
     assert runs[0][0] == runs[1][0]
     assert _same(runs[0][1], runs[1][1])
+
+
+class _Memory(nn.Module):
+    """Blocks that each take, besides the chain, a value made earlier and use it twice (as an encoder's output or
+    T5's position bias is used): ``made="segment"``, the first block's second output; ``made="glue"``, a tensor the
+    model makes before the first block. ``between``: the chain is scaled between blocks (made between segments)."""
+
+    class First(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.mem = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.tanh(self.fc(x)), torch.tanh(self.mem(x))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, mem: torch.Tensor) -> torch.Tensor:
+            att = torch.softmax(self.q(x) @ self.k(mem).transpose(-1, -2), -1)
+            return x + att @ self.v(mem)
+
+    def __init__(self, made: str, between: bool = False) -> None:
+        super().__init__()
+        self.made, self.between = made, between
+        self.first = _Memory.First()
+        self.side = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(_Memory.Block() for _ in range(3))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        side = torch.tanh(self.side(x))
+        x, mem = self.first(x)
+        mem = mem if self.made == "segment" else side
+        for b in self.blocks:
+            x = b(x, mem)
+            x = x * 2 if self.between else x
+        return self.head(x).square().mean()
+
+
+@pytest.mark.parametrize("made", ["segment", "glue"])
+def test_a_value_several_segments_take_sums_its_gradient_in_the_loop_s_order(made, tmp_path):
+    """A tensor taken by every block and used twice in each (the first block's second output, or a tensor made
+    before the first block; see [Note: Values the segments take]): the step runs layer by layer, its gradient's
+    parts summed as the loop's one backward sums them (each block's rerun adds its parts after the sum so far),
+    bit for bit."""
+    def model_of():
+        torch.manual_seed(0)
+        return _Memory(made)
+
+    mbs = [torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        runs = _runs_around(model_of, [_Memory.First, _Memory.Block], lambda m, x: m(x), mbs, tmp_path)
+    assert runs[1][2] is None and runs[1][3] == 1
+
+
+def test_a_tensor_made_between_segments_runs_as_the_loop(tmp_path):
+    """The chain changed between blocks (made between segments, as an encoder-decoder makes its decoder's input):
+    the step runs as the loop, bit-identical, and says why."""
+    def model_of():
+        torch.manual_seed(0)
+        return _Memory("segment", between=True)
+
+    mbs = [torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    with pytest.warns(UserWarning, match="made between segments"):
+        runs = _runs_around(model_of, [_Memory.First, _Memory.Block], lambda m, x: m(x), mbs, tmp_path)
+    assert runs[1][3] == 0
+
+
+def test_a_t5_encoder_trains_layer_by_layer_as_torch_trains_it_resident(tmp_path):
+    """T5's encoder (each block takes the position bias the first block made, a value taken by every segment),
+    with a classifier head and dropout: fp32, 4 micro-batches, clipping at 1.0, 2 steps, layer by layer with no
+    fallback and bit-identical to resident training with torch's AdamW."""
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            cfg = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=3, num_heads=4)
+            self.encoder = transformers.T5EncoderModel(cfg)
+            self.head = nn.Linear(64, 5)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.encoder(ids).last_hidden_state.mean(1))
+
+    torch.manual_seed(0)
+    ref = Classifier()
+    ref.train()
+    model = copy.deepcopy(ref)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    with _store(str(tmp_path), ref, 8 << 20) as store:
+        off = offload_model(model, store, units=[T5Block])
+        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
+        for step in range(2):
+            mbs = [(ids, ids[:, 0] % 5) for ids in _batches(step, 4)]
+
+            def step_fn(mb, m=model):
+                loss = torch.nn.functional.cross_entropy(m(mb[0]), mb[1]) / 4
+                loss.backward()
+                return loss.item()
+
+            _step_both(ref, ropt, off, opt, step_fn, mbs, seeded=True)
+        opt.close()
+        assert off.stats.layer_major_steps == 2 and off.layer_major_refused is None
+        assert all(torch.equal(off.read_param(n), p.detach()) for n, p in ref.named_parameters())
