@@ -30,16 +30,17 @@ order, so an fp32 run is bit-identical to the loop. How:
   parameter's gradient sums its micro-batches' parts in their order, as the
   loop's backward calls do.
 - Values the segments take. A segment may take, besides the previous
-  segment's output, any earlier segment's output or a tensor made before
-  the first segment (see [Note: Values the segments take]).
+  segment's output, any earlier segment's output or a tensor the glue made
+  before it (an encoder-decoder's decoder takes its embedding's output and
+  the encoder's: see [Note: Values the segments take]).
 - Not a chain. A model whose segments do not run so (a segment called
-  twice, a segment that takes a tensor made between segments: an
-  encoder-decoder's decoder input; a parameter passed as an argument; a
-  layer shared across depth) is found in its first micro-batch's forward,
-  before any gradient is made; the step then runs as the loop does, with a
-  warning once. A segment's output (but the last's) used by the glue after
-  the segments is found when its gradient arrives: the gradients the step
-  made are dropped (they were none before it) and it runs as the loop does.
+  twice, one tensor given twice, a parameter passed as an argument, a layer
+  shared across depth) is found in its first micro-batch's forward, before
+  any gradient is made; the step then runs as the loop does, with a warning
+  once. A segment's output (but the last's) used by the glue after the
+  segments, or taken both by segments and by the glue between them, is found
+  when its gradient arrives: the gradients the step made are dropped (they
+  were none before it) and it runs as the loop does.
 - Random numbers. Each micro-batch draws from a generator of its own: the
   first from the global generator as it is, the i-th (i >= 1) from one seeded
   with ``s + i``, ``s`` drawn from a copy of the global generator; after the
@@ -51,8 +52,10 @@ order, so an fp32 run is bit-identical to the loop. How:
   rerun would attend to the keys its forward put into the cache.
 
 [Note: Values the segments take] Each tensor needing a gradient that a segment takes is a *value*: a segment's
-output (the leaf the step returned for it), or a tensor made before the first segment (kept with its graph). T5's
-blocks all take the position bias the first block made; a model may give every block one tensor it made first. A
+output (the leaf the step returned for it), or a tensor the glue made (kept with its graph): before the first
+segment, or between two (an encoder-decoder's decoder takes its embedding's output, made after the encoder's last
+layer, and the encoder's output, through T5's and Whisper's final norm). T5's blocks all take the position bias
+their stack's first block made; BART's decoder layers all take the encoder's last layer's output. A
 segment's output goes into the store at its first taker (see [Note: Activations in the tiers]) and is read at each
 taker's rerun, let go at the last. In the loop's one backward, a value's gradient is the sum of its parts in the
 order autograd makes them: the later taker's first, and within one taker in that taker's own order (each use is a
@@ -60,9 +63,12 @@ part: T5's attention adds the bias once, cross-attention projects its input twic
 fresh leaf each, so each rerun's parts would sum apart, and adding those sums gives other bits where a taker has
 more than one part. So each rerun also backpropagates ``x * 1.0`` (made after the segment's graph, so that autograd
 runs it first) with the sum so far as its gradient: the leaf's sum starts from it and adds this taker's parts in
-their order, as the loop's does. A value made before the first segment gets its whole gradient at the end, in that
-glue's backward, with the chain's input, as one call. Which tensors the glue made before the first segment autograd
-tells: it numbers the nodes it makes on each thread in order, and the step notes the number at the first segment.
+their order, as the loop's does. A value the glue made before segment m gets its whole gradient once segment m has
+run again for every micro-batch: that glue's backward then runs, for each micro-batch in order, in one call with
+every value it made, as the loop's one backward runs that glue's graph between segment m's and segment m - 1's;
+an earlier segment's output it took gets its gradient from it (one taken by both the glue and later segments runs
+as the loop). Which glue made a tensor autograd tells: it numbers the nodes it makes on each thread in order, and
+the step notes the number at each segment.
 
 [Note: Parameters held around the segments] A module around the segments may own parameters it uses there (a
 ViT written as timm writes it adds its class token and position embedding before the first block): its unit holds
@@ -148,7 +154,8 @@ class _Value:
     made (kept, with its graph, for that glue's backward)."""
 
     ref: Callable[[], torch.Tensor | None]  # the tensor, while it lives (a weak reference for an output)
-    segment: int | None  # the segment whose output it is; None: made before the first segment
+    segment: int | None  # the segment whose output it is; None: made by the glue
+    region: int = 0  # made by the glue: the segment before which it was made
     kept: torch.Tensor | None = None  # a value made before the first segment, with its graph
     key: str | None = None  # its value in the store, for the segments' reruns
     takers: list[int] = field(default_factory=list)  # the segments that take it, in forward order
@@ -338,9 +345,8 @@ class LayerMajorStep(PassConsumer):
         self._switch(i)
         args = tuple(None if _is_cache(v) else v for v in args)  # GPT-2 passes its cache by position
         kwargs = {name: (None if _is_cache(v) else v) for name, v in kwargs.items()}
-        if k == 0:  # what the glue made before now, autograd numbered below this (a thread's own numbers)
-            with torch.enable_grad():
-                self.first_node[i] = (torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr()
+        with torch.enable_grad():  # what the glue made before now, autograd numbered below this (a thread's own)
+            self.marks[i].append((torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr())
         leaves, spec = tree_flatten((args, kwargs))
         leaves = list(leaves)
         inputs = []
@@ -377,7 +383,8 @@ class LayerMajorStep(PassConsumer):
             call.last_outputs = ys  # the head's backward leaves their gradients' parts in .grad
         else:
             for y in ys:  # used by the glue after a later segment (see [Note: Values the segments take])
-                y.register_hook(lambda g, k=k: self.reached.append(f"segment {k}'s output"))
+                y.register_hook(lambda g, k=k: None if self.backward_started else
+                                self.reached.append(f"segment {k}'s output"))
         return tree_unflatten(made, spec)
 
     def _taken(self, t: torch.Tensor, k: int, i: int) -> _Value:
@@ -388,11 +395,8 @@ class LayerMajorStep(PassConsumer):
         if v is None or v.ref() is not t:
             if isinstance(t, nn.Parameter):  # its value is the store's, held only while its unit runs
                 raise NotAChain(f"segment {k} takes a parameter as an argument")
-            if k and t.grad_fn is not None and t.grad_fn._sequence_nr() >= self.first_node[i]:
-                raise NotAChain(f"segment {k} takes a tensor needing a gradient that is neither an earlier "
-                                f"segment's output nor made before the first segment (made between segments: "
-                                f"an encoder-decoder's cross-attention input)")
-            v = _Value(lambda t=t: t, None, kept=t)
+            made = 0 if t.grad_fn is None else t.grad_fn._sequence_nr()
+            v = _Value(lambda t=t: t, None, region=next(m for m in range(k + 1) if self.marks[i][m] > made), kept=t)
             self.values[i][id(t)] = v
             if t.grad_fn is not None:  # used by the glue after the segments: its graph would be run too early
                 t.register_hook(lambda g: self.reached.append("a tensor made before the first segment") if
@@ -453,7 +457,8 @@ class LayerMajorStep(PassConsumer):
         n = len(micro_batches)
         self.calls = [[] for _ in self.segments]
         self.values = [{} for _ in range(n)]
-        self.first_node = [0] * n  # see _taken
+        self.marks: list[list[int]] = [[] for _ in range(n)]  # autograd's number at each segment (see _taken)
+        self.states_at_start = self._grad_states()
         self.next_segment = [0] * n
         self._grad_mode = [True] * n
         self.rotation = _Rotation(n, _forked_rng(n))
@@ -538,8 +543,32 @@ class LayerMajorStep(PassConsumer):
         return x
 
     # ---- backward, on the caller's thread ------------------------------------------------------
+    def _grad_states(self) -> dict[str, tuple[Any, int | None]]:
+        """Each parameter's gradient (by store key or, resident, by name) and what changes as a part is added:
+        which parameters a stretch of the backward added to (see [Note: Values the segments take])."""
+        out = {sp.key: self._grad_state(sp.key) for sp in self.off.params.values() if sp.key not in self.tied.by_key}
+        for name, p in self.off.resident.items():
+            out[name] = (p.grad, None if p.grad is None else p.grad._version)
+        return out
+
+    def _check_glue_parts(self, stretches: list[tuple[int, dict, dict]]) -> None:
+        """A parameter the glue between two segments adds to (``stretches``: region, or -1 for another stretch of
+        the step, with the gradients before and after it) must get no part elsewhere: the loop's one backward
+        would sum its parts first."""
+        changed = [(r, {k for k, (g, gen) in after.items() if k not in before or before[k][0] is not g
+                        or before[k][1] != gen}) for r, before, after in stretches]
+        for r, keys in changed:
+            if r > 0 and keys:
+                twice = keys & set().union(*(other for r2, other in changed if r2 != r))
+                if twice:
+                    raise NotAChain(f"{', '.join(sorted(twice)[:3])} get gradient parts in the glue between segments "
+                                    f"{r - 1} and {r} and elsewhere: they would be summed in another order than the "
+                                    f"loop's")
+
     def _backward(self, n: int) -> None:
         self.backward_started = True
+        states = self._grad_states()
+        stretches = [(-1, self.states_at_start, states)]  # the forward's: the head's parts
         for call in self.calls[-1]:  # the head's parts of the last segment's outputs
             for v, y in zip(call.outputs, call.last_outputs):
                 v.grad = y.grad
@@ -558,8 +587,19 @@ class LayerMajorStep(PassConsumer):
             for v in call.outputs:  # every taker has run: its gradient went into this segment's
                 v.grad = None
             call.outputs = []
+            if k and i == n - 1:  # the glue between segments k - 1 and k (see [Note: Values the segments take])
+                self.in_segments_backward = False
+                before = self._grad_states()
+                stretches.append((-1, states, before))
+                for j in range(n):
+                    self._glue_backward(k, j)
+                states = self._grad_states()
+                stretches.append((k, before, states))
+                self.in_segments_backward = True
         self.in_segments_backward = False
         self._check_tied()
+        after = self._grad_states()
+        stretches.append((-1, states, after))
         for u, sp, before in self.held_across.values():
             now = self._grad_state(sp.key)
             if now[0] is not before[0] or now[1] != before[1]:
@@ -567,19 +607,35 @@ class LayerMajorStep(PassConsumer):
                                 f"which would be summed in another order than the loop's")
         for i in range(n):  # the glue before the first segment, each micro-batch in order
             self._now = self.glue_place(i)
-            made = [v for v in self.values[i].values() if v.kept is not None]
-            roots = [(v.kept, v.grad) for v in made if v.grad is not None]
-            self.glue_micro_batch = i
-            try:
-                if roots:  # in one backward, as the loop's runs this glue's graph
-                    torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
-            finally:
-                self.glue_micro_batch = None
-            for v in made:
-                v.kept = v.grad = None
+            self._glue_backward(0, i)
             self._check_tied()
             self.tied.glue_done(i)
+        stretches.append((-1, after, self._grad_states()))
+        self._check_glue_parts(stretches)
         self.tied.end()
+
+    def _glue_backward(self, region: int, i: int) -> None:
+        """Micro-batch ``i``'s glue before segment ``region`` backward, from the gradients of the values it made,
+        in one call as the loop's backward runs this glue's graph; an earlier segment's output it took gets its
+        gradient so (see [Note: Values the segments take])."""
+        made = [v for v in self.values[i].values() if v.kept is not None and v.region == region]
+        roots = [(v.kept, v.grad) for v in made if v.grad is not None]
+        self.glue_micro_batch = i
+        try:
+            if roots:
+                torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
+        finally:
+            self.glue_micro_batch = None
+        for v in made:
+            v.kept = v.grad = None
+        if region:
+            for w in self.values[i].values():
+                y = w.ref() if w.segment is not None else None
+                if y is not None and y.grad is not None:
+                    if w.grad is not None:
+                        raise NotAChain(f"segment {w.segment}'s output is taken by later segments and by the "
+                                        f"glue between segments {region - 1} and {region}")
+                    w.grad, y.grad = y.grad, None
 
     def _rerun(self, k: int, call: _Call) -> None:
         """Segment ``k``'s forward again from its inputs' values, and its backward from its outputs' gradients;

@@ -25,15 +25,21 @@ second, and its embedding before that):
 - each ``e_i`` is checked to be +0 outside ``R``, bit for bit (else the step
   runs as the loop), and after each micro-batch's glue ``F = F + (h_i[R] +
   e_i[R])``, ``F`` starting from the gradient's rows ``R`` from before the
-  step;
+  step (the embeddings' parts in the order they came, where there are more);
 - at the end the kept gradient gets one +0 where the loop added one (an
   ``e_i`` came), and its rows ``R`` are set to ``F``.
 
+An encoder-decoder's shared embedding (T5, BART) is used by the encoder's
+embedding, the decoder's (between the encoder's layers and the decoder's)
+and the head: the loop adds the head's part, then the decoder embedding's,
+then the encoder embedding's, as its backward reaches them, and so does
+the step, each embedding's part kept (its rows ``R``) until the last comes.
+
 So the step sums what the loop sums, in its order, and holds k x |R| x width
 (in the gradient's dtype, in the tiers) where keeping each ``h_i`` whole
-would hold k x vocab x width. A tied parameter used otherwise (before the
-first segment by a module that is no ``nn.Embedding``, inside the segments,
-in two parts of one side of a micro-batch) makes the step run as the loop.
+would hold k x vocab x width. A tied parameter used otherwise (by a module
+that is no ``nn.Embedding`` outside the head, inside the segments, in two
+parts of the head's side of a micro-batch) makes the step run as the loop.
 """
 
 from __future__ import annotations
@@ -82,7 +88,7 @@ class _Tied:
     sums: torch.Tensor | None = None  # F, on the CPU in the kept gradient's dtype
     started: bool = False  # F's start read (the gradient's rows R from before the step, or none)
     head: dict[int, str] = field(default_factory=dict)  # micro-batch -> store key of h_i[R]
-    embedding: dict[int, torch.Tensor] = field(default_factory=dict)  # micro-batch -> e_i[R], until its sum
+    embedding: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # micro-batch -> its e[R], in order
     embedding_came: bool = False
 
 
@@ -129,11 +135,10 @@ class TiedParts:
         if i is None or k == last:  # a segment's rerun in backward; or after the last segment (the head)
             return None
         where = f"tied parameter {t.name!r} is used by {type(module).__name__}"
-        if k:
-            return f"{where} between segments {k - 1} and {k}"
         if not isinstance(module, nn.Embedding) or module.max_norm is not None or module.sparse:
-            return (f"{where} before the first segment, which is no dense nn.Embedding without max_norm: the rows "
-                    f"its gradient touches are not known before the head's part comes")
+            return (f"{where} {f'between segments {k - 1} and {k}' if k else 'before the first segment'}, which "
+                    f"is no dense nn.Embedding without max_norm: the rows its gradient touches are not known "
+                    f"before the head's part comes")
         if t.rows is not None:
             return f"{where} after the head's part of its gradient came"
         ids = args[0] if args else kwargs["input"]
@@ -175,11 +180,8 @@ class TiedParts:
         self.step.off.grads.accumulate(t.key, grad, t.param.dtype)
 
     def _from_embedding(self, t: _Tied, i: int, grad: torch.Tensor) -> None:
-        if i in t.embedding:
-            self.bad = self.bad or f"{t.name} got two parts of its gradient from before the segments in micro-batch {i}"
-            return
         rows = self._start(t).to(grad.device)
-        t.embedding[i] = grad.index_select(0, rows)
+        t.embedding.setdefault(i, []).append(grad.index_select(0, rows))
         t.embedding_came = True
         rest = grad.index_fill_(0, rows, 0)  # ours: taken from .grad
         if rest.view(_INT_OF_SIZE[rest.element_size()]).any():
@@ -190,14 +192,13 @@ class TiedParts:
         """Micro-batch ``i``'s glue before the first segment ran backward: its sum joins F."""
         step = self.step
         for t in self.by_key.values():
-            parts = []
-            if i in t.head:
-                parts.append(step.take_kept(t.head.pop(i)))
-            if i in t.embedding:
-                parts.append(t.embedding.pop(i))
+            parts = [step.take_kept(t.head.pop(i))] if i in t.head else []
+            parts += t.embedding.pop(i, [])
             if not parts:
                 continue
-            s = parts[0] if len(parts) == 1 else parts[0].to(parts[1].device) + parts[1]
+            s = parts[0]  # the head's, then each embedding's as the loop's backward reached it
+            for part in parts[1:]:
+                s = s.to(part.device) + part
             s = s.to("cpu")
             t.sums = s.to(step.off.grads.dtype_of(t.param)) if t.sums is None else t.sums.add_(s)
 
