@@ -8,6 +8,7 @@ import collections
 import copy
 import warnings
 from functools import partial
+from typing import Any
 
 import pytest
 import torch
@@ -496,6 +497,27 @@ def _step_both(ref: nn.Module, ropt, off, opt, step_fn, mbs: list, *, seeded: bo
     assert losses == ref_losses and torch.equal(norm, ref_norm)
 
 
+def _trains_as_resident(ref: nn.Module, store, units: list, batches, loss_of) -> Any:
+    """2 steps of 4 micro-batches (``batches(step)``, each micro-batch's loss ``loss_of(model, mb) / 4``), resident
+    on ``ref`` with torch's AdamW and layer by layer on a copy of it offloaded in ``store``: every step's losses and
+    gradient norm and the weights at the end the same bits, with no fallback (see :func:`_step_both`); the offload."""
+    model = copy.deepcopy(ref)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    off = offload_model(model, store, units=units)
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
+    for step in range(2):
+        def step_fn(mb, m=model):
+            loss = loss_of(m, mb) / 4
+            loss.backward()
+            return loss.item()
+
+        _step_both(ref, ropt, off, opt, step_fn, batches(step), seeded=True)
+    opt.close()
+    assert off.stats.layer_major_steps == 2 and off.layer_major_refused is None
+    assert all(torch.equal(off.read_param(n), p.detach()) for n, p in ref.named_parameters())
+    return off
+
+
 def test_a_timm_style_vit_trains_layer_by_layer_as_torch_trains_it_resident(tmp_path):
     """fp32, 4 micro-batches, clipping at 1.0, 2 steps: the ViT whose class token and position embedding the model
     owns runs layer by layer with no fallback, and ends bit-identical to resident training with torch's AdamW."""
@@ -505,23 +527,10 @@ def test_a_timm_style_vit_trains_layer_by_layer_as_torch_trains_it_resident(tmp_
 
     torch.manual_seed(0)
     ref = ViT(PRESETS["tiny"])
-    model = copy.deepcopy(ref)
     data = SyntheticImages(PRESETS["tiny"])
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
     with _store(str(tmp_path), ref, 8 << 20) as store:
-        off = offload_model(model, store, units=[Block])
-        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
-        for step in range(2):
-            mbs = [data.batch(10 * step + i, 2) for i in range(4)]
-
-            def step_fn(mb, m=model):
-                loss = F.cross_entropy(m(mb[0]), mb[1]) / 4
-                loss.backward()
-                return loss.item()
-
-            _step_both(ref, ropt, off, opt, step_fn, mbs)
-        assert off.stats.layer_major_steps == 2 and off.layer_major_refused is None
-        assert all(torch.equal(off.read_param(n), p.detach()) for n, p in ref.named_parameters())
+        off = _trains_as_resident(ref, store, [Block], lambda step: [data.batch(10 * step + i, 2) for i in range(4)],
+                                  lambda m, mb: F.cross_entropy(m(mb[0]), mb[1]))
         assert "cls_token" in {r.name for r in off.params.values()}  # offloaded, not kept resident
 
 
@@ -558,25 +567,10 @@ def test_tied_language_models_train_layer_by_layer_as_torch_trains_them_resident
     bit-identical to resident training with torch's AdamW (dropout drawn as the step draws it)."""
     ref, units, batches, loss_of = _tied_case(name)
     ref.train()
-    model = copy.deepcopy(ref)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
     total = sum(p.numel() * p.element_size() for p in ref.parameters())
     layer = max(sum(p.nbytes for p in m.parameters()) for m in ref.modules() if isinstance(m, tuple(units)))
     with _store(str(tmp_path), ref, max(total // 3, 3 * layer)) as store:
-        off = offload_model(model, store, units=units)
-        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
-        for step in range(2):
-            mbs = batches(step)
-
-            def step_fn(ids, m=model):
-                loss = loss_of(m, ids) / 4
-                loss.backward()
-                return loss.item()
-
-            _step_both(ref, ropt, off, opt, step_fn, mbs, seeded=True)
-        opt.close()
-        assert off.stats.layer_major_steps == 2 and off.layer_major_refused is None
-        assert all(torch.equal(off.read_param(n), p.detach()) for n, p in ref.named_parameters())
+        _trains_as_resident(ref, store, units, batches, loss_of)
 
 
 def test_a_tied_embedding_keeps_only_the_rows_of_the_step_s_tokens(tmp_path, monkeypatch):
@@ -786,20 +780,6 @@ def test_a_t5_encoder_trains_layer_by_layer_as_torch_trains_it_resident(tmp_path
     torch.manual_seed(0)
     ref = Classifier()
     ref.train()
-    model = copy.deepcopy(ref)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
     with _store(str(tmp_path), ref, 8 << 20) as store:
-        off = offload_model(model, store, units=[T5Block])
-        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
-        for step in range(2):
-            mbs = [(ids, ids[:, 0] % 5) for ids in _batches(step, 4)]
-
-            def step_fn(mb, m=model):
-                loss = torch.nn.functional.cross_entropy(m(mb[0]), mb[1]) / 4
-                loss.backward()
-                return loss.item()
-
-            _step_both(ref, ropt, off, opt, step_fn, mbs, seeded=True)
-        opt.close()
-        assert off.stats.layer_major_steps == 2 and off.layer_major_refused is None
-        assert all(torch.equal(off.read_param(n), p.detach()) for n, p in ref.named_parameters())
+        _trains_as_resident(ref, store, [T5Block], lambda step: [(ids, ids[:, 0] % 5) for ids in _batches(step, 4)],
+                            lambda m, mb: torch.nn.functional.cross_entropy(m(mb[0]), mb[1]))
