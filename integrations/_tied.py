@@ -58,7 +58,7 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 class TiedStep(Protocol):
     """What :class:`TiedParts` uses of the layer-major step it serves (``_layer_major.LayerMajorStep``): its offload
     (``off.grads``: the kept gradients), its micro-batches' threads and the segment each is at, the turn, where its
-    backward stands (inside the segments, or in which micro-batch's glue before them), and its store of activations
+    backward stands (inside the segments, or in which micro-batch's glue), and its store of activations
     (``keep``, ``take_kept``, ``glue_place``)."""
 
     off: Any

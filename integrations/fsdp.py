@@ -196,9 +196,8 @@ class FSDPOffload(OffloadBase):
         self.grads = _ShardGrads(self._by_key, GradientStore(store, grad_tier, "param"))
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
         self._said_unsynced = False  # see _unsynced_message
-        # Shards a load names: whether it gave them memory, whether it changes them (see [Note: Loading into the
-        # shards]).
-        self._loading: list[tuple[_Shard, bool, bool]] = []
+        # Shards a load names, with whether it gave them memory (see [Note: Loading into the shards]).
+        self._loading: list[tuple[_Shard, bool]] = []
         self._state_dict_hooks = [hook for module in model.modules() if any(self._owned(module))
                                   for hook in (module.register_state_dict_post_hook(partial(self._fill_state_dict)),
                                                module.register_load_state_dict_pre_hook(self._before_load),
@@ -257,29 +256,30 @@ class FSDPOffload(OffloadBase):
         if not mine:
             return
         self._check_usable()
-        for sh, value in mine:
+        for sh, _ in mine:
             restored = sh.local.untyped_storage().nbytes() != sh.storage_nbytes
             if restored:
                 self._restore(sh)
-            local = value.to_local() if internals.is_dtensor(value) else value
-            self._loading.append((sh, restored, not same_values(sh.local, local)))
+            self._loading.append((sh, restored))
 
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         """The shards restored for a load hold their loaded values: into the store, their memory freed again; an
         optimizer of the model hears of those that changed (it makes their masters again)."""
         loading, self._loading = self._loading, []
-        for sh, restored, _ in loading:
+        changed = []
+        for sh, restored in loading:
             if sh.local.numel():
                 stored = self.store.get(sh.key, Tier.HOST)
                 try:
-                    self.store.writing(sh.key).wait()  # a write of its bytes in flight must not see them change
-                    stored.copy_(sh.local)
-                    self.store.mark_dirty(sh.key, Tier.HOST)
+                    if not same_values(stored, sh.local):  # loaded (a load that failed copied nothing)
+                        self.store.writing(sh.key).wait()  # a write of its bytes in flight must not see them change
+                        stored.copy_(sh.local)
+                        self.store.mark_dirty(sh.key, Tier.HOST)
+                        changed.append(sh.name)
                 finally:
                     self.store.release(sh.key, Tier.HOST)
             if restored:
                 sh.local.untyped_storage().resize_(0)
-        changed = [sh.name for sh, _, differs in loading if differs]
         if changed:
             self.loaded(changed)
 
