@@ -153,7 +153,7 @@ class _Value:
     (a leaf the step made; its value in the store from its first taker on) or one the glue before the first segment
     made (kept, with its graph, for that glue's backward)."""
 
-    ref: Callable[[], torch.Tensor | None]  # the tensor, while it lives (a weak reference for an output)
+    ref: weakref.ref  # the tensor, while it lives (``kept`` holds one the glue made until its backward)
     segment: int | None  # the segment whose output it is; None: made by the glue
     region: int = 0  # made by the glue: the segment before which it was made
     kept: torch.Tensor | None = None  # a value made before the first segment, with its graph
@@ -396,7 +396,7 @@ class LayerMajorStep(PassConsumer):
             if isinstance(t, nn.Parameter):  # its value is the store's, held only while its unit runs
                 raise NotAChain(f"segment {k} takes a parameter as an argument")
             made = 0 if t.grad_fn is None else t.grad_fn._sequence_nr()
-            v = _Value(lambda t=t: t, None, region=next(m for m in range(k + 1) if self.marks[i][m] > made), kept=t)
+            v = _Value(weakref.ref(t), None, region=next(m for m in range(k + 1) if self.marks[i][m] > made), kept=t)
             self.values[i][id(t)] = v
             if t.grad_fn is not None:  # used by the glue after the segments: its graph would be run too early
                 t.register_hook(lambda g: self.reached.append("a tensor made before the first segment") if
@@ -567,8 +567,13 @@ class LayerMajorStep(PassConsumer):
 
     def _backward(self, n: int) -> None:
         self.backward_started = True
-        states = self._grad_states()
-        stretches = [(-1, self.states_at_start, states)]  # the forward's: the head's parts
+        # The segments the glue made values before (but the first): its backward runs after theirs, and what it adds
+        # to is watched (see _check_glue_parts). None in a model whose segments follow one another.
+        between = {v.region for values in self.values for v in values.values() if v.kept is not None and v.region}
+        stretches = []  # (region, or -1 for any other stretch of the step; the gradients before it, after it)
+        states = self._grad_states() if between else {}
+        if between:
+            stretches.append((-1, self.states_at_start, states))  # the forward's: the head's parts
         for call in self.calls[-1]:  # the head's parts of the last segment's outputs
             for v, y in zip(call.outputs, call.last_outputs):
                 v.grad = y.grad
@@ -583,11 +588,11 @@ class LayerMajorStep(PassConsumer):
                 for _, v in self.calls[order[step + 1][0]][order[step + 1][1]].inputs:
                     if v.key is not None:
                         self.store.prefetch(v.key, Tier.HOST)
-            self._rerun(k, call)
+            self._rerun(k, i, call)
             for v in call.outputs:  # every taker has run: its gradient went into this segment's
                 v.grad = None
             call.outputs = []
-            if k and i == n - 1:  # the glue between segments k - 1 and k (see [Note: Values the segments take])
+            if k in between and i == n - 1:  # the glue between segments k - 1 and k
                 self.in_segments_backward = False
                 before = self._grad_states()
                 stretches.append((-1, states, before))
@@ -598,8 +603,9 @@ class LayerMajorStep(PassConsumer):
                 self.in_segments_backward = True
         self.in_segments_backward = False
         self._check_tied()
-        after = self._grad_states()
-        stretches.append((-1, states, after))
+        if between:
+            after = self._grad_states()
+            stretches.append((-1, states, after))
         for u, sp, before in self.held_across.values():
             now = self._grad_state(sp.key)
             if now[0] is not before[0] or now[1] != before[1]:
@@ -610,8 +616,9 @@ class LayerMajorStep(PassConsumer):
             self._glue_backward(0, i)
             self._check_tied()
             self.tied.glue_done(i)
-        stretches.append((-1, after, self._grad_states()))
-        self._check_glue_parts(stretches)
+        if between:
+            stretches.append((-1, after, self._grad_states()))
+            self._check_glue_parts(stretches)
         self.tied.end()
 
     def _glue_backward(self, region: int, i: int) -> None:
@@ -637,14 +644,14 @@ class LayerMajorStep(PassConsumer):
                                         f"glue between segments {region - 1} and {region}")
                     w.grad, y.grad = y.grad, None
 
-    def _rerun(self, k: int, call: _Call) -> None:
+    def _rerun(self, k: int, i: int, call: _Call) -> None:
         """Segment ``k``'s forward again from its inputs' values, and its backward from its outputs' gradients;
         each input's gradient so far goes first into the sum its parts join (see [Note: Values the segments
         take])."""
         leaves = list(call.leaves)
         xs = []
         for j, v in call.inputs:
-            x = self._value_of(v, k)
+            x = self._value_of(v, k, i)
             leaves[j] = x
             xs.append((x, v))
         args, kwargs = tree_unflatten(leaves, call.spec)
@@ -665,7 +672,7 @@ class LayerMajorStep(PassConsumer):
             if x.grad is not None:
                 v.grad = x.grad
 
-    def _value_of(self, v: _Value, k: int) -> torch.Tensor:
+    def _value_of(self, v: _Value, k: int, i: int) -> torch.Tensor:
         """A fresh leaf of the value segment ``k`` takes: from the store (let go at its first taker, the last
         rerun that needs it), or the tensor made before the first segment."""
         if v.key is None:
@@ -676,7 +683,7 @@ class LayerMajorStep(PassConsumer):
         x = self.store.get(v.key, self.off.compute_tier).detach().clone()
         self.store.release(v.key, self.off.compute_tier)
         earlier = max(t for t in v.takers if t < k)
-        self._uses = {**self._uses, v.key: self._place(earlier, self._now % len(self.next_segment))}
+        self._uses = {**self._uses, v.key: self._place(earlier, i)}
         return x.requires_grad_(True)
 
     def _check_tied(self) -> None:

@@ -244,8 +244,9 @@ class StateDictIO:
         """A piece of a sharded parameter's state as a DTensor (see [Note: Optimizer state of shards]); a piece
         made here is mapped from a file where ``mapped`` says the pieces are."""
         sizes = None if what == "master" else self._moment_bytes_of_ranks(name, param)
-        if sizes is not None and any(self.layout.moments_of(self._key_of(name), param, n) == "8bit"
-                                     for n in sizes[1]):  # packed on some rank: each rank's bytes its row
+        key = self._state.item(name)[0]
+        # packed on some rank: each rank's bytes its own row
+        if sizes is not None and any(self.layout.moments_of(key, param, n) == "8bit" for n in sizes[1]):
             row = torch.zeros(1, max(sizes[0]), dtype=torch.uint8)
             row[0, :piece.numel() * piece.element_size()] = piece.reshape(-1).view(torch.uint8)
             return rows_of_ranks(param, self.store.mapped(row) if mapped else row)
@@ -255,9 +256,6 @@ class StateDictIO:
         # A split master's low half (int16, which neither gloo nor NCCL gathers: DCP's full_state_dict) as its bits.
         return shard_like(param, piece.view(torch.bfloat16) if piece.dtype == torch.int16 else piece)
 
-    def _key_of(self, name: str) -> str | None:
-        return next(k for n, k, _ in self._items if n == name)
-
     def _moment_bytes_of_ranks(self, name: str, param: torch.Tensor) -> tuple[list[int], list[int]] | None:
         """(bytes of a moment, values of the shard) of each rank's shard of ``param``, sharded on dim 0 as FSDP2
         shards (a rank's rows as ``torch.chunk`` gives them); None where it is sharded otherwise."""
@@ -266,7 +264,7 @@ class StateDictIO:
             return None
         ranks, _, rows = shards
         per_row = param.numel() // param.shape[0] if param.shape[0] else 0
-        key = self._key_of(name)
+        key = self._state.item(name)[0]
         numels = [max(0, min(rows, param.shape[0] - r * rows)) * per_row for r in range(ranks)]
         return [self.layout.piece_bytes(key, param, n, moment_dtype(key, param))[0] for n in numels], numels
 
@@ -285,7 +283,7 @@ class StateDictIO:
         if local.dtype == torch.uint8 and local.dim() == 2 and local.shape[0] == 1 and \
                 local.shape[1] >= info["nbytes"]:
             return local[0, :info["nbytes"]].view(info["dtype"]).view(info["shape"])
-        if local.dtype == torch.bfloat16 and info["dtype"] == torch.int16 and tuple(local.shape) == tuple(info["shape"]):
+        if (local.dtype, info["dtype"]) == (torch.bfloat16, torch.int16) and tuple(local.shape) == tuple(info["shape"]):
             return local.view(torch.int16)  # a low half's bits
         return local
 

@@ -236,24 +236,22 @@ class TierStore(Residency):
         host budget (a whole state dict a saver walks). Its file lies beside the swap files, outside
         ``nvme_budget_bytes``, while the tensor lives; StoreFullError where the drive cannot take it beside
         ``nvme_reserve_bytes``. An ordinary copy where the store has no NVMe tier."""
-        engine = self._state.engine
-        if engine is None:
+        if self._state.engine is None:
             return self.read(key)
-        engine.require_free(self.info(key)["nbytes"], "a mapped copy of tensor " + repr(key))
         t = self.get(key, Tier.HOST)
         try:
-            return mapped_copy(engine.directory, t)
+            return self.mapped(t, what=f"a mapped copy of tensor {key!r}")
         finally:
             self.release(key, Tier.HOST)
 
-    def mapped(self, tensor: torch.Tensor) -> torch.Tensor:
+    def mapped(self, tensor: torch.Tensor, *, what: str = "a mapped copy of a tensor") -> torch.Tensor:
         """A copy of ``tensor`` (a CPU tensor) mapped from a private file, as :meth:`read_mapped` gives a stored
         tensor's (a value computed from one, such as decoded optimizer state, for a whole state dict). An
         ordinary copy where the store has no NVMe tier."""
         engine = self._state.engine
         if engine is None:
             return tensor.clone()
-        engine.require_free(tensor.numel() * tensor.element_size(), "a mapped copy of a tensor")
+        engine.require_free(tensor.numel() * tensor.element_size(), what)
         return mapped_copy(engine.directory, tensor)
 
     def release(self, key: str, tier: Tier | str = Tier.DEVICE, *, guard_views: bool = False) -> None:
