@@ -98,6 +98,7 @@ class Entry:
     last_get: int = 0  # the store's tick at its latest get() (see [Note: A prefetch overtaken by its get])
     getting: int = 0  # get() calls of this entry fetching it now
     prefetch_asked: dict[Tier, int] = field(default_factory=dict)  # the tick of the latest prefetch() into a tier
+    kept: Any = None  # its kept version (a ``_versions.KeptVersion``: see [Note: Kept versions])
 
     def reported(self, err: BaseException) -> None:
         """``err`` was raised to a caller: the next get() does not raise it again (call under the state lock)."""
@@ -264,6 +265,9 @@ class StoreState:
         self.entries.pop(entry.key, None)
         for copy in list(entry.copies.values()):
             self.free_copy(entry, copy)
+        if entry.kept is not None:
+            entry.kept.free(self.engine)
+            entry.kept = None
 
     def wait_for(self, fut: Future) -> None:
         """Wait for ``fut`` with the lock let go (it is held again on return)."""

@@ -34,6 +34,7 @@ from ._stats import StoreStats
 from ._timeline import Timeline
 from ._transfers import Transfers, done_future
 from ._types import StoreFullError, StoreInUseError, StoreUser, Tier, TierTypeError, TierValueError
+from ._versions import KeptVersions, keep_versions
 
 
 def _check_budgets_fit_memory(config: StoreConfig, separate_device_memory: bool) -> None:
@@ -147,6 +148,28 @@ class TierStore(Residency):
         self.stats.add_wait(start, end, key=key, tier=tier.label)
         self.stats.add("fenced_waits")
         self.stats.add("fenced_wait_seconds", end - start)
+
+    def keep_version(self, keys: list[str]) -> KeptVersions:
+        """Keep the version each key holds now until ``commit()`` or ``restore()`` of what this returns: the next
+        write-back of each goes to a spare extent taken now (``StoreFullError`` where the drive has no room for
+        them, before anything changes), and ``restore()`` brings the kept versions back, reading and writing
+        nothing (see [Note: Kept versions]). Each key's home must be the drive; a changed copy is written home
+        first."""
+        state = self._state
+        state.check_open()
+        for key in keys:
+            self.write_back(key).wait()
+        with state.lock:
+            entries = [state.lookup(k) for k in keys]
+            for entry in entries:  # a write may have begun since (an eviction's): the kept version is the newest
+                while entry.writeback is not None or not entry.home_is_current():
+                    if entry.writeback is None and self._transfers.start_writeback(entry) is None:
+                        break
+                    state.wait_for(entry.writeback or done_future())
+                    if entry.error is not None:
+                        err, entry.error = entry.error, None
+                        raise err
+            return keep_versions(state, entries)
 
     def unfence(self, keys: list[str]) -> None:
         """Lift the fences of ``keys`` (those a failed writer left: see :meth:`fence`)."""

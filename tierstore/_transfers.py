@@ -34,6 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from ._copies import Copy, Entry, StoreState
 from ._room import Room
 from ._types import StoreClosedError, Tier, TierKeyError, TierStoreError, TierValueError
+from ._versions import landed
 
 
 def done_future(result: object = True) -> Future:
@@ -209,7 +210,11 @@ class Transfers:
         home.io_refs += 1
         state.stats.add("write_backs")
         state.device.ready_for_cpu(src.buffer)  # a device-to-host copy into it may still be running
-        fut = state.engine.write(home.extent, src.buffer.data, label=entry.key)
+        # A kept version stays where it is: the first write after it goes to the spare extent (see [Note: Kept
+        # versions]).
+        kept = entry.kept
+        target = kept.spare if kept is not None and kept.old is None else home.extent
+        fut = state.engine.write(target, src.buffer.data, label=entry.key)
         outer: Future = Future()
         entry.writeback = outer
 
@@ -219,6 +224,8 @@ class Transfers:
                 home.io_refs -= 1
                 entry.writeback = None
                 err = f.exception()
+                if kept is not None and target is kept.spare:
+                    landed(state, kept, home, err)
                 if err is None:
                     home.version = max(home.version, version)
                     if entry.error_in_write:
