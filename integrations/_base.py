@@ -87,6 +87,8 @@ class OffloadBase(NotCopyable, OffloadedParameters):
     prefix: str  # of its parameters' store keys
 
     streams_updates = False
+    speculates = False
+    accumulating = False  # within ``accumulate`` (see [Note: Speculated updates])
     """Whether an optimizer may stream its updates into the next forward (see [Note: Updates streamed into the
     next forward]): every read of a parameter's values goes through the store, which waits for a queued update."""
 

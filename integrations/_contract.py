@@ -119,7 +119,8 @@ class PassConsumer:
     - ``grad_ready(key)``: the parameter's gradient for this backward is complete. On the thread running the
       backward (the training thread on a CPU; autograd's device thread with CUDA), outside the store's lock;
       only consumers whose ``consumes_grads`` is true get it, and while one is attached the gradients are handed
-      over to it instead of being kept (see [Note: Stepping in backward]).
+      over to it instead of being kept (see [Note: Stepping in backward]), and those whose ``watches_grads`` is
+      true, with the gradient kept (see [Note: Speculated updates]).
     - ``takes_part(key, grad)``: a part of the parameter's gradient from one backward; a consumer that returns True
       keeps it instead (a layer-major step holds a tied parameter's parts until they can be summed in the loop's
       order: see [Note: Tied parameters layer by layer]). Where ``grad_ready`` is called, before it.
@@ -138,6 +139,9 @@ class PassConsumer:
 
     consumes_grads = False
     """Whether ``grad_ready`` takes each gradient away (an update stepping in backward) instead of it being kept."""
+
+    watches_grads = False
+    """Whether ``grad_ready`` is called for it while the gradients are kept (an update speculated in backward)."""
 
     def grad_ready(self, key: str) -> None:
         """The gradient of ``key``'s parameter is complete for this backward."""
@@ -193,7 +197,7 @@ class Consumers:
 
     def grad_ready(self, key: str) -> None:
         for c in self.attached:
-            if c.consumes_grads:
+            if c.consumes_grads or c.watches_grads:
                 c.grad_ready(key)
 
     def takes_part(self, key: str, grad: torch.Tensor) -> bool:
@@ -258,7 +262,8 @@ class OffloadedParameters(Protocol):
     - ``attach(consumer)``/``detach(consumer)``: a :class:`PassConsumer` (an optimizer, the worker stepping in
       backward) told of the passes; ``consumers``: those attached; ``tells_loads``: whether its consumers hear of
       a load (False: weights are loaded before an optimizer is made); ``loaded(names)``: tell them of one;
-      ``backwards_failed``: how many backward passes raised;
+      ``backwards_failed``: how many backward passes raised; ``accumulating``: whether ``accumulate`` is
+      running its micro-batches now (an update speculated in their backward would not stand);
     - ``later_uses`` and ``prefetch_policy``: what eviction weighs (an optimizer's state keys), the prefetch trace;
     - ``forward_order()``: store key -> its place in the last recorded forward, by first use;
     - ``in_forward_or_backward()``: whether a forward or backward of the model is running now;
@@ -279,6 +284,7 @@ class OffloadedParameters(Protocol):
     grads: GradientSource
     keeps_grads: bool
     tells_loads: bool
+    accumulating: bool
     later_uses: LaterUses
     broken: BrokenValues | None
 

@@ -122,6 +122,9 @@ class _Record:
     generation: int = 0  # changes whenever its values do
     handle: StoredGrad | None = None
     claims: int = 0  # updates queued to read it (see ``GradientStore.claim``)
+    # What changed it since an update read it before its step (see ``GradientStore.watched_values``): each product
+    # by one number, or None for any other write.
+    watched: list[Any] | None = None
 
 
 class GradientStore:
@@ -157,6 +160,8 @@ class GradientStore:
                 self._put(param_key, grad, stored_dtype(param_dtype, self.grad_dtype))
                 return
             self._unclaimed(rec)
+            if rec.watched is not None:
+                rec.watched.append(None)
             with self._held(rec, write=True) as t:
                 t.add_(grad.to(t.device))
                 rec.norm = torch.linalg.vector_norm(t, 2.0)
@@ -213,6 +218,48 @@ class GradientStore:
                 self.store.drop(rec.key)
             self._claims_released.notify_all()
 
+    @contextlib.contextmanager
+    def watched_values(self, grad: torch.Tensor) -> Iterator[torch.Tensor | None]:
+        """The values of ``grad`` (one ``get`` gave) for an update made before it is known whether they are those
+        the step applies (see [Note: Speculated updates]), or None where it is no longer the model's gradient.
+        From here on what changes it is recorded for :meth:`unchanged`; a product by one number (a clip) waits for
+        no update, nor does this block hold the lock: a backward storing other gradients goes on meanwhile."""
+        if not isinstance(grad, StoredGrad):
+            yield None
+            return
+        rec = grad._record
+        with self._lock:
+            current = self._records.get(rec.param_key) is rec
+            if current:
+                rec.watched = []
+                rec.claims += 1  # a drop meanwhile keeps its bytes, and other writes wait
+                scales = list(rec.scales)
+        if not current:
+            yield None
+            return
+        try:
+            t = self.store.get(rec.key, Tier.HOST)
+            try:
+                if scales:
+                    t = t.clone()
+                    for s in scales:
+                        t.mul_(s)  # as _held applies them: the same bits
+                yield t
+            finally:
+                self.store.release(rec.key, Tier.HOST)
+        finally:
+            self.release_claim(grad, drop=False)
+
+    def unchanged(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` is still the model's gradient with the values :meth:`watched_values` gave: nothing
+        changed it since but products by exactly 1 (a clip whose coefficient came out 1)."""
+        if not isinstance(grad, StoredGrad):
+            return False
+        rec = grad._record
+        with self._lock:
+            return (self._records.get(rec.param_key) is rec and rec.watched is not None
+                    and all(_is_one(c) for c in rec.watched))
+
     def _unclaimed(self, rec: _Record) -> None:
         """Wait (the lock held, let go meanwhile) until no queued update is still to read ``rec``."""
         while rec.claims:
@@ -255,13 +302,16 @@ class GradientStore:
         scaling = func in _SCALINGS and not kwargs and len(args) == 2 and _is_scalar(args[1])
         writes = scaling or _writes_grad(func, args, kwargs)
         with self._lock:
-            if writes:
+            if writes and not (scaling and rec.watched is not None):  # a watched product waits for no update
                 self._unclaimed(rec)
             if self._records.get(rec.param_key) is not rec:
                 raise TierStoreError("this gradient was dropped (zero_grad() or a new assignment to .grad since it was "
                                      "read): read param.grad again")
+            factor = (args[1].detach().clone() if isinstance(args[1], torch.Tensor) else args[1]) if scaling else None
+            if rec.watched is not None and writes:
+                rec.watched.append(factor)
             if scaling:
-                rec.scales.append(args[1].detach().clone() if isinstance(args[1], torch.Tensor) else args[1])
+                rec.scales.append(factor)
                 rec.norm = None
                 rec.generation += 1
                 return args[0]
@@ -367,6 +417,15 @@ def _one_by_one(func: Any, args: Any, kwargs: Any) -> Any:
 
     outs = [func(*(at(i, a) for a in args), **{k: at(i, v) for k, v in kwargs.items()}) for i in range(n)]
     return None if all(o is None for o in outs) else [o[0] for o in outs]
+
+
+def _is_one(c: Any) -> bool:
+    """Whether a recorded product is by exactly 1 (NaN and a write, None, are not)."""
+    if c is None:
+        return False
+    if isinstance(c, torch.Tensor):
+        return c.numel() == 1 and not c.is_complex() and bool(c.item() == 1)
+    return not isinstance(c, complex) and c == 1
 
 
 def _is_scalar(x: Any) -> bool:

@@ -49,6 +49,24 @@ def check_streaming(offloaded: object, *, stream_update: bool, step_in_backward:
                              f"of a parameter goes through the store, not {type(offloaded).__name__}: leave it False")
 
 
+def check_speculating(offloaded: object, *, speculate: bool, step_in_backward: bool) -> None:
+    """Refuse ``speculate=True`` where it cannot run (see [Note: Speculated updates])."""
+    if not isinstance(speculate, bool):
+        raise TierTypeError(f"speculate={speculate!r} must be True or False")
+    if not speculate:
+        return
+    if step_in_backward:
+        raise TierValueError("speculate=True makes each update in backward and keeps it at step() only where it is "
+                             "the step's (clipped, accumulated), and step_in_backward=True makes them in backward "
+                             "for good: choose one")
+    if not getattr(offloaded, "speculates", False):
+        raise TierValueError(f"speculate=True needs a model of offload_model, whose every read of a parameter goes "
+                             f"through the store, not {type(offloaded).__name__}: leave it False")
+    if offloaded.store.swap_directory is None:  # type: ignore[attr-defined]
+        raise TierValueError("speculate=True keeps what each update made in backward replaces on the drive, and this "
+                             "store has none (no nvme_path): leave it False, or give the store an nvme_path")
+
+
 def positive_bytes(value: int | str | None, default: int, name: str) -> int:
     """A byte count given as an int or a size such as '64MiB'; ``default`` when None."""
     n = default if value is None else parse_bytes(value, name=name)

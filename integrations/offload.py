@@ -102,6 +102,7 @@ class OffloadedModel(OffloadBase):
 
     prefix = "param/"
     streams_updates = True
+    speculates = True  # see [Note: Speculated updates]
 
     def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int | str, prefetch_bytes: int | None,
                  resident_threshold_bytes: int, home: Tier, compute_tier: Tier,
@@ -350,7 +351,11 @@ class OffloadedModel(OffloadBase):
         is full). The gradients are those of the loop, bit for bit (the same sums in the same order); a model
         whose units do not run as a chain runs as the loop, with a warning once. See [Note: A layer-major
         step]."""
-        return run_layer_major(self, step_fn, micro_batches, self.unit_roots)
+        self.accumulating = True  # no update is speculated in these backward passes (see [Note: Speculated updates])
+        try:
+            return run_layer_major(self, step_fn, micro_batches, self.unit_roots)
+        finally:
+            self.accumulating = False
 
     def follow_optimizer(self, home: Tier) -> None:
         self.grads.follow(home)

@@ -46,6 +46,7 @@ from ._in_backward import BackwardSteps
 from ._layouts import StateLayout
 from ._optim_params import (
     check_flags,
+    check_speculating,
     check_streaming,
     positive_bytes,
     stepped_items,
@@ -54,6 +55,7 @@ from ._optim_params import (
 from ._optim_state import AdamWState
 from ._optim_state_dict import StateDictIO, StateView
 from ._pipeline import StatePipeline, UnrestorableUpdateError
+from ._speculated import SpeculatedUpdates
 from ._streamed import Queued, StreamedUpdates
 from .policies import OptimizerStatePolicy
 
@@ -134,12 +136,13 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
                  max_grad_backlog_bytes: int | str | None = None, maximize: bool = False, amsgrad: bool = False,
                  foreach: bool | None = None, fused: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, moments: str | None = None, master: str | None = None,
-                 keep_grads: bool = True, stream_update: bool = False,
+                 keep_grads: bool = True, stream_update: bool = False, speculate: bool = False,
                  policy: OptimizerStatePolicy | None = None) -> None:
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         check_hyper(defaults, "")
         check_flags(offloaded, amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
         check_streaming(offloaded, stream_update=stream_update, step_in_backward=step_in_backward)
+        check_speculating(offloaded, speculate=speculate, step_in_backward=step_in_backward)
         impl = _adamw.impl_of(foreach, fused)
         chosen = (policy or OptimizerStatePolicy()).overridden(moments=moments, master=master, home=home)
         self.layout = StateLayout(chosen.moments, chosen.master)
@@ -198,6 +201,9 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         # See [Note: Updates streamed into the next forward].
         self.stream_update = stream_update
         self._streamed = StreamedUpdates(self) if stream_update else None
+        # See [Note: Speculated updates].
+        self.speculate = speculate
+        self._speculated = SpeculatedUpdates(self) if speculate else None
         self._attach(offloaded, step_in_backward)
 
     def _attach(self, offloaded: OffloadedParameters, step_in_backward: bool) -> None:
@@ -209,6 +215,8 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         offloaded.attach(self._consumer)
         if self._in_backward is not None:
             offloaded.attach(self._in_backward)
+        if self._speculated is not None:
+            offloaded.attach(self._speculated)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Called by ``Optimizer.__init__`` with the groups ``_optim_params.torch_groups`` checked; refused after it.
@@ -242,6 +250,9 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
             self.offloaded.detach(self._in_backward)
         if self._streamed is not None:
             self._streamed.close()
+        if self._speculated is not None:
+            self._speculated.close()
+            self.offloaded.detach(self._speculated)
         self._consumer.stepping = False
 
     def _drop_state(self) -> None:
@@ -267,6 +278,8 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self._check_attached()
         if self._unfinished is not None:
             raise TierStoreError(self._unfinished)
+        if self._speculated is not None:
+            self._speculated.undo()  # no step() since the backward: its updates do not stand
         if not set_to_none and self.step_in_backward:
             raise TierValueError("zero_grad(set_to_none=False) keeps every gradient, zeroed, until the next step; with "
                                  "step_in_backward=True each gradient is applied and dropped as backward makes it, so "
@@ -318,13 +331,15 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self._backwards_failed = self.offloaded.backwards_failed
         t0 = time.perf_counter()  # the training loop waits here for I/O-bound work: stall time
         errors = [f.exception() for f in early.values()]  # waits for the updates started in backward
+        # waits for the updates speculated in backward, and keeps those that are the step's
+        stood = self._speculated.decide() if self._speculated is not None else set()
         self._progress = ([], 0)
         updated = sum(err is None for err in errors)  # by this step so far
         try:
             previous = self._pipeline.take_previous()
             for h in previous:
                 h.wait()
-            if early or previous:
+            if early or previous or stood:
                 self.store.stats.add_wait(t0, time.perf_counter(), key="optimizer")
             for err in errors:
                 if err is not None:
@@ -333,9 +348,13 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
             if thawed:
                 raise TierStoreError(self._thawed_message(thawed))
             ready = [(n, k, p, g) for n, k, p in self._items
-                     if k not in early and (g := self._grad(n, k, p)) is not None]
+                     if k not in early and k not in stood and (g := self._grad(n, k, p)) is not None]
             work = [item for item in ready if not self._was_applied(item[0], item[3])]
-            if ready and not work and not early and self._unfinished is None:
+            updated += len(stood)
+            if not self.keep_grads:  # applied: they go now
+                for k in stood:
+                    self.offloaded.grads.pop(k, None)
+            if ready and not work and not early and not stood and self._unfinished is None:
                 raise TierStoreError("step() again with the gradients the last step() applied: run backward() first "
                                      "(after zero_grad()); a step applies a gradient once")
             queued: list[Queued] = []
@@ -402,17 +421,19 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         note_interrupt(error, self._unfinished, self.store)
 
     def _timed_step(self, name: str, key: str | None, p: torch.nn.Parameter, grad: torch.Tensor, *,
-                    step: float | None = None, hyper: tuple | None = None) -> None:
+                    step: float | None = None, hyper: tuple | None = None, values: torch.Tensor | None = None) -> None:
         """One parameter's update through the pipeline (a timeline span when one is recorded), as its group
-        stands now unless queued with its own ``step`` count and ``hyper``-parameters."""
+        stands now unless queued with its own ``step`` count and ``hyper``-parameters; ``values``: the gradient's,
+        where the caller holds them (else read from ``grad``)."""
         step = self.steps.get(name, 0.0) + 1.0 if step is None else step
         hyper_of = (lambda: self._hyper(name)) if hyper is None else (lambda: hyper)
         timeline = self.store.timeline
         with timeline.span(f"adamw {name}", "optimizer") if timeline is not None else contextlib.nullcontext():
             try:
                 # a stored gradient is read into the host tier for its update; one kept after it stays unchanged
-                with values_of(grad, keep_stored=self.keep_grads) as values:
-                    self._pipeline.update(name, key, p, values, step, hyper_of)
+                with (contextlib.nullcontext(values) if values is not None
+                      else values_of(grad, keep_stored=self.keep_grads)) as read:
+                    self._pipeline.update(name, key, p, read, step, hyper_of)
             except UnrestorableUpdateError as e:  # no later step or forward may use the half-updated values
                 self.offloaded.broken = BrokenValues(self, str(e), Mend.NEVER)
                 raise

@@ -62,6 +62,36 @@ def train_offloaded(model, data, steps, store, step_in_backward=False, **kw):
         opt.close()
 
 
+def clipped_loop(model, data, opt, *, steps, clip, micro=2, sched=None, after_step=None, first=0,
+                 before_clip=None, batch=None):
+    """Trainer's loop: ``micro`` micro-batches, clipping by the global norm at ``clip`` (None: no clipping), step, a
+    scheduler step, zero_grad; the losses and clip norms. ``before_clip(step)`` runs after the last backward,
+    ``batch(i)`` gives micro-batch ``i`` (else the data's)."""
+    losses, norms = [], []
+    for step in range(first, first + steps):
+        for m in range(micro):
+            x, y = data.batch(micro * step + m, 4) if batch is None else batch(micro * step + m)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            losses.append(loss.item())
+        if before_clip is not None:
+            before_clip(step)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip) if clip is not None else None)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        if after_step is not None:
+            after_step(step)
+        opt.zero_grad()
+    return losses, norms
+
+
+def resident_clipped(ref, data, **kw):
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(ropt, lambda s: 1.0 / (1 + s)) if kw.pop("schedule", False) else None
+    return clipped_loop(ref, data, ropt, sched=sched, **kw)
+
+
 def _tiny_pair(**vit_kw):
     """A tiny ViT, a copy of it to offload, and its data."""
     torch.manual_seed(0)

@@ -9,33 +9,7 @@ import torch.nn.functional as F
 from tierstore import FencedWriteError, TierStoreError, TierValueError
 from tierstore.integrations import OffloadedAdamW, load_checkpoint, offload_model, save_checkpoint
 
-from _training import _assert_same_parameters, _tiny_pair
-
-
-def _loop(model, data, opt, *, steps, clip, micro=2, sched=None, after_step=None, first=0):
-    """Trainer's loop: ``micro`` micro-batches, clipping by the global norm at ``clip``, step, a scheduler step,
-    zero_grad; the losses and clip norms."""
-    losses, norms = [], []
-    for step in range(first, first + steps):
-        for m in range(micro):
-            x, y = data.batch(micro * step + m, 4)
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            losses.append(loss.item())
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
-        opt.step()
-        if sched is not None:
-            sched.step()
-        if after_step is not None:
-            after_step(step)
-        opt.zero_grad()
-    return losses, norms
-
-
-def _resident(ref, data, **kw):
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
-    sched = torch.optim.lr_scheduler.LambdaLR(ropt, lambda s: 1.0 / (1 + s)) if kw.pop("schedule", False) else None
-    return _loop(ref, data, ropt, sched=sched, **kw)
+from _training import _assert_same_parameters, _tiny_pair, clipped_loop as _loop, resident_clipped as _resident
 
 
 def _streamed(model, store, **kw):

@@ -22,6 +22,7 @@ from ._config import (
 from ._nvme import Syscalls
 from ._store import Handle, TierStore, open_store
 from ._timeline import Timeline
+from ._versions import KeptVersions
 from ._types import (
     CheckpointError,
     CheckpointIntegrityError,
@@ -55,6 +56,7 @@ __all__ = [
     "FencedWriteError",
     "Handle",
     "IntegrityError",
+    "KeptVersions",
     "DeepSpeedKeys",
     "STORE_DEEPSPEED_KEYS",
     "TierValueError",

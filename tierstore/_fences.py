@@ -12,6 +12,11 @@ fence of a key replaces the older one.
 Threads: ``fence`` and ``lift`` on the thread queueing the work; ``pending``, ``wait`` and ``after`` on any reader;
 the done-callback (on the writer's thread) lifts the fence. Setting and lifting take a lock; a reader takes one item
 of the dict, whole, without it: it sees a fence or none.
+
+A fence may name what settles it (``settle``): work whose outcome waits for the caller (updates made before it is
+known whether they stand: see [Note: Speculated updates] in integrations/_speculated.py), where a reader that waited
+would wait for itself. A read of such a key calls ``settle()`` on the reading thread first, which must complete the
+future (roll the work back, say), and then reads.
 """
 
 from __future__ import annotations
@@ -29,14 +34,15 @@ class Fences:
     """The fenced keys of one store: key -> (the future that writes it, the writer's thread ident)."""
 
     def __init__(self) -> None:
-        self._by_key: dict[str, tuple[Future, int]] = {}
+        self._by_key: dict[str, tuple[Future, int, Callable[[], None] | None]] = {}
         self._lock = threading.Lock()  # of setting and lifting; readers take one item without it
 
-    def fence(self, keys: Iterable[str], done: Future, writer: int) -> None:
+    def fence(self, keys: Iterable[str], done: Future, writer: int,
+              settle: Callable[[], None] | None = None) -> None:
         keys = list(keys)
         with self._lock:
             for k in keys:
-                self._by_key[k] = (done, writer)
+                self._by_key[k] = (done, writer, settle)
         done.add_done_callback(lambda f: self._lift(keys, f))
 
     def _lift(self, keys: list[str], done: Future) -> None:
@@ -59,7 +65,11 @@ class Fences:
         return held[0]
 
     def wait(self, key: str, done: Future, on_wait: Callable[[float, float], None]) -> None:
-        """Wait for ``done`` (``on_wait(start, end)`` told how long); raise its failure for ``key``."""
+        """Wait for ``done`` (``on_wait(start, end)`` told how long), having settled it first where its fence says
+        how; raise its failure for ``key``."""
+        held = self._by_key.get(key)
+        if held is not None and held[0] is done and held[2] is not None and not done.done():
+            held[2]()
         start = time.perf_counter()
         try:
             error = done.exception()

@@ -48,7 +48,7 @@ class StoreStats:
                 "queue_wait_seconds": 0.0, "io_calls": 0, "evictions": 0, "write_backs": 0, "budget_waits": 0,
                 "prefetches": 0, "prefetch_skipped": 0, "late_prefetches": 0, "kept_evictions": 0,
                 "read_busy_seconds": 0.0, "write_busy_seconds": 0.0, "fenced_waits": 0, "fenced_wait_seconds": 0.0,
-                "updates_streamed": 0,
+                "updates_streamed": 0, "updates_speculated": 0, "speculated_kept": 0, "speculated_undone": 0,
             }
             self._busy: dict[str, tuple[int, float]] = {}  # "read"/"write" -> (calls in flight, since when)
 

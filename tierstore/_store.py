@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -138,11 +139,12 @@ class TierStore(Residency):
         entry.copies[tier] = copy
         return copy
 
-    def fence(self, keys: list[str], done: Future, writer: int) -> None:
+    def fence(self, keys: list[str], done: Future, writer: int, *, settle: Callable[[], None] | None = None) -> None:
         """Until ``done`` completes, a :meth:`get` of these keys by any thread but ``writer`` (a thread ident)
         waits for it, and raises ``FencedWriteError`` if it failed (until :meth:`unfence`); a prefetch of one
-        starts once it is done (see [Note: Fenced keys]). For work queued to change them on another thread."""
-        self._fences.fence(keys, done, writer)
+        starts once it is done (see [Note: Fenced keys]). For work queued to change them on another thread.
+        ``settle``: called by such a get before it waits, to complete ``done`` on the reading thread."""
+        self._fences.fence(keys, done, writer, settle)
 
     def _fenced_wait(self, start: float, end: float, key: str, tier: Tier) -> None:
         self.stats.add_wait(start, end, key=key, tier=tier.label)

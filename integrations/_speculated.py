@@ -1,0 +1,301 @@
+"""The worker of ``OffloadedAdamW(speculate=True)``: each update made in backward, kept or undone at ``step()``.
+
+[Note: Speculated updates] A loop that clips by the global norm cannot step a parameter before its backward ends:
+the clip coefficient needs every gradient. But where the norm stays under ``max_norm`` the coefficient is exactly 1,
+and the update made with the gradient as backward left it is the step's, bit for bit (``x * 1`` is ``x``). With
+``speculate=True`` each offloaded parameter is updated on a worker as soon as its gradient is complete (as with
+``step_in_backward``, beside the rest of backward), and ``step()`` decides:
+
+- The update stands where nothing changed its gradient since the worker read it but products by exactly 1 (torch's
+  ``clip_grad_norm_`` multiplies every gradient by its clamped coefficient: 1 when it does not clip; a non-finite
+  norm gives NaN, a clip anything else), the parameter's group has the hyper-parameters the update used, and the
+  update ran. Nothing more moves for it: ``step()`` frees what it kept.
+- Any other is undone and made again by ``step()`` as without speculation (streamed with ``stream_update=True``):
+  the update kept the version of every key it changes (moments, master, weight: see [Note: Kept versions] in
+  tierstore/_versions.py), at no cost in bytes, and the gradient stays in the store, so the redo reads the state of
+  before and the gradient as clipped; the same arithmetic on the same inputs gives the step's result.
+
+Until ``step()`` decides, the keys of the speculated updates are fenced (see [Note: Fenced keys]). Whatever reads
+one first (the next micro-batch's forward in a loop that accumulates, a parameter or state read, a checkpoint,
+``zero_grad()`` with no step, a skipped step of GradScaler) undoes them all, and speculation rests until the next
+``step()``: every value anyone reads is a whole step's. A second backward before ``step()`` does the same. Within
+``off.accumulate`` nothing is speculated (see below). Counted in the store's stats: ``updates_speculated``,
+``speculated_kept``, ``speculated_undone``.
+
+Cost: the gradient is kept (in the store, written to the drive only where the host tier has no room for it) and a
+spare extent is taken for each changed key (the drive needs room for the speculated updates' state twice); a
+parameter whose state is not on the drive (kept in the host tier by the placement, or a store without a drive), or
+for which the drive has no room, is not speculated and steps at ``step()``.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from tierstore import KeptVersions, StoreFullError, Tier, TierStore
+
+from ._contract import OffloadedParameters, PassConsumer
+from ._grads import GradientStore
+from ._pipeline import StatePipeline, state_keys
+
+
+_ALIGN = 4096  # what an extent may take beyond its bytes
+
+
+class SpeculatingOptimizer(Protocol):
+    """What the worker uses of the optimizer it updates for (``OffloadedAdamW``): its model and store, its items
+    and pipeline, the queue with its progress (``_progress``, set whole: evicting threads read it), the update of
+    one parameter with given values (``_timed_step``), each parameter's step count, what each last update applied
+    (``steps``, ``_applied``) and its group's hyper-parameters now (``_hyper``)."""
+
+    offloaded: OffloadedParameters
+    store: TierStore
+    steps: dict[str, float]
+    _items: list[tuple[str, str | None, torch.nn.Parameter]]
+    _applied: dict[str, Any]
+    _pipeline: StatePipeline
+    _progress: tuple[list[tuple], int]
+
+    def _timed_step(self, name: str, key: str | None, p: torch.nn.Parameter, grad: Any, *, step: float,
+                    hyper: tuple, values: torch.Tensor | None = None) -> None: ...
+
+    def _hyper(self, name: str) -> tuple: ...
+
+    def updates_done(self) -> None: ...
+
+
+@dataclass(eq=False)
+class _Speculated:
+    """One update made in backward: what it applied and what undoes it."""
+
+    name: str
+    key: str
+    param: torch.nn.Parameter
+    grad: Any
+    step: float
+    hyper: tuple
+    before: tuple[float | None, Any]  # the parameter's step count and last applied gradient before it
+    kept: KeptVersions | None = None  # set by the worker once it has kept the versions (None: not updated)
+    future: Future | None = None
+
+
+@dataclass(eq=False)
+class _Round:
+    """The updates speculated in one backward, and the future their fences wait on (completed by ``decide``)."""
+
+    items: list[_Speculated] = field(default_factory=list)
+    by_key: dict[str, _Speculated] = field(default_factory=dict)
+    queue: list[tuple] = field(default_factory=list)  # (name, key, param, grad): the read-ahead's list
+    decided: Future = field(default_factory=Future)
+
+
+class SpeculatedUpdates(PassConsumer):
+    """The updates one optimizer speculates in backward, on one worker thread (see [Note: Speculated updates]).
+    ``grad_ready`` on the backward's thread; ``decide``, ``undo`` and ``close`` on the training thread (``undo``
+    also on whichever thread reads a fenced key first); ``_run`` on the worker."""
+
+    watches_grads = True
+
+    def __init__(self, opt: SpeculatingOptimizer) -> None:
+        self.opt = opt
+        self.by_key = {key: (name, key, p) for name, key, p in opt._items if key is not None}
+        self._worker: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="tierstore-adamw-spec")
+        self._writer = self._worker.submit(threading.get_ident).result()
+        self._round: _Round | None = None
+        self._resting = False  # undone since the last step(): speculate again after it
+        self._on_drive: dict[str, bool] = {}  # name -> whether every key its update changes lives on the drive
+        self._lock = threading.RLock()  # of the round: undo may come from any thread that reads a fenced key
+        self.room_warned = False
+        self._round_bytes: int | None = None  # the drive a round may take (see _room_for_a_round)
+
+    # ---- backward's thread ----------------------------------------------------------------------
+    def grad_ready(self, key: str) -> None:
+        """A gradient is complete: speculate its parameter's update (or, a second time, undo the round)."""
+        opt = self.opt
+        if key not in self.by_key or self._worker is None or self._resting or opt.offloaded.accumulating:
+            return
+        with self._lock:
+            round_ = self._round
+            if round_ is not None and key in round_.by_key:  # a second backward before step(): it accumulates
+                self._undo_locked("a second backward before step()")
+                return
+            name, key_, p = self.by_key[key]
+            grad = opt.offloaded.grads.get(key)
+            if grad is None or not self._speculable(name, key_, p):
+                return
+            if round_ is None:
+                if not self._room_for_a_round():
+                    self._resting = True
+                    return
+                opt.updates_done()  # the last step's streamed updates first: the worker's queue is one at a time
+                round_ = self._round = _Round()
+            spec = _Speculated(name, key_, p, grad, opt.steps.get(name, 0.0) + 1.0, opt._hyper(name),
+                               (opt.steps.get(name), opt._applied.get(name)))
+            round_.items.append(spec)
+            round_.by_key[key] = spec
+            round_.queue.append((name, key_, p, grad))
+            opt._progress = (round_.queue, opt._progress[1] if opt._progress[0] is round_.queue else 0)
+            opt.store.fence(self._changed_keys(spec.name, spec.key, spec.param), round_.decided, self._writer, settle=self.undo)
+            spec.future = self._worker.submit(self._run, round_, len(round_.items) - 1)
+
+    def _changed_keys(self, name: str, key: str, p: torch.nn.Parameter) -> list[str]:
+        layout = self.opt._pipeline.layout
+        keys = state_keys(name, key, p, layout)
+        if layout.master_of(key, p) == "fp32":
+            keys.append(key)  # the weight, rounded from its updated master
+        return keys
+
+    def _speculable(self, name: str, key: str, p: torch.nn.Parameter) -> bool:
+        """Whether every key the update changes lives on the drive and is not kept in the host tier."""
+        keys = self._changed_keys(name, key, p)
+        on_drive = self._on_drive.get(name)
+        if on_drive is None:
+            on_drive = self._on_drive[name] = all(self.opt.store.info(k)["home"] == Tier.NVME.label for k in keys)
+        return on_drive and not (self.opt.store.kept(Tier.HOST) & set(keys))
+
+    def _room_for_a_round(self) -> bool:
+        """Whether the drive has room for a round: a spare extent for every key the updates change, and the
+        gradients the backward stores beside them."""
+        if self._round_bytes is None:
+            store = self.opt.store
+            grads: GradientStore = self.opt.offloaded.grads  # type: ignore[assignment]
+            self._round_bytes = sum(
+                store.info(k)["nbytes"] + _ALIGN for name, key, p in self.by_key.values()
+                for k in self._changed_keys(name, key, p)) + sum(
+                p.numel() * grads.dtype_of(p).itemsize + _ALIGN for _, _, p in self.by_key.values())
+        room = self.opt.store.nvme_room_bytes()
+        if room >= self._round_bytes:
+            return True
+        self._no_room(f"a step's updates need {self._round_bytes / 2**20:.1f} MiB of it (a second copy of the state "
+                      f"they change, and the gradients), and {room / 2**20:.1f} MiB is free")
+        return False
+
+    # ---- the worker -----------------------------------------------------------------------------
+    def _run(self, round_: _Round, i: int) -> None:
+        opt = self.opt
+        spec = round_.items[i]
+        store = opt.store
+        grads: GradientStore = opt.offloaded.grads  # type: ignore[assignment]
+        try:
+            with store.stats.background():
+                opt._pipeline.read_ahead(round_.queue, i)
+                try:
+                    kept = store.keep_version(self._changed_keys(spec.name, spec.key, spec.param))
+                except StoreFullError as e:
+                    self._no_room(str(e))
+                    return
+                try:
+                    with grads.watched_values(spec.grad) as values:
+                        if values is None:  # dropped meanwhile (zero_grad): nothing to speculate
+                            kept.commit()
+                            return
+                        opt._timed_step(spec.name, spec.key, spec.param, spec.grad, step=spec.step,
+                                        hyper=spec.hyper, values=values)
+                except BaseException:
+                    kept.restore()  # nothing of it persists; step() updates it as without speculation
+                    raise
+                spec.kept = kept
+                store.stats.add("updates_speculated")
+        finally:
+            round_.queue[i] = (spec.name, spec.key, spec.param, None)
+            if opt._progress[0] is round_.queue:
+                opt._progress = (round_.queue, i + 1)
+
+    def _no_room(self, why: str) -> None:
+        """Said once: the drive has no room to keep what the updates replace."""
+        if not self.room_warned:
+            self.room_warned = True
+            warnings.warn(f"OffloadedAdamW(speculate=True): the drive has no room to keep what the updates made in "
+                          f"backward replace, so parameters step at step() instead ({why}); free space on the drive "
+                          f"or raise nvme_budget_bytes to speculate", stacklevel=2)
+
+    # ---- the training thread --------------------------------------------------------------------
+    def _settled(self, round_: _Round) -> None:
+        for spec in round_.items:
+            assert spec.future is not None
+            spec.future.exception()  # a failed one kept nothing (see _run)
+
+    def decide(self) -> set[str]:
+        """At ``step()``: keep each speculated update that is the step's and undo the others (see [Note:
+        Speculated updates]); the keys of the parameters kept, which ``step()`` does not update again."""
+        with self._lock:
+            round_, self._round = self._round, None
+            self._resting = False
+            if round_ is None:
+                return set()
+            opt = self.opt
+            grads: GradientStore = opt.offloaded.grads  # type: ignore[assignment]
+            self._settled(round_)
+            stood: set[str] = set()
+            undone = 0
+            for spec in round_.items:
+                if spec.kept is None:
+                    continue
+                if grads.unchanged(spec.grad) and opt._hyper(spec.name) == spec.hyper:
+                    spec.kept.commit()
+                    stood.add(spec.key)
+                else:
+                    self._undo_one(spec)
+                    undone += 1
+            opt.store.stats.add("speculated_kept", len(stood))
+            opt.store.stats.add("speculated_undone", undone)
+            round_.decided.set_result(None)  # lifts the fences
+            return stood
+
+    def undo(self) -> None:
+        """Undo every update speculated since the last ``step()``; none more until the next (a read of a fenced key
+        calls it: see [Note: Speculated updates])."""
+        with self._lock:
+            self._undo_locked("read before step()")
+
+    def _undo_locked(self, why: str) -> None:
+        round_, self._round = self._round, None
+        if round_ is None:
+            return
+        self._resting = True
+        self._settled(round_)
+        undone = 0
+        for spec in round_.items:
+            if spec.kept is not None:
+                self._undo_one(spec)
+                undone += 1
+        self.opt.store.stats.add("speculated_undone", undone)
+        if self.opt._progress[0] is round_.queue:
+            self.opt._progress = ([], 0)
+        round_.decided.set_result(None)
+
+    def _undo_one(self, spec: _Speculated) -> None:
+        opt = self.opt
+        assert spec.kept is not None
+        spec.kept.restore()
+        spec.kept = None
+        steps, applied = spec.before
+        if steps is None:
+            opt.steps.pop(spec.name, None)
+        else:
+            opt.steps[spec.name] = steps
+        if applied is None:
+            opt._applied.pop(spec.name, None)
+        else:
+            opt._applied[spec.name] = applied
+
+    @property
+    def pending(self) -> bool:
+        return self._round is not None
+
+    def close(self) -> None:
+        """Undo what is speculated and stop the worker."""
+        if self._worker is None:
+            return
+        self.undo()
+        self._worker.shutdown(wait=True)
+        self._worker = None
+
+
+__all__ = ["SpeculatedUpdates"]

@@ -1,0 +1,233 @@
+"""OffloadedAdamW(speculate=True): each update made in backward, kept at step() where it is the step's and undone
+and made again where it is not, with torch's numbers either way (see [Note: Speculated updates])."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tierstore import TierValueError
+from tierstore.integrations import OffloadedAdamW, load_checkpoint, offload_model, save_checkpoint
+
+from _training import _assert_same_parameters, _tiny_pair, clipped_loop, resident_clipped
+
+
+def _speculating(model, store, **kw):
+    off = offload_model(model, store, resident_threshold_bytes=1024)
+    assert off.resident and off.params  # clipping spans both kinds of parameter
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, speculate=True, **kw)
+    return off, opt
+
+
+def _speculated(opt):
+    """Wait until the worker has made every update of this backward (so the clip comes after each, the order
+    where a clip that clips undoes them): the path a test means to force."""
+    round_ = opt._speculated._round
+    for spec in round_.items if round_ is not None else ():
+        spec.future.exception()
+
+
+def _counts(store):
+    s = store.stats_dict()
+    return s["updates_speculated"], s["speculated_kept"], s["speculated_undone"]
+
+
+def _same_bits(a, b):
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("keep_grads", [True, False])
+@pytest.mark.parametrize("clip", [None, 1e9, 1e-3], ids=["no-clip", "never-clipped", "always-clipped"])
+def test_a_clipped_loop_matches_torch_and_keeps_only_the_updates_that_are_the_steps(make_store, clip, keep_grads):
+    ref, model, data = _tiny_pair(tie_head=True)
+    ref_losses, ref_norms = resident_clipped(ref, data, steps=3, clip=clip, micro=1, schedule=True)
+    store = make_store(host_budget_bytes="704KiB", device_budget_bytes="320KiB")
+    off, opt = _speculating(model, store, keep_grads=keep_grads)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    losses, norms = clipped_loop(model, data, opt, steps=3, clip=clip, micro=1, sched=sched,
+                                 before_clip=lambda step: _speculated(opt))
+    assert losses == ref_losses
+    assert all(a is b is None or torch.equal(a, b) for a, b in zip(norms, ref_norms))
+    _assert_same_parameters(model, ref)
+    speculated, kept, undone = _counts(store)
+    assert 0 < speculated <= 3 * len(off.params)  # the placement may keep some state in the host tier: not these
+    assert (kept, undone) == ((0, speculated) if clip == 1e-3 else (speculated, 0))
+    opt.close()
+
+
+def test_a_non_finite_gradient_undoes_the_updates(make_store):
+    """A batch that makes every gradient NaN: the clip's coefficient is NaN, so no speculated update stands, and
+    the step is torch's (NaN parameters, bit for bit)."""
+    ref, model, data = _tiny_pair()
+
+    def batch(i):
+        x, y = data.batch(i, 4)
+        return (x * float("inf") if i == 1 else x), y
+
+    resident_clipped(ref, data, steps=2, clip=1e9, micro=1, batch=batch)
+    store = make_store()
+    off, opt = _speculating(model, store)
+    clipped_loop(model, data, opt, steps=2, clip=1e9, micro=1, batch=batch, before_clip=lambda step: _speculated(opt))
+    got = model.state_dict()
+    assert all(_same_bits(got[k], v) for k, v in ref.state_dict().items())
+    assert any(v.isnan().any() for v in got.values())
+    speculated, kept, undone = _counts(store)
+    assert undone == len(off.params) and kept == speculated - undone
+    opt.close()
+
+
+def test_a_learning_rate_changed_before_step_undoes_the_updates(make_store):
+    """A scheduler stepped between backward and step() (a warmup that sets the lr first): each update speculated
+    with the old lr is undone and made with the new one."""
+    ref, model, data = _tiny_pair()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    store = make_store()
+    off, opt = _speculating(model, store)
+
+    def halve(o):
+        return lambda step: [g.__setitem__("lr", g["lr"] / 2) for g in o.param_groups]
+
+    ref_losses, _ = clipped_loop(ref, data, ropt, steps=2, clip=1e9, micro=1, before_clip=halve(ropt))
+    losses, _ = clipped_loop(model, data, opt, steps=2, clip=1e9, micro=1,
+                             before_clip=lambda step: (_speculated(opt), halve(opt)(step)))
+    assert losses == ref_losses
+    _assert_same_parameters(model, ref)
+    assert _counts(store)[2] == 2 * len(off.params)
+    opt.close()
+
+
+def test_a_loop_that_accumulates_undoes_at_the_next_forward(make_store):
+    """Two micro-batches a step: the second forward reads parameters the first backward's updates changed, so they
+    are undone before it reads them; the step is torch's."""
+    ref, model, data = _tiny_pair()
+    ref_losses, _ = resident_clipped(ref, data, steps=2, clip=1e9, micro=2)
+    store = make_store()
+    off, opt = _speculating(model, store)
+    losses, _ = clipped_loop(model, data, opt, steps=2, clip=1e9, micro=2)
+    assert losses == ref_losses
+    _assert_same_parameters(model, ref)
+    speculated, kept, undone = _counts(store)
+    assert undone > 0 and kept + undone == speculated
+    opt.close()
+
+
+def test_reads_between_backward_and_step_see_the_values_of_before_it(make_store, tmp_path):
+    """A parameter read, state dicts and a checkpoint after backward, before step(): each gives the values of
+    before the step (the speculated updates are undone), and the run goes on as torch's; a checkpoint saved right
+    after a speculated step resumes with torch's values."""
+    ref, model, data = _tiny_pair()
+    before = {}
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+
+    def keep_ref(step):
+        before[step] = {k: v.clone() for k, v in ref.state_dict().items()}
+
+    clipped_loop(ref, data, ropt, steps=3, clip=1e9, micro=1, before_clip=keep_ref)
+    store = make_store()
+    off, opt = _speculating(model, store)
+    name = next(n for n, _, _ in off.named_offloaded())
+    p = dict(model.named_parameters())[name]
+    seen = {}
+
+    def read(step):
+        _speculated(opt)
+        if step == 1:
+            seen["param"] = off.read_param(name)
+            seen["model"] = {k: v.clone() for k, v in model.state_dict().items()}
+            seen["exp_avg"] = opt.state[p]["exp_avg"].clone()
+            save_checkpoint(str(tmp_path / "between"), model, opt)
+
+    def save_after(step):
+        if step == 2:
+            save_checkpoint(str(tmp_path / "after"), model, opt)
+
+    clipped_loop(model, data, opt, steps=3, clip=1e9, micro=1, before_clip=read, after_step=save_after)
+    assert torch.equal(seen["param"], before[1][name])
+    assert all(torch.equal(seen["model"][k], v) for k, v in before[1].items())
+    _assert_same_parameters(model, ref)
+    opt.close()
+    for ck, expected in (("between", before[1]), ("after", ref.state_dict())):
+        _, model2, _ = _tiny_pair()
+        _, opt2 = _speculating(model2, make_store())
+        load_checkpoint(str(tmp_path / ck), model2, opt2)
+        assert all(torch.equal(model2.state_dict()[k], v) for k, v in expected.items()), ck
+        opt2.close()
+
+
+def test_a_skipped_step_leaves_the_values_as_they_were(make_store):
+    """backward, then zero_grad() with no step() (a step skipped, as GradScaler skips one on an overflow): nothing
+    of the speculated updates stands."""
+    ref, model, data = _tiny_pair()
+    store = make_store()
+    off, opt = _speculating(model, store)
+    x, y = data.batch(0, 4)
+    F.cross_entropy(model(x), y).backward()
+    _speculated(opt)
+    assert _counts(store)[0] == len(off.params)
+    opt.zero_grad()
+    _assert_same_parameters(model, ref)
+    assert opt.steps == {}
+    clipped_loop(model, data, opt, steps=1, clip=1e9, micro=1)  # and the next step is a first step
+    resident_clipped(ref, data, steps=1, clip=1e9, micro=1)
+    _assert_same_parameters(model, ref)
+    opt.close()
+
+
+@pytest.mark.parametrize("clip", [1e9, 1e-3], ids=["never-clipped", "always-clipped"])
+def test_compressed_state_gives_the_results_of_no_speculation(make_store, clip):
+    """bf16 weights, 8-bit moments and split masters: the same kernels on the same inputs, so the same bits as
+    the step without speculation, whether the updates stand or are made again (streamed, here)."""
+    results = {}
+    for speculate in (False, True):
+        _, model, data = _tiny_pair()
+        model.to(torch.bfloat16)
+        store = make_store()
+        off = offload_model(model, store, resident_threshold_bytes=1024)
+        opt = OffloadedAdamW(off, lr=1e-3, moments="8bit", master="split", speculate=speculate,
+                             stream_update=speculate)
+        losses, _ = clipped_loop(model, data, opt, steps=3, clip=clip, micro=1,
+                                 before_clip=(lambda step: _speculated(opt)) if speculate else None,
+                                 batch=lambda i: (data.batch(i, 4)[0].bfloat16(), data.batch(i, 4)[1]))
+        results[speculate] = losses, {k: v.clone() for k, v in model.state_dict().items()}
+        if speculate:
+            assert _counts(store)[0] > 0
+        opt.close()
+    assert results[True][0] == results[False][0]
+    assert all(_same_bits(results[True][1][k], v) for k, v in results[False][1].items())
+
+
+def test_a_drive_without_room_for_the_kept_versions_steps_at_step(make_store):
+    """Too little drive for what the updates replace: they are made at step(), with one warning, and the run is
+    torch's."""
+    ref, model, data = _tiny_pair()
+    ref_losses, _ = resident_clipped(ref, data, steps=2, clip=1e9, micro=1)
+    probe_store = make_store()
+    _, probe_model, _ = _tiny_pair()
+    _, probe = _speculating(probe_model, probe_store)
+    clipped_loop(probe_model, data, probe, steps=1, clip=1e9, micro=1)
+    probe.close()
+    # room for the state and the gradients, not for a second copy of every changed key
+    used = probe_store.memory()["nvme"]["peak_bytes"]
+    store = make_store(nvme_budget_bytes=used - used // 4)
+    off, opt = _speculating(model, store)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, _ = clipped_loop(model, data, opt, steps=2, clip=1e9, micro=1)
+    assert losses == ref_losses
+    _assert_same_parameters(model, ref)
+    assert sum("no room" in str(w.message) for w in caught) == 1
+    assert _counts(store)[0] < 2 * len(off.params)
+    opt.close()
+
+
+def test_refused_where_it_cannot_run(make_store):
+    from tierstore.integrations._optim_params import check_speculating
+
+    _, model, _ = _tiny_pair()
+    off = offload_model(model, make_store())
+    with pytest.raises(TierValueError, match="choose one"):
+        OffloadedAdamW(off, speculate=True, step_in_backward=True)
+    with pytest.raises(TypeError, match="True or False"):
+        OffloadedAdamW(off, speculate="yes")
+    with pytest.raises(TierValueError, match="needs a model of offload_model"):
+        check_speculating(object(), speculate=True, step_in_backward=False)
