@@ -18,6 +18,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -26,6 +27,24 @@ from tierstore import TierStore, TierStoreError
 
 from ._contract import BrokenValues, Mend, OffloadedParameters, PassConsumer
 from ._pipeline import StatePipeline, UnrestorableUpdateError
+
+
+def wait_for_backlog(store: TierStore, over: Callable[[], bool], oldest: Callable[[], Future | None],
+                     worker: int | None) -> None:
+    """Backward waits (stall time) while ``over()``: gradients queued for a worker's updates exceed their bound;
+    ``oldest()`` is the update to wait for (None: none left), ``worker`` the worker's thread ident."""
+    if not over():
+        return
+    t0 = time.perf_counter()
+    while over() and (fut := oldest()) is not None:
+        try:
+            fut.exception(timeout=0.05)
+        except FutureTimeoutError:
+            # The worker waits for host memory that backward holds: backward goes on (and releases
+            # it), the backlog over its bound for a while, rather than both waiting for each other.
+            if worker is not None and store.is_waiting_for_room(worker):
+                break
+    store.stats.add_wait(t0, time.perf_counter(), key="gradient backlog")
 
 
 class SteppingOptimizer(Protocol):
@@ -98,18 +117,13 @@ class BackwardSteps(PassConsumer):
     def _wait_for_backlog(self) -> None:
         """Backward waits while the gradients queued before this one exceed the backlog bound."""
         opt = self.opt
-        if self.backlog_bytes <= opt.max_grad_backlog_bytes:
-            return
-        t0 = time.perf_counter()
-        while self.backlog_bytes > opt.max_grad_backlog_bytes and (done := opt._progress[1]) < len(self.futures):
-            try:
-                self.futures[done].exception(timeout=0.05)
-            except FutureTimeoutError:
-                # The worker waits for host memory that backward holds: backward goes on (and releases
-                # it), the backlog over its bound for a while, rather than both waiting for each other.
-                if self._worker_ident is not None and opt.store.is_waiting_for_room(self._worker_ident):
-                    break
-        opt.store.stats.add_wait(t0, time.perf_counter(), key="gradient backlog")
+
+        def oldest() -> Future | None:
+            done = opt._progress[1]
+            return self.futures[done] if done < len(self.futures) else None
+
+        wait_for_backlog(opt.store, lambda: self.backlog_bytes > opt.max_grad_backlog_bytes, oldest,
+                         self._worker_ident)
 
     def held_host_bytes(self) -> int:
         """The bytes of gradients the worker may have queued (the placement's room counts them: see [Note: Updates
@@ -159,4 +173,4 @@ class BackwardSteps(PassConsumer):
         self._worker = None
 
 
-__all__ = ["BackwardSteps"]
+__all__ = ["BackwardSteps", "wait_for_backlog"]

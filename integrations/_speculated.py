@@ -42,6 +42,7 @@ from tierstore import KeptVersions, StoreFullError, Tier, TierStore
 
 from ._contract import OffloadedParameters, PassConsumer
 from ._grads import GradientStore
+from ._in_backward import wait_for_backlog
 from ._pipeline import StatePipeline, state_keys
 
 
@@ -56,6 +57,7 @@ class SpeculatingOptimizer(Protocol):
 
     offloaded: OffloadedParameters
     store: TierStore
+    max_grad_backlog_bytes: int
     steps: dict[str, float]
     _items: list[tuple[str, str | None, torch.nn.Parameter]]
     _applied: dict[str, Any]
@@ -81,6 +83,7 @@ class _Speculated:
     step: float
     hyper: tuple
     before: tuple[float | None, Any]  # the parameter's step count and last applied gradient before it
+    nbytes: int = 0  # of its gradient
     kept: KeptVersions | None = None  # set by the worker once it has kept the versions (None: not updated)
     future: Future | None = None
 
@@ -113,6 +116,8 @@ class SpeculatedUpdates(PassConsumer):
         self._lock = threading.RLock()  # of the round: undo may come from any thread that reads a fenced key
         self.room_warned = False
         self._round_bytes: int | None = None  # the drive a round may take (see _room_for_a_round)
+        self._backlog_bytes = 0  # of gradients queued for the worker and not yet read by it
+        self._backlog_lock = threading.Lock()
 
     # ---- backward's thread ----------------------------------------------------------------------
     def grad_ready(self, key: str) -> None:
@@ -136,13 +141,25 @@ class SpeculatedUpdates(PassConsumer):
                 opt.updates_done()  # the last step's streamed updates first: the worker's queue is one at a time
                 round_ = self._round = _Round()
             spec = _Speculated(name, key_, p, grad, opt.steps.get(name, 0.0) + 1.0, opt._hyper(name),
-                               (opt.steps.get(name), opt._applied.get(name)))
+                               (opt.steps.get(name), opt._applied.get(name)), grad.numel() * grad.element_size())
             round_.items.append(spec)
             round_.by_key[key] = spec
             round_.queue.append((name, key_, p, grad))
             opt._progress = (round_.queue, opt._progress[1] if opt._progress[0] is round_.queue else 0)
             opt.store.fence(self._changed_keys(spec.name, spec.key, spec.param), round_.decided, self._writer, settle=self.undo)
+            with self._backlog_lock:
+                self._backlog_bytes += spec.nbytes
             spec.future = self._worker.submit(self._run, round_, len(round_.items) - 1)
+            self._wait_for_backlog(round_)
+
+    def _wait_for_backlog(self, round_: _Round) -> None:
+        """Backward waits while the gradients the worker has yet to read exceed ``max_grad_backlog_bytes``: read
+        while in the host tier, not written to the drive and read back (see [Note: Stepping in backward])."""
+        def oldest() -> Future | None:
+            return next((s.future for s in round_.items if s.future is not None and not s.future.done()), None)
+
+        wait_for_backlog(self.opt.store, lambda: self._backlog_bytes > self.opt.max_grad_backlog_bytes, oldest,
+                         self._writer)
 
     def _changed_keys(self, name: str, key: str, p: torch.nn.Parameter) -> list[str]:
         layout = self.opt._pipeline.layout
@@ -157,7 +174,7 @@ class SpeculatedUpdates(PassConsumer):
         on_drive = self._on_drive.get(name)
         if on_drive is None:
             on_drive = self._on_drive[name] = all(self.opt.store.info(k)["home"] == Tier.NVME.label for k in keys)
-        return on_drive and not (self.opt.store.kept(Tier.HOST) & set(keys))
+        return on_drive
 
     def _room_for_a_round(self) -> bool:
         """Whether the drive has room for a round: a spare extent for every key the updates change, and the
@@ -203,6 +220,8 @@ class SpeculatedUpdates(PassConsumer):
                 spec.kept = kept
                 store.stats.add("updates_speculated")
         finally:
+            with self._backlog_lock:
+                self._backlog_bytes -= spec.nbytes
             round_.queue[i] = (spec.name, spec.key, spec.param, None)
             if opt._progress[0] is round_.queue:
                 opt._progress = (round_.queue, i + 1)

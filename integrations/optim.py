@@ -210,7 +210,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         """Tell the model's offload when this state is used (eviction weighs it), and what to do on its removal
         and on a load of its weights (see [Note: Consumers of a pass])."""
         self._state.attach(offloaded.later_uses)
-        offloaded.later_uses.in_backward = step_in_backward
+        offloaded.later_uses.in_backward = step_in_backward or self.speculate  # where the updates run
         self._consumer = _StateConsumer(self)
         offloaded.attach(self._consumer)
         if self._in_backward is not None:

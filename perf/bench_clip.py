@@ -11,13 +11,16 @@ parameters), a batch of ``--batch`` rows, MSE loss, parameters and Adam state on
 - **clipped**: ``loss.backward()``, ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``,
   ``opt.step()``: every update waits for the whole backward and runs while nothing computes;
 - **streamed**: the same loop with ``OffloadedAdamW(stream_update=True)``: ``step()`` queues the updates and each
-  runs while the next forward computes (see [Note: Updates streamed into the next forward]).
+  runs while the next forward computes (see [Note: Updates streamed into the next forward]);
+- **speculated**: the same loop with ``OffloadedAdamW(speculate=True, stream_update=True)``: each update is made in
+  backward; ``step()`` keeps those the clip left unchanged and undoes the others, which it then streams (see
+  [Note: Speculated updates]).
 
 Rounds alternate the loops, ``--steps`` steps each (the first round warms them up and is not counted; a block's
 time includes waiting for its last step's updates and writes). Printed: each loop's median step time and its
 ratio to the reference, the share of each loop's drive bytes that moved inside ``opt.step()`` (while the training
-loop waited), and whether the clipped and streamed models end bit-identical (and, where ``--max-norm`` is never
-reached, the reference too). The anchor's gradient norm is about 0.009, so 1.0 never clips; ``--max-norm 1e-4``
+loop waited), how many updates were speculated, kept and undone, and whether the clipped, streamed and speculated
+models end bit-identical (and, where ``--max-norm`` is never reached, the reference too). The anchor's gradient norm is about 0.009, so 1.0 never clips; ``--max-norm 1e-4``
 clips every step.
 """
 
@@ -29,7 +32,7 @@ import statistics
 import tempfile
 import time
 
-LOOPS = ("in-backward", "clipped", "streamed")
+LOOPS = ("in-backward", "clipped", "streamed", "speculated")
 MIB = 1024**2
 
 
@@ -52,7 +55,7 @@ class _Run:
         self.store = ts.TierStore(nvme_path=nvme_path, host_budget_bytes=host, device_budget_bytes=host // 4)
         self.off = offload_model(self.model, self.store)
         self.opt = OffloadedAdamW(self.off, lr=1e-3, step_in_backward=loop == "in-backward",
-                                  stream_update=loop == "streamed")
+                                  stream_update=loop in ("streamed", "speculated"), speculate=loop == "speculated")
         self.clip = None if loop == "in-backward" else args.max_norm
         self.step_seconds: list[float] = []
         self.moved = self.inside_step = 0
@@ -120,6 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
             for loop in (LOOPS if r % 2 == 0 else LOOPS[::-1]):  # alternate which goes first
                 runs[loop].block(batches, counted=r > 0)
         clipped_norms = runs["clipped"].norms
+        speculation = {k: runs["speculated"].store.stats_dict()[k]
+                       for k in ("updates_speculated", "speculated_kept", "speculated_undone")}
         states = {loop: run.close() for loop, run in runs.items()}
 
     def same(a: str, b: str) -> bool:
@@ -138,15 +143,19 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{loop:<13}{med:>8.2f}{med / ref:>7.2f}x{run.moved / counted_steps / 1e9:>9.2f}{share:>14.0%}")
     clips = sum(n > args.max_norm for n in clipped_norms)
     never = clips == 0
-    print(f"the reference: in-backward, {ref:.2f} s a step; clipped {results[1]['ratio']:.2f}x it, streamed "
-          f"{results[2]['ratio']:.2f}x it (ratio streamed/clipped {results[2]['step_seconds'] / results[1]['step_seconds']:.2f})")
+    by = {r["loop"]: r for r in results}
+    print(f"the reference: in-backward, {ref:.2f} s a step; " + ", ".join(
+        f"{loop} {by[loop]['ratio']:.2f}x it" for loop in LOOPS[1:]) +
+        f" (speculated/clipped {by['speculated']['step_seconds'] / by['clipped']['step_seconds']:.2f})")
+    print(f"speculated: {speculation['updates_speculated']} updates made in backward, "
+          f"{speculation['speculated_kept']} kept at step(), {speculation['speculated_undone']} undone and streamed")
     print(f"steps that clipped: {clips} of {len(clipped_norms)} (median norm {statistics.median(clipped_norms):.4g})")
-    identical = {"clipped=streamed": same("clipped", "streamed")}
+    identical = {"clipped=streamed": same("clipped", "streamed"), "clipped=speculated": same("clipped", "speculated")}
     if never:
         identical["clipped=in-backward"] = same("clipped", "in-backward")
     print("bit-identical: " + ", ".join(f"{k} {v}" for k, v in identical.items()))
     out = {"params": params, "max_norm": args.max_norm, "results": results, "steps_clipped": clips,
-           "identical": identical}
+           "identical": identical, "speculation": speculation}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -14,7 +14,12 @@ def test_bench_clip_tiny(tmp_path, capsys, max_norm):
     by = {r["loop"]: r for r in res["results"]}
     # step() only queues: the drive bytes move after it returns (the worker may start one before the count)
     assert by["streamed"]["inside_step_share"] < 0.5 < by["clipped"]["inside_step_share"]
-    assert all(res["identical"].values()) and len(res["identical"]) == (2 if max_norm == 1.0 else 1)
+    assert all(res["identical"].values()) and len(res["identical"]) == (3 if max_norm == 1.0 else 2)
+    spec = res["speculation"]
+    assert spec["updates_speculated"] > 0
+    assert spec["speculated_kept"] + spec["speculated_undone"] == spec["updates_speculated"]
+    if max_norm == 1.0:  # no clip: every update made in backward stands
+        assert spec["speculated_undone"] == 0
     assert res["steps_clipped"] == (0 if max_norm == 1.0 else 4)
     out = capsys.readouterr().out
     assert "the reference" in out and "bit-identical" in out
