@@ -260,6 +260,14 @@ class GradientStore:
             return (self._records.get(rec.param_key) is rec and rec.watched is not None
                     and all(_is_one(c) for c in rec.watched))
 
+    def scaled_by_one(self, grad: torch.Tensor) -> bool:
+        """Whether every product recorded on ``grad`` and not yet applied is by exactly 1 (a clip that did not
+        clip, or none)."""
+        if not isinstance(grad, StoredGrad):
+            return True
+        with self._lock:
+            return all(_is_one(c) for c in grad._record.scales)
+
     def _unclaimed(self, rec: _Record) -> None:
         """Wait (the lock held, let go meanwhile) until no queued update is still to read ``rec``."""
         while rec.claims:

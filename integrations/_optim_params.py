@@ -49,10 +49,10 @@ def check_streaming(offloaded: object, *, stream_update: bool, step_in_backward:
                              f"of a parameter goes through the store, not {type(offloaded).__name__}: leave it False")
 
 
-def check_speculating(offloaded: object, *, speculate: bool, step_in_backward: bool) -> None:
+def check_speculating(offloaded: object, *, speculate: bool | str, step_in_backward: bool) -> None:
     """Refuse ``speculate=True`` where it cannot run (see [Note: Speculated updates])."""
-    if not isinstance(speculate, bool):
-        raise TierTypeError(f"speculate={speculate!r} must be True or False")
+    if not isinstance(speculate, bool) and speculate != "auto":
+        raise TierTypeError(f"speculate={speculate!r} must be True, False or 'auto'")
     if not speculate:
         return
     if step_in_backward:

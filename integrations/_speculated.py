@@ -22,6 +22,15 @@ one first (the next micro-batch's forward in a loop that accumulates, a paramete
 ``off.accumulate`` nothing is speculated (see below). Counted in the store's stats: ``updates_speculated``,
 ``speculated_kept``, ``speculated_undone``.
 
+[Note: When to speculate] An update undone costs its reads and writes twice, and the clip decides: a fine-tune with
+``max_grad_norm=1.0`` may clip on every step (measured in docs/optimizer.md), a pretraining run rarely. With
+``speculate="auto"`` a step whose speculated updates did not all stand (a clip, an lr changed between backward and
+``step()``, a read before it) pauses speculation, and it starts again after a step that, run without it, had one
+backward (a loop that accumulates has several, and the second forward would undo the first backward's updates) and
+whose gradients nothing but products by exactly 1 changed (read off the clip recorded on each stored gradient, at no
+cost). So a run that clips every step pays for one undone step, and one that stops clipping speculates from the step
+after. ``speculate=True`` speculates in every backward.
+
 Cost: the gradient is kept (in the store, written to the drive only where the host tier has no room for it) and a
 spare extent is taken for each changed key (the drive needs room for the speculated updates' state twice); a
 parameter whose state is not on the drive (kept in the host tier by the placement, or a store without a drive), or
@@ -105,8 +114,12 @@ class SpeculatedUpdates(PassConsumer):
 
     watches_grads = True
 
-    def __init__(self, opt: SpeculatingOptimizer) -> None:
+    def __init__(self, opt: SpeculatingOptimizer, *, auto: bool = False) -> None:
         self.opt = opt
+        self.auto = auto  # pause after a step whose updates did not stand (see [Note: When to speculate])
+        self.paused = False
+        self._backwards = 0  # backward passes since the last step(), and the keys of the last one's gradients
+        self._seen: set[str] = set()
         self.by_key = {key: (name, key, p) for name, key, p in opt._items if key is not None}
         self._worker: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="tierstore-adamw-spec")
         self._writer = self._worker.submit(threading.get_ident).result()
@@ -123,12 +136,18 @@ class SpeculatedUpdates(PassConsumer):
     def grad_ready(self, key: str) -> None:
         """A gradient is complete: speculate its parameter's update (or, a second time, undo the round)."""
         opt = self.opt
-        if key not in self.by_key or self._worker is None or self._resting or opt.offloaded.accumulating:
+        if key not in self.by_key or self._worker is None:
+            return
+        if key in self._seen or not self._backwards:  # a parameter's gradient completes once a backward
+            self._backwards += 1
+            self._seen = set()
+        self._seen.add(key)
+        if self._resting or self.paused or opt.offloaded.accumulating:
             return
         with self._lock:
             round_ = self._round
             if round_ is not None and key in round_.by_key:  # a second backward before step(): it accumulates
-                self._undo_locked("a second backward before step()")
+                self._undo_locked()
                 return
             name, key_, p = self.by_key[key]
             grad = opt.offloaded.grads.get(key)
@@ -146,7 +165,7 @@ class SpeculatedUpdates(PassConsumer):
             round_.by_key[key] = spec
             round_.queue.append((name, key_, p, grad))
             opt._progress = (round_.queue, opt._progress[1] if opt._progress[0] is round_.queue else 0)
-            opt.store.fence(self._changed_keys(spec.name, spec.key, spec.param), round_.decided, self._writer, settle=self.undo)
+            opt.store.fence(self._changed_keys(name, key_, p), round_.decided, self._writer, settle=self.undo)
             with self._backlog_lock:
                 self._backlog_bytes += spec.nbytes
             spec.future = self._worker.submit(self._run, round_, len(round_.items) - 1)
@@ -245,11 +264,17 @@ class SpeculatedUpdates(PassConsumer):
         Speculated updates]); the keys of the parameters kept, which ``step()`` does not update again."""
         with self._lock:
             round_, self._round = self._round, None
-            self._resting = False
-            if round_ is None:
-                return set()
+            resting, self._resting = self._resting, False
+            backwards, seen, self._backwards, self._seen = self._backwards, self._seen, 0, set()
             opt = self.opt
             grads: GradientStore = opt.offloaded.grads  # type: ignore[assignment]
+            if round_ is None:
+                if self.auto and resting:
+                    self.paused = True
+                elif self.paused:  # see [Note: When to speculate]
+                    self.paused = not (backwards == 1 and all(
+                        grads.scaled_by_one(g) for k in seen if (g := grads.get(k)) is not None))
+                return set()
             self._settled(round_)
             stood: set[str] = set()
             undone = 0
@@ -264,6 +289,7 @@ class SpeculatedUpdates(PassConsumer):
                     undone += 1
             opt.store.stats.add("speculated_kept", len(stood))
             opt.store.stats.add("speculated_undone", undone)
+            self.paused = self.auto and undone > 0
             round_.decided.set_result(None)  # lifts the fences
             return stood
 
@@ -271,9 +297,9 @@ class SpeculatedUpdates(PassConsumer):
         """Undo every update speculated since the last ``step()``; none more until the next (a read of a fenced key
         calls it: see [Note: Speculated updates])."""
         with self._lock:
-            self._undo_locked("read before step()")
+            self._undo_locked()
 
-    def _undo_locked(self, why: str) -> None:
+    def _undo_locked(self) -> None:
         round_, self._round = self._round, None
         if round_ is None:
             return

@@ -125,6 +125,17 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
     next forward]). For loops that clip by the global norm, which
     ``step_in_backward`` cannot run; the numbers are the same. Call
     :meth:`close` when done with it.
+
+    ``speculate``: each offloaded parameter is updated in backward as its
+    gradient completes, beside the rest of backward, before it is known whether
+    the update is the step's; ``step()`` keeps those whose gradient nothing but
+    a product by exactly 1 changed (a clip that did not clip) and whose group's
+    hyper-parameters are as they were, and undoes the others and makes them as
+    without it (see [Note: Speculated updates]). For loops that clip and mostly
+    do not. ``"auto"`` stops after a step whose updates did not stand and starts
+    again after one with a single backward that did not clip (see [Note: When
+    to speculate]); ``True`` speculates in every backward. The numbers are the
+    same either way. Needs a store with a drive; call :meth:`close` when done.
     """
 
     steps_offloaded_parameters = True  # other torch optimizers are refused over offloaded parameters
@@ -136,7 +147,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
                  max_grad_backlog_bytes: int | str | None = None, maximize: bool = False, amsgrad: bool = False,
                  foreach: bool | None = None, fused: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, moments: str | None = None, master: str | None = None,
-                 keep_grads: bool = True, stream_update: bool = False, speculate: bool = False,
+                 keep_grads: bool = True, stream_update: bool = False, speculate: bool | str = False,
                  policy: OptimizerStatePolicy | None = None) -> None:
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         check_hyper(defaults, "")
@@ -203,14 +214,14 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self._streamed = StreamedUpdates(self) if stream_update else None
         # See [Note: Speculated updates].
         self.speculate = speculate
-        self._speculated = SpeculatedUpdates(self) if speculate else None
+        self._speculated = SpeculatedUpdates(self, auto=speculate == "auto") if speculate else None
         self._attach(offloaded, step_in_backward)
 
     def _attach(self, offloaded: OffloadedParameters, step_in_backward: bool) -> None:
         """Tell the model's offload when this state is used (eviction weighs it), and what to do on its removal
         and on a load of its weights (see [Note: Consumers of a pass])."""
         self._state.attach(offloaded.later_uses)
-        offloaded.later_uses.in_backward = step_in_backward or self.speculate  # where the updates run
+        offloaded.later_uses.in_backward = step_in_backward or bool(self.speculate)  # where the updates run
         self._consumer = _StateConsumer(self)
         offloaded.attach(self._consumer)
         if self._in_backward is not None:

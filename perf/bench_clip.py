@@ -12,16 +12,16 @@ parameters), a batch of ``--batch`` rows, MSE loss, parameters and Adam state on
   ``opt.step()``: every update waits for the whole backward and runs while nothing computes;
 - **streamed**: the same loop with ``OffloadedAdamW(stream_update=True)``: ``step()`` queues the updates and each
   runs while the next forward computes (see [Note: Updates streamed into the next forward]);
-- **speculated**: the same loop with ``OffloadedAdamW(speculate=True, stream_update=True)``: each update is made in
-  backward; ``step()`` keeps those the clip left unchanged and undoes the others, which it then streams (see
-  [Note: Speculated updates]).
+- **speculated**: the same loop with ``OffloadedAdamW(speculate="auto", stream_update=True)``: each update is made
+  in backward; ``step()`` keeps those the clip left unchanged and undoes the others, which it then streams, and
+  speculates no more until a step does not clip (see [Note: Speculated updates], [Note: When to speculate]).
 
 Rounds alternate the loops, ``--steps`` steps each (the first round warms them up and is not counted; a block's
 time includes waiting for its last step's updates and writes). Printed: each loop's median step time and its
 ratio to the reference, the share of each loop's drive bytes that moved inside ``opt.step()`` (while the training
 loop waited), how many updates were speculated, kept and undone, and whether the clipped, streamed and speculated
-models end bit-identical (and, where ``--max-norm`` is never reached, the reference too). The anchor's gradient norm is about 0.009, so 1.0 never clips; ``--max-norm 1e-4``
-clips every step.
+models end bit-identical (and, where ``--max-norm`` is never reached, the reference too). The anchor's gradient
+norm is about 0.009, so 1.0 never clips; ``--max-norm 1e-4`` clips every step.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class _Run:
         self.store = ts.TierStore(nvme_path=nvme_path, host_budget_bytes=host, device_budget_bytes=host // 4)
         self.off = offload_model(self.model, self.store)
         self.opt = OffloadedAdamW(self.off, lr=1e-3, step_in_backward=loop == "in-backward",
-                                  stream_update=loop in ("streamed", "speculated"), speculate=loop == "speculated")
+                                  stream_update=loop in ("streamed", "speculated"),
+                                  speculate="auto" if loop == "speculated" else False)
         self.clip = None if loop == "in-backward" else args.max_norm
         self.step_seconds: list[float] = []
         self.moved = self.inside_step = 0

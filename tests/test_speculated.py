@@ -15,7 +15,8 @@ from _training import _assert_same_parameters, _tiny_pair, clipped_loop, residen
 def _speculating(model, store, **kw):
     off = offload_model(model, store, resident_threshold_bytes=1024)
     assert off.resident and off.params  # clipping spans both kinds of parameter
-    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, speculate=True, **kw)
+    kw.setdefault("speculate", True)
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, **kw)
     return off, opt
 
 
@@ -227,7 +228,31 @@ def test_refused_where_it_cannot_run(make_store):
     off = offload_model(model, make_store())
     with pytest.raises(TierValueError, match="choose one"):
         OffloadedAdamW(off, speculate=True, step_in_backward=True)
-    with pytest.raises(TypeError, match="True or False"):
+    with pytest.raises(TypeError, match="True, False or 'auto'"):
         OffloadedAdamW(off, speculate="yes")
     with pytest.raises(TierValueError, match="needs a model of offload_model"):
         check_speculating(object(), speculate=True, step_in_backward=False)
+
+
+@pytest.mark.parametrize("clip", [1e9, 1e-3], ids=["never-clipped", "always-clipped"])
+def test_auto_pauses_after_a_step_that_did_not_stand(make_store, clip):
+    """speculate="auto": a loop that clips every step pays one undone step, then runs as without speculation; one
+    that never clips speculates every step; one that accumulates stops after its first step. torch's numbers."""
+    ref, model, data = _tiny_pair()
+    ref_losses, _ = resident_clipped(ref, data, steps=4, clip=clip, micro=1)
+    store = make_store()
+    off, opt = _speculating(model, store, speculate="auto")
+    losses, _ = clipped_loop(model, data, opt, steps=4, clip=clip, micro=1, before_clip=lambda step: _speculated(opt))
+    assert losses == ref_losses
+    _assert_same_parameters(model, ref)
+    n = len(off.params)
+    assert _counts(store) == ((4 * n, 4 * n, 0) if clip > 1 else (n, 0, n))
+    # The same optimizer in a loop that stops clipping: it speculates again from the step after the first.
+    if clip < 1:
+        clipped_loop(model, data, opt, steps=2, clip=1e9, micro=1, first=4, before_clip=lambda step: _speculated(opt))
+        assert _counts(store) == (2 * n, n, n)
+    # A loop that accumulates: the second forward undoes the first backward's updates, then none more.
+    before = _counts(store)
+    clipped_loop(model, data, opt, steps=3, clip=1e9, micro=2, first=6)
+    assert tuple(a - b for a, b in zip(_counts(store), before)) == (n, 0, n)
+    opt.close()
