@@ -88,7 +88,8 @@ class OffloadBase(NotCopyable, OffloadedParameters):
 
     streams_updates = False
     speculates = False
-    accumulating = False  # within ``accumulate`` (see [Note: Speculated updates])
+    # Within ``accumulate``: whether a gradient backward completes is the step's (see [Note: Speculated updates]).
+    final_gradients: Callable[[str], bool] | None = None
     """Whether an optimizer may stream its updates into the next forward (see [Note: Updates streamed into the
     next forward]): every read of a parameter's values goes through the store, which waits for a queued update."""
 

@@ -9,7 +9,7 @@ The optimizer's store keys are spelt here and nowhere else.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -262,8 +262,9 @@ class OffloadedParameters(Protocol):
     - ``attach(consumer)``/``detach(consumer)``: a :class:`PassConsumer` (an optimizer, the worker stepping in
       backward) told of the passes; ``consumers``: those attached; ``tells_loads``: whether its consumers hear of
       a load (False: weights are loaded before an optimizer is made); ``loaded(names)``: tell them of one;
-      ``backwards_failed``: how many backward passes raised; ``accumulating``: whether ``accumulate`` is
-      running its micro-batches now (an update speculated in their backward would not stand);
+      ``backwards_failed``: how many backward passes raised; ``final_gradients``: while ``accumulate`` runs its
+      micro-batches, whether the gradient of a key backward completed just now is the step's (None: no
+      ``accumulate`` runs);
     - ``later_uses`` and ``prefetch_policy``: what eviction weighs (an optimizer's state keys), the prefetch trace;
     - ``forward_order()``: store key -> its place in the last recorded forward, by first use;
     - ``in_forward_or_backward()``: whether a forward or backward of the model is running now;
@@ -284,7 +285,7 @@ class OffloadedParameters(Protocol):
     grads: GradientSource
     keeps_grads: bool
     tells_loads: bool
-    accumulating: bool
+    final_gradients: Callable[[str], bool] | None
     later_uses: LaterUses
     broken: BrokenValues | None
 

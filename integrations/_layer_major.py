@@ -328,6 +328,8 @@ class LayerMajorStep(PassConsumer):
                                      if i in off.params and off.params[i].param.requires_grad])
         self.in_segments_backward = False
         self.glue_micro_batch: int | None = None
+        self.rerun_micro_batch: int | None = None
+        self.n = 0  # micro-batches
 
     # ---- forward, on the workers ----------------------------------------------------------
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
@@ -454,7 +456,7 @@ class LayerMajorStep(PassConsumer):
             self.rotation.ended[i].set()
 
     def run(self, step_fn: Callable[[Any], Any], micro_batches: Sequence[Any]) -> list[Any]:
-        n = len(micro_batches)
+        n = self.n = len(micro_batches)
         self.calls = [[] for _ in self.segments]
         self.values = [{} for _ in range(n)]
         self.marks: list[list[int]] = [[] for _ in range(n)]  # autograd's number at each segment (see _taken)
@@ -657,6 +659,7 @@ class LayerMajorStep(PassConsumer):
         args, kwargs = tree_unflatten(leaves, call.spec)
         before = _rng_state()
         _set_rng_state(call.rng)
+        self.rerun_micro_batch = i
         with torch.enable_grad(), contextlib.ExitStack() as autocasts:
             for device, dtype in call.autocast:  # as the forward ran it (Trainer's bf16=True)
                 autocasts.enter_context(torch.autocast(device, dtype=dtype))
@@ -666,11 +669,22 @@ class LayerMajorStep(PassConsumer):
         _set_rng_state(before)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
         pairs = [(o, v.grad) for o, v in zip(outs, call.outputs) if v.grad is not None and o.requires_grad] + first
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        try:
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        finally:
+            self.rerun_micro_batch = None
         for x, v in xs:
             if x.grad is not None:
                 v.grad = x.grad
+
+    def completes(self, key: str) -> bool:
+        """Whether the gradient of ``key`` backward completed just now is the step's: micro-batch n - 1's backward
+        (the head's in the forward, a segment's rerun, the glue's), of a parameter with no tied parts to come."""
+        i = self.workers.get(threading.get_ident())
+        if i is None:
+            i = self.glue_micro_batch if self.glue_micro_batch is not None else self.rerun_micro_batch
+        return i == self.n - 1 and key not in self.tied.by_key
 
     def _value_of(self, v: _Value, k: int, i: int) -> torch.Tensor:
         """A fresh leaf of the value segment ``k`` takes: from the store (let go at its first taker, the last
@@ -744,7 +758,16 @@ def _refusal(off: LayerMajorOffload, segments: Sequence[nn.Module]) -> str | Non
 def run_layer_major(off: LayerMajorOffload, step_fn: Callable[[Any], Any], micro_batches: Sequence[Any],
                     segments: Sequence[nn.Module]) -> list[Any]:
     """``[step_fn(mb) for mb in micro_batches]``, layer by layer where the model runs as a chain of ``segments``;
-    else as the loop, with a warning once (see [Note: A layer-major step])."""
+    else as the loop, with a warning once (see [Note: A layer-major step]). Meanwhile ``off.final_gradients`` says
+    which gradients backward completes are the step's (see [Note: Speculated updates])."""
+    try:
+        return _run_layer_major(off, step_fn, micro_batches, segments)
+    finally:
+        off.final_gradients = None
+
+
+def _run_layer_major(off: LayerMajorOffload, step_fn: Callable[[Any], Any], micro_batches: Sequence[Any],
+                     segments: Sequence[nn.Module]) -> list[Any]:
     micro_batches = list(micro_batches)
     if off.layer_major_refused is None:
         refused = _refusal(off, segments)
@@ -752,8 +775,10 @@ def run_layer_major(off: LayerMajorOffload, step_fn: Callable[[Any], Any], micro
             _refuse(off, refused)
     if off.layer_major_refused is None and micro_batches:
         had_grads = len(off.grads) > 0 or any(p.grad is not None for p in off.resident.values())
+        step = LayerMajorStep(off, segments)
         try:
-            results = LayerMajorStep(off, segments).run(step_fn, micro_batches)
+            off.final_gradients = step.completes  # see [Note: Speculated updates]
+            results = step.run(step_fn, micro_batches)
         except NotAChain as e:
             if had_grads:
                 raise TierStoreError(f"this model does not run as a chain of its units ({e}), found after the step "
@@ -769,7 +794,19 @@ def run_layer_major(off: LayerMajorOffload, step_fn: Callable[[Any], Any], micro
             off.stats.layer_major_steps += 1
             return results
     off.stats.loop_steps += 1
-    return [step_fn(mb) for mb in micro_batches]
+    results = []
+    for j, mb in enumerate(micro_batches):
+        off.final_gradients = _final if j == len(micro_batches) - 1 else _not_final
+        results.append(step_fn(mb))
+    return results
+
+
+def _final(key: str) -> bool:
+    return True
+
+
+def _not_final(key: str) -> bool:
+    return False
 
 
 def _refuse(off: LayerMajorOffload, reason: str) -> None:

@@ -72,10 +72,12 @@ class AdamWState:
     def nbytes(self, key: str | None, p: nn.Parameter) -> int:
         return sum(self.pieces(key, p))
 
-    def check_host_budget(self, host_budget: int, step_in_backward: bool) -> None:
+    def check_host_budget(self, host_budget: int, step_in_backward: bool, *, speculate: bool = False) -> None:
         """One update holds its parameter's fp32 master and both moments in the host tier at once (stepping in
-        backward, beside what backward holds there): a budget below that for the largest parameter could never
-        step it, or only by luck, so say so now, before any state exists."""
+        backward or speculating there, beside what backward holds there; with its gradient but stepping in
+        backward): a budget below that for the largest parameter could never step it, or only by luck, so say so
+        now, before any state exists."""
+        in_backward = step_in_backward or speculate
         def one_update(name: str, key: str | None, p: nn.Parameter) -> int:
             numel = self.param_layout(key, p)[0].numel()
             n = numel * moment_dtype(key, p).itemsize
@@ -88,7 +90,7 @@ class AdamWState:
                     + (0 if step_in_backward else TierPool.capacity_for(n)))
 
         # name -> what backward may hold in the host tier while it is updated
-        beside = self.offloaded.held_beside_updates() if step_in_backward else {}
+        beside = self.offloaded.held_beside_updates() if in_backward else {}
         need, name = max(((one_update(n, k, p) + beside.get(n, 0), n) for n, k, p in self.items), default=(0, ""))
         what = "its master weight and two moments" + ("" if step_in_backward else ", and its gradient")
         if beside.get(name):

@@ -31,6 +31,16 @@ whose gradients nothing but products by exactly 1 changed (read off the clip rec
 cost). So a run that clips every step pays for one undone step, and one that stops clipping speculates from the step
 after. ``speculate=True`` speculates in every backward.
 
+[Note: The last micro-batch] A loop that accumulates over k micro-batches completes each gradient in the last
+one's backward; an update speculated in an earlier one would be undone by the next forward. ``off.accumulate``
+(and ``accumulate_layer_major(trainer)``) says which gradients are the step's (``off.final_gradients``): layer by
+layer, those micro-batch k-1's backward completes (the head's in the forward, each segment's in its last rerun, the
+glue's), but a tied weight's, whose parts are summed at the end of the step (see [Note: Tied parameters layer by
+layer]); run as the loop, those of its last micro-batch. A loop of one's own says so with
+``opt.set_is_last_micro_batch(False)`` before the micro-batches but the last and ``(True)`` before the last, as
+FSDP2's ``set_requires_gradient_sync`` is called. Where nothing says so every backward may be the last, and
+``speculate="auto"`` pauses once the second forward of a step has undone the first backward's updates.
+
 Cost: the gradient is kept (in the store, written to the drive only where the host tier has no room for it) and a
 spare extent is taken for each changed key (the drive needs room for the speculated updates' state twice); a
 parameter whose state is not on the drive (kept in the host tier by the placement, or a store without a drive), or
@@ -118,6 +128,7 @@ class SpeculatedUpdates(PassConsumer):
         self.opt = opt
         self.auto = auto  # pause after a step whose updates did not stand (see [Note: When to speculate])
         self.paused = False
+        self.is_last_micro_batch = True  # opt.set_is_last_micro_batch's
         self._backwards = 0  # backward passes since the last step(), and the keys of the last one's gradients
         self._seen: set[str] = set()
         self.by_key = {key: (name, key, p) for name, key, p in opt._items if key is not None}
@@ -136,13 +147,13 @@ class SpeculatedUpdates(PassConsumer):
     def grad_ready(self, key: str) -> None:
         """A gradient is complete: speculate its parameter's update (or, a second time, undo the round)."""
         opt = self.opt
-        if key not in self.by_key or self._worker is None:
+        if key not in self.by_key or self._worker is None or not self.final(key):
             return
         if key in self._seen or not self._backwards:  # a parameter's gradient completes once a backward
             self._backwards += 1
             self._seen = set()
         self._seen.add(key)
-        if self._resting or self.paused or opt.offloaded.accumulating:
+        if self._resting or self.paused:
             return
         with self._lock:
             round_ = self._round
@@ -179,6 +190,13 @@ class SpeculatedUpdates(PassConsumer):
 
         wait_for_backlog(self.opt.store, lambda: self._backlog_bytes > self.opt.max_grad_backlog_bytes, oldest,
                          self._writer)
+
+    def final(self, key: str) -> bool:
+        """Whether the gradient of ``key`` backward just completed is the step's: ``off.accumulate`` says which
+        micro-batch is the last, a loop of its own with ``opt.set_is_last_micro_batch`` (see [Note: The last
+        micro-batch])."""
+        finals = self.opt.offloaded.final_gradients
+        return finals(key) if finals is not None else self.is_last_micro_batch
 
     def _changed_keys(self, name: str, key: str, p: torch.nn.Parameter) -> list[str]:
         layout = self.opt._pipeline.layout

@@ -351,11 +351,7 @@ class OffloadedModel(OffloadBase):
         is full). The gradients are those of the loop, bit for bit (the same sums in the same order); a model
         whose units do not run as a chain runs as the loop, with a warning once. See [Note: A layer-major
         step]."""
-        self.accumulating = True  # no update is speculated in these backward passes (see [Note: Speculated updates])
-        try:
-            return run_layer_major(self, step_fn, micro_batches, self.unit_roots)
-        finally:
-            self.accumulating = False
+        return run_layer_major(self, step_fn, micro_batches, self.unit_roots)
 
     def follow_optimizer(self, home: Tier) -> None:
         self.grads.follow(home)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from tierstore import Tier, TierStore, TierStoreError, TierValueError
+from tierstore import Tier, TierStore, TierStoreError, TierTypeError, TierValueError
 
 from . import _adamw
 from ._adamw import HYPER, check_hyper
@@ -183,7 +183,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self._name_of = {id(p): name for name, _, p in (*self._items, *self._frozen)}
         self._state = AdamWState(offloaded, self.layout, self._items)
         self.layout.check(self._items)
-        self._state.check_host_budget(host.total_bytes, step_in_backward)
+        self._state.check_host_budget(host.total_bytes, step_in_backward, speculate=bool(speculate))
         if any(optimizer_key(name, "exp_avg") in self.store for name, _, _ in self._items):
             raise TierValueError("this model already has an OffloadedAdamW (its state is in the store); keep using "
                                  "that one (opt.load_state_dict() replaces its state), or offload a fresh model")
@@ -450,6 +450,16 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
                 raise
         self.steps[name] = step
         self._applied[name] = (weakref.ref(grad), generation(grad))
+
+    def set_is_last_micro_batch(self, is_last: bool) -> None:
+        """Whether the backward passes from now on are a step's last (True, the default: a loop that steps after
+        every backward); a loop that accumulates over micro-batches calls it with False before the others and
+        True before the last, so that ``speculate`` updates in the last one only (see [Note: The last
+        micro-batch]). ``off.accumulate`` says so itself."""
+        if not isinstance(is_last, bool):
+            raise TierTypeError(f"set_is_last_micro_batch({is_last!r}) takes True or False")
+        if self._speculated is not None:
+            self._speculated.is_last_micro_batch = is_last
 
     def wait(self) -> None:
         """Wait for the updates the last step queued (``stream_update=True``) and its write-behind; raises the first

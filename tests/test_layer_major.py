@@ -478,40 +478,42 @@ def test_parameters_of_the_model_used_after_the_first_segment_run_as_the_loop(af
     assert runs[1][2] is None and runs[1][3] == 1
 
 
-def _step_both(ref: nn.Module, ropt, off, opt, step_fn, mbs: list, *, seeded: bool = False) -> None:
-    """One step of ``mbs`` with clipping at 1.0, resident on ``ref`` with torch's AdamW (the loop drawing as the
+def _step_both(ref: nn.Module, ropt, off, opt, step_fn, mbs: list, *, seeded: bool = False, clip: float = 1.0) -> None:
+    """One step of ``mbs`` with clipping at ``clip``, resident on ``ref`` with torch's AdamW (the loop drawing as the
     layer-major step draws, with ``seeded``) and layer by layer through ``off`` with no fallback: the same losses and
     gradient norm, bit for bit."""
     rng = torch.get_rng_state()
     ref_losses = (_seeded_loop(lambda mb: step_fn(mb, ref), mbs) if seeded else [step_fn(mb, ref) for mb in mbs])
-    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
     ropt.step()
     ropt.zero_grad()
     torch.set_rng_state(rng)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback
         losses = off.accumulate(step_fn, mbs)
-    norm = torch.nn.utils.clip_grad_norm_(off.model.parameters(), 1.0)
+    norm = torch.nn.utils.clip_grad_norm_(off.model.parameters(), clip)
     opt.step()
     opt.zero_grad()
     assert losses == ref_losses and torch.equal(norm, ref_norm)
 
 
-def _trains_as_resident(ref: nn.Module, store, units: list, batches, loss_of) -> Any:
+def _trains_as_resident(ref: nn.Module, store, units: list, batches, loss_of, *, clip: float = 1.0,
+                        **opt_kw) -> Any:
     """2 steps of 4 micro-batches (``batches(step)``, each micro-batch's loss ``loss_of(model, mb) / 4``), resident
-    on ``ref`` with torch's AdamW and layer by layer on a copy of it offloaded in ``store``: every step's losses and
-    gradient norm and the weights at the end the same bits, with no fallback (see :func:`_step_both`); the offload."""
+    on ``ref`` with torch's AdamW and layer by layer on a copy of it offloaded in ``store`` (``OffloadedAdamW``
+    given ``opt_kw``): every step's losses and gradient norm and the weights at the end the same bits, with no
+    fallback (see :func:`_step_both`); the offload."""
     model = copy.deepcopy(ref)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
     off = offload_model(model, store, units=units)
-    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, **opt_kw)
     for step in range(2):
         def step_fn(mb, m=model):
             loss = loss_of(m, mb) / 4
             loss.backward()
             return loss.item()
 
-        _step_both(ref, ropt, off, opt, step_fn, batches(step), seeded=True)
+        _step_both(ref, ropt, off, opt, step_fn, batches(step), seeded=True, clip=clip)
     opt.close()
     assert off.stats.layer_major_steps == 2 and off.layer_major_refused is None
     assert all(torch.equal(off.read_param(n), p.detach()) for n, p in ref.named_parameters())
@@ -783,3 +785,31 @@ def test_a_t5_encoder_trains_layer_by_layer_as_torch_trains_it_resident(tmp_path
     with _store(str(tmp_path), ref, 8 << 20) as store:
         _trains_as_resident(ref, store, [T5Block], lambda step: [(ids, ids[:, 0] % 5) for ids in _batches(step, 4)],
                             lambda m, mb: torch.nn.functional.cross_entropy(m(mb[0]), mb[1]))
+
+
+@pytest.mark.parametrize("clip", [1e9, 1e-3], ids=["never-clipped", "always-clipped"])
+@pytest.mark.parametrize("name", ["llama", "llama-tied", "t5"])
+def test_updates_speculated_in_the_last_micro_batch_layer_by_layer(name, clip, tmp_path):
+    from tierstore.integrations._tied import tied_parameters
+
+    """speculate=True under off.accumulate: each parameter is updated as micro-batch k-1's backward completes its
+    gradient (a tied weight's, summed at the end, is not), kept where the clip did not clip, undone and made again
+    where it did; the run is torch's resident one, bit for bit (see [Note: The last micro-batch])."""
+    if name == "llama":
+        ref, units, batches, loss_of = _llama(layers=3), [LlamaDecoderLayer], partial(_batches, n=4), \
+            lambda m, ids: m(ids, labels=ids).loss
+    else:
+        ref, units, batches, loss_of = _tied_case(name)
+    ref.train()
+    total = sum(p.numel() * p.element_size() for p in ref.parameters())
+    with _store(str(tmp_path), ref, total) as store:  # the weights, their moments and gradients 4x that
+        off = _trains_as_resident(ref, store, units, batches, loss_of, clip=clip, speculate=True)
+        stats = store.stats_dict()
+        tied = len([i for i in tied_parameters(off.model) if i in off.params])
+        untied = len(off.params) - tied
+    speculated, kept, undone = stats["updates_speculated"], stats["speculated_kept"], stats["speculated_undone"]
+    assert 0 < speculated <= 2 * untied
+    assert kept + undone == speculated
+    # never clipped, every one stands; clipped, each one the worker made before the clip is undone (one made after
+    # it read the clipped gradient, which is the step's)
+    assert undone == 0 if clip > 1 else undone > 0

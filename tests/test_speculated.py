@@ -256,3 +256,31 @@ def test_auto_pauses_after_a_step_that_did_not_stand(make_store, clip):
     clipped_loop(model, data, opt, steps=3, clip=1e9, micro=2, first=6)
     assert tuple(a - b for a, b in zip(_counts(store), before)) == (n, 0, n)
     opt.close()
+
+
+@pytest.mark.parametrize("speculate", [True, "auto"])
+def test_a_loop_that_says_which_micro_batch_is_last_speculates_in_its_backward(make_store, speculate):
+    """opt.set_is_last_micro_batch(False) before the micro-batches but the last, (True) before it: each update is
+    made in the last backward only, and stands; torch's numbers."""
+    ref, model, data = _tiny_pair()
+    ref_losses, _ = resident_clipped(ref, data, steps=3, clip=1e9, micro=3)
+    store = make_store()
+    off, opt = _speculating(model, store, speculate=speculate)
+    losses = []
+    for step in range(3):
+        for m in range(3):
+            opt.set_is_last_micro_batch(m == 2)
+            x, y = data.batch(3 * step + m, 4)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        opt.step()
+        opt.zero_grad()
+    assert losses == ref_losses
+    _assert_same_parameters(model, ref)
+    n = len(off.params)
+    assert _counts(store) == (3 * n, 3 * n, 0)
+    with pytest.raises(TypeError, match="True or False"):
+        opt.set_is_last_micro_batch(1)
+    opt.close()
