@@ -97,13 +97,14 @@ def _child(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         off = offload_model(model, store, units=[LlamaDecoderLayer], init_fn=init, grad_dtype=args.grad_dtype)
         opt = OffloadedAdamW(off, lr=1e-4, moments=args.moments, master=args.master,
-                             keep_grads=args.keep_grads == "yes", stream_update=args.stream_update)
+                             keep_grads=args.keep_grads == "yes", stream_update=args.stream_update,
+                             speculate={"no": False, "yes": True, "auto": "auto"}[args.speculate])
         built_s = time.perf_counter() - t0
         steps = args.steps + (1 if args.mode == "resume" else 0)
         training = transformers.TrainingArguments(
             output_dir=args.output, per_device_train_batch_size=args.batch_size,
             gradient_accumulation_steps=args.accumulation,
-            max_grad_norm=1.0, max_steps=steps, learning_rate=1e-4, logging_steps=1, report_to=[],
+            max_grad_norm=args.max_grad_norm, max_steps=steps, learning_rate=1e-4, logging_steps=1, report_to=[],
             save_strategy="no" if args.mode == "plain" else "steps", save_steps=1, seed=0,
             use_cpu=not torch.cuda.is_available())
         trainer = transformers.Trainer(model=model, args=training, train_dataset=Tokens(), optimizers=(opt, None))
@@ -147,6 +148,8 @@ def _child(args: argparse.Namespace) -> dict:
             model.save_pretrained(os.path.join(args.output, "final"))
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         params = sum(p.numel() for p in model.parameters())
+        speculation = {k: store.stats_dict()[k] for k in ("updates_speculated", "speculated_kept",
+                                                           "speculated_undone")}
         opt.close()
         drive = store.memory()["nvme"]["peak_bytes"]
         off.remove(keep_values=False)  # its values are not kept: nothing to read back at close
@@ -155,7 +158,8 @@ def _child(args: argparse.Namespace) -> dict:
     out = {"mode": args.mode, "compute": "fp32" if compute == "fp32" else args.dtype, "params": params,
            "host_budget_bytes": host, "peak_rss_bytes": peak_rss_bytes(),
            "drive_bytes": drive, "build_s": built_s, "step_seconds": seconds, "bytes_moved": moved,
-           "bytes_read": read, "waits": waits, "losses": losses, "inside_step_bytes": inside}
+           "bytes_read": read, "waits": waits, "losses": losses, "inside_step_bytes": inside,
+           "speculation": speculation}
     if args.measure_drive:  # after training, so that it costs the peak nothing
         share = read[-1] / max(1, moved[-1])
         out["drive"] = measure_drive(args.nvme_path or tempfile.gettempdir(), size_mib=args.measure_drive,
@@ -195,6 +199,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--stream-update", action="store_true",
                    help="OffloadedAdamW(stream_update=True): each step's updates run while the next forward computes")
+    p.add_argument("--speculate", choices=["no", "yes", "auto"], default="no",
+                   help="OffloadedAdamW(speculate=...): each update made in the backward that completes its gradient, "
+                        "kept where the clip does not clip")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="Trainer's max_grad_norm")
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.mode:
@@ -226,7 +234,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"MiB, {'LoRA r=%d' % args.lora if args.lora else 'full fine-tune'}, {args.dtype} computed in "
           f"{results[0]['compute']}, "
           f"{args.moments} moments, {args.master} masters, {args.grad_dtype} gradients, keep_grads {args.keep_grads}, "
-          f"{args.accumulation} micro-batches of {args.batch_size}x{args.tokens} tokens a step"
+          f"{args.accumulation} micro-batches of {args.batch_size}x{args.tokens} tokens a step, max_grad_norm "
+          f"{args.max_grad_norm:g}"
           f"{', layer-major' if args.layer_major else ''}")
     print(f"{'run':<8}{'peak RSS MiB':>14}{'vs plain':>10}{'drive GB':>10}{'moved GB/step':>15}{'s/step':>9}")
     for r in results:
@@ -242,6 +251,10 @@ def main(argv: list[str] | None = None) -> dict:
         shares = [b / max(1, m) for b, m in zip(r["inside_step_bytes"], r["bytes_moved"])]
         print(f"  inside opt.step(): {' '.join(f'{x:.0%}' for x in shares)} of each step's drive bytes"
               f"{' (updates streamed into the next forward)' if args.stream_update else ''}")
+        if args.speculate != "no":
+            s = r["speculation"]
+            print(f"  speculate={args.speculate}: {s['updates_speculated']} updates made in backward, "
+                  f"{s['speculated_kept']} kept, {s['speculated_undone']} undone")
         for i, w in enumerate(r["waits"]):
             print(f"  step {i + 1}: stalled {w['stall_seconds']:.1f} s; gets {w['hits']:.0f} found, "
                   f"{w['late_prefetches']:.0f} waited on a prefetch, {w['misses']:.0f} fetched; "

@@ -38,3 +38,15 @@ def test_bench_trainer_refuses_runs_it_does_not_know_or_a_resume_without_a_save(
     for runs in ("resume", "plain,later", ""):
         with pytest.raises(SystemExit):
             bench_trainer.main(["--runs", runs, "--nvme-path", str(tmp_path)])
+
+
+def test_bench_trainer_tiny_speculated_layer_by_layer(tmp_path, capsys):
+    """Layer by layer with the updates speculated in the last micro-batch's backward, a max_grad_norm never
+    reached: every update is made in backward and stands."""
+    pytest.importorskip("transformers")
+    res = bench_trainer.main(["--preset", "llama-tiny", "--steps", "2", "--runs", "plain", "--accumulation", "4",
+                              "--layer-major", "--speculate", "yes", "--max-grad-norm", "1e9",
+                              "--nvme-path", str(tmp_path)])
+    spec = res["results"][0]["speculation"]
+    assert spec["updates_speculated"] == spec["speculated_kept"] > 0 and spec["speculated_undone"] == 0
+    assert "speculate=yes" in capsys.readouterr().out
