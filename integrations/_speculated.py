@@ -272,10 +272,16 @@ class SpeculatedUpdates(PassConsumer):
                           f"or raise nvme_budget_bytes to speculate", stacklevel=2)
 
     # ---- the training thread --------------------------------------------------------------------
-    def _settled(self, round_: _Round) -> None:
+    def _settled(self, round_: _Round, *, cancel: bool = False) -> None:
+        """Wait for the round's updates (``cancel``: those not started are not run: they would be undone)."""
         for spec in round_.items:
             assert spec.future is not None
-            spec.future.exception()  # a failed one kept nothing (see _run)
+            if cancel and spec.future.cancel():
+                with self._backlog_lock:
+                    self._backlog_bytes -= spec.nbytes
+                continue
+            if not spec.future.cancelled():
+                spec.future.exception()  # a failed one kept nothing (see _run)
 
     def decide(self) -> set[str]:
         """At ``step()``: keep each speculated update that is the step's and undo the others (see [Note:
@@ -322,7 +328,7 @@ class SpeculatedUpdates(PassConsumer):
         if round_ is None:
             return
         self._resting = True
-        self._settled(round_)
+        self._settled(round_, cancel=True)
         undone = 0
         for spec in round_.items:
             if spec.kept is not None:

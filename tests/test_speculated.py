@@ -108,7 +108,7 @@ def test_a_loop_that_accumulates_undoes_at_the_next_forward(make_store):
     assert losses == ref_losses
     _assert_same_parameters(model, ref)
     speculated, kept, undone = _counts(store)
-    assert undone > 0 and kept + undone == speculated
+    assert kept == 0 and undone == speculated  # (those the worker had not begun when undone are not run)
     opt.close()
 
 
@@ -254,7 +254,8 @@ def test_auto_pauses_after_a_step_that_did_not_stand(make_store, clip):
     # A loop that accumulates: the second forward undoes the first backward's updates, then none more.
     before = _counts(store)
     clipped_loop(model, data, opt, steps=3, clip=1e9, micro=2, first=6)
-    assert tuple(a - b for a, b in zip(_counts(store), before)) == (n, 0, n)
+    speculated, kept, undone = (a - b for a, b in zip(_counts(store), before))
+    assert kept == 0 and speculated == undone <= n  # in the first step's first backward only
     opt.close()
 
 
