@@ -18,9 +18,9 @@ and the update made with the gradient as backward left it is the step's, bit for
 Until ``step()`` decides, the keys of the speculated updates are fenced (see [Note: Fenced keys]). Whatever reads
 one first (the next micro-batch's forward in a loop that accumulates, a parameter or state read, a checkpoint,
 ``zero_grad()`` with no step, a skipped step of GradScaler) undoes them all, and speculation rests until the next
-``step()``: every value anyone reads is a whole step's. A second backward before ``step()`` does the same. Within
-``off.accumulate`` nothing is speculated (see below). Counted in the store's stats: ``updates_speculated``,
-``speculated_kept``, ``speculated_undone``.
+``step()``: every value anyone reads is a whole step's. A second backward before ``step()`` does the same. Under
+``off.accumulate`` only the backward of the last micro-batch speculates (see [Note: The last micro-batch]). Counted
+in the store's stats: ``updates_speculated``, ``speculated_kept``, ``speculated_undone``.
 
 [Note: When to speculate] An update undone costs its reads and writes twice, and the clip decides: a fine-tune with
 ``max_grad_norm=1.0`` may clip on every step (measured in docs/optimizer.md), a pretraining run rarely. With
@@ -42,9 +42,13 @@ FSDP2's ``set_requires_gradient_sync`` is called. Where nothing says so every ba
 ``speculate="auto"`` pauses once the second forward of a step has undone the first backward's updates.
 
 Cost: the gradient is kept (in the store, written to the drive only where the host tier has no room for it) and a
-spare extent is taken for each changed key (the drive needs room for the speculated updates' state twice); a
-parameter whose state is not on the drive (kept in the host tier by the placement, or a store without a drive), or
-for which the drive has no room, is not speculated and steps at ``step()``.
+spare extent is taken for each changed key (the drive needs room for the speculated updates' state twice: checked
+before each backward, which speculates nothing, with one warning, where it is not there); a copy the placement keeps
+in the host tier and changed since it was last written home is written home first, so that the drive holds the
+version to keep. The updates run where eviction and the placement expect those of ``step_in_backward``: right
+after their parameter's last use; backward waits while the gradients the worker has not yet read pass
+``max_grad_backlog_bytes``, so that it reads them from the host tier. A parameter whose state is not on the drive
+is not speculated and steps at ``step()``.
 """
 
 from __future__ import annotations
