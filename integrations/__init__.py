@@ -13,7 +13,14 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .fsdp import FSDPOffload, offload_fsdp
-from .hf import accumulate_layer_major, load_base_weights, save_merged, save_pretrained, stream_checkpoints
+from .hf import (
+    accumulate_layer_major,
+    load_base_weights,
+    log_update_counts,
+    save_merged,
+    save_pretrained,
+    stream_checkpoints,
+)
 from .offload import DEFAULT_UNITS, OffloadedModel, OffloadedParameterError, offload_model
 from .optim import OffloadedAdamW, OffloadedGradScaler
 from .policies import (
@@ -39,6 +46,7 @@ __all__ = [
     "Settings",
     "UnrestorableUpdateError",
     "accumulate_layer_major",
+    "log_update_counts",
     "consolidate_checkpoint",
     "default_grad_backlog_bytes",
     "load_base_weights",

@@ -1,7 +1,8 @@
 """transformers and peft with an offloaded model: ``save_pretrained``, ``Trainer``'s checkpoints and resume, and
 merging LoRA adapters, each moving one tensor at a time through the host budget. The front of four modules, one
 job each: transformers' and peft's files (``_hf_pretrained.py``), Trainer's checkpoints (``_hf_trainer.py``),
-Trainer's micro-batches layer by layer (``_hf_layer_major.py``), merged adapters (``_hf_merge.py``).
+Trainer's micro-batches layer by layer (``_hf_layer_major.py``), merged adapters (``_hf_merge.py``), and what the
+optimizer did with the updates in Trainer's logs (``_hf_logs.py``).
 
 [Note: Saving the transformers way, tensor by tensor] transformers'
 ``save_pretrained`` takes ``model.state_dict()`` (every value read into
@@ -34,6 +35,7 @@ offloaded model bigger than RAM would die at its first checkpoint. So:
 from __future__ import annotations
 
 from ._hf_layer_major import accumulate_layer_major
+from ._hf_logs import log_update_counts
 from ._hf_merge import save_merged
 from ._hf_pretrained import load_base_weights, methods_for, save_pretrained
 from ._hf_trainer import stream_checkpoints
@@ -41,4 +43,5 @@ from .offload import add_model_methods
 
 add_model_methods(methods_for)  # see [Note: Saving the transformers way, tensor by tensor]
 
-__all__ = ["accumulate_layer_major", "load_base_weights", "save_merged", "save_pretrained", "stream_checkpoints"]
+__all__ = ["accumulate_layer_major", "load_base_weights", "log_update_counts", "save_merged", "save_pretrained",
+           "stream_checkpoints"]

@@ -15,6 +15,7 @@ import tierstore as ts
 from tierstore.integrations import (
     OffloadedAdamW,
     accumulate_layer_major,
+    log_update_counts,
     offload_model,
     save_merged,
     stream_checkpoints,
@@ -333,3 +334,38 @@ def test_trainer_accumulating_layer_major_is_trainers_own_loop_bit_for_bit(tied,
     assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 3
     assert _same(runs[0][1], runs[1][1])
     assert runs[1][2] < runs[0][2]
+
+
+@pytest.mark.parametrize("max_grad_norm", [1e9, 1e-3], ids=["never-clipped", "always-clipped"])
+def test_trainer_with_updates_speculated_layer_by_layer_is_trainers_own_loop(max_grad_norm, nvme_dir, tmp_path):
+    """speculate="auto" with accumulate_layer_major(trainer): the losses and weights of Trainer's own loop, and each
+    log says what became of the updates (log_update_counts): never clipped, each update of the last micro-batch's
+    backward stands; clipped every step, the first step's are undone and none are made after."""
+    runs = []
+    for speculate in (False, "auto"):
+        model = _llama()
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        with ts.TierStore(nvme_path=nvme_dir, host_budget_bytes=total, file_size_bytes="4MiB",
+                          block_size_bytes="64KiB") as store:
+            off = offload_model(model, store, units=_layer_units())
+            opt = OffloadedAdamW(off, lr=1e-2, speculate=speculate)
+            args = transformers.TrainingArguments(
+                output_dir=str(tmp_path / str(speculate)), per_device_train_batch_size=2,
+                gradient_accumulation_steps=4, max_grad_norm=max_grad_norm, max_steps=3, learning_rate=1e-2,
+                logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), optimizers=(opt, None))
+            if speculate:
+                assert log_update_counts(accumulate_layer_major(trainer)) is trainer
+            trainer.train()
+            opt.close()
+            logs = [h for h in trainer.state.log_history if "loss" in h]
+            runs.append(([h["loss"] for h in logs], {k: v.clone() for k, v in model.state_dict().items()}, logs))
+    assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 3
+    assert _same(runs[0][1], runs[1][1])
+    made = [h["updates_speculated"] for h in runs[1][2]]
+    kept = [h["speculated_kept"] for h in runs[1][2]]
+    undone = [h["speculated_undone"] for h in runs[1][2]]
+    assert made[0] > 0 and all(m == made[0] for m in made) if max_grad_norm > 1 else made[1:] == [0, 0]
+    assert kept == made and undone == [0, 0, 0] if max_grad_norm > 1 else undone[0] > 0 and undone[1:] == [0, 0]
+    with pytest.raises(ts.TierTypeError, match="needs a Trainer given an OffloadedAdamW"):
+        log_update_counts(transformers.Trainer(model=_llama(), args=args, train_dataset=_Tokens()))
