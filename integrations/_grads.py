@@ -125,6 +125,7 @@ class _Record:
     # What changed it since an update read it before its step (see ``GradientStore.watched_values``): each product
     # by one number, or None for any other write.
     watched: list[Any] | None = None
+    written: bool = False  # by something else than a product by one number, since backward last added to it
 
 
 class GradientStore:
@@ -162,6 +163,7 @@ class GradientStore:
             self._unclaimed(rec)
             if rec.watched is not None:
                 rec.watched.append(None)
+            rec.written = False
             with self._held(rec, write=True) as t:
                 t.add_(grad.to(t.device))
                 rec.norm = torch.linalg.vector_norm(t, 2.0)
@@ -261,12 +263,13 @@ class GradientStore:
                     and all(_is_one(c) for c in rec.watched))
 
     def scaled_by_one(self, grad: torch.Tensor) -> bool:
-        """Whether every product recorded on ``grad`` and not yet applied is by exactly 1 (a clip that did not
-        clip, or none)."""
+        """Whether nothing changed ``grad`` since backward last added to it but products by exactly 1 (a clip that
+        did not clip, or none; not an unscaling)."""
         if not isinstance(grad, StoredGrad):
             return True
         with self._lock:
-            return all(_is_one(c) for c in grad._record.scales)
+            rec = grad._record
+            return not rec.written and all(_is_one(c) for c in rec.scales)
 
     def _unclaimed(self, rec: _Record) -> None:
         """Wait (the lock held, let go meanwhile) until no queued update is still to read ``rec``."""
@@ -316,6 +319,7 @@ class GradientStore:
                 raise TierStoreError("this gradient was dropped (zero_grad() or a new assignment to .grad since it was "
                                      "read): read param.grad again")
             factor = (args[1].detach().clone() if isinstance(args[1], torch.Tensor) else args[1]) if scaling else None
+            rec.written = rec.written or (writes and not scaling)
             if rec.watched is not None and writes:
                 rec.watched.append(factor)
             if scaling:

@@ -480,11 +480,14 @@ def test_parameter_groups_refuse_bad_input(make_store):
 
 @pytest.mark.parametrize("unscale", [True, False], ids=["unscale-and-clip", "no-clip"])
 @pytest.mark.parametrize("fused", [False, True], ids=["single", "fused"])
-@pytest.mark.parametrize("stream", [False, True], ids=["after-backward", "streamed"])
-def test_loss_scaling_matches_torch_grad_scaler(make_store, fused, unscale, stream):
+@pytest.mark.parametrize("stream,speculate", [(False, False), (True, False), (False, "auto"), (True, True)],
+                         ids=["after-backward", "streamed", "speculated-auto", "speculated-streamed"])
+def test_loss_scaling_matches_torch_grad_scaler(make_store, fused, unscale, stream, speculate):
     """torch's fused AdamW takes the scale into its kernel when nothing unscaled the gradients before the step
     (the scaler hands it the scale instead): bit for bit the same, the scaler's scales being powers of two. With the
-    updates streamed into the next forward, a step the scaler skips queues nothing."""
+    updates streamed into the next forward, a step the scaler skips queues nothing. Speculated in backward, the
+    updates are undone (the scaler unscales each gradient; a step it skips undoes them at zero_grad()), and with
+    speculate="auto" none is made after the first step that undid some."""
     from tierstore.integrations.optim import OffloadedGradScaler
 
     ref, model, data = _tiny_pair(tie_head=True)
@@ -496,7 +499,8 @@ def test_loss_scaling_matches_torch_grad_scaler(make_store, fused, unscale, stre
     for who, m, opt, scaler, clip in (
             ("ref", ref, torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False, fused=fused),
              torch.amp.GradScaler("cpu", **scaler_kw), lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)),
-            ("ours", model, OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, fused=fused, stream_update=stream),
+            ("ours", model, OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, fused=fused, stream_update=stream,
+                                           speculate=speculate),
              OffloadedGradScaler("cpu", **scaler_kw), lambda: off.clip_grad_norm_(1.0))):
         losses, scales, norms = [], [], []
         for step in range(5):
@@ -519,7 +523,13 @@ def test_loss_scaling_matches_torch_grad_scaler(make_store, fused, unscale, stre
     if unscale:
         assert not torch.isfinite(runs["ref"][2][0]) and torch.isfinite(runs["ref"][2][-1])
     _assert_same_parameters(model, ref)
-    if stream:
+    stats = off.store.stats_dict()
+    # (an update the worker made after the scaler unscaled its gradient is the step's, and stands)
+    assert stats["speculated_kept"] + stats["speculated_undone"] == stats["updates_speculated"]
+    assert stats["updates_speculated"] == 0 or speculate
+    if speculate == "auto":  # one step's, then paused: the scaler writes every gradient
+        assert stats["speculated_undone"] <= len(off.params)
+    if stream or speculate:
         opt.close()
 
 
