@@ -285,3 +285,33 @@ def test_a_loop_that_says_which_micro_batch_is_last_speculates_in_its_backward(m
     with pytest.raises(TypeError, match="True or False"):
         opt.set_is_last_micro_batch(1)
     opt.close()
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt], ids=["raises", "ctrl-c"])
+def test_a_backward_that_stops_part_way_leaves_the_values_of_before_it(make_store, error):
+    """A backward that raises (or is interrupted) after the updates of the layers above were speculated: zero_grad()
+    undoes them, and training goes on as torch's run that dropped that batch."""
+    ref, model, data = _tiny_pair()
+    store = make_store()
+    off, opt = _speculating(model, store)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    clipped_loop(ref, data, ropt, steps=1, clip=1e9, micro=1)
+    clipped_loop(model, data, opt, steps=1, clip=1e9, micro=1)
+
+    def stop(*_):
+        _speculated(opt)  # the blocks above have been updated
+        raise error("stopped in backward")
+
+    handle = model.blocks[0].register_full_backward_hook(stop)
+    x, y = data.batch(7, 4)
+    with pytest.raises(error):
+        F.cross_entropy(model(x), y).backward()
+    handle.remove()
+    assert _counts(store)[0] > len(off.params)  # some of this backward's were made
+    opt.zero_grad()
+    _assert_same_parameters(model, ref)
+    ref_losses, _ = clipped_loop(ref, data, ropt, steps=2, clip=1e9, micro=1, first=1)
+    losses, _ = clipped_loop(model, data, opt, steps=2, clip=1e9, micro=1, first=1)
+    assert losses == ref_losses
+    _assert_same_parameters(model, ref)
+    opt.close()
