@@ -37,7 +37,8 @@ operation writes it, so ``torch.nn.utils.clip_grad_norm_(model.parameters(),
 on a resident model, one gradient in memory at a time. Two operations that
 clipping does to every gradient cost no read at all, with the same bits: the
 2-norm of each gradient is computed as it is stored (after each
-accumulation), and a multiplication by a scalar (the clip coefficient) is
+accumulation), and a multiplication by a scalar (the clip coefficient; also
+as ``_foreach_mul_`` of one gradient, which a DTensor's clip comes down to) is
 recorded and applied when the gradient is next read; the optimizer's update
 applies it to a copy (``values_of(..., keep_stored=True)``), so a gradient
 kept after its update is unchanged by it, and one read back from the drive
@@ -77,6 +78,7 @@ _NORM = _aten.linalg_vector_norm.default
 # In-place products by one number: recorded and applied at the next read (see [Note: A stored gradient read from
 # outside]).
 _SCALINGS = frozenset({_aten.mul_.Tensor, _aten.mul_.Scalar})
+_FOREACH_SCALINGS = frozenset({_aten._foreach_mul_.Tensor, _aten._foreach_mul_.Scalar})  # of one gradient (a DTensor's)
 GRAD_DTYPES = ("float32", "param")
 # Operations over lists of tensors, elementwise at each list position: torch's foreach kernels, and the one
 # GradScaler unscales with (its found_inf is only ever set, so one position at a time sets it alike).
@@ -310,7 +312,9 @@ class GradientStore:
     # ---- operations on a StoredGrad ----------------------------------------------------------
     def apply(self, rec: _Record, func: Any, args: Any, kwargs: Any) -> Any:
         """``func`` on a stored gradient: see [Note: A stored gradient read from outside]."""
-        scaling = func in _SCALINGS and not kwargs and len(args) == 2 and _is_scalar(args[1])
+        listed = func in _FOREACH_SCALINGS and len(args) == 2 and isinstance(args[0], (list, tuple)) and \
+            len(args[0]) == 1
+        scaling = (func in _SCALINGS or listed) and not kwargs and len(args) == 2 and _is_scalar(args[1])
         writes = scaling or _writes_grad(func, args, kwargs)
         with self._lock:
             if writes and not (scaling and rec.watched is not None):  # a watched product waits for no update
@@ -326,7 +330,7 @@ class GradientStore:
                 rec.scales.append(factor)
                 rec.norm = None
                 rec.generation += 1
-                return args[0]
+                return None if listed else args[0]
             if func is _NORM and not rec.scales and rec.norm is not None and _is_plain_2_norm(args, kwargs):
                 return rec.norm.clone()
             with self._held(rec, write=writes) as t:

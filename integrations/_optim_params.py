@@ -60,8 +60,8 @@ def check_speculating(offloaded: object, *, speculate: bool | str, step_in_backw
                              "the step's (clipped, accumulated), and step_in_backward=True makes them in backward "
                              "for good: choose one")
     if not getattr(offloaded, "speculates", False):
-        raise TierValueError(f"speculate=True needs a model of offload_model, whose every read of a parameter goes "
-                             f"through the store, not {type(offloaded).__name__}: leave it False")
+        raise TierValueError(f"speculate=True needs a model of offload_model or offload_fsdp, whose every read of a "
+                             f"parameter goes through the store, not {type(offloaded).__name__}: leave it False")
     if offloaded.store.swap_directory is None:  # type: ignore[attr-defined]
         raise TierValueError("speculate=True keeps what each update made in backward replaces on the drive, and this "
                              "store has none (no nvme_path): leave it False, or give the store an nvme_path")

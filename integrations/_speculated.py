@@ -64,12 +64,25 @@ import torch
 from tierstore import KeptVersions, StoreFullError, Tier, TierStore
 
 from ._contract import OffloadedParameters, PassConsumer
-from ._grads import GradientStore
 from ._in_backward import wait_for_backlog
 from ._pipeline import StatePipeline, state_keys
 
 
 _ALIGN = 4096  # what an extent may take beyond its bytes
+
+
+class WatchedGradients(Protocol):
+    """What the worker uses of the gradients the offload keeps (``GradientStore``, or FSDP2's shards of them)."""
+
+    def get(self, key: str, default: Any = None) -> Any: ...
+
+    def watched_values(self, grad: torch.Tensor) -> Any: ...
+
+    def unchanged(self, grad: torch.Tensor) -> bool: ...
+
+    def scaled_by_one(self, grad: torch.Tensor) -> bool: ...
+
+    def dtype_of(self, param: torch.Tensor) -> torch.dtype: ...
 
 
 class SpeculatingOptimizer(Protocol):
@@ -222,7 +235,7 @@ class SpeculatedUpdates(PassConsumer):
         gradients the backward stores beside them."""
         if self._round_bytes is None:
             store = self.opt.store
-            grads: GradientStore = self.opt.offloaded.grads  # type: ignore[assignment]
+            grads: WatchedGradients = self.opt.offloaded.grads  # type: ignore[assignment]
             self._round_bytes = sum(
                 store.info(k)["nbytes"] + _ALIGN for name, key, p in self.by_key.values()
                 for k in self._changed_keys(name, key, p)) + sum(
@@ -239,7 +252,7 @@ class SpeculatedUpdates(PassConsumer):
         opt = self.opt
         spec = round_.items[i]
         store = opt.store
-        grads: GradientStore = opt.offloaded.grads  # type: ignore[assignment]
+        grads: WatchedGradients = opt.offloaded.grads  # type: ignore[assignment]
         try:
             with store.stats.background():
                 opt._pipeline.read_ahead(round_.queue, i)
@@ -295,7 +308,7 @@ class SpeculatedUpdates(PassConsumer):
             resting, self._resting = self._resting, False
             backwards, seen, self._backwards, self._seen = self._backwards, self._seen, 0, set()
             opt = self.opt
-            grads: GradientStore = opt.offloaded.grads  # type: ignore[assignment]
+            grads: WatchedGradients = opt.offloaded.grads  # type: ignore[assignment]
             if round_ is None:
                 if self.auto and resting:
                     self.paused = True

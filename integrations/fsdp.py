@@ -133,6 +133,19 @@ class _ShardGrads:
                 sh.param.grad = None
         self.stored.release_claim(grad, drop=drop)
 
+    # What an update speculated in backward asks of the kept shards (see [Note: Speculated updates]).
+    def watched_values(self, grad: torch.Tensor) -> Any:
+        return self.stored.watched_values(grad)
+
+    def unchanged(self, grad: torch.Tensor) -> bool:
+        return self.stored.unchanged(grad)
+
+    def scaled_by_one(self, grad: torch.Tensor) -> bool:
+        return self.stored.scaled_by_one(grad)
+
+    def dtype_of(self, param: torch.Tensor) -> torch.dtype:
+        return self.stored.dtype_of(param)
+
     def keep(self, sh: _Shard) -> None:
         """Put the gradient shard FSDP2 just assigned in the store, and ``param.grad`` on it (see [Note: Gradient
         shards in the tiers]); one FSDP2 accumulated into is there already."""
@@ -155,6 +168,7 @@ class FSDPOffload(OffloadBase):
 
     prefix = "fsdp/"
     streams_updates = True  # FSDP2's all-gather reads each shard from the store first (``_materialize``)
+    speculates = True  # and so waits for a speculated update's decision, or undoes it (see [Note: Speculated updates])
 
     def __init__(self, model: nn.Module, store: TierStore, *, prefetch_depth: int | str, prefetch_bytes: int | None,
                  home: Tier, init_fn: Callable[[nn.Module], None] | None = None, placement: bool = True,
@@ -324,6 +338,8 @@ class FSDPOffload(OffloadBase):
         if not self.pass_consumers.consumes_grads():  # kept until the step (see [Note: Gradient shards in the tiers])
             for sh in ready:
                 self.grads.keep(sh)
+            for sh in ready:  # kept, and seen by an optimizer that speculates (see [Note: Speculated updates])
+                self.pass_consumers.grad_ready(sh.key)
             return
         for sh in ready:
             self.pass_consumers.grad_ready(sh.key)

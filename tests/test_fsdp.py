@@ -183,6 +183,29 @@ def test_updates_streamed_into_the_next_forward_under_fsdp_are_fsdp2_alones(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("flags", [["clip-never"], [], ["clip-never", "8bit-split"]],
+                         ids=["never-clipped", "clipped", "never-clipped-8bit-split"])
+def test_updates_speculated_under_fsdp_are_fsdp2_alones(tmp_path, flags):
+    """OffloadedAdamW(speculate="auto") on 2 ranks, two micro-batches a step (the last one's backward updates each
+    shard as FSDP2's reduce-scatter completes its gradient) and torch's clip_grad_norm_ (its norm all-reduced by
+    FSDP2): never reached, every update stands; reached, they are undone and made at step(), and none made after;
+    losses, clip norms, shards, moments and param.grad are FSDP2 alone's (see [Note: Speculated updates])."""
+    pytest.importorskip("transformers")
+    child = child_script("fsdp_conformance_child.py")
+    lines = _rows(_launch(2, child, "llama-tied", str(tmp_path), "1", "accumulate-clip", "speculate", *flags))
+    assert sorted(r["rank"] for r in lines) == [0, 1]
+    for r in lines:
+        assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"], r
+        assert all(r["same_grads"]) and r["removed_clean"] is True, r
+        s = r["speculated"]
+        assert s["updates_speculated"] > 0 and s["speculated_kept"] + s["speculated_undone"] == s["updates_speculated"]
+        if "clip-never" in flags:
+            assert s["speculated_undone"] == 0, r
+        else:
+            assert s["speculated_undone"] > 0, r
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [[], ["accumulate-clip"]], ids=["in-backward", "accumulate-clip"])
 def test_a_frozen_backbone_under_fsdp_trains_as_fsdp2_alone(tmp_path, flags):
     """All but the first layer frozen (see [Note: Frozen parameters in backward]): FSDP2 all-gathers the frozen

@@ -230,7 +230,7 @@ def test_refused_where_it_cannot_run(make_store):
         OffloadedAdamW(off, speculate=True, step_in_backward=True)
     with pytest.raises(TypeError, match="True, False or 'auto'"):
         OffloadedAdamW(off, speculate="yes")
-    with pytest.raises(TierValueError, match="needs a model of offload_model"):
+    with pytest.raises(TierValueError, match="needs a model of offload_model or offload_fsdp"):
         check_speculating(object(), speculate=True, step_in_backward=False)
 
 

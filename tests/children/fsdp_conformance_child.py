@@ -12,7 +12,9 @@ reference update (torch operations, the state kept beside it), and compares the 
 backward, yet are all-gathered for it); ``stream`` streams the updates into the next forward
 (``OffloadedAdamW(stream_update=True)``); ``no-sync`` turns FSDP2's gradient sync off for each step's first
 micro-batch (with ``accumulate-clip``), as FSDP2's recipe for accumulation does, and reports the warnings that say
-so."""
+so; ``speculate`` makes each update in the last micro-batch's backward (``OffloadedAdamW(speculate="auto")``,
+``opt.set_is_last_micro_batch``) and reports the store's counts of them; ``clip-never`` clips at a norm never
+reached."""
 
 import copy
 import json
@@ -42,10 +44,12 @@ def shard(model, layers):
     return model
 
 
-def train(model, opt, case, rank, world, views, clip=False, store=None, no_sync=False):
+def train(model, opt, case, rank, world, views, clip=False, store=None, no_sync=False, max_norm=1.0):
     losses, seen = [], []
     for step in range(3 if views == 1 else 6):
         for micro in range(2 if clip else 1):
+            if hasattr(opt, "set_is_last_micro_batch"):
+                opt.set_is_last_micro_batch(micro == (1 if clip else 0))
             if no_sync:  # FSDP2's recipe: gradient sync on the last micro-batch only
                 model.set_requires_gradient_sync(micro == 1)
             torch.manual_seed(100 + rank * 10 + step)  # dropout: the same masks in both runs
@@ -54,7 +58,7 @@ def train(model, opt, case, rank, world, views, clip=False, store=None, no_sync=
             loss.backward()
             losses.append(loss.item())
         if clip:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             losses.append(norm.full_tensor().item() if hasattr(norm, "full_tensor") else norm.item())
             grads = [p.grad.to_local().clone() for p in model.parameters() if p.grad is not None]
             seen.append({"grads": grads, "in_store": _grads_in_store(store)})
@@ -107,7 +111,8 @@ def _grads_in_store(store):
 
 
 def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compressed: bool = False,
-         frozen: bool = False, stream: bool = False, no_sync: bool = False) -> None:
+         frozen: bool = False, stream: bool = False, no_sync: bool = False, speculate: bool = False,
+         max_norm: float = 1.0) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     case = CASES[name]
@@ -124,16 +129,18 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compres
     ref = shard(copy.deepcopy(base), LAYERS[name])
     ref_opt = CompressedReference(ref) if compressed else torch.optim.AdamW(
         ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False, fused=fused)
-    ref_losses, ref_seen = train(ref, ref_opt, case, rank, world, views, clip, no_sync=no_sync)
+    ref_losses, ref_seen = train(ref, ref_opt, case, rank, world, views, clip, no_sync=no_sync, max_norm=max_norm)
     model = shard(copy.deepcopy(base), LAYERS[name])
     with TierStore(StoreConfig(nvme_path=nvme_path, host_budget_bytes="256KiB", device_budget_bytes="1MiB",
                                file_size_bytes="4MiB", block_size_bytes="64KiB")) as store:
         off = offload_fsdp(model, store)
         opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, fused=fused, stream_update=stream,
+                             speculate="auto" if speculate else False,
                              **({"moments": "8bit", "master": "split"} if compressed else {}))
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
-            losses, seen = train(model, opt, case, rank, world, views, clip, store, no_sync=no_sync)
+            losses, seen = train(model, opt, case, rank, world, views, clip, store, no_sync=no_sync,
+                                 max_norm=max_norm)
         warned = [str(w.message) for w in said if "offload_fsdp" in str(w.message)]
         opt.wait()
         moments: dict[str, dict[str, torch.Tensor]] = {}  # each rank's state as stored
@@ -155,6 +162,8 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compres
                                for n, p in ref.named_parameters() if p.requires_grad
                                for m in ("exp_avg", "exp_avg_sq"))
         read = store.stats_dict()["bytes_read_nvme"]
+        speculated = {k: store.stats_dict()[k] for k in ("updates_speculated", "speculated_kept",
+                                                          "speculated_undone")}
         # A layer: its uses in the step's trace.
         first = next(g for g in off.units() if "layers" in g or ".h." in g or "layer_groups" in g)
         uses = off.prefetch_policy.trace.count(first)
@@ -167,7 +176,7 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compres
             removed_clean = kept > 0 and _grads_in_store(store)[0] == 0 and all(
                 p.grad is None for p in model.parameters())
     print(json.dumps({"rank": rank, "ref": ref_losses, "ours": losses, "same_parameters": same, "warned": warned,
-                      "same_moments": same_moments, "read_bytes": read,
+                      "same_moments": same_moments, "read_bytes": read, "speculated": speculated,
                       "trained": len(moments), "parameters": len(list(model.parameters())), "uses_of_a_layer": uses,
                       "uses_of_it_in_forward": forward.count(first), "verdict": off.placement_verdict,
                       "grads_in_store": [x["in_store"] for x in seen], "removed_clean": removed_clean,
@@ -179,6 +188,7 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compres
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1, "fused" in sys.argv[4:],
          "accumulate-clip" in sys.argv[4:], "8bit-split" in sys.argv[4:], "frozen" in sys.argv[4:],
-         "stream" in sys.argv[4:], "no-sync" in sys.argv[4:])
+         "stream" in sys.argv[4:], "no-sync" in sys.argv[4:], "speculate" in sys.argv[4:],
+         1e9 if "clip-never" in sys.argv[4:] else 1.0)
     sys.stdout.flush()
     os._exit(0)  # skip C++ teardown at exit, as the torchrun example does (see tierstore/tools/fsdp_train.py)
