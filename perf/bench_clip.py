@@ -19,7 +19,8 @@ parameters), a batch of ``--batch`` rows, MSE loss, parameters and Adam state on
 Rounds alternate the loops, ``--steps`` steps each (the first round warms them up and is not counted; a block's
 time includes waiting for its last step's updates and writes). Printed: each loop's median step time and its
 ratio to the reference, the share of each loop's drive bytes that moved inside ``opt.step()`` (while the training
-loop waited), how many updates were speculated, kept and undone, and whether the clipped, streamed and speculated
+loop waited) and during the forward (where a streamed step's updates run, beside the forward's own reads), how many
+updates were speculated, kept and undone, and whether the clipped, streamed and speculated
 models end bit-identical (and, where ``--max-norm`` is never reached, the reference too). The anchor's gradient
 norm is about 0.009, so 1.0 never clips; ``--max-norm 1e-4`` clips every step.
 """
@@ -59,7 +60,7 @@ class _Run:
                                   speculate="auto" if loop == "speculated" else False)
         self.clip = None if loop == "in-backward" else args.max_norm
         self.step_seconds: list[float] = []
-        self.moved = self.inside_step = 0
+        self.moved = self.inside_step = self.in_forward = 0
         self.norms: list[float] = []
 
     def _drive_bytes(self) -> int:
@@ -71,9 +72,12 @@ class _Run:
         import torch.nn.functional as F
 
         start, before = time.perf_counter(), self._drive_bytes()
-        inside = 0
+        inside = forward = 0
         for x, y in batches:
-            F.mse_loss(self.model(x), y).backward()
+            at = self._drive_bytes()
+            out = self.model(x)
+            forward += self._drive_bytes() - at
+            F.mse_loss(out, y).backward()
             if self.clip is not None:
                 self.norms.append(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip).item())
             at = self._drive_bytes()
@@ -85,6 +89,7 @@ class _Run:
             self.step_seconds.append((time.perf_counter() - start) / len(batches))
             self.moved += self._drive_bytes() - before
             self.inside_step += inside
+            self.in_forward += forward
 
     def close(self) -> dict:
         state = {k: v.clone() for k, v in self.model.state_dict().items()}
@@ -133,15 +138,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     ref = statistics.median(runs["in-backward"].step_seconds)
     results = []
-    print(f"{'loop':<13}{'step s':>8}{'vs ref':>8}{'GB/step':>9}{'inside step()':>15}")
+    print(f"{'loop':<13}{'step s':>8}{'vs ref':>8}{'GB/step':>9}{'inside step()':>15}{'in forward':>12}")
     for loop in LOOPS:
         run = runs[loop]
         med = statistics.median(run.step_seconds)
         counted_steps = args.rounds * args.steps
         share = run.inside_step / run.moved if run.moved else 0.0
+        forward = run.in_forward / run.moved if run.moved else 0.0
         results.append({"loop": loop, "step_seconds": med, "ratio": med / ref,
-                        "bytes_per_step": run.moved / counted_steps, "inside_step_share": share})
-        print(f"{loop:<13}{med:>8.2f}{med / ref:>7.2f}x{run.moved / counted_steps / 1e9:>9.2f}{share:>14.0%}")
+                        "bytes_per_step": run.moved / counted_steps, "inside_step_share": share,
+                        "in_forward_share": forward})
+        print(f"{loop:<13}{med:>8.2f}{med / ref:>7.2f}x{run.moved / counted_steps / 1e9:>9.2f}{share:>14.0%}"
+              f"{forward:>11.0%}")
     clips = sum(n > args.max_norm for n in clipped_norms)
     never = clips == 0
     by = {r["loop"]: r for r in results}
