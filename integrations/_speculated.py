@@ -371,10 +371,6 @@ class SpeculatedUpdates(PassConsumer):
         else:
             opt._applied[spec.name] = applied
 
-    @property
-    def pending(self) -> bool:
-        return self._round is not None
-
     def close(self) -> None:
         """Undo what is speculated and stop the worker."""
         if self._worker is None:

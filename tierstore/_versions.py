@@ -50,10 +50,6 @@ class KeptVersions:
         self._kept = kept
         self.open = True
 
-    @property
-    def keys(self) -> list[str]:
-        return [k.entry.key for k in self._kept]
-
     def commit(self) -> None:
         """The changes stand: free every kept version (one whose write-back is in flight, once it lands)."""
         state = self._state
