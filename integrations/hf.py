@@ -1,5 +1,5 @@
 """transformers and peft with an offloaded model: ``save_pretrained``, ``Trainer``'s checkpoints and resume, and
-merging LoRA adapters, each moving one tensor at a time through the host budget. The front of four modules, one
+merging LoRA adapters, each moving one tensor at a time through the host budget. The front of five modules, one
 job each: transformers' and peft's files (``_hf_pretrained.py``), Trainer's checkpoints (``_hf_trainer.py``),
 Trainer's micro-batches layer by layer (``_hf_layer_major.py``), merged adapters (``_hf_merge.py``), and what the
 optimizer did with the updates in Trainer's logs (``_hf_logs.py``).
