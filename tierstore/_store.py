@@ -159,11 +159,12 @@ class TierStore(Residency):
         first."""
         state = self._state
         state.check_open()
-        for key in keys:
-            self.write_back(key).wait()
         with state.lock:
             entries = [state.lookup(k) for k in keys]
-            for entry in entries:  # a write may have begun since (an eviction's): the kept version is the newest
+            for entry in entries:  # the changed ones' writes started together, then each waited for
+                if entry.writeback is None and not entry.home_is_current():
+                    self._transfers.start_writeback(entry)
+            for entry in entries:  # (a write begun meanwhile, an eviction's, too: the kept version is the newest)
                 while entry.writeback is not None or not entry.home_is_current():
                     if entry.writeback is None and self._transfers.start_writeback(entry) is None:
                         break

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._copies import Copy, Entry, StoreState
-from ._nvme import Extent
+from ._nvme import Extent, NvmeEngine
 from ._types import StoreFullError, Tier, TierBudgetError, TierStoreError, TierValueError
 
 
@@ -34,10 +34,11 @@ class KeptVersion:
     old: Extent | None = None
     committed: bool = False
 
-    def free(self, engine: object) -> None:
+    def free(self, engine: NvmeEngine) -> None:
+        """Give back the extents it still holds (the spare, or the one with the kept version)."""
         for ext in (self.spare, self.old):
             if ext is not None:
-                engine.free(ext)  # type: ignore[attr-defined]
+                engine.free(ext)
         self.spare = self.old = None
 
 
@@ -63,11 +64,7 @@ class KeptVersions:
                 if k.old is None and entry.writeback is not None and k.spare is not None:
                     k.committed = True  # the write in flight lands on the spare: see ``_transfers._write_to_drive``
                     continue
-                if k.old is not None:
-                    state.engine.free(k.old)  # type: ignore[union-attr]
-                elif k.spare is not None:
-                    state.engine.free(k.spare)  # type: ignore[union-attr]
-                k.spare = k.old = None
+                k.free(state.engine)  # type: ignore[arg-type]
             self.open = False
 
     def restore(self) -> None:
@@ -75,14 +72,14 @@ class KeptVersions:
         state = self._state
         with state.lock:
             self._check_open()
+            # Every key quiet at once (no write-back, fill or transfer of its copies), so that nothing runs while
+            # the homes move back: a wait lets the lock go, so all are checked again after each.
+            while any(_busy(k.entry) for k in self._kept):
+                state.lock.wait(0.01)
             for k in self._kept:
                 entry = k.entry
-                if entry.dropped:
-                    continue
-                while entry.writeback is not None or any(c.loading is not None for c in entry.copies.values()):
-                    state.lock.wait(0.01)
                 held = [c.tier.label for c in entry.copies.values() if c.pins and c.tier is not entry.home]
-                if held:
+                if held and not entry.dropped:
                     raise TierStoreError(f"{entry.key!r}: its {', '.join(held)} copy is held (get() without "
                                          f"release()), so it cannot go back to its kept version")
             for k in self._kept:
@@ -94,12 +91,8 @@ class KeptVersions:
                 if k.old is not None:  # a write-back moved the home to the spare extent: move it back
                     k.spare, home.extent = home.extent, k.old
                     k.old = None
-                if k.spare is not None:
-                    state.engine.free(k.spare)  # type: ignore[union-attr]
-                    k.spare = None
+                k.free(state.engine)  # type: ignore[arg-type]
                 for copy in [c for c in entry.copies.values() if c is not home]:
-                    while copy.io_refs:
-                        state.lock.wait(0.01)
                     state.free_copy(entry, copy)
                 entry.version += 1
                 home.version = entry.version
@@ -111,6 +104,12 @@ class KeptVersions:
     def _check_open(self) -> None:
         if not self.open:
             raise TierStoreError("these kept versions were already committed or restored")
+
+
+def _busy(entry: Entry) -> bool:
+    """Whether a write-back, a fill or a transfer of one of its copies other than the home is in flight."""
+    return not entry.dropped and (entry.writeback is not None or any(
+        c.loading is not None or (c.io_refs and c.tier is not entry.home) for c in entry.copies.values()))
 
 
 def landed(state: StoreState, kept: KeptVersion, home: Copy, error: BaseException | None) -> None:
