@@ -244,11 +244,7 @@ class GradientStore:
         try:
             t = self.store.get(rec.key, Tier.HOST)
             try:
-                if scales:
-                    t = t.clone()
-                    for s in scales:
-                        t.mul_(s)  # as _held applies them: the same bits
-                yield t
+                yield _scaled_copy(t, scales) if scales else t
             finally:
                 self.store.release(rec.key, Tier.HOST)
         finally:
@@ -406,15 +402,22 @@ def values_of(grad: torch.Tensor, *, keep_stored: bool = False) -> Iterator[torc
         with grads._lock:
             t = grads.store.get(rec.key, Tier.HOST)
             try:
-                scaled = t.clone()
-                for s in rec.scales:
-                    scaled.mul_(s)  # as _held applies them: the same bits
+                scaled = _scaled_copy(t, rec.scales)
             finally:
                 grads.store.release(rec.key, Tier.HOST)
             yield scaled
         return
     with grads._lock, grads._held(rec, write=False) as t:
         yield t
+
+
+def _scaled_copy(t: torch.Tensor, scales: list[Any]) -> torch.Tensor:
+    """A copy of a stored gradient's values with its pending products applied, as ``_held`` applies them in place:
+    the same bits."""
+    out = t.clone()
+    for s in scales:
+        out.mul_(s)
+    return out
 
 
 def _list_length(args: Any) -> int:

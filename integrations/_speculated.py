@@ -149,11 +149,12 @@ class SpeculatedUpdates(PassConsumer):
         self._backwards = 0  # backward passes since the last step(), and the keys of the last one's gradients
         self._seen: set[str] = set()
         self.by_key = {key: (name, key, p) for name, key, p in opt._items if key is not None}
+        self._changed = {key: self._changed_keys(name, key, p) for key, (name, _, p) in self.by_key.items()}
         self._worker: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="tierstore-adamw-spec")
         self._writer = self._worker.submit(threading.get_ident).result()
         self._round: _Round | None = None
         self._resting = False  # undone since the last step(): speculate again after it
-        self._on_drive: dict[str, bool] = {}  # name -> whether every key its update changes lives on the drive
+        self._homes_on_drive: dict[str, bool] = {}  # key -> whether every key its update changes lives on the drive
         self._lock = threading.RLock()  # of the round: undo may come from any thread that reads a fenced key
         self.room_warned = False
         self._round_bytes: int | None = None  # the drive a round may take (see _room_for_a_round)
@@ -179,7 +180,7 @@ class SpeculatedUpdates(PassConsumer):
                 return
             name, key_, p = self.by_key[key]
             grad = opt.offloaded.grads.get(key)
-            if grad is None or not self._speculable(name, key_, p):
+            if grad is None or not self._on_drive(key):
                 return
             if round_ is None:
                 if not self._room_for_a_round():
@@ -193,7 +194,7 @@ class SpeculatedUpdates(PassConsumer):
             round_.by_key[key] = spec
             round_.queue.append((name, key_, p, grad))
             opt._progress = (round_.queue, opt._progress[1] if opt._progress[0] is round_.queue else 0)
-            opt.store.fence(self._changed_keys(name, key_, p), round_.decided, self._writer, settle=self.undo)
+            opt.store.fence(self._changed[key], round_.decided, self._writer, settle=self.undo)
             with self._backlog_lock:
                 self._backlog_bytes += spec.nbytes
             spec.future = self._worker.submit(self._run, round_, len(round_.items) - 1)
@@ -222,12 +223,12 @@ class SpeculatedUpdates(PassConsumer):
             keys.append(key)  # the weight, rounded from its updated master
         return keys
 
-    def _speculable(self, name: str, key: str, p: torch.nn.Parameter) -> bool:
-        """Whether every key the update changes lives on the drive and is not kept in the host tier."""
-        keys = self._changed_keys(name, key, p)
-        on_drive = self._on_drive.get(name)
+    def _on_drive(self, key: str) -> bool:
+        """Whether every key the parameter's update changes lives on the drive (asked of the store once)."""
+        on_drive = self._homes_on_drive.get(key)
         if on_drive is None:
-            on_drive = self._on_drive[name] = all(self.opt.store.info(k)["home"] == Tier.NVME.label for k in keys)
+            on_drive = self._homes_on_drive[key] = all(
+                self.opt.store.info(k)["home"] == Tier.NVME.label for k in self._changed[key])
         return on_drive
 
     def _room_for_a_round(self) -> bool:
@@ -237,8 +238,7 @@ class SpeculatedUpdates(PassConsumer):
             store = self.opt.store
             grads: WatchedGradients = self.opt.offloaded.grads  # type: ignore[assignment]
             self._round_bytes = sum(
-                store.info(k)["nbytes"] + _ALIGN for name, key, p in self.by_key.values()
-                for k in self._changed_keys(name, key, p)) + sum(
+                store.info(k)["nbytes"] + _ALIGN for keys in self._changed.values() for k in keys) + sum(
                 p.numel() * grads.dtype_of(p).itemsize + _ALIGN for _, _, p in self.by_key.values())
         room = self.opt.store.nvme_room_bytes()
         if room >= self._round_bytes:
@@ -257,7 +257,7 @@ class SpeculatedUpdates(PassConsumer):
             with store.stats.background():
                 opt._pipeline.read_ahead(round_.queue, i)
                 try:
-                    kept = store.keep_version(self._changed_keys(spec.name, spec.key, spec.param))
+                    kept = store.keep_version(self._changed[spec.key])
                 except StoreFullError as e:
                     self._no_room(str(e))
                     return
