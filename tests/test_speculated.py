@@ -315,3 +315,26 @@ def test_a_backward_that_stops_part_way_leaves_the_values_of_before_it(make_stor
     assert losses == ref_losses
     _assert_same_parameters(model, ref)
     opt.close()
+
+
+@pytest.mark.parametrize("clip", [1e9, 0.05], ids=["never-clipped", "clipped"])
+def test_stress_speculated_updates_beside_backward_under_a_tight_budget(make_store, clip):
+    """Many thread switches, a host tier that makes the worker and backward evict each other's copies, updates kept
+    and undone: the run stays torch's, step after step."""
+    import sys
+
+    ref, model, data = _tiny_pair(tie_head=True)
+    ref_losses, _ = resident_clipped(ref, data, steps=6, clip=clip, micro=1)
+    store = make_store(host_budget_bytes="704KiB", device_budget_bytes="320KiB")
+    off, opt = _speculating(model, store, stream_update=True)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        losses, _ = clipped_loop(model, data, opt, steps=6, clip=clip, micro=1)
+    finally:
+        sys.setswitchinterval(interval)
+    assert losses == ref_losses
+    _assert_same_parameters(model, ref)
+    speculated, kept, undone = _counts(store)
+    assert speculated > 0 and kept + undone == speculated
+    opt.close()
