@@ -22,13 +22,25 @@ What is used, all present and exercised by the suite on torch 2.13.0 and
   on the meta device ``reset_sharded_param()``, ``_sharded_param_data``,
   ``_sharding_spec``;
 - ``DTensor._local_tensor``: the view of the padded shard that is freed and
-  restored by resizing its storage (see [Note: Freeing a shard]).
+  restored by resizing its storage (see [Note: Freeing a shard]);
+- for a layer-major step (``HeldGathers``, see [Note: Layer by layer on FSDP2
+  ranks]): ``FSDPState._lazy_init``, ``_state_ctx`` (``all_states``,
+  ``is_last_backward``), ``_fsdp_param_groups``,
+  ``_states_to_forward_prefetch`` / ``_states_to_backward_prefetch``,
+  ``_root_post_backward_final_callback``, ``_reset_iter_state`` (where the
+  public ``reset_iter_state`` is missing); ``FSDPParamGroup``:
+  ``reduce_grads``, ``all_reduce_grads``, ``reshard_after_backward``,
+  ``post_forward_mesh_info``, ``post_forward`` and ``_backward_prefetch``
+  (replaced per object for the step), ``reshard``, ``_training_state``,
+  ``modules``; ``FSDPParam``: ``unsharded_param``,
+  ``unsharded_accumulated_grad``, ``_param_fqn``.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -144,10 +156,11 @@ def adopt_local_tensor(fsdp_param: Any) -> Callable[[], None]:
 
 
 def wrap_group(group: Any, before_unshard: Callable[[], None], after_wait: Callable[[], None],
-               after_post_backward: Callable[[], None]) -> Callable[[], None]:
+               after_post_backward: Callable[[bool], None]) -> Callable[[], None]:
     """Run ``before_unshard`` before the group's all-gather reads its shards, ``after_wait`` once it
-    has, and ``after_post_backward`` once its sharded gradients are assigned (see
-    :func:`wait_for_gradients`); returns a function that removes the wrappers."""
+    has, and ``after_post_backward(reduced)`` once its post-backward has run: ``reduced`` when it reduce-scattered
+    gradients, whose shards are then assigned (see :func:`wait_for_gradients`); returns a function that removes the
+    wrappers."""
     unshard, wait, post_backward = group.unshard, group.wait_for_unshard, group.post_backward
 
     def wrapped_unshard(async_op: bool = False) -> None:
@@ -160,8 +173,9 @@ def wrap_group(group: Any, before_unshard: Callable[[], None], after_wait: Calla
         after_wait()
 
     def wrapped_post_backward(*args: Any) -> None:
+        reduces = will_reduce(group)
         post_backward(*args)
-        after_post_backward()
+        after_post_backward(reduces)
 
     group.unshard, group.wait_for_unshard, group.post_backward = wrapped_unshard, wrapped_wait, wrapped_post_backward
 
@@ -177,6 +191,17 @@ def syncs_gradients(group: Any) -> bool:
     return bool(getattr(group, "reduce_grads", True))
 
 
+def will_reduce(group: Any) -> bool:
+    """Whether the group's post-backward, run now, reduce-scatters: gradient sync is on and an unsharded gradient
+    is there to reduce (FSDP2 calls it again, with nothing to reduce, for a group whose hook did not run)."""
+    if not syncs_gradients(group):
+        return False
+    if getattr(group, "reduce_scatter_unused_params", False):
+        return True
+    return any(fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None
+               for fp in group.fsdp_params if hasattr(fp, "_unsharded_param"))
+
+
 def wait_for_gradients(group: Any) -> None:
     """Block until the reduce-scatter that produced the group's sharded gradients has finished (on CUDA it
     runs on FSDP2's own stream; on the CPU it already has)."""
@@ -185,6 +210,114 @@ def wait_for_gradients(group: Any) -> None:
         event.synchronize()
 
 
-__all__ = ["TESTED_TORCH", "adopt_local_tensor", "check_group_supported", "check_torch_version", "fsdp_groups",
-           "fsdp_params_by_id", "group_params", "local_shard", "syncs_gradients", "wait_for_gradients", "with_local",
-           "wrap_group"]
+def _no_prefetch(*args: Any) -> None:
+    return None
+
+
+def _held_post_forward(group: Any, module: nn.Module, args: Any, output: Any) -> Any:
+    """A group's post-forward that keeps it unsharded: as in forward, whatever the group's state (a micro-batch's
+    backward between another's pre- and post-forward left it idle, where post-forward would reshard)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    group._training_state = TrainingState.FORWARD
+    return type(group).post_forward(group, module, args, output)
+
+
+def _unsharded_grad_mark(fp: Any) -> tuple[int, int] | None:
+    """What changes as a part is added to an FSDP parameter's unsharded gradient (None: it has none)."""
+    grad = fp.unsharded_param.grad if hasattr(fp, "_unsharded_param") else None
+    grad = fp.unsharded_accumulated_grad if grad is None else grad
+    return None if grad is None else (id(grad), grad._version)
+
+
+class HeldGathers:
+    """FSDP2's levers set for one layer-major step of ``model`` (the root ``fully_shard``-ed module) through
+    ``segments`` (each a ``fully_shard``-ed module of one group), and set back after it (see [Note: Layer by layer
+    on FSDP2 ranks])."""
+
+    def __init__(self, model: nn.Module, segments: list[nn.Module]) -> None:
+        self.model = model
+        self.root = model._get_fsdp_state()
+        self.root._lazy_init()  # as the first forward does: which state is the root, its group held after forward
+        self.states = list(self.root._state_ctx.all_states)
+        self.groups = [g for s in self.states for g in s._fsdp_param_groups]
+        self.of_segment = [m._get_fsdp_state()._fsdp_param_group for m in segments]
+        self.saved: list[tuple[Any, bool, bool, bool, Any]] = []
+        self.prefetches: list[tuple[Any, list, list]] = []
+        self.last_backward = True
+        self.before_glue: list[tuple[Any, tuple[int, int] | None]] = []
+
+    def begin(self) -> None:
+        """No group reshards after forward or backward, reduce-scatters or prefetches, and no backward is the
+        step's last, until told."""
+        self.saved = [(g, g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward, g.post_forward_mesh_info)
+                      for g in self.groups]
+        self.prefetches = [(s, s._states_to_forward_prefetch, s._states_to_backward_prefetch) for s in self.states]
+        self.last_backward = self.root._state_ctx.is_last_backward
+        for g in self.groups:
+            g.reduce_grads = g.all_reduce_grads = g.reshard_after_backward = False
+            g.post_forward_mesh_info = None
+            g._backward_prefetch = _no_prefetch  # it would all-gather the group the forward order put before
+            g.post_forward = partial(_held_post_forward, g)
+        for s in self.states:
+            s._states_to_forward_prefetch, s._states_to_backward_prefetch = [], []
+        self.root._state_ctx.is_last_backward = False
+
+    def forward_passed(self, k: int) -> None:
+        """Every micro-batch's forward has passed segment ``k``: its parameters resharded."""
+        self.of_segment[k].reshard()
+
+    def before_rerun(self, k: int, last: bool) -> None:
+        """Segment ``k``'s backward for one micro-batch runs next; ``last``: the step's last for it, whose
+        post-backward reduce-scatters the sum and reshards (as the user's settings have it)."""
+        g = self.of_segment[k]
+        _, reduce, all_reduce, reshard, _ = next(t for t in self.saved if t[0] is g)
+        if last:
+            g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward = reduce, all_reduce, reshard
+        else:
+            g.reduce_grads = g.all_reduce_grads = g.reshard_after_backward = False
+
+    def glue_starts(self) -> None:
+        """The glue before the first segment runs its backward next: which unsharded gradients it finds."""
+        self.before_glue = [(fp, _unsharded_grad_mark(fp)) for g in self.groups for fp in g.fsdp_params]
+
+    def mixed(self) -> str | None:
+        """A parameter with gradient parts from the forward's stretch (the head's) and from the glue before the
+        segments: each part summed in another order than the loop's, micro-batch after micro-batch."""
+        for fp, before in self.before_glue:
+            if before is not None and _unsharded_grad_mark(fp) != before:
+                name = getattr(fp, "_param_fqn", None) or "a parameter of the root"
+                return (f"{name} gets gradient parts both before the first segment and after the last: they would "
+                        f"be summed in another order than the loop's")
+        return None
+
+    def end(self, ok: bool) -> None:
+        """The user's settings back. ``ok``: what FSDP2's last backward ends with runs now (every group with an
+        unsharded gradient left, the root's, reduce-scatters it and reshards; then FSDP2 finalizes the backward);
+        else the step's gathers and unsharded gradients are let go (``reset_iter_state``)."""
+        for g, reduce, all_reduce, reshard, _ in self.saved:
+            g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward = reduce, all_reduce, reshard
+            g.__dict__.pop("_backward_prefetch", None)
+            g.__dict__.pop("post_forward", None)
+        for s, fwd, bwd in self.prefetches:
+            s._states_to_forward_prefetch, s._states_to_backward_prefetch = fwd, bwd
+        self.root._state_ctx.is_last_backward = self.last_backward
+        try:
+            if ok:
+                self.root._root_post_backward_final_callback()
+            else:
+                for g in self.groups:
+                    for fp in g.fsdp_params:
+                        fp.unsharded_accumulated_grad = None
+                        if hasattr(fp, "_unsharded_param"):
+                            fp.unsharded_param.grad = None
+                reset = getattr(self.model, "reset_iter_state", None) or self.root._reset_iter_state
+                reset()
+        finally:
+            for g, *_, mesh in self.saved:
+                g.post_forward_mesh_info = mesh
+
+
+__all__ = ["TESTED_TORCH", "HeldGathers", "adopt_local_tensor", "check_group_supported", "check_torch_version",
+           "fsdp_groups", "fsdp_params_by_id", "group_params", "local_shard", "syncs_gradients", "wait_for_gradients",
+           "will_reduce", "with_local", "wrap_group"]

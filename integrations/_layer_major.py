@@ -139,6 +139,47 @@ class LayerMajorOffload(OffloadedParameters, Protocol):
     stats: Any
 
 
+class Gathers(Protocol):
+    """What a step tells the engine that gathers each segment's parameters (FSDP2 on a rank: see [Note: Layer by
+    layer on FSDP2 ranks]); nothing where the pass holds them (``offload_model``)."""
+
+    def begin(self) -> None: ...
+
+    def forward_passed(self, k: int) -> None: ...
+
+    def before_rerun(self, k: int, last: bool) -> None: ...
+
+    def glue_starts(self) -> None: ...
+
+    def mixed(self) -> str | None: ...
+
+    def end(self, ok: bool) -> None: ...
+
+
+class _HeldByThePass:
+    """``offload_model``'s pass holds a segment's parameters for every micro-batch's forward at once and lets go
+    after the last (see [Note: A layer-major step]): nothing to tell."""
+
+    def begin(self) -> None:
+        pass
+
+    def forward_passed(self, k: int) -> None:
+        pass
+
+    def before_rerun(self, k: int, last: bool) -> None:
+        pass
+
+    def glue_starts(self) -> None:
+        pass
+
+    def mixed(self) -> str | None:
+        """Parts summed out of the loop's order are found through the kept gradients (see _backward)."""
+        return None
+
+    def end(self, ok: bool) -> None:
+        pass
+
+
 class NotAChain(Exception):
     """The model's segments do not run as a chain (see [Note: A layer-major step]); raised inside a worker."""
 
@@ -300,8 +341,10 @@ class LayerMajorStep(PassConsumer):
     passes whose next uses are its activations (see [Note: Activations in the tiers], [Note: Consumers of a
     pass])."""
 
-    def __init__(self, off: LayerMajorOffload, segments: Sequence[nn.Module]) -> None:
+    def __init__(self, off: LayerMajorOffload, segments: Sequence[nn.Module], gathers: Gathers | None = None) -> None:
         self.off = off
+        self.gathers = gathers or _HeldByThePass()
+        self.ending = False  # the gathers' end: FSDP2's last post-backward (see completes)
         self.segments = list(segments)
         self.index = {id(m): k for k, m in enumerate(self.segments)}
         self.store = off.store
@@ -387,6 +430,8 @@ class LayerMajorStep(PassConsumer):
             for y in ys:  # used by the glue after a later segment (see [Note: Values the segments take])
                 y.register_hook(lambda g, k=k: None if self.backward_started else
                                 self.reached.append(f"segment {k}'s output"))
+        if i == self.n - 1:  # every micro-batch has passed it
+            self.gathers.forward_passed(k)
         return tree_unflatten(made, spec)
 
     def _taken(self, t: torch.Tensor, k: int, i: int) -> _Value:
@@ -472,6 +517,7 @@ class LayerMajorStep(PassConsumer):
             self._handles.append(m.register_forward_hook(self._post, always_call=True))
         self._handles.extend(self.tied.hook(self._not_a_chain))
         self.off.attach(self)  # its activations ranked for eviction (see [Note: Activations in the tiers])
+        self.gathers.begin()
         passes = self.off.pass_state
         threads = [threading.Thread(target=self._worker, args=(i, step_fn, mb, results),
                                     name=f"tierstore-micro-batch-{i}") for i, mb in enumerate(micro_batches)]
@@ -495,6 +541,7 @@ class LayerMajorStep(PassConsumer):
         first_rng = self.rotation.rng[0]
         if self.rotation.error is not None:
             _set_rng_state(start)
+            self.gathers.end(ok=False)
             self._drop_activations()
             passes.clear()
             reached = ", ".join(map(str, self.next_segment))
@@ -504,8 +551,11 @@ class LayerMajorStep(PassConsumer):
             raise self.rotation.error
         try:
             self._backward(n)
+            self.ending = True
+            self.gathers.end(ok=True)
         except BaseException as e:
             _set_rng_state(start)
+            self.gathers.end(ok=False)  # the gathers and unsharded gradients let go (again, if its end raised)
             note_interrupt(e, "off.accumulate was stopped in its backward; call opt.zero_grad() and run the step "
                               "again", self.store)
             raise
@@ -572,6 +622,9 @@ class LayerMajorStep(PassConsumer):
         # The segments the glue made values before (but the first): its backward runs after theirs, and what it adds
         # to is watched (see _check_glue_parts). None in a model whose segments follow one another.
         between = {v.region for values in self.values for v in values.values() if v.kept is not None and v.region}
+        if between and not isinstance(self.gathers, _HeldByThePass):  # its parts are not in the kept gradients
+            raise NotAChain("the glue between segments makes values later segments take (an encoder-decoder), "
+                            "which runs as the loop on FSDP2 ranks")
         stretches = []  # (region, or -1 for any other stretch of the step; the gradients before it, after it)
         states = self._grad_states() if between else {}
         if between:
@@ -590,6 +643,7 @@ class LayerMajorStep(PassConsumer):
                 for _, v in self.calls[order[step + 1][0]][order[step + 1][1]].inputs:
                     if v.key is not None:
                         self.store.prefetch(v.key, Tier.HOST)
+            self.gathers.before_rerun(k, last=i == n - 1)
             self._rerun(k, i, call)
             for v in call.outputs:  # every taker has run: its gradient went into this segment's
                 v.grad = None
@@ -613,6 +667,7 @@ class LayerMajorStep(PassConsumer):
             if now[0] is not before[0] or now[1] != before[1]:
                 raise NotAChain(f"{_held_across(u)}; {sp.name} has gradient parts from after the first segment, "
                                 f"which would be summed in another order than the loop's")
+        self.gathers.glue_starts()
         for i in range(n):  # the glue before the first segment, each micro-batch in order
             self._now = self.glue_place(i)
             self._glue_backward(0, i)
@@ -621,6 +676,9 @@ class LayerMajorStep(PassConsumer):
         if between:
             stretches.append((-1, after, self._grad_states()))
             self._check_glue_parts(stretches)
+        mixed = self.gathers.mixed()
+        if mixed is not None:
+            raise NotAChain(mixed)
         self.tied.end()
 
     def _glue_backward(self, region: int, i: int) -> None:
@@ -684,7 +742,7 @@ class LayerMajorStep(PassConsumer):
         i = self.workers.get(threading.get_ident())
         if i is None:
             i = self.glue_micro_batch if self.glue_micro_batch is not None else self.rerun_micro_batch
-        return i == self.n - 1 and key not in self.tied.by_key
+        return (i == self.n - 1 or self.ending) and key not in self.tied.by_key
 
     def _value_of(self, v: _Value, k: int, i: int) -> torch.Tensor:
         """A fresh leaf of the value segment ``k`` takes: from the store (let go at its first taker, the last
@@ -756,26 +814,30 @@ def _refusal(off: LayerMajorOffload, segments: Sequence[nn.Module]) -> str | Non
 
 
 def run_layer_major(off: LayerMajorOffload, step_fn: Callable[[Any], Any], micro_batches: Sequence[Any],
-                    segments: Sequence[nn.Module]) -> list[Any]:
+                    segments: Sequence[nn.Module], *, gathers: Callable[[], Gathers] | None = None,
+                    refused: str | None = None) -> list[Any]:
     """``[step_fn(mb) for mb in micro_batches]``, layer by layer where the model runs as a chain of ``segments``;
-    else as the loop, with a warning once (see [Note: A layer-major step]). Meanwhile ``off.final_gradients`` says
-    which gradients backward completes are the step's (see [Note: Speculated updates])."""
+    else as the loop, with a warning once (see [Note: A layer-major step]). ``gathers`` makes what each step tells
+    the engine that gathers the segments' parameters; ``refused`` says why the caller found the model cannot run
+    layer by layer. Meanwhile ``off.final_gradients`` says which gradients backward completes are the step's (see
+    [Note: Speculated updates])."""
     try:
-        return _run_layer_major(off, step_fn, micro_batches, segments)
+        return _run_layer_major(off, step_fn, micro_batches, segments, gathers, refused)
     finally:
         off.final_gradients = None
 
 
 def _run_layer_major(off: LayerMajorOffload, step_fn: Callable[[Any], Any], micro_batches: Sequence[Any],
-                     segments: Sequence[nn.Module]) -> list[Any]:
+                     segments: Sequence[nn.Module], gathers: Callable[[], Gathers] | None,
+                     refused: str | None) -> list[Any]:
     micro_batches = list(micro_batches)
     if off.layer_major_refused is None:
-        refused = _refusal(off, segments)
+        refused = refused or _refusal(off, segments)
         if refused is not None:
             _refuse(off, refused)
     if off.layer_major_refused is None and micro_batches:
         had_grads = len(off.grads) > 0 or any(p.grad is not None for p in off.resident.values())
-        step = LayerMajorStep(off, segments)
+        step = LayerMajorStep(off, segments, None if gathers is None else gathers())
         try:
             off.final_gradients = step.completes  # see [Note: Speculated updates]
             results = step.run(step_fn, micro_batches)
@@ -817,4 +879,4 @@ def _refuse(off: LayerMajorOffload, reason: str) -> None:
                   stacklevel=4)
 
 
-__all__ = ["ACT_PREFIX", "LayerMajorStep", "NotAChain", "micro_batch_seeds", "run_layer_major"]
+__all__ = ["ACT_PREFIX", "Gathers", "LayerMajorStep", "NotAChain", "micro_batch_seeds", "run_layer_major"]

@@ -34,6 +34,40 @@ told of those whose values changed (it makes their masters again, except
 those its own ``load_state_dict`` loaded since the last step: DCP loads the
 optimizer first).
 
+[Note: Layer by layer on FSDP2 ranks] ``off.accumulate(step_fn,
+micro_batches)`` runs a rank's micro-batches layer by layer (see [Note: A
+layer-major step]): the segments are the ``fully_shard``-ed modules under
+the root (a decoder layer each), and FSDP2's own hooks still make every
+collective; the step sets FSDP2's levers so that each runs once
+(``_fsdp_internals.HeldGathers``). For the step no group reshards after
+forward or backward, reduce-scatters, or prefetches (its backward prefetch
+would all-gather the group recorded before it in forward order, which the
+micro-batches interleave), and no backward is FSDP2's last. So a segment's
+first micro-batch all-gathers it, the others find it unsharded, and after
+the last micro-batch's forward the step reshards it. In backward, each of
+its reruns adds its part to the unsharded gradient FSDP2 accumulates, as the
+loop's backwards with sync off do; the last micro-batch's rerun runs with the
+user's sync and reshard settings, so its post-backward reduce-scatters the
+sum and reshards: a segment's unsharded gradient lives only through its own
+backward. The root's group (embedding, final norm, head) stays all-gathered
+through the step, as FSDP2 keeps it after forward anyway; its unsharded
+gradient gets the head's parts in each micro-batch's forward stretch and
+the embedding's in the glue's backward at the end, and is reduce-scattered
+once, by what FSDP2's last backward ends with (its final callback, run by
+the step). So a step all-gathers the root once and each segment twice, and
+reduce-scatters each group once, whatever the number of micro-batches; the
+sums are the loop's (sync on the last micro-batch only), in its order, bit
+for bit. A micro-batch's backward between another's pre- and post-forward
+of the root leaves the root's group idle, where its post-forward would
+reshard it: for the step a group's post-forward runs as in forward. What
+the step cannot order as the loop does runs as the loop, with a warning
+once: a tied parameter, a root parameter with parts both before the first
+segment and after the last (found at the end of the backward: the
+gradients dropped, FSDP2's state reset), glue between segments (an
+encoder-decoder), a nested or grouped ``fully_shard``. A step stopped (an
+exception, Ctrl-C) lets FSDP2's gathers and unsharded gradients go
+(``reset_iter_state``).
+
 [Note: Freeing a shard] A shard's memory is freed by resizing its storage
 to zero bytes and restored by resizing it back, as FSDP2 does with its
 unsharded parameters: the tensors FSDP2 keeps (the padded shard and the
@@ -44,12 +78,13 @@ state needs rewriting. The private details this relies on are in
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,6 +96,8 @@ from . import _fsdp_internals as internals
 from ._base import STATE_KEY, OffloadBase, UnitStats, check_not_offloaded, same_values
 from ._contract import zero_grads
 from ._grads import GradientStore, StoredGrad
+from ._layer_major import run_layer_major
+from ._tied import tied_parameters
 from ._meta import check_meta, materialize
 from ._placing import check_options
 from .policies import ParamOffloadPolicy
@@ -94,6 +131,39 @@ class _ShardUnit:
 @dataclass
 class FSDPOffloadStats(UnitStats):
     unshards: int = 0  # all-gathers whose shards were restored from the store
+    layer_major_steps: int = 0  # steps ``accumulate`` ran layer by layer (see [Note: Layer by layer on FSDP2 ranks])
+    loop_steps: int = 0  # steps it ran as the loop (``layer_major_refused`` says why)
+
+
+class _Turns:
+    """What a layer-major step asks of the pass (see [Note: A layer-major step]) where FSDP2 keeps the pass's
+    state: which threads are its micro-batches (``group``), and whether one of them began the step (``joined``);
+    no unit of ours runs, and nothing is a thread's own."""
+
+    def __init__(self) -> None:
+        self.running: list = []
+        self.group: Any = {}
+        self._begun = False
+
+    def thread_part(self) -> tuple[Any, ...]:
+        return ()
+
+    def set_thread_part(self, part: tuple[Any, ...] = ()) -> None:
+        pass
+
+    def joined(self) -> bool:
+        """Whether this forward is one more micro-batch's of a layer-major step that has begun."""
+        if threading.get_ident() not in self.group:
+            return False
+        begun, self._begun = self._begun, True
+        return begun
+
+    def end_group(self) -> None:
+        self.group = {}
+        self._begun = False
+
+    def clear(self) -> None:
+        pass
 
 
 class _ShardGrads:
@@ -103,6 +173,10 @@ class _ShardGrads:
     def __init__(self, by_key: dict[str, _Shard], stored: GradientStore) -> None:
         self._by_key = by_key
         self.stored = stored
+
+    def __len__(self) -> int:
+        """How many parameters have a gradient shard."""
+        return sum(sh.param.grad is not None for sh in self._by_key.values())
 
     def get(self, key: str, default: Any = None) -> torch.Tensor | None:
         sh = self._by_key.get(key)
@@ -204,12 +278,17 @@ class FSDPOffload(OffloadBase):
         for gname, _module, group in groups:
             su = self._units[gname]
             su.remove = internals.wrap_group(group, lambda su=su: self._materialize(su), lambda su=su: self._free(su),
-                                             lambda su=su, group=group: self._gradients_ready(su, group))
+                                             lambda reduced, su=su, group=group: self._gradients_ready(su, group,
+                                                                                                       reduced))
         self._schedule(prefetch_depth=prefetch_depth, prefetch_bytes=prefetch_bytes, placement=placement)
         # in FSDP2's dtype, which it accumulates in (see [Note: Gradient shards in the tiers])
         self.grads = _ShardGrads(self._by_key, GradientStore(store, grad_tier, "param"))
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
         self._said_unsynced = False  # see _unsynced_message
+        self.pass_state = _Turns()  # see [Note: Layer by layer on FSDP2 ranks]
+        self.compute_tier = Tier.DEVICE if self.give_back_device().type == "cuda" else Tier.HOST
+        self.layer_major_refused: str | None = None  # why accumulate runs the micro-batches as the loop
+        self._layer_major = False  # a layer-major step runs: gradient sync is off by design
         # Shards a load names, with whether it gave them memory (see [Note: Loading into the shards]).
         self._loading: list[tuple[_Shard, bool]] = []
         self._state_dict_hooks = [hook for module in model.modules() if any(self._owned(module))
@@ -300,6 +379,8 @@ class FSDPOffload(OffloadBase):
     # ---- the all-gather loop -----------------------------------------------------------
     def _start_step(self, module: nn.Module, args: Any) -> None:
         self._check_usable()
+        if self.pass_state.joined():  # one more micro-batch of a layer-major step: the step has begun
+            return
         self._begin_step()
 
     def _materialize(self, su: _ShardUnit) -> None:
@@ -327,11 +408,13 @@ class FSDPOffload(OffloadBase):
                 sh.local.copy_(self.store.get(sh.key, Tier.HOST))
             self.store.release(sh.key, Tier.HOST)
 
-    def _gradients_ready(self, su: _ShardUnit, group: Any) -> None:
+    def _gradients_ready(self, su: _ShardUnit, group: Any, reduced: bool) -> None:
         self._steps.backward()
-        if not internals.syncs_gradients(group) and not self._said_unsynced:
+        if not internals.syncs_gradients(group) and not self._said_unsynced and not self._layer_major:
             self._said_unsynced = True
             warnings.warn(_unsynced_message(self.model), stacklevel=2)
+        if not reduced:  # no new gradient shard (sync off, or nothing to reduce)
+            return
         ready = [sh for sh in su.params if sh.param.grad is not None]
         if ready:
             internals.wait_for_gradients(group)
@@ -370,6 +453,20 @@ class FSDPOffload(OffloadBase):
         if set_to_none:
             self.grads.clear()
 
+    def accumulate(self, step_fn: Callable[[Any], Any], micro_batches: Sequence[Any]) -> list[Any]:
+        """``[step_fn(mb) for mb in micro_batches]``, run layer by layer on this rank, as ``offload_model``'s
+        ``accumulate`` runs them (see [Note: A layer-major step]): every ``fully_shard``-ed block all-gathers once
+        for the forward of all micro-batches and once for their backward, and reduce-scatters once a step, at the end
+        of its own backward; the gradients are those of FSDP2's loop with gradient sync on the last micro-batch only,
+        bit for bit. Call it on every rank with as many micro-batches. See [Note: Layer by layer on FSDP2 ranks]."""
+        segments, refused = _segments(self.model)
+        self._layer_major = True
+        try:
+            return run_layer_major(self, step_fn, micro_batches, segments, refused=refused,
+                                   gathers=lambda: internals.HeldGathers(self.model, segments))
+        finally:
+            self._layer_major = False
+
     wrapper_name = "offload_fsdp"
     drop_hint = "end the process (its swap directory is removed at exit)"
 
@@ -395,6 +492,33 @@ class FSDPOffload(OffloadBase):
             for sh in su.params:
                 self.store.drop(sh.key)
         self._forget()
+
+
+def _segments(model: nn.Module) -> tuple[list[nn.Module], str | None]:
+    """The segments of a layer-major step on FSDP2 (the ``fully_shard``-ed modules under the root, in the model's
+    order), and why the model cannot run so (None: it can, as far as is seen before it runs)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return [], ("the model itself is not fully_shard-ed: apply fully_shard to the root module too (after its "
+                    "blocks), as FSDP2 recommends")
+    segments: list[tuple[str, nn.Module]] = []
+    for name, gmodule, group in internals.fsdp_groups(model):
+        if gmodule is model:
+            continue
+        outer = next((o for o, _ in segments if name.startswith(o + ".")), None)
+        if outer is not None:
+            return [], f"fully_shard-ed module {name!r} is inside another ({outer!r}): shard the blocks one level deep"
+        if len(group.modules) > 1:
+            return [], f"fully_shard was applied to several modules at once ({name!r} and others) as one group"
+        segments.append((name, gmodule))
+    modules = [m for _, m in segments]
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, _ in tied_parameters(model).values():
+        if params[name].requires_grad:
+            return modules, (f"parameter {name!r} is tied (used in two places): under FSDP2 its gradient's parts "
+                             f"would be summed in another order than the loop's")
+    return modules, None
 
 
 def _unsynced_message(model: nn.Module) -> str:

@@ -341,3 +341,55 @@ def test_compiled_blocks_under_fsdp2_train_as_fsdp2_alone(tmp_path, mode):
     for r in lines:
         assert r["ours"] == r["ref"] and r["same_parameters"], r
         assert r["graphs"][-1] == r["graphs"][1], r  # no graph made after the first steps
+
+
+def _layer_major(tmp_path: pathlib.Path, *args: str) -> list[dict]:
+    """tests/children/fsdp_layer_major_child.py on 2 gloo ranks; each rank's row."""
+    pytest.importorskip("transformers")
+    (tmp_path / "nvme").mkdir(exist_ok=True)
+    rows = _rows(_launch(2, child_script("fsdp_layer_major_child.py"), "--nvme-path", str(tmp_path / "nvme"), *args))
+    assert sorted(r["rank"] for r in rows) == [0, 1], rows
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_norm", ["1.0", "1e9"], ids=["clipped", "never-clipped"])
+def test_layer_by_layer_on_fsdp2_ranks_is_fsdp2s_loop_with_one_gather_a_unit_a_pass(tmp_path, max_norm):
+    """off.accumulate on offload_fsdp (a Llama of 4 layers, fully_shard on each and the root, clipping): each
+    step all-gathers the root once and each layer once for the forward of all micro-batches and once for their
+    backward, and reduce-scatters each unit once, with 2 micro-batches as with 8; every loss, clip norm, final
+    shard and Adam moment is FSDP2's own loop's with sync on the last micro-batch only, bit for bit. See [Note:
+    Layer by layer on FSDP2 ranks]."""
+    gathered = {}
+    for n in (2, 8):
+        for r in _layer_major(tmp_path, "--micro-batches", str(n), "--max-norm", max_norm):
+            assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"], r
+            assert r["layer_major_steps"] == 2 and r["loop_steps"] == 0 and r["warned"] == [], r
+            for s in r["steps"]:
+                assert s["all_gather"]["calls"] == 1 + 2 * 4 and s["reduce_scatter"]["calls"] == 1 + 4, s
+                assert s["drive_read"] > 0, s
+            # FSDP2's loop gathers every layer twice a micro-batch: the same bytes a step here whatever their number
+            assert r["ref_collectives"]["all_gather"]["calls"] == 2 * n * (1 + 2 * 4), r
+            gathered.setdefault(r["rank"], set()).update(s["all_gather"]["bytes"] for s in r["steps"])
+    assert all(len(sizes) == 1 for sizes in gathered.values()), gathered
+
+
+@pytest.mark.slow
+def test_layer_by_layer_on_fsdp2_ranks_stopped_in_a_micro_batch_lets_fsdp2_go_and_trains_on(tmp_path):
+    """A KeyboardInterrupt in the first step's second micro-batch (after the first's backward made unsharded
+    gradients of the head): FSDP2's gathers and unsharded gradients are let go; after zero_grad() the step runs
+    again and the run is FSDP2 alone's, bit for bit."""
+    for r in _layer_major(tmp_path, "--micro-batches", "3", "--fail-once"):
+        assert r.get("stopped") is True, r
+        assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"], r
+        assert r["layer_major_steps"] == 2, r
+
+
+@pytest.mark.slow
+def test_layer_by_layer_on_fsdp2_ranks_runs_tied_embeddings_as_the_loop_and_says_why(tmp_path):
+    """Tied embeddings: their parts would be summed in another order than FSDP2's loop's, so the step runs as the
+    loop (gradient sync as the user set it), with a warning once naming the parameter."""
+    for r in _layer_major(tmp_path, "--micro-batches", "2", "--tied", "--offloaded-only"):
+        assert r["layer_major_steps"] == 0 and r["loop_steps"] == 2, r
+        assert "tied" in r["refused"] and "embed_tokens" in r["refused"], r
+        assert sum("one after another" in w for w in r["warned"]) == 1, r
