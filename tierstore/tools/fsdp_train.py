@@ -65,13 +65,29 @@ def _batch(data: SyntheticImages, step: int, batch_size: int, rank: int, world: 
     return x[rank::world], y[rank::world]
 
 
-def _train_step(model, opt, data, step, batch_size, rank, world) -> float:
+def _train_step(model, opt, data, step, batch_size, rank, world, micro_batches: int = 1, off=None) -> float:
+    """One step of this rank's ``batch_size`` images in ``micro_batches`` micro-batches, each loss divided by
+    their number: one after another with gradient sync on the last only (FSDP2's recipe), or layer by layer
+    through ``off.accumulate`` where ``off`` is given. The step's loss."""
     x, y = _batch(data, step, batch_size, rank, world)
-    loss = F.cross_entropy(model(x.to(model.pos.dtype)).float(), y)
-    loss.backward()
+
+    def one(mb) -> float:
+        loss = F.cross_entropy(model(mb[0].to(model.pos.dtype)).float(), mb[1]) / micro_batches
+        loss.backward()
+        return loss.item()
+
+    mbs = list(zip(x.chunk(micro_batches), y.chunk(micro_batches)))
+    if off is not None:
+        losses = off.accumulate(one, mbs)
+    else:
+        losses = []
+        for m, mb in enumerate(mbs):
+            if micro_batches > 1:
+                model.set_requires_gradient_sync(m == micro_batches - 1)
+            losses.append(one(mb))
     opt.step()
     opt.zero_grad()
-    return loss.item()
+    return sum(losses)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -97,7 +113,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     ref_full_at_save = {n: p.full_tensor() for n, p in ref_model.named_parameters()}
                 dist.barrier()
                 t0 = time.perf_counter()
-                ref_losses.append(_train_step(ref_model, ref_opt, data, s, args.batch_size, rank, world))
+                ref_losses.append(_train_step(ref_model, ref_opt, data, s, args.batch_size, rank, world,
+                                              args.micro_batches))
                 reference_step_s.append(_slowest(time.perf_counter() - t0))
             reference = (ref_model, ref_opt, ref_losses, ref_full_at_save)
             if rank == 0:
@@ -127,7 +144,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 dist.barrier()
                 t0 = time.perf_counter()
                 with _CollectiveBytes(world) as collectives:
-                    loss = _train_step(model, opt, data, step, args.batch_size, rank, world)
+                    loss = _train_step(model, opt, data, step, args.batch_size, rank, world, args.micro_batches,
+                                       off if args.layer_major else None)
                 dt = time.perf_counter() - t0
                 after = store.stats_dict()
                 local = torch.tensor([loss, dt, after["stall_seconds"] - before["stall_seconds"],
@@ -146,6 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shards = [sh.local for sh in off.params.values() if sh.local.numel()]
             mine = {"rank": rank, "state_bytes_by_tier": off.local_state_bytes(), "memory": store.memory(),
                     "peak_rss_bytes": peak_rss_bytes(), "shards": len(shards),
+                    "layer_major_steps": off.stats.layer_major_steps,
                     "shards_in_memory": sum(t.untyped_storage().nbytes() > 0 for t in shards)}
             dist.all_gather_object(per_rank, mine)
             ok = None
@@ -205,8 +224,8 @@ def _resume(args, config, data, rank: int, world: int, losses: list[float]) -> b
         opt = OffloadedAdamW(off, lr=args.lr, weight_decay=0.01, step_in_backward=args.optimizer_step == "in-backward",
                              moments=args.moments, master=args.master)
         extra = load_checkpoint(args.checkpoint, off, opt)
-        again = [_train_step(model, opt, data, s, args.batch_size, rank, world)
-                 for s in range(extra["step"], args.steps)]
+        again = [_train_step(model, opt, data, s, args.batch_size, rank, world, args.micro_batches,
+                             off if args.layer_major else None) for s in range(extra["step"], args.steps)]
         opt.close()
     if again != losses[args.save_at:]:
         print(f"rank {rank}: resumed losses {again} vs {losses[args.save_at:]}", file=sys.stderr)
@@ -309,6 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_prefetch_depth(p)
     flags.add_budgets(p, per_rank=True, parse=_bytes)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches a step, the batch split evenly; "
+                   "one after another with gradient sync on the last only (default 1)")
+    p.add_argument("--layer-major", action="store_true", help="run the micro-batches layer by layer "
+                   "(off.accumulate; see docs/fsdp.md)")
     flags.add_optimizer_step(p)
     flags.add_dtype(p, choices=list(DTYPES))
     flags.add_layout(p)
@@ -324,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    if args.micro_batches < 1 or args.batch_size % args.micro_batches:
+        p.error(f"--micro-batches must divide --batch-size ({args.batch_size}) evenly")
     if args.check and (args.dtype, args.moments) != ("fp32", "fp32"):
         p.error("--check compares with torch's AdamW bit for bit, which only fp32 weights with fp32 moments are; "
                 "drop --check, or --checkpoint DIR to check a resumed run repeats every loss")
