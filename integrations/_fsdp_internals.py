@@ -233,7 +233,11 @@ def _unsharded_grad_mark(fp: Any) -> tuple[int, int] | None:
 class HeldGathers:
     """FSDP2's levers set for one layer-major step of ``model`` (the root ``fully_shard``-ed module) through
     ``segments`` (each a ``fully_shard``-ed module of one group), and set back after it (see [Note: Layer by layer
-    on FSDP2 ranks])."""
+    on FSDP2 ranks]). The root's unsharded gradient holds the glue's parts, which the kept gradients do not show:
+    glue between segments is not ordered (``orders_glue_between``), and the root's parts are checked
+    (``mixed``)."""
+
+    orders_glue_between = False
 
     def __init__(self, model: nn.Module, segments: list[nn.Module]) -> None:
         self.model = model

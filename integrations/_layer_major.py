@@ -141,7 +141,10 @@ class LayerMajorOffload(OffloadedParameters, Protocol):
 
 class Gathers(Protocol):
     """What a step tells the engine that gathers each segment's parameters (FSDP2 on a rank: see [Note: Layer by
-    layer on FSDP2 ranks]); nothing where the pass holds them (``offload_model``)."""
+    layer on FSDP2 ranks]); nothing where the pass holds them (``offload_model``). ``orders_glue_between``: the
+    parts the glue between segments adds are seen in the kept gradients (see [Note: Values the segments take])."""
+
+    orders_glue_between: bool
 
     def begin(self) -> None: ...
 
@@ -159,6 +162,8 @@ class Gathers(Protocol):
 class _HeldByThePass:
     """``offload_model``'s pass holds a segment's parameters for every micro-batch's forward at once and lets go
     after the last (see [Note: A layer-major step]): nothing to tell."""
+
+    orders_glue_between = True
 
     def begin(self) -> None:
         pass
@@ -622,7 +627,7 @@ class LayerMajorStep(PassConsumer):
         # The segments the glue made values before (but the first): its backward runs after theirs, and what it adds
         # to is watched (see _check_glue_parts). None in a model whose segments follow one another.
         between = {v.region for values in self.values for v in values.values() if v.kept is not None and v.region}
-        if between and not isinstance(self.gathers, _HeldByThePass):  # its parts are not in the kept gradients
+        if between and not self.gathers.orders_glue_between:
             raise NotAChain("the glue between segments makes values later segments take (an encoder-decoder), "
                             "which runs as the loop on FSDP2 ranks")
         stretches = []  # (region, or -1 for any other stretch of the step; the gradients before it, after it)

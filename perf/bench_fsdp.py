@@ -21,8 +21,8 @@ the all-gather and reduce-scatter bytes, the drive bytes read and written,
 the step time and the peak RSS (each run a fresh process), the ratio of the
 largest count to the smallest for each way (the layer-major step's
 reference: itself at the smallest count), and the loop's figures over the
-layer-major step's. The first layer-major run also trains FSDP2's loop alone
-first and fails unless bit-identical to it.
+layer-major step's. A run before them, layer by layer at the largest count,
+also trains FSDP2's loop alone first and fails unless bit-identical to it.
 """
 
 from __future__ import annotations
@@ -129,13 +129,13 @@ def micro_batches(args: argparse.Namespace, counts: list[int]) -> dict:
     depth = "auto"
     rows: dict[str, dict[int, dict]] = {"layer-major": {}, "loop": {}}
     meta: dict = {}
+    checked = run_depth(args, depth, check=True, extra=("--micro-batches", str(counts[-1]), "--layer-major"))
+    if not checked["bit_identical"]:  # a run of its own: FSDP2 alone in the process would count in its peak RSS
+        raise SystemExit(f"{counts[-1]} micro-batches layer by layer: differs from FSDP2's loop alone")
     for n in counts:
         for way in ("layer-major", "loop"):
             extra = ("--micro-batches", str(n)) + (("--layer-major",) if way == "layer-major" else ())
-            check = way == "layer-major" and n == counts[0]
-            res = run_depth(args, depth, check=check, extra=extra)
-            if check and not res["bit_identical"]:
-                raise SystemExit(f"{n} micro-batches layer by layer: differs from FSDP2's loop alone")
+            res = run_depth(args, depth, extra=extra)
             if way == "layer-major" and any(r["layer_major_steps"] != args.steps for r in res["per_rank"]):
                 raise SystemExit(f"{n} micro-batches: the step ran as the loop, not layer by layer")
             ranks = res["ranks"]

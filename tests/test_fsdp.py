@@ -393,3 +393,28 @@ def test_layer_by_layer_on_fsdp2_ranks_runs_tied_embeddings_as_the_loop_and_says
         assert r["layer_major_steps"] == 0 and r["loop_steps"] == 2, r
         assert "tied" in r["refused"] and "embed_tokens" in r["refused"], r
         assert sum("one after another" in w for w in r["warned"]) == 1, r
+
+
+@pytest.mark.slow
+def test_layer_by_layer_on_fsdp2_ranks_speculates_each_update_as_its_gradient_is_reduced(tmp_path):
+    """OffloadedAdamW(speculate="auto") with a clip never reached: each shard is updated as its group's one
+    reduce-scatter a step completes it (the root's at the step's end), every update kept; bit-identical to FSDP2's
+    loop alone."""
+    for r in _layer_major(tmp_path, "--micro-batches", "4", "--max-norm", "1e9", "--speculate"):
+        assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"], r
+        assert r["layer_major_steps"] == 2, r
+        sp = r["speculated"]
+        assert sp["updates_speculated"] > 0 and sp["speculated_kept"] == sp["updates_speculated"], r
+        assert sp["speculated_undone"] == 0, r
+
+
+@pytest.mark.slow
+def test_layer_by_layer_on_fsdp2_ranks_finds_a_root_parameter_used_before_and_after_the_layers(tmp_path):
+    """A root parameter used before the first layer and after the last gets its gradient's parts in another order
+    layer by layer: found when the first step's backward ends, FSDP2's state is reset, the gradients made are
+    dropped and the step runs as the loop (gradient sync as the user left it: on), as every later one, bit for bit
+    with FSDP2's loop so."""
+    for r in _layer_major(tmp_path, "--micro-batches", "2", "--mixed", "--layers", "2"):
+        assert r["layer_major_steps"] == 0 and r["loop_steps"] == 2, r
+        assert "scale" in r["refused"] and "before the first segment and after the last" in r["refused"], r
+        assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"], r

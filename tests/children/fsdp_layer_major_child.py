@@ -48,7 +48,44 @@ class Collectives:
         return out
 
 
-def build(layers: int, hidden: int, tied: bool = False) -> torch.nn.Module:
+class _Out:
+    def __init__(self, loss: torch.Tensor) -> None:
+        self.loss = loss
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(hidden, 2 * hidden), torch.nn.Linear(2 * hidden, hidden)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.relu(self.up(h)))
+
+
+class Mixed(torch.nn.Module):
+    """A root parameter (``scale``) used before the first block and after the last: its gradient's parts come from
+    the head's stretch and from the embedding's."""
+
+    def __init__(self, layers: int, hidden: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, hidden)
+        self.scale = torch.nn.Parameter(torch.ones(hidden))
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList(_Block(hidden) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> _Out:
+        h = self.embed(input_ids) * self.scale
+        for layer in self.model.layers:
+            h = layer(h)
+        logits = self.head(h * self.scale)
+        return _Out(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+
+
+def build(layers: int, hidden: int, tied: bool = False, mixed: bool = False) -> torch.nn.Module:
+    if mixed:
+        torch.manual_seed(0)
+        return Mixed(layers, hidden)
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 7 // 4,
                                    num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                                    max_position_embeddings=64, tie_word_embeddings=tied)
@@ -80,12 +117,12 @@ def step_fn(model, fail_at=None):
     return one
 
 
-def reference(model, opt, steps, n, rank, world, max_norm):
-    """FSDP2 alone: sync on the last micro-batch only."""
+def reference(model, opt, steps, n, rank, world, max_norm, sync_every=False):
+    """FSDP2 alone: sync on the last micro-batch only (``sync_every``: on each)."""
     losses = []
     for step in range(steps):
         for m, ids in enumerate(micro_batches(step, n, rank, world)):
-            model.set_requires_gradient_sync(m == n - 1)
+            model.set_requires_gradient_sync(sync_every or m == n - 1)
             losses.append(step_fn(model)(ids))
         losses.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).full_tensor().item())
         opt.step()
@@ -105,25 +142,29 @@ def main() -> None:
     p.add_argument("--loop", action="store_true", help="the offloaded run as FSDP2's loop (sync on the last only)")
     p.add_argument("--offloaded-only", action="store_true")
     p.add_argument("--tied", action="store_true", help="tied embeddings (they run as the loop, said once)")
+    p.add_argument("--mixed", action="store_true", help="a root parameter used before the first layer and after "
+                   "the last (found in the first step, which then runs as the loop, syncing each micro-batch as "
+                   "the user left it: so does the reference)")
+    p.add_argument("--speculate", action="store_true", help='OffloadedAdamW(speculate="auto")')
     p.add_argument("--fail-once", action="store_true",
                    help="the first step is stopped in its second micro-batch, then run again after zero_grad()")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     n = args.micro_batches
-    base = build(args.layers, args.hidden, args.tied)
+    base = build(args.layers, args.hidden, args.tied, args.mixed)
     counter = Collectives()
     out: dict = {"rank": rank}
     if not args.offloaded_only:
         ref = shard(copy.deepcopy(base))
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
-        out["ref"] = reference(ref, ref_opt, args.steps, n, rank, world, args.max_norm)
+        out["ref"] = reference(ref, ref_opt, args.steps, n, rank, world, args.max_norm, sync_every=args.mixed)
         out["ref_collectives"] = counter.take()
     model = shard(base)
     with TierStore(StoreConfig(nvme_path=args.nvme_path, host_budget_bytes=args.host_budget,
                                file_size_bytes="4MiB", block_size_bytes="64KiB")) as store:
         off = offload_fsdp(model, store)
-        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
+        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, speculate="auto" if args.speculate else False)
         losses, steps = [], []
         counter.take()
         with warnings.catch_warnings(record=True) as said:
@@ -152,7 +193,9 @@ def main() -> None:
                    loop_steps=off.stats.loop_steps, refused=off.layer_major_refused,
                    warned=[str(w.message) for w in said if "tierstore" in str(w.message) or "offload_fsdp" in
                            str(w.message)],
-                   params=sum(p.numel() for p in model.parameters()))
+                   params=sum(p.numel() for p in model.parameters()),
+                   speculated={k: store.stats_dict()[k] for k in ("updates_speculated", "speculated_kept",
+                                                                  "speculated_undone")})
         if not args.offloaded_only:
             moments = {n_: {w: store.read(k) for _, w, k in opt.state_tensors() if _ == n_}
                        for n_, _, _ in opt.state_tensors()}
