@@ -527,8 +527,10 @@ def _unsynced_message(model: nn.Module) -> str:
     full = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return (f"offload_fsdp: with gradient sync off (set_requires_gradient_sync(False)), FSDP2 keeps every group's "
             f"unsharded gradient in ordinary memory until the backward that syncs: up to {full / 2**20:.1f} MiB on "
-            f"each rank (the full size of the trainable parameters), outside the store's budgets. Syncing on every "
-            f"micro-batch keeps only the gradient shards, in the store, at the cost of a reduce-scatter a "
+            f"each rank (the full size of the trainable parameters), outside the store's budgets. "
+            f"off.accumulate(step_fn, micro_batches) runs them layer by layer instead, each group's unsharded "
+            f"gradient living only through its own backward and reduce-scattered once (docs/fsdp.md); syncing on "
+            f"every micro-batch keeps only the gradient shards, in the store, at the cost of a reduce-scatter a "
             f"micro-batch")
 
 

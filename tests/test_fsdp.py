@@ -165,6 +165,7 @@ def test_gradient_sync_off_under_fsdp_says_fsdp2_holds_unsharded_gradients_and_t
         assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"] and all(r["same_grads"]), r
         assert len(r["warned"]) == 1 and "set_requires_gradient_sync(False)" in r["warned"][0], r
         assert "MiB on each rank" in r["warned"][0] and "outside the store's budgets" in r["warned"][0], r
+        assert "off.accumulate" in r["warned"][0] and "layer by layer" in r["warned"][0], r  # what holds none
 
 
 @pytest.mark.slow
