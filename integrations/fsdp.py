@@ -81,10 +81,10 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -97,9 +97,9 @@ from ._base import STATE_KEY, OffloadBase, UnitStats, check_not_offloaded, same_
 from ._contract import zero_grads
 from ._grads import GradientStore, StoredGrad
 from ._layer_major import run_layer_major
-from ._tied import tied_parameters
 from ._meta import check_meta, materialize
 from ._placing import check_options
+from ._tied import tied_parameters
 from .policies import ParamOffloadPolicy
 
 
@@ -460,10 +460,13 @@ class FSDPOffload(OffloadBase):
         of its own backward; the gradients are those of FSDP2's loop with gradient sync on the last micro-batch only,
         bit for bit. Call it on every rank with as many micro-batches. See [Note: Layer by layer on FSDP2 ranks]."""
         segments, refused = _segments(self.model)
-        self._layer_major = True
+
+        def gathers() -> internals.HeldGathers:  # the step runs layer by layer: gradient sync off by design
+            self._layer_major = True
+            return internals.HeldGathers(self.model, segments)
+
         try:
-            return run_layer_major(self, step_fn, micro_batches, segments, refused=refused,
-                                   gathers=lambda: internals.HeldGathers(self.model, segments))
+            return run_layer_major(self, step_fn, micro_batches, segments, refused=refused, gathers=gathers)
         finally:
             self._layer_major = False
 
