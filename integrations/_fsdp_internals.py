@@ -268,8 +268,11 @@ class HeldGathers:
         self.root._state_ctx.is_last_backward = False
 
     def forward_passed(self, k: int) -> None:
-        """Every micro-batch's forward has passed segment ``k``: its parameters resharded."""
-        self.of_segment[k].reshard()
+        """Every micro-batch's forward has passed segment ``k``: its parameters resharded, unless the user's
+        ``reshard_after_forward=False`` keeps them for its backward."""
+        g = self.of_segment[k]
+        if next(t for t in self.saved if t[0] is g)[4] is not None:
+            g.reshard()
 
     def before_rerun(self, k: int, last: bool) -> None:
         """Segment ``k``'s backward for one micro-batch runs next; ``last``: the step's last for it, whose

@@ -44,7 +44,9 @@ forward or backward, reduce-scatters, or prefetches (its backward prefetch
 would all-gather the group recorded before it in forward order, which the
 micro-batches interleave), and no backward is FSDP2's last. So a segment's
 first micro-batch all-gathers it, the others find it unsharded, and after
-the last micro-batch's forward the step reshards it. In backward, each of
+the last micro-batch's forward the step reshards it (unless
+``reshard_after_forward=False`` keeps it for its backward, as FSDP2 would:
+then one all-gather a step). In backward, each of
 its reruns adds its part to the unsharded gradient FSDP2 accumulates, as the
 loop's backwards with sync off do; the last micro-batch's rerun runs with the
 user's sync and reshard settings, so its post-backward reduce-scatters the

@@ -419,3 +419,14 @@ def test_layer_by_layer_on_fsdp2_ranks_finds_a_root_parameter_used_before_and_af
         assert r["layer_major_steps"] == 0 and r["loop_steps"] == 2, r
         assert "scale" in r["refused"] and "before the first segment and after the last" in r["refused"], r
         assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"], r
+
+
+@pytest.mark.slow
+def test_layer_by_layer_on_fsdp2_ranks_keeps_blocks_gathered_from_forward_to_backward_where_the_user_does(tmp_path):
+    """fully_shard(layer, reshard_after_forward=False): each layer stays all-gathered from its forward to its backward,
+    as FSDP2 keeps it, so a step all-gathers each once (FSDP2's loop: once a micro-batch); bit for bit."""
+    for r in _layer_major(tmp_path, "--micro-batches", "3", "--keep-gathered"):
+        assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"], r
+        for s in r["steps"]:
+            assert s["all_gather"]["calls"] == 1 + 4 and s["reduce_scatter"]["calls"] == 1 + 4, s
+        assert r["ref_collectives"]["all_gather"]["calls"] == 2 * 3 * (1 + 4), r

@@ -93,9 +93,9 @@ def build(layers: int, hidden: int, tied: bool = False, mixed: bool = False) -> 
     return transformers.LlamaForCausalLM(cfg)
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
+def shard(model: torch.nn.Module, reshard_after_forward: bool = True) -> torch.nn.Module:
     for layer in model.model.layers:
-        fully_shard(layer)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward)
     fully_shard(model)
     return model
 
@@ -146,6 +146,7 @@ def main() -> None:
                    "the last (found in the first step, which then runs as the loop, syncing each micro-batch as "
                    "the user left it: so does the reference)")
     p.add_argument("--speculate", action="store_true", help='OffloadedAdamW(speculate="auto")')
+    p.add_argument("--keep-gathered", action="store_true", help="fully_shard(layer, reshard_after_forward=False)")
     p.add_argument("--fail-once", action="store_true",
                    help="the first step is stopped in its second micro-batch, then run again after zero_grad()")
     args = p.parse_args()
@@ -156,11 +157,11 @@ def main() -> None:
     counter = Collectives()
     out: dict = {"rank": rank}
     if not args.offloaded_only:
-        ref = shard(copy.deepcopy(base))
+        ref = shard(copy.deepcopy(base), not args.keep_gathered)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
         out["ref"] = reference(ref, ref_opt, args.steps, n, rank, world, args.max_norm, sync_every=args.mixed)
         out["ref_collectives"] = counter.take()
-    model = shard(base)
+    model = shard(base, not args.keep_gathered)
     with TierStore(StoreConfig(nvme_path=args.nvme_path, host_budget_bytes=args.host_budget,
                                file_size_bytes="4MiB", block_size_bytes="64KiB")) as store:
         off = offload_fsdp(model, store)
