@@ -365,6 +365,7 @@ class LayerMajorStep(PassConsumer):
         self.values: list[dict[int, _Value]] = []  # [micro-batch]: id of a tensor segments take -> its value
         self.backward_started = False
         self._keys = 0
+        self._devices: dict[str, torch.device] = {}  # each kept value's device, where the compute tier is not it
         self._handles: list[Any] = []
         # Parameters a unit around the segments holds across them (see [Note: Parameters held around the
         # segments]): store key -> (the unit, the parameter, its gradient and that gradient's generation when seen).
@@ -588,11 +589,12 @@ class LayerMajorStep(PassConsumer):
         self._uses = {**self._uses, key: place}
         self.off.claimed.add(key)
         self.store.put(key, value.detach(), self.home, write_home=False)
+        self._devices[key] = value.device  # a GPU rank's store may compute on the host (FSDP2 gathers there)
         return key
 
     def take_kept(self, key: str) -> torch.Tensor:
         """A value :meth:`keep` put, let go by the store."""
-        x = self.store.get(key, self.off.compute_tier).detach().clone()
+        x = self.store.get(key, self.off.compute_tier).detach().clone().to(self._devices.pop(key))
         self.store.release(key, self.off.compute_tier)
         self.store.drop(key)
         self.off.claimed.discard(key)
@@ -757,7 +759,7 @@ class LayerMajorStep(PassConsumer):
             return v.kept.detach().requires_grad_(v.kept.requires_grad)
         if k == v.takers[0]:
             return self.take_kept(v.key).requires_grad_(True)
-        x = self.store.get(v.key, self.off.compute_tier).detach().clone()
+        x = self.store.get(v.key, self.off.compute_tier).detach().clone().to(self._devices[v.key])
         self.store.release(v.key, self.off.compute_tier)
         earlier = max(t for t in v.takers if t < k)
         self._uses = {**self._uses, v.key: self._place(earlier, i)}

@@ -288,7 +288,9 @@ class FSDPOffload(OffloadBase):
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
         self._said_unsynced = False  # see _unsynced_message
         self.pass_state = _Turns()  # see [Note: Layer by layer on FSDP2 ranks]
-        self.compute_tier = Tier.DEVICE if self.give_back_device().type == "cuda" else Tier.HOST
+        # where a layer-major step reads its activations (see [Note: Activations in the tiers])
+        self.compute_tier = (Tier.DEVICE if store.device.type != "cpu" and self.give_back_device().type != "cpu"
+                             else Tier.HOST)
         self.layer_major_refused: str | None = None  # why accumulate runs the micro-batches as the loop
         self._layer_major = False  # a layer-major step runs: gradient sync is off by design
         # Shards a load names, with whether it gave them memory (see [Note: Loading into the shards]).
