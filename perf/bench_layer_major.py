@@ -16,7 +16,12 @@ With ``--vit PRESET`` the model is the demo's ViT of that preset instead (as tim
 position embedding are parameters of the model itself, held across the blocks: see [Note: Parameters held around the
 segments]), built in memory and cast to bf16, trained on the demo's synthetic images, ``--batch-size`` images a
 micro-batch; ``--tokens`` does not apply. With ``--tied`` the Llama's head is its embedding (``tie_word_embeddings``,
-as Llama-3.2, Qwen2.5 and Gemma have it; see [Note: Tied parameters layer by layer]).
+as Llama-3.2, Qwen2.5 and Gemma have it; see [Note: Tied parameters layer by layer]). With ``--t5 PRESET`` the
+model is a T5 v1.1 encoder-decoder (gated GELU, its embedding shared by both stacks, the head apart) built on meta,
+its blocks the units (the decoder's take the encoder's output: see [Note: Values the segments take]), each
+sequence ``--tokens`` tokens in and out.
+
+    python perf/bench_layer_major.py --t5 large --micro-batches 2,8 --tokens 64 --nvme-path DIR
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ from bench_trainer import PRESETS, llama_config  # noqa: E402
 
 MIB = 1024**2
 LOOPS = ("loop", "layer-major")
+T5_PRESETS = {  # T5 v1.1 shapes: tiny for the suite, large ~ t5-v1_1-large's width at 8 + 8 blocks
+    "tiny": {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4, "vocab_size": 128},
+    "large": {"d_model": 1024, "d_kv": 64, "d_ff": 2816, "num_layers": 8, "num_heads": 16, "vocab_size": 32128},
+}
 
 
 def _child(args: argparse.Namespace) -> dict:
@@ -53,6 +62,16 @@ def _child(args: argparse.Namespace) -> dict:
         model = ViT(VIT_PRESETS[args.vit]).to(torch.bfloat16)
         images = SyntheticImages(VIT_PRESETS[args.vit])
         units, init = [Block], None
+    elif args.t5:
+        from transformers.models.t5.modeling_t5 import T5Block
+
+        host = ts.parse_bytes(args.host_budget or "256MiB", name="--host-budget")
+        config = transformers.T5Config(**T5_PRESETS[args.t5], feed_forward_proj="gated-gelu",
+                                       tie_word_embeddings=False, dropout_rate=0.0, decoder_start_token_id=0,
+                                       pad_token_id=0)
+        with torch.device("meta"):
+            model = transformers.T5ForConditionalGeneration(config).to(torch.bfloat16)
+        units, init = [T5Block], model._init_weights
     else:
         config, host = llama_config(args.preset, args.host_budget, tokens=args.tokens)
         config.tie_word_embeddings = args.tied
@@ -121,6 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama-150m")
     p.add_argument("--vit", default=None, help="the demo's ViT of this preset (tiny, small, large, ...) instead")
+    p.add_argument("--t5", default=None, choices=sorted(T5_PRESETS), help="a T5 v1.1 encoder-decoder instead")
     p.add_argument("--host-budget", default=None, help="default: the preset's")
     p.add_argument("--tied", action="store_true", help="the Llama's head tied to its embedding")
     p.add_argument("--micro-batches", default="1,2,4,8,16", help="micro-batch counts to run at --tokens")
@@ -152,7 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
         if r["loop"] == "layer-major" and r["layer_major_refused"]:
             print(f"the layer-major runs fell back to the loop: {r['layer_major_refused']}")
             break
-    print(f"{f'ViT-{args.vit}' if args.vit else args.preset}{' tied' if args.tied else ''}: {params / 1e6:.1f}M "
+    name = f"ViT-{args.vit}" if args.vit else f"T5-{args.t5}" if args.t5 else args.preset
+    print(f"{name}{' tied' if args.tied else ''}: {params / 1e6:.1f}M "
           f"parameters, bf16, 8-bit moments, "
           f"split masters, host budget "
           f"{results[0]['host_budget_bytes'] / MIB:.0f} MiB; micro-batches of {args.batch_size} "
@@ -183,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
             growth[loop] = by[loop, hi, args.tokens]["steps"][-1]["moved"] / by[loop, lo, args.tokens]["steps"][-1][
                 "moved"]
             print(f"{loop}: bytes a step with {hi} micro-batches = {growth[loop]:.2f}x those with {lo}")
-    out = {"preset": f"vit-{args.vit}" if args.vit else args.preset, "params": params, "results": results,
+    out = {"preset": name.lower(), "params": params, "results": results,
            "growth": growth}
     if args.plot:
         _plot(out, counts, args.tokens, args.plot)

@@ -45,3 +45,18 @@ def test_bench_layer_major_tied_tiny(tmp_path, capsys):
     assert all(g > 0 for g in res["growth"].values())
     out = capsys.readouterr().out
     assert "llama-tiny tied" in out and "fell back" not in out and "x those with 1" in out
+
+
+@pytest.mark.slow  # fresh processes
+def test_bench_layer_major_t5_tiny(tmp_path, capsys):
+    """A T5 encoder-decoder (its decoder's blocks take the encoder's output, its embedding shared by both stacks)
+    runs layer by layer."""
+    pytest.importorskip("transformers")
+    res = bench_layer_major.main(["--t5", "tiny", "--host-budget", "1MiB", "--micro-batches", "1,2", "--tokens",
+                                  "16", "--steps", "2", "--nvme-path", str(tmp_path)])
+    assert {(r["loop"], r["micro_batches"]) for r in res["results"]} == {
+        (loop, n) for loop in bench_layer_major.LOOPS for n in (1, 2)}
+    assert all(r["layer_major_refused"] is None and r["bytes_per_param"] > 0 for r in res["results"])
+    assert res["preset"] == "t5-tiny" and all(g > 0 for g in res["growth"].values())
+    out = capsys.readouterr().out
+    assert "T5-tiny" in out and "fell back" not in out and "x those with 1" in out
