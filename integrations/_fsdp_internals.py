@@ -230,6 +230,26 @@ def _unsharded_grad_mark(fp: Any) -> tuple[int, int] | None:
     return None if grad is None else (id(grad), grad._version)
 
 
+class _UnshardedGrads:
+    """A tied parameter's gradient as a layer-major step sums its parts on FSDP2 (see [Note: Tied parameters on
+    FSDP2 ranks] in fsdp.py): FSDP2's unsharded gradient, by store key. Autograd accumulates each part the hook
+    returns, so ``accumulate`` adds nothing itself."""
+
+    def __init__(self, by_key: dict[str, Any]) -> None:
+        self.by_key = by_key
+
+    def get(self, key: str) -> torch.Tensor | None:
+        fp = self.by_key[key]
+        return fp.unsharded_param.grad if hasattr(fp, "_unsharded_param") else None
+
+    def accumulate(self, key: str, grad: torch.Tensor, dtype: torch.dtype) -> None:
+        pass
+
+    def dtype_of(self, param: torch.Tensor) -> torch.dtype:
+        """The dtype of ``param``'s (a sharded parameter's) unsharded gradient: its unsharded parameter's."""
+        return next(fp for fp in self.by_key.values() if fp.sharded_param is param).unsharded_param.dtype
+
+
 class HeldGathers:
     """FSDP2's levers set for one layer-major step of ``model`` (the root ``fully_shard``-ed module) through
     ``segments`` (each a ``fully_shard``-ed module of one group), and set back after it (see [Note: Layer by layer
@@ -239,7 +259,10 @@ class HeldGathers:
 
     orders_glue_between = False
 
-    def __init__(self, model: nn.Module, segments: list[nn.Module]) -> None:
+    def __init__(self, model: nn.Module, segments: list[nn.Module], tied: dict[int, str] | None = None,
+                 on_part: Callable[[str, torch.Tensor], bool] | None = None) -> None:
+        """``tied``: id of each tied sharded parameter -> its store key, whose parts ``on_part(key, grad)`` takes
+        (the step's ``takes_part``) from a hook on its unsharded parameter."""
         self.model = model
         self.root = model._get_fsdp_state()
         self.root._lazy_init()  # as the first forward does: which state is the root, its group held after forward
@@ -250,6 +273,12 @@ class HeldGathers:
         self.prefetches: list[tuple[Any, list, list]] = []
         self.last_backward = True
         self.before_glue: list[tuple[Any, tuple[int, int] | None]] = []
+        tied = tied or {}
+        self.tied = {tied[id(fp.sharded_param)]: fp for g in self.groups for fp in g.fsdp_params
+                     if id(fp.sharded_param) in tied}
+        self.tied_grads = _UnshardedGrads(self.tied) if self.tied else None
+        self.on_part = on_part
+        self.part_hooks: list[Any] = []
 
     def begin(self) -> None:
         """No group reshards after forward or backward, reduce-scatters or prefetches, and no backward is the
@@ -269,7 +298,11 @@ class HeldGathers:
 
     def forward_passed(self, k: int) -> None:
         """Every micro-batch's forward has passed segment ``k``: its parameters resharded, unless the user's
-        ``reshard_after_forward=False`` keeps them for its backward."""
+        ``reshard_after_forward=False`` keeps them for its backward. After the first, before any backward, each
+        tied parameter's parts are watched on its unsharded parameter (gathered by now, with the root)."""
+        if k == 0 and self.on_part is not None:
+            self.part_hooks = [fp.unsharded_param.register_hook(partial(self._part, key))
+                               for key, fp in self.tied.items()]
         g = self.of_segment[k]
         if next(t for t in self.saved if t[0] is g)[4] is not None:
             g.reshard()
@@ -284,9 +317,19 @@ class HeldGathers:
         else:
             g.reduce_grads = g.all_reduce_grads = g.reshard_after_backward = False
 
+    def _part(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """A part of a tied parameter's gradient, before autograd adds it: the step keeps its rows of the step's
+        tokens (an embedding's part comes back with them zeroed: see [Note: Tied parameters layer by layer])."""
+        grad = grad.clone()
+        assert self.on_part is not None
+        self.on_part(key, grad)
+        return grad
+
     def glue_starts(self) -> None:
         """The glue before the first segment runs its backward next: which unsharded gradients it finds."""
-        self.before_glue = [(fp, _unsharded_grad_mark(fp)) for g in self.groups for fp in g.fsdp_params]
+        tied = set(map(id, self.tied.values()))  # summed in the loop's order by the step
+        self.before_glue = [(fp, _unsharded_grad_mark(fp)) for g in self.groups for fp in g.fsdp_params
+                            if id(fp) not in tied]
 
     def mixed(self) -> str | None:
         """A parameter with gradient parts from the forward's stretch (the head's) and from the glue before the
@@ -302,6 +345,9 @@ class HeldGathers:
         """The user's settings back. ``ok``: what FSDP2's last backward ends with runs now (every group with an
         unsharded gradient left, the root's, reduce-scatters it and reshards; then FSDP2 finalizes the backward);
         else the step's gathers and unsharded gradients are let go (``reset_iter_state``)."""
+        for h in self.part_hooks:
+            h.remove()
+        self.part_hooks = []
         for g, reduce, all_reduce, reshard, _ in self.saved:
             g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward = reduce, all_reduce, reshard
             g.__dict__.pop("_backward_prefetch", None)

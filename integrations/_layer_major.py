@@ -145,6 +145,7 @@ class Gathers(Protocol):
     parts the glue between segments adds are seen in the kept gradients (see [Note: Values the segments take])."""
 
     orders_glue_between: bool
+    tied_grads: Any  # where a tied parameter's parts are summed (None: the offload's kept gradients)
 
     def begin(self) -> None: ...
 
@@ -164,6 +165,7 @@ class _HeldByThePass:
     after the last (see [Note: A layer-major step]): nothing to tell."""
 
     orders_glue_between = True
+    tied_grads = None
 
     def begin(self) -> None:
         pass
@@ -374,7 +376,8 @@ class LayerMajorStep(PassConsumer):
         # them: inside the segments, or in which micro-batch's glue before the first segment.
         self.tied = TiedParts(self, [(name, off.params[i].key, off.params[i].param, owners)
                                      for i, (name, owners) in tied_parameters(off.model).items()
-                                     if i in off.params and off.params[i].param.requires_grad])
+                                     if i in off.params and off.params[i].param.requires_grad],
+                              self.gathers.tied_grads)
         self.in_segments_backward = False
         self.glue_micro_batch: int | None = None
         self.rerun_micro_batch: int | None = None

@@ -109,8 +109,12 @@ class TiedParts:
     """The tied parameters of one layer-major step (see [Note: Tied parameters layer by layer]): the embeddings'
     tokens seen, the parts kept, their sums; ``bad`` says why the step must run as the loop."""
 
-    def __init__(self, step: TiedStep, tied: Sequence[tuple[str, str, nn.Parameter, list[nn.Module]]]) -> None:
+    def __init__(self, step: TiedStep, tied: Sequence[tuple[str, str, nn.Parameter, list[nn.Module]]],
+                 grads: Any = None) -> None:
         self.step = step
+        # Where the parts are summed: the offload's kept gradients, or (FSDP2) the unsharded gradients, which autograd
+        # accumulates the parts into (see [Note: Tied parameters on FSDP2 ranks] in fsdp.py).
+        self.grads = step.off.grads if grads is None else grads
         self.by_key = {key: _Tied(name, key, p) for name, key, p, _ in tied}
         self.owners = [(m, self.by_key[key]) for _, key, _, owners in tied for m in owners]
         self.bad: str | None = None
@@ -166,7 +170,7 @@ class TiedParts:
             t.rows = torch.unique(torch.cat(t.tokens)) if t.tokens else torch.zeros(0, dtype=torch.long)
             t.tokens = []
         if not t.started:
-            before = self.step.off.grads.get(t.key)
+            before = self.grads.get(t.key)
             t.sums = None if before is None else before.index_select(0, t.rows)
             t.started = True
         return t.rows
@@ -177,7 +181,7 @@ class TiedParts:
             return
         rows = self._start(t)
         t.head[i] = self.step.keep(grad.index_select(0, rows.to(grad.device)), self.step.glue_place(i))
-        self.step.off.grads.accumulate(t.key, grad, t.param.dtype)
+        self.grads.accumulate(t.key, grad, t.param.dtype)
 
     def _from_embedding(self, t: _Tied, i: int, grad: torch.Tensor) -> None:
         rows = self._start(t).to(grad.device)
@@ -200,12 +204,12 @@ class TiedParts:
             for part in parts[1:]:
                 s = s.to(part.device) + part
             s = s.to("cpu")
-            t.sums = s.to(step.off.grads.dtype_of(t.param)) if t.sums is None else t.sums.add_(s)
+            t.sums = s.to(self.grads.dtype_of(t.param)) if t.sums is None else t.sums.add_(s)
 
     def end(self) -> None:
         """Every micro-batch's glue ran backward: each kept gradient's rows R set to F (see [Note: Tied parameters
         layer by layer])."""
-        grads = self.step.off.grads
+        grads = self.grads
         for t in self.by_key.values():
             if t.sums is None:  # no part came
                 continue

@@ -63,12 +63,25 @@ for bit. A micro-batch's backward between another's pre- and post-forward
 of the root leaves the root's group idle, where its post-forward would
 reshard it: for the step a group's post-forward runs as in forward. What
 the step cannot order as the loop does runs as the loop, with a warning
-once: a tied parameter, a root parameter with parts both before the first
-segment and after the last (found at the end of the backward: the
+once: a root parameter with parts both before the first segment and after
+the last (but a tied embedding: see [Note: Tied parameters on FSDP2 ranks]) (found at the end of the backward: the
 gradients dropped, FSDP2's state reset), glue between segments (an
 encoder-decoder), a nested or grouped ``fully_shard``. A step stopped (an
 exception, Ctrl-C) lets FSDP2's gathers and unsharded gradients go
 (``reset_iter_state``).
+
+[Note: Tied parameters on FSDP2 ranks] A tied embedding and head (one
+parameter of the root's group) gets, layer by layer, its head's parts in the
+forward stretch and its embedding's at the end, into FSDP2's unsharded
+gradient, which autograd accumulates. The step sums them in the loop's order
+as it does for ``offload_model`` (see [Note: Tied parameters layer by
+layer]), with FSDP2's unsharded gradient in place of the kept one: a hook on
+the unsharded parameter (registered once the root is gathered, before any
+backward) gives each part to the step before autograd adds it; the step
+keeps the head's part's rows of the step's tokens and lets autograd add the
+whole part, and takes the embedding's part's rows, handing back the rest
+(+0 there) for autograd to add; at the end those rows are set to the loop's
+sums, before FSDP2's final callback reduce-scatters the gradient.
 
 [Note: Freeing a shard] A shard's memory is freed by resizing its storage
 to zero bytes and restored by resizing it back, as FSDP2 does with its
@@ -467,7 +480,8 @@ class FSDPOffload(OffloadBase):
 
         def gathers() -> internals.HeldGathers:  # the step runs layer by layer: gradient sync off by design
             self._layer_major = True
-            return internals.HeldGathers(self.model, segments)
+            tied = {i: self.params[i].key for i in tied_parameters(self.model) if i in self.params}
+            return internals.HeldGathers(self.model, segments, tied, self.pass_consumers.takes_part)
 
         try:
             return run_layer_major(self, step_fn, micro_batches, segments, refused=refused, gathers=gathers)
@@ -519,13 +533,7 @@ def _segments(model: nn.Module) -> tuple[list[nn.Module], str | None]:
         if len(group.modules) > 1:
             return [], f"fully_shard was applied to several modules at once ({name!r} and others) as one group"
         segments.append((name, gmodule))
-    modules = [m for _, m in segments]
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for name, _ in tied_parameters(model).values():
-        if params[name].requires_grad:
-            return modules, (f"parameter {name!r} is tied (used in two places): under FSDP2 its gradient's parts "
-                             f"would be summed in another order than the loop's")
-    return modules, None
+    return [m for _, m in segments], None
 
 
 def _unsynced_message(model: nn.Module) -> str:
