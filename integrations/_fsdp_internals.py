@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -250,6 +251,25 @@ class _UnshardedGrads:
         return next(fp for fp in self.by_key.values() if fp.sharded_param is param).unsharded_param.dtype
 
 
+@dataclass
+class _UserLevers:
+    """A group's levers as the user left them (``set_requires_gradient_sync``, ``set_reshard_after_backward``,
+    ``reshard_after_forward``'s mesh)."""
+
+    reduce: bool
+    all_reduce: bool
+    reshard: bool
+    mesh: Any
+
+    @classmethod
+    def of(cls, g: Any) -> _UserLevers:
+        return cls(g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward, g.post_forward_mesh_info)
+
+    def put_back(self, g: Any) -> None:
+        """Sync and resharding after backward as the user left them (the mesh goes back at the step's end)."""
+        g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward = self.reduce, self.all_reduce, self.reshard
+
+
 class HeldGathers:
     """FSDP2's levers set for one layer-major step of ``model`` (the root ``fully_shard``-ed module) through
     ``segments`` (each a ``fully_shard``-ed module of one group), and set back after it (see [Note: Layer by layer
@@ -269,7 +289,7 @@ class HeldGathers:
         self.states = list(self.root._state_ctx.all_states)
         self.groups = [g for s in self.states for g in s._fsdp_param_groups]
         self.of_segment = [m._get_fsdp_state()._fsdp_param_group for m in segments]
-        self.saved: list[tuple[Any, bool, bool, bool, Any]] = []
+        self.saved: dict[int, _UserLevers] = {}  # id of each group -> its levers as the user left them
         self.prefetches: list[tuple[Any, list, list]] = []
         self.last_backward = True
         self.before_glue: list[tuple[Any, tuple[int, int] | None]] = []
@@ -283,8 +303,7 @@ class HeldGathers:
     def begin(self) -> None:
         """No group reshards after forward or backward, reduce-scatters or prefetches, and no backward is the
         step's last, until told."""
-        self.saved = [(g, g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward, g.post_forward_mesh_info)
-                      for g in self.groups]
+        self.saved = {id(g): _UserLevers.of(g) for g in self.groups}
         self.prefetches = [(s, s._states_to_forward_prefetch, s._states_to_backward_prefetch) for s in self.states]
         self.last_backward = self.root._state_ctx.is_last_backward
         for g in self.groups:
@@ -304,16 +323,15 @@ class HeldGathers:
             self.part_hooks = [fp.unsharded_param.register_hook(partial(self._part, key))
                                for key, fp in self.tied.items()]
         g = self.of_segment[k]
-        if next(t for t in self.saved if t[0] is g)[4] is not None:
+        if self.saved[id(g)].mesh is not None:
             g.reshard()
 
     def before_rerun(self, k: int, last: bool) -> None:
         """Segment ``k``'s backward for one micro-batch runs next; ``last``: the step's last for it, whose
         post-backward reduce-scatters the sum and reshards (as the user's settings have it)."""
         g = self.of_segment[k]
-        _, reduce, all_reduce, reshard, _ = next(t for t in self.saved if t[0] is g)
         if last:
-            g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward = reduce, all_reduce, reshard
+            self.saved[id(g)].put_back(g)
         else:
             g.reduce_grads = g.all_reduce_grads = g.reshard_after_backward = False
 
@@ -348,8 +366,9 @@ class HeldGathers:
         for h in self.part_hooks:
             h.remove()
         self.part_hooks = []
-        for g, reduce, all_reduce, reshard, _ in self.saved:
-            g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward = reduce, all_reduce, reshard
+        for g in self.groups:
+            if id(g) in self.saved:
+                self.saved[id(g)].put_back(g)
             g.__dict__.pop("_backward_prefetch", None)
             g.__dict__.pop("post_forward", None)
         for s, fwd, bwd in self.prefetches:
@@ -368,8 +387,9 @@ class HeldGathers:
                 reset = getattr(self.model, "reset_iter_state", None) or self.root._reset_iter_state
                 reset()
         finally:
-            for g, *_, mesh in self.saved:
-                g.post_forward_mesh_info = mesh
+            for g in self.groups:
+                if id(g) in self.saved:
+                    g.post_forward_mesh_info = self.saved[id(g)].mesh
 
 
 __all__ = ["TESTED_TORCH", "HeldGathers", "adopt_local_tensor", "check_group_supported", "check_torch_version",
