@@ -42,8 +42,9 @@ FSDP2's ``set_requires_gradient_sync`` is called. Where nothing says so every ba
 ``speculate="auto"`` pauses once the second forward of a step has undone the first backward's updates.
 
 Cost: the gradient is kept (in the store, written to the drive only where the host tier has no room for it) and a
-spare extent is taken for each changed key (the drive needs room for the speculated updates' state twice: checked
-before each backward, which speculates nothing, with one warning, where it is not there); a copy the placement keeps
+spare extent is taken for each changed key (the drive needs room for the speculated updates' state twice). The
+drive's room is taken at the first update of a backward: the updates backward completes first speculate while it
+lasts, and those beyond it step at ``step()`` (one warning says so); a copy the placement keeps
 in the host tier and changed since it was last written home is written home first, so that the drive holds the
 version to keep. The updates run where eviction and the placement expect those of ``step_in_backward``: right
 after their parameter's last use; backward waits while the gradients the worker has not yet read pass
@@ -132,6 +133,8 @@ class _Round:
     by_key: dict[str, _Speculated] = field(default_factory=dict)
     queue: list[tuple] = field(default_factory=list)  # (name, key, param, grad): the read-ahead's list
     decided: Future = field(default_factory=Future)
+    room: int = 0  # the drive's room when it began
+    reserved: int = 0  # of that room, what its updates take (see SpeculatedUpdates._room_for)
 
 
 class SpeculatedUpdates(PassConsumer):
@@ -157,7 +160,8 @@ class SpeculatedUpdates(PassConsumer):
         self._homes_on_drive: dict[str, bool] = {}  # key -> whether every key its update changes lives on the drive
         self._lock = threading.RLock()  # of the round: undo may come from any thread that reads a fenced key
         self.room_warned = False
-        self._round_bytes: int | None = None  # the drive a round may take (see _room_for_a_round)
+        self._need: dict[str, int] = {}  # key -> the drive its speculated update takes (see _room_for)
+        self._grads_need: int | None = None  # see _gradient_bytes
         self._backlog_bytes = 0  # of gradients queued for the worker and not yet read by it
         self._backlog_lock = threading.Lock()
 
@@ -183,11 +187,10 @@ class SpeculatedUpdates(PassConsumer):
             if grad is None or not self._on_drive(key):
                 return
             if round_ is None:
-                if not self._room_for_a_round():
-                    self._resting = True
-                    return
                 opt.updates_done()  # the last step's streamed updates first: the worker's queue is one at a time
-                round_ = self._round = _Round()
+                round_ = self._round = _Round(room=opt.store.nvme_room_bytes() - self._gradient_bytes())
+            if not self._room_for(round_, key):
+                return
             spec = _Speculated(name, key_, p, grad, opt.steps.get(name, 0.0) + 1.0, opt._hyper(name),
                                (opt.steps.get(name), opt._applied.get(name)), grad.numel() * grad.element_size())
             round_.items.append(spec)
@@ -231,20 +234,30 @@ class SpeculatedUpdates(PassConsumer):
                 self.opt.store.info(k)["home"] == Tier.NVME.label for k in self._changed[key])
         return on_drive
 
-    def _room_for_a_round(self) -> bool:
-        """Whether the drive has room for a round: a spare extent for every key the updates change, and the
-        gradients the backward stores beside them."""
-        if self._round_bytes is None:
-            store = self.opt.store
+    def _gradient_bytes(self) -> int:
+        """The drive the gradients of a backward may take: kept until ``step()``, each may be written to it."""
+        if self._grads_need is None:
             grads: WatchedGradients = self.opt.offloaded.grads  # type: ignore[assignment]
-            self._round_bytes = sum(
-                store.info(k)["nbytes"] + _ALIGN for keys in self._changed.values() for k in keys) + sum(
-                p.numel() * grads.dtype_of(p).itemsize + _ALIGN for _, _, p in self.by_key.values())
-        room = self.opt.store.nvme_room_bytes()
-        if room >= self._round_bytes:
+            self._grads_need = sum(p.numel() * grads.dtype_of(p).itemsize + _ALIGN for _, _, p in self.by_key.values())
+        return self._grads_need
+
+    def _room_for(self, round_: _Round, key: str) -> bool:
+        """Whether the drive's room at the round's start, less what the backward's gradients may take, still has
+        room for a spare extent for every key the update of ``key`` changes. The updates backward completes first
+        take it; the others step at ``step()`` (said once: see ``_no_room``)."""
+        need = self._need.get(key)
+        if need is None:
+            store = self.opt.store
+            need = self._need[key] = sum(store.info(k)["nbytes"] + _ALIGN for k in self._changed[key])
+        if round_.reserved + need <= round_.room:
+            round_.reserved += need
             return True
-        self._no_room(f"a step's updates need {self._round_bytes / 2**20:.1f} MiB of it (a second copy of the state "
-                      f"they change, and the gradients), and {room / 2**20:.1f} MiB is free")
+        if not self.room_warned:
+            free = max(round_.room, 0) + self._gradient_bytes()
+            self._no_room(f"{free / 2**20:.1f} MiB is free, of which the gradients may take "
+                          f"{self._gradient_bytes() / 2**20:.1f} MiB, and the update of {self.by_key[key][0]!r} "
+                          f"needs {need / 2**20:.1f} MiB for a second copy of the state it changes beside the "
+                          f"{round_.reserved / 2**20:.1f} MiB the updates before it took")
         return False
 
     # ---- the worker -----------------------------------------------------------------------------
@@ -284,9 +297,9 @@ class SpeculatedUpdates(PassConsumer):
         """Said once: the drive has no room to keep what the updates replace."""
         if not self.room_warned:
             self.room_warned = True
-            warnings.warn(f"OffloadedAdamW(speculate=True): the drive has no room to keep what the updates made in "
-                          f"backward replace, so parameters step at step() instead ({why}); free space on the drive "
-                          f"or raise nvme_budget_bytes to speculate", stacklevel=2)
+            warnings.warn(f"OffloadedAdamW(speculate=True): the drive has no room to keep what more updates made in "
+                          f"backward replace, so the parameters beyond it step at step() instead ({why}); free space "
+                          f"on the drive or raise nvme_budget_bytes to speculate them all", stacklevel=2)
 
     # ---- the training thread --------------------------------------------------------------------
     def _settled(self, round_: _Round, *, cancel: bool = False) -> None:

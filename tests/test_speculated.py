@@ -197,19 +197,23 @@ def test_compressed_state_gives_the_results_of_no_speculation(make_store, clip):
     assert all(_same_bits(results[True][1][k], v) for k, v in results[False][1].items())
 
 
-def test_a_drive_without_room_for_the_kept_versions_steps_at_step(make_store):
-    """Too little drive for what the updates replace: they are made at step(), with one warning, and the run is
-    torch's."""
+@pytest.mark.parametrize("share", [0.5, 0.0])
+def test_a_drive_without_room_for_every_kept_version_speculates_those_that_fit(make_store, share):
+    """Room on the drive for ``share`` of what the updates replace: the updates backward completes first are
+    speculated while it lasts, the others are made at step(), with one warning, and the run is torch's."""
     ref, model, data = _tiny_pair()
     ref_losses, _ = resident_clipped(ref, data, steps=2, clip=1e9, micro=1)
-    probe_store = make_store()
-    _, probe_model, _ = _tiny_pair()
-    _, probe = _speculating(probe_model, probe_store)
-    clipped_loop(probe_model, data, probe, steps=1, clip=1e9, micro=1)
-    probe.close()
-    # room for the state and the gradients, not for a second copy of every changed key
-    used = probe_store.memory()["nvme"]["peak_bytes"]
-    store = make_store(nvme_budget_bytes=used - used // 4)
+    peaks = {}
+    for speculate in (False, True):
+        probe_store = make_store()
+        _, probe_model, _ = _tiny_pair()
+        _, probe = _speculating(probe_model, probe_store, speculate=speculate)
+        clipped_loop(probe_model, data, probe, steps=1, clip=1e9, micro=1)
+        probe.close()
+        peaks[speculate] = probe_store.memory()["nvme"]["peak_bytes"]
+    assert peaks[True] > peaks[False]
+    # room for the state and the gradients, and for ``share`` of a second copy of every changed key
+    store = make_store(nvme_budget_bytes=peaks[False] + int(share * (peaks[True] - peaks[False])))
     off, opt = _speculating(model, store)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -217,7 +221,9 @@ def test_a_drive_without_room_for_the_kept_versions_steps_at_step(make_store):
     assert losses == ref_losses
     _assert_same_parameters(model, ref)
     assert sum("no room" in str(w.message) for w in caught) == 1
-    assert _counts(store)[0] < 2 * len(off.params)
+    speculated, kept, undone = _counts(store)
+    assert speculated == kept and undone == 0
+    assert (0 < speculated < 2 * len(off.params)) if share else speculated == 0
     opt.close()
 
 
