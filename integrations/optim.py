@@ -165,8 +165,8 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self.store: TierStore = offloaded.store
         host = HostBudget(self.store)  # its shares: see [Note: Splitting the host budget]
         # Gradients waiting for their update are memory no tier budgets (see [Note: Stepping in backward]).
-        self.max_grad_backlog_bytes = positive_bytes(max_grad_backlog_bytes, host.grad_backlog_bytes(),
-                                                     "max_grad_backlog_bytes")
+        self.max_grad_backlog_bytes = positive_bytes(
+            max_grad_backlog_bytes, host.grad_backlog_bytes(speculate=bool(speculate)), "max_grad_backlog_bytes")
         # Reads in flight keep the drive busy (measured: half the host tier beat a quarter and 16 parameters
         # by 5-9% a step on ViT-large); the other half is left to the parameters. Under a placement, what it
         # leaves for copies in flight bounds them instead (see integrations/_placing.py).
