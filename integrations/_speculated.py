@@ -65,6 +65,7 @@ import torch
 from tierstore import KeptVersions, StoreFullError, Tier, TierStore
 
 from ._contract import OffloadedParameters, PassConsumer
+from ._grads import store_key_of
 from ._in_backward import wait_for_backlog
 from ._pipeline import StatePipeline, state_keys
 
@@ -133,7 +134,8 @@ class _Round:
     by_key: dict[str, _Speculated] = field(default_factory=dict)
     queue: list[tuple] = field(default_factory=list)  # (name, key, param, grad): the read-ahead's list
     decided: Future = field(default_factory=Future)
-    room: int = 0  # the drive's room when it began
+    free: int = 0  # the drive's room when it began
+    room: int = 0  # of that, what the gradients may not take
     reserved: int = 0  # of that room, what its updates take (see SpeculatedUpdates._room_for)
 
 
@@ -161,7 +163,6 @@ class SpeculatedUpdates(PassConsumer):
         self._lock = threading.RLock()  # of the round: undo may come from any thread that reads a fenced key
         self.room_warned = False
         self._need: dict[str, int] = {}  # key -> the drive its speculated update takes (see _room_for)
-        self._grads_need: int | None = None  # see _gradient_bytes
         self._backlog_bytes = 0  # of gradients queued for the worker and not yet read by it
         self._backlog_lock = threading.Lock()
 
@@ -188,7 +189,8 @@ class SpeculatedUpdates(PassConsumer):
                 return
             if round_ is None:
                 opt.updates_done()  # the last step's streamed updates first: the worker's queue is one at a time
-                round_ = self._round = _Round(room=opt.store.nvme_room_bytes() - self._gradient_bytes())
+                free = opt.store.nvme_room_bytes()
+                round_ = self._round = _Round(free=free, room=free - self._gradient_bytes())
             if not self._room_for(round_, key):
                 return
             spec = _Speculated(name, key_, p, grad, opt.steps.get(name, 0.0) + 1.0, opt._hyper(name),
@@ -235,11 +237,16 @@ class SpeculatedUpdates(PassConsumer):
         return on_drive
 
     def _gradient_bytes(self) -> int:
-        """The drive the gradients of a backward may take: kept until ``step()``, each may be written to it."""
-        if self._grads_need is None:
-            grads: WatchedGradients = self.opt.offloaded.grads  # type: ignore[assignment]
-            self._grads_need = sum(p.numel() * grads.dtype_of(p).itemsize + _ALIGN for _, _, p in self.by_key.values())
-        return self._grads_need
+        """The drive the gradients of this backward may still take: each is kept until ``step()`` and may be written
+        there, and one that has no place there yet (not stored, or stored in the host tier only) will take one."""
+        grads: WatchedGradients = self.opt.offloaded.grads  # type: ignore[assignment]
+        store = self.opt.store
+        need = 0
+        for key, (_, _, p) in self.by_key.items():
+            where = store_key_of(grads.get(key))
+            if where is None or where not in store or Tier.NVME.label not in store.info(where)["copies"]:
+                need += p.numel() * grads.dtype_of(p).itemsize + _ALIGN
+        return need
 
     def _room_for(self, round_: _Round, key: str) -> bool:
         """Whether the drive's room at the round's start, less what the backward's gradients may take, still has
@@ -253,11 +260,10 @@ class SpeculatedUpdates(PassConsumer):
             round_.reserved += need
             return True
         if not self.room_warned:
-            free = max(round_.room, 0) + self._gradient_bytes()
-            self._no_room(f"{free / 2**20:.1f} MiB is free, of which the gradients may take "
-                          f"{self._gradient_bytes() / 2**20:.1f} MiB, and the update of {self.by_key[key][0]!r} "
-                          f"needs {need / 2**20:.1f} MiB for a second copy of the state it changes beside the "
-                          f"{round_.reserved / 2**20:.1f} MiB the updates before it took")
+            self._no_room(f"{round_.free / 2**20:.1f} MiB is free, of which the gradients may take "
+                          f"{(round_.free - round_.room) / 2**20:.1f} MiB, and the update of "
+                          f"{self.by_key[key][0]!r} needs {need / 2**20:.1f} MiB for a second copy of the state it "
+                          f"changes beside the {round_.reserved / 2**20:.1f} MiB the updates before it took")
         return False
 
     # ---- the worker -----------------------------------------------------------------------------

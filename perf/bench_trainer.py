@@ -92,7 +92,8 @@ def _child(args: argparse.Namespace) -> dict:
 
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         model = peft.get_peft_model(model, peft.LoraConfig(r=args.lora, target_modules=targets, lora_dropout=0.0))
-    store = ts.TierStore(nvme_path=args.nvme_path, host_budget_bytes=host, device_budget_bytes="1MiB")
+    store = ts.TierStore(nvme_path=args.nvme_path, host_budget_bytes=host, device_budget_bytes="1MiB",
+                         nvme_budget_bytes=args.nvme_budget)
     try:
         t0 = time.perf_counter()
         off = offload_model(model, store, units=[LlamaDecoderLayer], init_fn=init, grad_dtype=args.grad_dtype)
@@ -195,6 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="run each step's micro-batches unit by unit (accumulate_layer_major)")
     p.add_argument("--tokens", type=int, default=64, help="tokens a sequence")
     p.add_argument("--nvme-path", default=None, help="directory on the drive for the swap files")
+    p.add_argument("--nvme-budget", default=None,
+                   help="the most the swap files may take (nvme_budget_bytes, as 60GB): a drive with that room")
     p.add_argument("--output", default=None, help="Trainer's output directory (default: a temporary one)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--stream-update", action="store_true",
