@@ -62,7 +62,7 @@ from typing import Any, Protocol
 
 import torch
 
-from tierstore import KeptVersions, StoreFullError, Tier, TierStore
+from tierstore import KeptVersions, StoreFullError, Tier, TierKeyError, TierStore
 
 from ._contract import OffloadedParameters, PassConsumer
 from ._grads import store_key_of
@@ -162,6 +162,7 @@ class SpeculatedUpdates(PassConsumer):
         self._homes_on_drive: dict[str, bool] = {}  # key -> whether every key its update changes lives on the drive
         self._lock = threading.RLock()  # of the round: undo may come from any thread that reads a fenced key
         self.room_warned = False
+        self._warn_lock = threading.Lock()
         self._need: dict[str, int] = {}  # key -> the drive its speculated update takes (see _room_for)
         self._backlog_bytes = 0  # of gradients queued for the worker and not yet read by it
         self._backlog_lock = threading.Lock()
@@ -188,9 +189,14 @@ class SpeculatedUpdates(PassConsumer):
             if grad is None or not self._on_drive(key):
                 return
             if round_ is None:
-                opt.updates_done()  # the last step's streamed updates first: the worker's queue is one at a time
                 free = opt.store.nvme_room_bytes()
-                round_ = self._round = _Round(free=free, room=free - self._gradient_bytes())
+                room = free - self._gradient_bytes()
+                if room <= 0:  # none fits: this backward speculates nothing (and "auto" rests a step)
+                    self._no_room(self._room_left(free, room))
+                    self._resting = True
+                    return
+                opt.updates_done()  # the last step's streamed updates first: the worker's queue is one at a time
+                round_ = self._round = _Round(free=free, room=room)
             if not self._room_for(round_, key):
                 return
             spec = _Speculated(name, key_, p, grad, opt.steps.get(name, 0.0) + 1.0, opt._hyper(name),
@@ -244,9 +250,19 @@ class SpeculatedUpdates(PassConsumer):
         need = 0
         for key, (_, _, p) in self.by_key.items():
             where = store_key_of(grads.get(key))
-            if where is None or where not in store or Tier.NVME.label not in store.info(where)["copies"]:
-                need += p.numel() * grads.dtype_of(p).itemsize + _ALIGN
+            try:
+                placed = where is not None and Tier.NVME.label in store.info(where)["copies"]
+            except TierKeyError:  # dropped meanwhile (zero_grad)
+                placed = False
+            if not placed:
+                local = p.to_local() if hasattr(p, "to_local") else p  # a rank's shard of an FSDP2 parameter
+                need += local.numel() * grads.dtype_of(p).itemsize + _ALIGN
         return need
+
+    @staticmethod
+    def _room_left(free: int, room: int, reserved: int = 0) -> str:
+        return (f"{free / 2**20:.1f} MiB is free, of which the gradients may take {(free - room) / 2**20:.1f} MiB"
+                + (f" and the updates before it took {reserved / 2**20:.1f} MiB" if reserved else ""))
 
     def _room_for(self, round_: _Round, key: str) -> bool:
         """Whether the drive's room at the round's start, less what the backward's gradients may take, still has
@@ -260,10 +276,9 @@ class SpeculatedUpdates(PassConsumer):
             round_.reserved += need
             return True
         if not self.room_warned:
-            self._no_room(f"{round_.free / 2**20:.1f} MiB is free, of which the gradients may take "
-                          f"{(round_.free - round_.room) / 2**20:.1f} MiB, and the update of "
-                          f"{self.by_key[key][0]!r} needs {need / 2**20:.1f} MiB for a second copy of the state it "
-                          f"changes beside the {round_.reserved / 2**20:.1f} MiB the updates before it took")
+            self._no_room(f"{self._room_left(round_.free, round_.room, round_.reserved)}; the update of "
+                          f"{self.by_key[key][0]!r} needs {need / 2**20:.1f} MiB more for a second copy of the state "
+                          f"it changes")
         return False
 
     # ---- the worker -----------------------------------------------------------------------------
@@ -300,9 +315,11 @@ class SpeculatedUpdates(PassConsumer):
                 opt._progress = (round_.queue, i + 1)
 
     def _no_room(self, why: str) -> None:
-        """Said once: the drive has no room to keep what the updates replace."""
-        if not self.room_warned:
-            self.room_warned = True
+        """Said once (by backward's thread or the worker's, whichever first): the drive has no room to keep what the
+        updates replace."""
+        with self._warn_lock:
+            warned, self.room_warned = self.room_warned, True
+        if not warned:
             warnings.warn(f"OffloadedAdamW(speculate=True): the drive has no room to keep what more updates made in "
                           f"backward replace, so the parameters beyond it step at step() instead ({why}); free space "
                           f"on the drive or raise nvme_budget_bytes to speculate them all", stacklevel=2)

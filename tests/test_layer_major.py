@@ -543,9 +543,10 @@ def test_a_timm_style_vit_trains_layer_by_layer_as_torch_trains_it_resident(tmp_
 
 def test_a_drive_with_room_for_some_kept_versions_speculates_those_layer_by_layer(tmp_path):
     """speculate=True under off.accumulate on a drive with room for about half of what the updates replace: when
-    micro-batch k-1's backward begins, every gradient is stored already (no room is set aside for them again), the
-    updates it completes first are speculated while the room lasts, the others are made at step(), one warning says
-    so, and the run is torch's resident one, bit for bit."""
+    micro-batch k-1's backward begins, the gradients of the micro-batches before are stored already, and the room
+    left for their next writes is not set aside again, so the updates are speculated while the rest of the room
+    lasts (some, not all), the others are made at step(), one warning says so, and the run is torch's resident
+    one, bit for bit."""
     def loss_of(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return m(ids, labels=ids).loss
 
