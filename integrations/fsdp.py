@@ -63,9 +63,10 @@ for bit. A micro-batch's backward between another's pre- and post-forward
 of the root leaves the root's group idle, where its post-forward would
 reshard it: for the step a group's post-forward runs as in forward. What
 the step cannot order as the loop does runs as the loop, with a warning
-once: a root parameter with parts both before the first segment and after
-the last (but a tied embedding: see [Note: Tied parameters on FSDP2 ranks]) (found at the end of the backward: the
-gradients dropped, FSDP2's state reset), glue between segments (an
+once: a root parameter other than a tied embedding (see [Note: Tied
+parameters on FSDP2 ranks]) with parts both before the first segment and
+after the last (found at the end of the backward: the gradients dropped,
+FSDP2's state reset), glue between segments (an
 encoder-decoder), a nested or grouped ``fully_shard``. A step stopped (an
 exception, Ctrl-C) lets FSDP2's gathers and unsharded gradients go
 (``reset_iter_state``).
