@@ -1,3 +1,4 @@
+import contextlib
 import random
 import threading
 import time
@@ -367,6 +368,50 @@ def test_threads_waiting_on_each_other_fail_at_once_naming_who_holds_what(make_s
         store.release("a", "host")  # whichever thread fails lets go, and the other goes on
     t.join()
     assert len(errors) == 1 and "MainThread holds 1 (a); worker holds 1 (b)" in str(errors[0])
+
+
+@pytest.mark.parametrize("gives_way", [True, False], ids=["giving-way", "not"])
+def test_a_thread_giving_way_lets_go_where_another_waits_for_room(make_store, monkeypatch, gives_way):
+    """A worker holds most of the host tier and waits for more, which the training thread holds; then the training
+    thread needs room too. Inside store.giving_way() the worker's wait ends in RoomYieldedError, it lets go, and the
+    training thread's get() completes; without it the training thread's get() fails at once (neither could go
+    on), and the worker's completes once the training thread has let go."""
+    monkeypatch.setattr("tierstore._room.BUDGET_WAIT_SECONDS", 3600.0)
+    n = 64 * 1024
+    store = make_store(host_budget_bytes=3 * n)
+    for k in "abcde":
+        store.put(k, torch.full((n // 4,), float(ord(k))), home="nvme").wait()
+    store.get("c", "host")
+    errors: list[Exception] = []
+
+    def worker():
+        with store.giving_way() if gives_way else contextlib.nullcontext():
+            store.get("a", "host")
+            store.get("b", "host")
+            try:
+                store.get("e", "host")  # waits: the training thread holds c
+                store.release("e", "host")
+            except ts.TierBudgetError as e:
+                errors.append(e)
+            finally:
+                store.release("a", "host")
+                store.release("b", "host")
+
+    t = threading.Thread(target=worker, name="worker")
+    t.start()
+    while not store.is_waiting_for_room(t.ident):
+        time.sleep(0.001)
+    try:
+        if gives_way:
+            assert bool((store.get("d", "host") == ord("d")).all())  # waits for the worker to give way
+            store.release("d", "host")
+        else:
+            with pytest.raises(ts.TierBudgetError, match="worker holds 2"):
+                store.get("d", "host")
+    finally:
+        store.release("c", "host")
+    t.join(timeout=10)
+    assert [type(e) for e in errors] == ([ts.RoomYieldedError] if gives_way else [])
 
 
 def test_get_while_the_stores_own_write_back_of_an_older_copy_is_in_flight(make_store):

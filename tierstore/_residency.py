@@ -4,7 +4,8 @@ takes them in. A part of :class:`~tierstore.TierStore` (its base), over the same
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 
 from ._copies import Entry, StoreState
 from ._handle import Handle
@@ -130,6 +131,21 @@ class Residency:
         """The keys every owner keeps in ``tier`` (see :meth:`keep`)."""
         with self._state.lock:
             return self._room.kept_keys(Tier.parse(tier))
+
+    @contextlib.contextmanager
+    def giving_way(self) -> Iterator[None]:
+        """Within it, this thread's allocations in a memory tier give way to the other threads': where one of them
+        waits for room in the tier, the allocation raises :class:`RoomYieldedError` instead of waiting, so that
+        the caller lets go of what it holds (see [Note: Waiting for room] in _room.py). For work that may be
+        dropped, such as an update made before it is known to be needed."""
+        me = threading.get_ident()
+        with self._state.lock:
+            self._room.giving_way.add(me)
+        try:
+            yield
+        finally:
+            with self._state.lock:
+                self._room.giving_way.discard(me)
 
     def is_waiting_for_room(self, thread_ident: int) -> bool:
         """Whether that thread is waiting for other threads to release memory (see [Note: Waiting for room])."""

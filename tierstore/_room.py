@@ -6,7 +6,12 @@ optimizer's worker, the training thread), it will be released as they go on:
 an allocation waits, as long as one of them is not itself waiting for room
 in that tier (then no one could go on), and for at most BUDGET_WAIT_SECONDS
 (a holder may be waiting for this thread some other way). Otherwise it fails
-at once with a TierBudgetError naming what each thread holds.
+at once with a TierBudgetError naming what each thread holds. A thread that
+gives way (``TierStore.giving_way``: work that may be dropped, such as an
+update made before it is known to be the step's) does not make others wait:
+where another thread waits for room in the tier it needs, its allocation
+raises RoomYieldedError, its caller lets go of what it holds, and the other
+goes on; while it waits itself, the others count it as one that will release.
 
 [Note: Several owners' victim orders] Each owner (an offloaded model) ranks
 its own keys (Belady over its own trace); no owner can say when another's
@@ -51,7 +56,7 @@ from concurrent.futures import Future
 
 from ._copies import Copy, Entry, StoreState
 from ._memory import Buffer, TierPool
-from ._types import StoreClosedError, Tier, TierBudgetError
+from ._types import RoomYieldedError, StoreClosedError, Tier, TierBudgetError
 
 # How long an allocation waits for other threads to release what they hold (see [Note: Waiting for room]).
 BUDGET_WAIT_SECONDS = 30.0
@@ -71,6 +76,8 @@ class Room:
         self.owner_orders: dict[object, tuple[VictimOrder, Callable[[str], bool]]] = {}
         # (thread ident, tier) -> its alloc calls waiting for other threads to release room in that tier
         self.waiting: dict[tuple[int, Tier], int] = {}
+        # threads whose allocations give way to the others' (see [Note: Waiting for room])
+        self.giving_way: set[int] = set()
         # owner token -> (tier, keys whose copies there stay), and their union by tier (see [Note: Kept copies])
         self.kept: dict[object, tuple[Tier, frozenset[str]]] = {}
         self._kept_in: dict[Tier, frozenset[str]] = {}
@@ -109,6 +116,9 @@ class Room:
                 return buf
             if may_skip:
                 return None
+            if threading.get_ident() in self.giving_way and self._others_wait(tier):
+                raise RoomYieldedError(f"{tier.label} tier: the allocation for {for_key!r} gave way to another "
+                                       f"thread waiting for room there")
             if not self._others_will_release(tier):
                 raise TierBudgetError(self._budget_message(tier, nbytes, for_key, waited_since))
             if waited_since is None:
@@ -141,7 +151,13 @@ class Room:
         [Note: Waiting for room])."""
         me = threading.get_ident()
         others = {t for c in self.state.in_tier[tier] for t in c.holders if t != me}
-        return bool(others) and not others <= {t for t, waits_in in self.waiting if waits_in is tier}
+        return bool(others) and not others <= {t for t, waits_in in self.waiting
+                                               if waits_in is tier and t not in self.giving_way}
+
+    def _others_wait(self, tier: Tier) -> bool:
+        """Another thread, one that does not give way, waits for room in ``tier``."""
+        me = threading.get_ident()
+        return any(t != me and waits_in is tier and t not in self.giving_way for t, waits_in in self.waiting)
 
     def _wait_for_release(self, tier: Tier) -> None:
         waiter = (threading.get_ident(), tier)

@@ -95,6 +95,11 @@ class TierBudgetError(TierStoreError):
     """A tier cannot hold a request within its byte budget."""
 
 
+class RoomYieldedError(TierBudgetError):
+    """An allocation of a thread that gives way (``TierStore.giving_way``) stopped, because another thread was
+    waiting for room in the same tier (see [Note: Waiting for room])."""
+
+
 class TierIOError(TierStoreError):
     """A read or write of the NVMe tier failed; names the key and the file."""
 
