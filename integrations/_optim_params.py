@@ -49,22 +49,30 @@ def check_streaming(offloaded: object, *, stream_update: bool, step_in_backward:
                              f"of a parameter goes through the store, not {type(offloaded).__name__}: leave it False")
 
 
-def check_speculating(offloaded: object, *, speculate: bool | str, step_in_backward: bool) -> None:
-    """Refuse ``speculate=True`` where it cannot run (see [Note: Speculated updates])."""
+def check_speculating(offloaded: object, *, speculate: bool | str, step_in_backward: bool) -> bool:
+    """Whether to speculate (see [Note: Speculated updates]): ``True`` is refused where it cannot run, ``"auto"``
+    runs as ``False`` there (see [Note: When to speculate])."""
     if not isinstance(speculate, bool) and speculate != "auto":
         raise TierTypeError(f"speculate={speculate!r} must be True, False or 'auto'")
     if not speculate:
-        return
+        return False
+    why = _why_not_speculating(offloaded, step_in_backward)
+    if why is not None and speculate is True:
+        raise TierValueError(why)
+    return why is None
+
+
+def _why_not_speculating(offloaded: object, step_in_backward: bool) -> str | None:
     if step_in_backward:
-        raise TierValueError("speculate=True makes each update in backward and keeps it at step() only where it is "
-                             "the step's (clipped, accumulated), and step_in_backward=True makes them in backward "
-                             "for good: choose one")
+        return ("speculate=True makes each update in backward and keeps it at step() only where it is the step's "
+                "(clipped, accumulated), and step_in_backward=True makes them in backward for good: choose one")
     if not getattr(offloaded, "speculates", False):
-        raise TierValueError(f"speculate=True needs a model of offload_model or offload_fsdp, whose every read of a "
-                             f"parameter goes through the store, not {type(offloaded).__name__}: leave it False")
+        return (f"speculate=True needs a model of offload_model or offload_fsdp, whose every read of a parameter goes "
+                f"through the store, not {type(offloaded).__name__}: leave it False")
     if offloaded.store.swap_directory is None:  # type: ignore[attr-defined]
-        raise TierValueError("speculate=True keeps what each update made in backward replaces on the drive, and this "
-                             "store has none (no nvme_path): leave it False, or give the store an nvme_path")
+        return ("speculate=True keeps what each update made in backward replaces on the drive, and this store has "
+                "none (no nvme_path): leave it False, or give the store an nvme_path")
+    return None
 
 
 def positive_bytes(value: int | str | None, default: int, name: str) -> int:

@@ -73,10 +73,17 @@ class AdamWState:
         return sum(self.pieces(key, p))
 
     def check_host_budget(self, host_budget: int, step_in_backward: bool, *, speculate: bool = False) -> None:
+        """Refuse a host budget below what one update needs at once (see ``host_shortfall``), before any state
+        exists."""
+        short = self.host_shortfall(host_budget, step_in_backward, speculate=speculate)
+        if short is not None:
+            raise TierValueError(short)
+
+    def host_shortfall(self, host_budget: int, step_in_backward: bool, *, speculate: bool = False) -> str | None:
         """One update holds its parameter's fp32 master and both moments in the host tier at once (stepping in
         backward or speculating there, beside what backward holds there; with its gradient but stepping in
-        backward): a budget below that for the largest parameter could never step it, or only by luck, so say so
-        now, before any state exists."""
+        backward): a budget below that for the largest parameter could never step it, or only by luck. What to
+        say then, or None where the budget holds it."""
         in_backward = step_in_backward or speculate
         def one_update(name: str, key: str | None, p: nn.Parameter) -> int:
             numel = self.param_layout(key, p)[0].numel()
@@ -92,14 +99,14 @@ class AdamWState:
         # name -> what backward may hold in the host tier while it is updated
         beside = self.offloaded.held_beside_updates() if in_backward else {}
         need, name = max(((one_update(n, k, p) + beside.get(n, 0), n) for n, k, p in self.items), default=(0, ""))
+        if need <= host_budget:
+            return None
         what = "its master weight and two moments" + ("" if step_in_backward else ", and its gradient")
         if beside.get(name):
             what += f", beside the largest unit backward may hold meanwhile ({beside[name]} bytes)"
-        if need > host_budget:
-            raise TierValueError(f"host_budget_bytes={host_budget} ({host_budget / 2**20:.1f} MiB) is below what one "
-                                 f"AdamW update of {name!r} needs at once: {need} bytes ({need / 2**20:.1f} MiB) for "
-                                 f"{what}. Raise host_budget_bytes to at least that (a few times more lets the "
-                                 f"optimizer read ahead)")
+        return (f"host_budget_bytes={host_budget} ({host_budget / 2**20:.1f} MiB) is below what one AdamW update of "
+                f"{name!r} needs at once: {need} bytes ({need / 2**20:.1f} MiB) for {what}. Raise host_budget_bytes to "
+                f"at least that (a few times more lets the optimizer read ahead)")
 
     # ---- made, reset and dropped ---------------------------------------------------------------
     def create(self, home: Tier) -> dict[str, int]:

@@ -269,7 +269,8 @@ class Placer:
     def _try_placement(self, moved: int) -> None:
         """One step of [Note: A placement on trial]; ``moved``: the drive bytes of the step that just ended, whose
         trace ``policy.trace`` is now."""
-        key = (tuple(self.prefetch_policy.trace or ()), len(self.later.after), self.later.in_backward)
+        key = (tuple(self.prefetch_policy.trace or ()), len(self.later.after), self.later.in_backward,
+               self.later.grads_to_step)
         # At the first call the step before is the one that recorded the trace: the one that just ended repeated
         # it unless it recorded another.
         again = key == self._last_key if self._last_key is not None else self.prefetch_policy.traces_recorded == 1
@@ -343,7 +344,8 @@ class Placer:
     def step_trace(self) -> StepTrace:
         """The last recorded step as uses of store keys: each unit's parameters where the trace uses it, each
         optimizer update (a parameter with its state) after its parameter's last use when the optimizer steps
-        in backward, else after the whole trace."""
+        in backward, else after the whole trace; a kept gradient made by its last use and read by its update, and
+        used once more at the end where its update is speculated (kept until the step all the same)."""
         units = self.unit_keys()
         events: list[tuple[str, ...]] = []
         nbytes: dict[str, int] = {}
@@ -360,12 +362,14 @@ class Placer:
         transient: set[str] = set()
         for param_key, keys in states.items():
             at = last.get(param_key, len(events)) if self.later.in_backward else len(events)
-            grad = None if self.later.in_backward else self.grad_of(param_key)
+            grad = None if self.later.in_backward and not self.later.grads_to_step else self.grad_of(param_key)
             if grad is not None and param_key in last:  # made by its last backward use, read by its update
                 transient.add(grad[0])
                 nbytes[grad[0]] = grad[1]
                 events[last[param_key]] += (grad[0],)
                 keys = [*keys, grad[0]]
+                if at < len(events):  # updated in backward, kept until the step all the same
+                    updates.setdefault(len(events), []).append((grad[0],))
             updates.setdefault(at, []).append((param_key, *keys))
         ordered: list[tuple[str, ...]] = []
         forward_uses = self.prefetch_policy.forward_uses

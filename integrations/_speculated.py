@@ -29,7 +29,12 @@ in the store's stats: ``updates_speculated``, ``speculated_kept``, ``speculated_
 backward (a loop that accumulates has several, and the second forward would undo the first backward's updates) and
 whose gradients nothing but products by exactly 1 changed (read off the clip recorded on each stored gradient, at no
 cost). So a run that clips every step pays for one undone step, and one that stops clipping speculates from the step
-after. ``speculate=True`` speculates in every backward.
+after (measured in docs/optimizer.md: a fine-tune clipping all 200 steps took 0.99x the time without speculation),
+which makes ``"auto"`` the default. It runs as ``False`` where speculating cannot run (``step_in_backward``, no
+drive, a model whose reads do not all go through the store) and under a host budget below ``AUTO_HOST_MARGIN``
+times what one update needs beside backward (near that minimum, what the check cannot see, such as a module's
+views kept across steps, leaves backward and the worker waiting on each other); ``speculate=True`` speculates in
+every backward, and is refused where it cannot run.
 
 [Note: The last micro-batch] A loop that accumulates over k micro-batches completes each gradient in the last
 one's backward; an update speculated in an earlier one would be undone by the next forward. ``off.accumulate``
@@ -44,12 +49,14 @@ FSDP2's ``set_requires_gradient_sync`` is called. Where nothing says so every ba
 Cost: the gradient is kept (in the store, written to the drive only where the host tier has no room for it) and a
 spare extent is taken for each changed key (the drive needs room for the speculated updates' state twice). The
 drive's room is taken at the first update of a backward: the updates backward completes first speculate while it
-lasts, and those beyond it step at ``step()`` (one warning says so); a copy the placement keeps
-in the host tier and changed since it was last written home is written home first, so that the drive holds the
-version to keep. The updates run where eviction and the placement expect those of ``step_in_backward``: right
-after their parameter's last use; backward waits while the gradients the worker has not yet read pass
-``max_grad_backlog_bytes``, so that it reads them from the host tier. A parameter whose state is not on the drive
-is not speculated and steps at ``step()``.
+lasts, and those beyond it step at ``step()`` (one warning says so). The updates run where eviction and the
+placement expect those of ``step_in_backward``: right after their parameter's last use; backward waits while the
+gradients the worker has not yet read pass ``max_grad_backlog_bytes``, so that it reads them from the host tier.
+A parameter whose state is not on the drive is not speculated and steps at ``step()``, nor is one whose state the
+placement keeps in the host tier: the drive must hold the version to keep, so a kept copy changed since it was last
+written home would be written home each step, where the placement writes it only when it goes (a model whose state
+it keeps whole moves no bytes a step without speculation). One the placement starts keeping while its update is
+speculated is written home first.
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ from typing import Any, Protocol
 
 import torch
 
-from tierstore import KeptVersions, StoreFullError, Tier, TierKeyError, TierStore
+from tierstore import KeptVersions, RoomYieldedError, StoreFullError, Tier, TierKeyError, TierStore
 
 from ._contract import OffloadedParameters, PassConsumer
 from ._grads import store_key_of
@@ -71,6 +78,9 @@ from ._pipeline import StatePipeline, state_keys
 
 
 _ALIGN = 4096  # what an extent may take beyond its bytes
+# speculate="auto" runs as False under a host budget below this many times what an update beside backward needs
+# (see [Note: When to speculate])
+AUTO_HOST_MARGIN = 2
 
 
 class WatchedGradients(Protocol):
@@ -96,6 +106,7 @@ class SpeculatingOptimizer(Protocol):
     offloaded: OffloadedParameters
     store: TierStore
     max_grad_backlog_bytes: int
+    speculate: bool | str
     steps: dict[str, float]
     _items: list[tuple[str, str | None, torch.nn.Parameter]]
     _applied: dict[str, Any]
@@ -186,7 +197,7 @@ class SpeculatedUpdates(PassConsumer):
                 return
             name, key_, p = self.by_key[key]
             grad = opt.offloaded.grads.get(key)
-            if grad is None or not self._on_drive(key):
+            if grad is None or not self._on_drive(key) or not opt.store.kept(Tier.HOST).isdisjoint(self._changed[key]):
                 return
             if round_ is None:
                 free = opt.store.nvme_room_bytes()
@@ -288,7 +299,9 @@ class SpeculatedUpdates(PassConsumer):
         store = opt.store
         grads: WatchedGradients = opt.offloaded.grads  # type: ignore[assignment]
         try:
-            with store.stats.background():
+            # Backward goes first: where it waits for host room this update holds, the update lets go of it
+            # (restored as it was) and steps at step() instead (see [Note: Waiting for room] in tierstore/_room.py).
+            with store.stats.background(), store.giving_way():
                 opt._pipeline.read_ahead(round_.queue, i)
                 try:
                     kept = store.keep_version(self._changed[spec.key])
@@ -307,6 +320,8 @@ class SpeculatedUpdates(PassConsumer):
                     raise
                 spec.kept = kept
                 store.stats.add("updates_speculated")
+        except RoomYieldedError:
+            pass  # not made (spec.kept is None): step() makes it
         finally:
             with self._backlog_lock:
                 self._backlog_bytes -= spec.nbytes
@@ -320,9 +335,10 @@ class SpeculatedUpdates(PassConsumer):
         with self._warn_lock:
             warned, self.room_warned = self.room_warned, True
         if not warned:
-            warnings.warn(f"OffloadedAdamW(speculate=True): the drive has no room to keep what more updates made in "
-                          f"backward replace, so the parameters beyond it step at step() instead ({why}); free space "
-                          f"on the drive or raise nvme_budget_bytes to speculate them all", stacklevel=2)
+            warnings.warn(f"OffloadedAdamW(speculate={self.opt.speculate!r}): the drive has no room to keep what more "
+                          f"updates made in backward replace, so the parameters beyond it step at step() instead "
+                          f"({why}); free space on the drive or raise nvme_budget_bytes to speculate them all, or pass "
+                          f"speculate=False to step them all there", stacklevel=2)
 
     # ---- the training thread --------------------------------------------------------------------
     def _settled(self, round_: _Round, *, cancel: bool = False) -> None:

@@ -55,7 +55,7 @@ from ._optim_params import (
 from ._optim_state import AdamWState
 from ._optim_state_dict import StateDictIO, StateView
 from ._pipeline import StatePipeline, UnrestorableUpdateError
-from ._speculated import SpeculatedUpdates
+from ._speculated import AUTO_HOST_MARGIN, SpeculatedUpdates
 from ._streamed import Queued, StreamedUpdates
 from .policies import OptimizerStatePolicy
 
@@ -132,10 +132,13 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
     a product by exactly 1 changed (a clip that did not clip) and whose group's
     hyper-parameters are as they were, and undoes the others and makes them as
     without it (see [Note: Speculated updates]). For loops that clip and mostly
-    do not. ``"auto"`` stops after a step whose updates did not stand and starts
-    again after one with a single backward that did not clip (see [Note: When
-    to speculate]); ``True`` speculates in every backward. The numbers are the
-    same either way. Needs a store with a drive; call :meth:`close` when done.
+    do not. ``"auto"`` (the default) stops after a step whose updates did not
+    stand and starts again after one with a single backward that did not clip
+    (see [Note: When to speculate]), and runs as ``False`` with
+    ``step_in_backward``, a store without a drive, or a host budget below twice
+    what an update needs beside backward. ``True`` speculates in every backward
+    and is refused where it cannot run. The numbers are the same either way.
+    Call :meth:`close` when done with it.
     """
 
     steps_offloaded_parameters = True  # other torch optimizers are refused over offloaded parameters
@@ -147,13 +150,13 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
                  max_grad_backlog_bytes: int | str | None = None, maximize: bool = False, amsgrad: bool = False,
                  foreach: bool | None = None, fused: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, moments: str | None = None, master: str | None = None,
-                 keep_grads: bool = True, stream_update: bool = False, speculate: bool | str = False,
+                 keep_grads: bool = True, stream_update: bool = False, speculate: bool | str = "auto",
                  policy: OptimizerStatePolicy | None = None) -> None:
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         check_hyper(defaults, "")
         check_flags(offloaded, amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
         check_streaming(offloaded, stream_update=stream_update, step_in_backward=step_in_backward)
-        check_speculating(offloaded, speculate=speculate, step_in_backward=step_in_backward)
+        speculating = check_speculating(offloaded, speculate=speculate, step_in_backward=step_in_backward)
         impl = _adamw.impl_of(foreach, fused)
         chosen = (policy or OptimizerStatePolicy()).overridden(moments=moments, master=master, home=home)
         self.layout = StateLayout(chosen.moments, chosen.master)
@@ -164,9 +167,6 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self.offloaded = offloaded
         self.store: TierStore = offloaded.store
         host = HostBudget(self.store)  # its shares: see [Note: Splitting the host budget]
-        # Gradients waiting for their update are memory no tier budgets (see [Note: Stepping in backward]).
-        self.max_grad_backlog_bytes = positive_bytes(
-            max_grad_backlog_bytes, host.grad_backlog_bytes(speculate=bool(speculate)), "max_grad_backlog_bytes")
         # Reads in flight keep the drive busy (measured: half the host tier beat a quarter and 16 parameters
         # by 5-9% a step on ViT-large); the other half is left to the parameters. Under a placement, what it
         # leaves for copies in flight bounds them instead (see integrations/_placing.py).
@@ -183,7 +183,13 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self._name_of = {id(p): name for name, _, p in (*self._items, *self._frozen)}
         self._state = AdamWState(offloaded, self.layout, self._items)
         self.layout.check(self._items)
-        self._state.check_host_budget(host.total_bytes, step_in_backward, speculate=bool(speculate))
+        if speculate == "auto" and self._state.host_shortfall(host.total_bytes // AUTO_HOST_MARGIN, step_in_backward,
+                                                              speculate=True):
+            speculating = False  # see [Note: When to speculate]
+        self._state.check_host_budget(host.total_bytes, step_in_backward, speculate=speculating)
+        # Gradients waiting for their update are memory no tier budgets (see [Note: Stepping in backward]).
+        self.max_grad_backlog_bytes = positive_bytes(
+            max_grad_backlog_bytes, host.grad_backlog_bytes(speculate=speculating), "max_grad_backlog_bytes")
         if any(optimizer_key(name, "exp_avg") in self.store for name, _, _ in self._items):
             raise TierValueError("this model already has an OffloadedAdamW (its state is in the store); keep using "
                                  "that one (opt.load_state_dict() replaces its state), or offload a fresh model")
@@ -214,14 +220,15 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self._streamed = StreamedUpdates(self) if stream_update else None
         # See [Note: Speculated updates].
         self.speculate = speculate
-        self._speculated = SpeculatedUpdates(self, auto=speculate == "auto") if speculate else None
+        self._speculated = SpeculatedUpdates(self, auto=speculate == "auto") if speculating else None
         self._attach(offloaded, step_in_backward)
 
     def _attach(self, offloaded: OffloadedParameters, step_in_backward: bool) -> None:
         """Tell the model's offload when this state is used (eviction weighs it), and what to do on its removal
         and on a load of its weights (see [Note: Consumers of a pass])."""
         self._state.attach(offloaded.later_uses)
-        offloaded.later_uses.in_backward = step_in_backward or bool(self.speculate)  # where the updates run
+        offloaded.later_uses.in_backward = step_in_backward or self._speculated is not None  # where updates run
+        offloaded.later_uses.grads_to_step = self._speculated is not None  # kept until step() all the same
         self._consumer = _StateConsumer(self)
         offloaded.attach(self._consumer)
         if self._in_backward is not None:

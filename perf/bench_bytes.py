@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
     with ts.TierStore(nvme_path=args.nvme_path, host_budget_bytes=host, device_budget_bytes="1MiB") as store:
         off = offload_model(model, store, units=[LlamaDecoderLayer], init_fn=model._init_weights,
                             grad_dtype=args.grad_dtype)
-        opt = OffloadedAdamW(off, lr=1e-4, moments="8bit", master="split", keep_grads=args.keep_grads == "yes")
+        opt = OffloadedAdamW(off, lr=1e-4, moments="8bit", master="split", keep_grads=args.keep_grads == "yes",
+                             speculate=False)  # the bytes of the updates at step(), as documented
         try:
             for step in range(3):
                 timeline = store.record_timeline() if step == 2 else None

@@ -81,7 +81,9 @@ def _child(args: argparse.Namespace) -> dict:
     store = ts.TierStore(nvme_path=args.nvme_path, host_budget_bytes=host, device_budget_bytes="1MiB")
     try:
         off = offload_model(model, store, units=units, init_fn=init, grad_dtype="param")
-        opt = OffloadedAdamW(off, lr=1e-4, moments="8bit", master="split", keep_grads=False)
+        # updates at step(), as the figures in docs/layer-major.md were measured (bench_trainer.py --speculate: in
+        # the last micro-batch's backward)
+        opt = OffloadedAdamW(off, lr=1e-4, moments="8bit", master="split", keep_grads=False, speculate=False)
         n = args.micro_batch_count
         rows = []
         for step in range(args.steps):

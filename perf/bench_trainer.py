@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="OffloadedAdamW(stream_update=True): each step's updates run while the next forward computes")
     p.add_argument("--speculate", choices=["no", "yes", "auto"], default="no",
                    help="OffloadedAdamW(speculate=...): each update made in the backward that completes its gradient, "
-                        "kept where the clip does not clip")
+                        "kept where the clip does not clip (default no, the loop without it; the optimizer's own "
+                        "default is auto)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="Trainer's max_grad_norm")
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -46,13 +46,15 @@ def _steps(model, opt, data, start, count, sched=None):
     return losses
 
 
-def model_and_offload(make_store, seed, dtype=torch.float32, no_decay_group=False, host="384KiB", **kw):
+def model_and_offload(make_store, seed, dtype=torch.float32, no_decay_group=False, host="384KiB", speculate="auto",
+                      **kw):
     torch.manual_seed(seed)
     model = ViT(PRESETS["tiny"], checkpoint_blocks=True, tie_head=True).to(dtype)
     store = make_store(host_budget_bytes=host, device_budget_bytes="320KiB")
     off = offload_model(model, store, **kw)
     groups = [{"params": [n for n, p in model.named_parameters() if p.ndim < 2], "weight_decay": 0.0}]
-    return model, off, OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, param_groups=groups if no_decay_group else None)
+    return model, off, OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, param_groups=groups if no_decay_group else None,
+                                      speculate=speculate)
 
 
 @pytest.mark.parametrize("dtype,threshold,host", [(torch.float32, 0, "384KiB"), (torch.float32, 1024, "384KiB"),
@@ -60,7 +62,11 @@ def model_and_offload(make_store, seed, dtype=torch.float32, no_decay_group=Fals
                          ids=["fp32", "fp32+resident", "bf16", "fp32+placement"])
 def test_resume_gives_the_same_losses(make_store, tmp_path, dtype, threshold, host):
     data = SyntheticImages(PRESETS["tiny"])
-    model, off, opt = model_and_offload(make_store, 0, dtype, resident_threshold_bytes=threshold, host=host)
+    # Speculated updates take most of what the placement saves here (a step moved 3.0-3.1 MiB without it and
+    # 2.9-3.0 with it; 3.9 and 2.9-3.1 without speculation), so its trial may drop it: this case is the placement's.
+    speculate = "auto" if host != "1MiB" else False
+    model, off, opt = model_and_offload(make_store, 0, dtype, resident_threshold_bytes=threshold, host=host,
+                                        speculate=speculate)
     _steps(model, opt, data, 0, 5)
     if host == "1MiB":  # the weights are kept in the host tier, changed since they were last written home
         assert off.placement is not None and off.placement.resident_by_kind.get("weights")
@@ -71,7 +77,7 @@ def test_resume_gives_the_same_losses(make_store, tmp_path, dtype, threshold, ho
     expected = _steps(model, opt, data, 5, 5)
 
     resumed, roff, ropt = model_and_offload(make_store, 123, dtype, resident_threshold_bytes=threshold,
-                                     host=host)  # other init
+                                            host=host, speculate=speculate)  # other init
     assert load_checkpoint(path, roff, ropt) == {"step": 5}
     assert roff.prefetch_policy.trace == manifest["metadata"]["trace"]
     assert _steps(resumed, ropt, data, 5, 5) == expected

@@ -16,12 +16,12 @@ from tierstore.integrations import OffloadedAdamW, _base, offload_model
 from _training import _assert_same_parameters, _tiny_pair, _train, train_resident
 
 
-def _trained(store, steps=2):
+def _trained(store, steps=2, **opt_kw):
     """A tiny ViT offloaded to ``store`` and trained ``steps`` steps, its resident twin trained alike, the data."""
     ref, model, data = _tiny_pair()
     train_resident(ref, data, steps)
     off = offload_model(model, store)
-    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, **opt_kw)
     _train(model, data, steps, opt)
     return ref, model, off, opt, data
 
@@ -214,7 +214,7 @@ def test_a_step_stopped_part_way_is_finished_before_the_close(tmp_path, monkeypa
     from tierstore.integrations import _pipeline
 
     store = ts.TierStore(nvme_path=str(tmp_path), host_budget_bytes="64MiB")
-    ref, model, off, opt, data = _trained(store, steps=1)
+    ref, model, off, opt, data = _trained(store, steps=1, speculate=False)  # step()'s updates, none in backward
     x, y = data.batch(1, 8)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     update, calls = _pipeline.StatePipeline.update, []

@@ -400,7 +400,7 @@ def test_layer_by_layer_on_fsdp2_ranks_sums_tied_embeddings_parts_in_the_loops_o
 
 @pytest.mark.slow
 def test_layer_by_layer_on_fsdp2_ranks_speculates_each_update_as_its_gradient_is_reduced(tmp_path):
-    """OffloadedAdamW(speculate="auto") with a clip never reached: each shard is updated as its group's one
+    """OffloadedAdamW(speculate=True) with a clip never reached: each shard is updated as its group's one
     reduce-scatter a step completes it (the root's at the step's end), every update kept; bit-identical to FSDP2's
     loop alone."""
     for r in _layer_major(tmp_path, "--micro-batches", "4", "--max-norm", "1e9", "--speculate"):

@@ -365,7 +365,8 @@ def test_trainer_with_updates_speculated_layer_by_layer_is_trainers_own_loop(max
     made = [h["updates_speculated"] for h in runs[1][2]]
     kept = [h["speculated_kept"] for h in runs[1][2]]
     undone = [h["speculated_undone"] for h in runs[1][2]]
-    assert made[0] > 0 and all(m == made[0] for m in made) if max_grad_norm > 1 else made[1:] == [0, 0]
+    # (a parameter whose state the placement keeps in the host tier, once planned, is not speculated)
+    assert made[0] > 0 and all(0 < m <= made[0] for m in made) if max_grad_norm > 1 else made[1:] == [0, 0]
     assert kept == made and undone == [0, 0, 0] if max_grad_norm > 1 else undone[0] > 0 and undone[1:] == [0, 0]
     with pytest.raises(ts.TierTypeError, match="needs a Trainer given an OffloadedAdamW"):
         log_update_counts(transformers.Trainer(model=_llama(), args=args, train_dataset=_Tokens()))

@@ -47,7 +47,7 @@ def test_failed_update_leaves_state_as_before_the_step(make_store, monkeypatch):
     model = ViT(cfg)
     store = make_store(host_budget_bytes="384KiB", device_budget_bytes="320KiB")
     off = offload_model(model, store)
-    opt = OffloadedAdamW(off)
+    opt = OffloadedAdamW(off, speculate=False)
     data = SyntheticImages(cfg)
     _train(model, data, 1, opt)
     before = {n: off.read_param(n) for n, _, _ in off.named_offloaded()}
@@ -72,7 +72,7 @@ def test_a_failed_update_of_kept_state_is_an_error_every_later_step_and_forward_
     n = sum(p.numel() for p in model.parameters())
     store = make_store(host_budget_bytes=n * 8)  # the weights stay in the host tier under the placement
     off = offload_model(model, store)
-    opt = OffloadedAdamW(off)
+    opt = OffloadedAdamW(off, speculate=False)
     data = SyntheticImages(cfg)
     _train(model, data, 3, opt)
     assert "param/blocks.0.fc1.weight" in off.placement.resident
@@ -683,7 +683,7 @@ def test_a_step_stopped_by_an_io_error_finishes_when_called_again(make_store, nv
         sysc = FaultySyscalls(None)
         store = make_store(host_budget_bytes="384KiB", device_budget_bytes="320KiB", syscalls=sysc)
         off = offload_model(model, store)
-        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01)
+        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, speculate=False)
         _train(model, data, 2, opt)
         x, y = data.batch(2, 8)
         F.cross_entropy(model(x), y).backward()
@@ -722,7 +722,7 @@ def test_a_step_stopped_by_a_failed_update_finishes_when_called_again(make_store
     train_resident(ref, data, 3)
     store = make_store(host_budget_bytes="384KiB", device_budget_bytes="320KiB")
     off = offload_model(model, store)
-    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=in_backward)
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=in_backward, speculate=False)
     _train(model, data, 1, opt)
     real = _adamw.adamw_update
 
@@ -759,7 +759,8 @@ def test_a_step_stopped_by_ctrl_c_names_it_and_finishes_when_called_again(make_s
     """A KeyboardInterrupt has no message: the part-way error names its type (it read "()" before)."""
     ref, model, data = _tiny_pair()
     train_resident(ref, data, 2)
-    opt = OffloadedAdamW(offload_model(model, make_store(host_budget_bytes="384KiB")), lr=1e-3, weight_decay=0.01)
+    opt = OffloadedAdamW(offload_model(model, make_store(host_budget_bytes="384KiB")), lr=1e-3, weight_decay=0.01,
+                         speculate=False)
     _train(model, data, 1, opt)
     real = _adamw.adamw_update
 

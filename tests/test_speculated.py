@@ -240,6 +240,35 @@ def test_refused_where_it_cannot_run(make_store):
         check_speculating(object(), speculate=True, step_in_backward=False)
 
 
+@pytest.mark.parametrize("where", ["drive", "in-backward", "no-drive", "host-budget"])
+def test_auto_is_the_default_and_runs_as_false_where_it_cannot_speculate(make_store, where):
+    """OffloadedAdamW's default is speculate="auto": with a drive it speculates, and where speculating cannot run
+    (stepping in backward, a store with no drive, a host budget that holds an update after backward but not beside
+    it) it runs as False, with no error and no warning, where speculate=True is refused. torch's numbers."""
+    ref, model, data = _tiny_pair()
+    in_backward = where == "in-backward"
+    ref_losses, _ = resident_clipped(ref, data, steps=2, clip=None if in_backward else 1e9, micro=1)
+    kw = {"no-drive": {"nvme_path": None}, "host-budget": {"host_budget_bytes": "256KiB",
+                                                           "device_budget_bytes": "64KiB"}}.get(where, {})
+    store = make_store(**kw)
+    off = offload_model(model, store, resident_threshold_bytes=1024, home="nvme" if store.swap_directory else "host")
+    if where != "drive":
+        with pytest.raises(TierValueError, match={"in-backward": "choose one", "no-drive": "no nvme_path",
+                                                  "host-budget": "beside the largest unit"}[where]):
+            OffloadedAdamW(off, speculate=True, step_in_backward=in_backward)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=in_backward,
+                             home="nvme" if store.swap_directory else "host")
+        losses, _ = clipped_loop(model, data, opt, steps=2, clip=None if in_backward else 1e9, micro=1,
+                                 before_clip=lambda step: _speculated(opt) if opt._speculated else None)
+    assert opt.speculate == "auto" and losses == ref_losses
+    _assert_same_parameters(model, ref)
+    n = len(off.params)
+    assert _counts(store) == ((2 * n, 2 * n, 0) if where == "drive" else (0, 0, 0))
+    opt.close()
+
+
 @pytest.mark.parametrize("clip", [1e9, 1e-3], ids=["never-clipped", "always-clipped"])
 def test_auto_pauses_after_a_step_that_did_not_stand(make_store, clip):
     """speculate="auto": a loop that clips every step pays one undone step, then runs as without speculation; one

@@ -15,7 +15,9 @@ from _training import _assert_same_parameters, _tiny_pair, clipped_loop as _loop
 def _streamed(model, store, **kw):
     off = offload_model(model, store, resident_threshold_bytes=1024)
     assert off.resident and off.params  # clipping spans both kinds of parameter
-    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, stream_update=True, keep_grads=kw.pop("keep_grads", True))
+    # every update streamed after step() (tests/test_speculated.py runs it with speculated ones)
+    opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, stream_update=True, keep_grads=kw.pop("keep_grads", True),
+                         speculate=False)
     return off, opt
 
 

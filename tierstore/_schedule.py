@@ -153,6 +153,8 @@ class LaterUses:
     next backward through its parameter (which adds to it) and by the update (in a queue), as state is."""
     in_backward: bool = True
     """Whether the optimizer steps each parameter in backward, right after its last use (else after it)."""
+    grads_to_step: bool = False
+    """Whether each gradient is kept in the store until the step though updated in backward (speculated)."""
 
 
 def unit_victim_order(policy: PrefetchPolicy, key_units: Mapping[str, Sequence[Hashable]],

@@ -165,7 +165,7 @@ def main() -> None:
     with TierStore(StoreConfig(nvme_path=args.nvme_path, host_budget_bytes=args.host_budget,
                                file_size_bytes="4MiB", block_size_bytes="64KiB")) as store:
         off = offload_fsdp(model, store)
-        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, speculate="auto" if args.speculate else False)
+        opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, speculate=True if args.speculate else False)
         losses, steps = [], []
         counter.take()
         with warnings.catch_warnings(record=True) as said:

@@ -76,7 +76,7 @@ def _probe(*, preset: str, batch_size: int, nvme_path: str, host_budget_bytes: i
                          device_budget_bytes=device_budget_bytes)
     with TierStore(config) as store:
         off = offload_model(model, store, prefetch_depth=prefetch_depth)
-        opt = OffloadedAdamW(off, lr=1e-3, step_in_backward=step_in_backward)
+        opt = OffloadedAdamW(off, lr=1e-3, step_in_backward=step_in_backward, speculate=False)
         try:
             store.flush()
             rest = rss_bytes()

@@ -149,8 +149,8 @@ def run_step_bench(*, preset: str, batch_size: int, depths: list[int | str], nvm
         opt.wait()  # its writes belong to the warm-up, not to the first sample
         return last
 
-    def adamw(off, **kw) -> OffloadedAdamW:  # every offloaded setup's optimizer
-        return OffloadedAdamW(off, lr=1e-3, fused=fused, **kw)
+    def adamw(off, **kw) -> OffloadedAdamW:  # every offloaded setup's optimizer, stepping where the flag says
+        return OffloadedAdamW(off, lr=1e-3, fused=fused, speculate=False, **kw)
 
     # With placement_ab, the deepest numeric depth again without a placement (same run, alternating).
     numeric = [d for d in depths if isinstance(d, int)]

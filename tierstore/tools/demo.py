@@ -145,8 +145,8 @@ def run_demo(*, preset: str, steps: int, batch_size: int, nvme_path: str, prefet
         off = offload_model(model, store, prefetch_depth=prefetch_depth)
         log(f"built into the store in {time.perf_counter() - t0:.1f} s")
         # torch's fused AdamW: one pass over each parameter's state (see [Note: Which AdamW])
-        opt = OffloadedAdamW(off, lr=lr, step_in_backward=step_in_backward, fused=True, moments=layout.moments,
-                             master=layout.master)
+        opt = OffloadedAdamW(off, lr=lr, step_in_backward=step_in_backward, speculate=False, fused=True,
+                             moments=layout.moments, master=layout.master)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
         store.flush()
         built_peak = peak_rss_bytes() - rss_start if start_resettable else None  # construction's own peak

@@ -54,7 +54,7 @@ def add_optimizer_step(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer-step", choices=OPTIMIZER_STEPS, default="in-backward",
                    help="when the optimizer steps a parameter: in-backward, as soon as its gradient is ready "
                         "(overlapping backward, no gradient kept), or after-backward, in opt.step() (accumulation, "
-                        "clipping) (default in-backward)")
+                        "clipping; speculate=False) (default in-backward)")
 
 
 def add_prefetch_depth(p: argparse.ArgumentParser, default: int | str = "auto", why: str = "") -> None:

@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with TierStore(config) as store:
             off = offload_fsdp(model, store, prefetch_depth=args.prefetch_depth)
             opt = OffloadedAdamW(off, lr=args.lr, weight_decay=0.01, step_in_backward=args.optimizer_step == "in-backward",
-                                 moments=args.moments, master=args.master)
+                                 speculate=False, moments=args.moments, master=args.master)
             store.flush()
             for step in range(args.steps):
                 if args.checkpoint and step == args.save_at:
@@ -222,7 +222,7 @@ def _resume(args, config, data, rank: int, world: int, losses: list[float]) -> b
     with TierStore(config) as store:
         off = offload_fsdp(model, store, prefetch_depth=args.prefetch_depth)
         opt = OffloadedAdamW(off, lr=args.lr, weight_decay=0.01, step_in_backward=args.optimizer_step == "in-backward",
-                             moments=args.moments, master=args.master)
+                             speculate=False, moments=args.moments, master=args.master)
         extra = load_checkpoint(args.checkpoint, off, opt)
         again = [_train_step(model, opt, data, s, args.batch_size, rank, world, args.micro_batches,
                              off if args.layer_major else None) for s in range(extra["step"], args.steps)]

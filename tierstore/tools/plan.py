@@ -697,7 +697,7 @@ def measure_tensor_seconds(nvme_path: str, step_in_backward: bool, steps: int = 
 
     with TierStore(nvme_path=nvme_path, host_budget_bytes=n * 12 // 3) as store:  # sets the allocator up
         model = copy.deepcopy(resident)
-        opt = OffloadedAdamW(offload_model(model, store), step_in_backward=step_in_backward)
+        opt = OffloadedAdamW(offload_model(model, store), step_in_backward=step_in_backward, speculate=False)
         try:
             offloaded = median_step_seconds(model, opt, data, 32, warmup=3, steps=steps)
         finally:
