@@ -52,11 +52,13 @@ drive's room is taken at the first update of a backward: the updates backward co
 lasts, and those beyond it step at ``step()`` (one warning says so). The updates run where eviction and the
 placement expect those of ``step_in_backward``: right after their parameter's last use; backward waits while the
 gradients the worker has not yet read pass ``max_grad_backlog_bytes``, so that it reads them from the host tier.
-A parameter whose state is not on the drive is not speculated and steps at ``step()``, nor is one whose state the
-placement keeps in the host tier: the drive must hold the version to keep, so a kept copy changed since it was last
-written home would be written home each step, where the placement writes it only when it goes (a model whose state
-it keeps whole moves no bytes a step without speculation). One the placement starts keeping while its update is
-speculated is written home first.
+A parameter whose state is not on the drive is not speculated and steps at ``step()``, nor is one whose whole state
+the placement keeps in the host tier: the drive must hold the version to keep, so a kept copy changed since it was
+last written home is written home first, each step, where the placement writes it only when it goes; for an update
+that moves no drive bytes without speculation that is all cost (a model whose state it keeps whole moved no bytes a
+step without speculation). Where part of the state is on the drive the update reads and writes that part anyway,
+and speculating it pays: on the anchor model of docs/optimizer.md (its weights partly kept) leaving out every update
+with a kept copy left 240 of 864 to step() and took 2.75 s a step against 2.43-2.46 (one run, alternating).
 """
 
 from __future__ import annotations
@@ -197,7 +199,7 @@ class SpeculatedUpdates(PassConsumer):
                 return
             name, key_, p = self.by_key[key]
             grad = opt.offloaded.grads.get(key)
-            if grad is None or not self._on_drive(key) or not opt.store.kept(Tier.HOST).isdisjoint(self._changed[key]):
+            if grad is None or not self._on_drive(key) or opt.store.kept(Tier.HOST).issuperset(self._changed[key]):
                 return
             if round_ is None:
                 free = opt.store.nvme_room_bytes()
