@@ -183,8 +183,8 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self._name_of = {id(p): name for name, _, p in (*self._items, *self._frozen)}
         self._state = AdamWState(offloaded, self.layout, self._items)
         self.layout.check(self._items)
-        if speculate == "auto" and self._state.host_shortfall(host.total_bytes // AUTO_HOST_MARGIN, step_in_backward,
-                                                              speculate=True):
+        if speculating and speculate == "auto" and self._state.host_shortfall(
+                host.total_bytes // AUTO_HOST_MARGIN, step_in_backward, speculate=True):
             speculating = False  # see [Note: When to speculate]
         self._state.check_host_budget(host.total_bytes, step_in_backward, speculate=speculating)
         # Gradients waiting for their update are memory no tier budgets (see [Note: Stepping in backward]).
