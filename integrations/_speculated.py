@@ -31,10 +31,10 @@ whose gradients nothing but products by exactly 1 changed (read off the clip rec
 cost). So a run that clips every step pays for one undone step, and one that stops clipping speculates from the step
 after (measured in docs/optimizer.md: a fine-tune clipping all 200 steps took 0.99x the time without speculation),
 which makes ``"auto"`` the default. It runs as ``False`` where speculating cannot run (``step_in_backward``, no
-drive, a model whose reads do not all go through the store) and under a host budget below ``AUTO_HOST_MARGIN``
-times what one update needs beside backward (near that minimum, what the check cannot see, such as a module's
-views kept across steps, leaves backward and the worker waiting on each other); ``speculate=True`` speculates in
-every backward, and is refused where it cannot run.
+drive, a model whose reads do not all go through the store, a host budget below what one update needs beside
+backward); ``speculate=True`` speculates in every backward, and is refused there. Near that minimum, what the
+check cannot see (a module's views kept across steps) may leave backward waiting for host room an update holds:
+the update gives way (see ``_run``).
 
 [Note: The last micro-batch] A loop that accumulates over k micro-batches completes each gradient in the last
 one's backward; an update speculated in an earlier one would be undone by the next forward. ``off.accumulate``
@@ -80,9 +80,6 @@ from ._pipeline import StatePipeline, state_keys
 
 
 _ALIGN = 4096  # what an extent may take beyond its bytes
-# speculate="auto" runs as False under a host budget below this many times what an update beside backward needs
-# (see [Note: When to speculate])
-AUTO_HOST_MARGIN = 2
 
 
 class WatchedGradients(Protocol):

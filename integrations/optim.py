@@ -55,7 +55,7 @@ from ._optim_params import (
 from ._optim_state import AdamWState
 from ._optim_state_dict import StateDictIO, StateView
 from ._pipeline import StatePipeline, UnrestorableUpdateError
-from ._speculated import AUTO_HOST_MARGIN, SpeculatedUpdates
+from ._speculated import SpeculatedUpdates
 from ._streamed import Queued, StreamedUpdates
 from .policies import OptimizerStatePolicy
 
@@ -135,10 +135,10 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
     do not. ``"auto"`` (the default) stops after a step whose updates did not
     stand and starts again after one with a single backward that did not clip
     (see [Note: When to speculate]), and runs as ``False`` with
-    ``step_in_backward``, a store without a drive, or a host budget below twice
-    what an update needs beside backward. ``True`` speculates in every backward
-    and is refused where it cannot run. The numbers are the same either way.
-    Call :meth:`close` when done with it.
+    ``step_in_backward``, a store without a drive, or a host budget that holds
+    an update after backward but not beside it. ``True`` speculates in every
+    backward and is refused there. The numbers are the same either way. Call
+    :meth:`close` when done with it.
     """
 
     steps_offloaded_parameters = True  # other torch optimizers are refused over offloaded parameters
@@ -183,9 +183,9 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self._name_of = {id(p): name for name, _, p in (*self._items, *self._frozen)}
         self._state = AdamWState(offloaded, self.layout, self._items)
         self.layout.check(self._items)
-        if speculating and speculate == "auto" and self._state.host_shortfall(
-                host.total_bytes // AUTO_HOST_MARGIN, step_in_backward, speculate=True):
-            speculating = False  # see [Note: When to speculate]
+        if speculating and speculate == "auto" and self._state.host_shortfall(host.total_bytes, step_in_backward,
+                                                                              speculate=True):
+            speculating = False  # a budget that holds an update after backward but not beside it
         self._state.check_host_budget(host.total_bytes, step_in_backward, speculate=speculating)
         # Gradients waiting for their update are memory no tier budgets (see [Note: Stepping in backward]).
         self.max_grad_backlog_bytes = positive_bytes(
