@@ -151,13 +151,15 @@ class Room:
         [Note: Waiting for room])."""
         me = threading.get_ident()
         others = {t for c in self.state.in_tier[tier] for t in c.holders if t != me}
-        return bool(others) and not others <= {t for t, waits_in in self.waiting
-                                               if waits_in is tier and t not in self.giving_way}
+        return bool(others) and not others <= self._waiting_in(tier)
 
     def _others_wait(self, tier: Tier) -> bool:
         """Another thread, one that does not give way, waits for room in ``tier``."""
-        me = threading.get_ident()
-        return any(t != me and waits_in is tier and t not in self.giving_way for t, waits_in in self.waiting)
+        return bool(self._waiting_in(tier) - {threading.get_ident()})
+
+    def _waiting_in(self, tier: Tier) -> set[int]:
+        """The threads waiting for room in ``tier`` that do not give way (see [Note: Waiting for room])."""
+        return {t for t, waits_in in self.waiting if waits_in is tier and t not in self.giving_way}
 
     def _wait_for_release(self, tier: Tier) -> None:
         waiter = (threading.get_ident(), tier)
