@@ -55,6 +55,7 @@ class StatePipeline:
         # The read-ahead window over one step's items (see [Note: A read-ahead window]).
         self._window_of: list[Item] | None = None
         self._start = self._end = self._window_bytes = 0
+        self._counted: dict[int, int] = {}  # index in the window -> the bytes counted for it when it entered
 
     def read_ahead(self, items: list[Item], i: int) -> None:
         """Prefetch the state of items[i] and of those after it, within readahead and readahead_bytes.
@@ -65,12 +66,16 @@ class StatePipeline:
         next item again (an evicted read-ahead copy comes back one update before it is needed; prefetching
         what is in memory or in flight costs nothing else). Issuing the whole window before each update
         made a step's prefetch calls grow with the square of its parameter count: 12,960 calls a step for
-        ViT-small's 80 tensors when the window held them all, most of the optimizer's time."""
+        ViT-small's 80 tensors when the window held them all, most of the optimizer's time. An item leaves
+        with the bytes it entered with: a queue replaces each item done with one without its gradient, and
+        counting it again then left a stored gradient's bytes in the window for good (on the anchor model of
+        docs/optimizer.md the speculated updates' window grew to 432 MB against 240 in a step, and read one
+        update ahead)."""
         if items is not self._window_of:  # a new step's list
             self._window_of, self._start, self._end, self._window_bytes = items, i, i, 0
+            self._counted = {}
         while self._start < i:  # the updates done leave the window
-            if self._start < self._end:
-                self._window_bytes -= self._read_bytes(items[self._start])
+            self._window_bytes -= self._counted.pop(self._start, 0)
             self._start += 1
         self._end = max(self._end, i)
         if i + 1 < self._end:
@@ -82,6 +87,7 @@ class StatePipeline:
                 break
             self._prefetch(items[self._end])
             self._window_bytes += nbytes
+            self._counted[self._end] = nbytes
             self._end += 1
 
     def _read_bytes(self, item: Item) -> int:
@@ -188,6 +194,7 @@ class StatePipeline:
     def drop_window(self) -> None:
         """Forget the step's read-ahead window (its list holds the step's gradients)."""
         self._window_of = None
+        self._counted = {}
 
     def wait(self) -> None:
         """Wait for every write-behind; raises the first failure (the data stays in memory)."""

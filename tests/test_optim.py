@@ -227,6 +227,30 @@ def test_the_read_ahead_window_counts_the_gradients_it_reads(make_store):
     opt.close()
 
 
+def test_an_update_leaves_the_read_ahead_window_with_the_bytes_it_entered_with(make_store):
+    """A queue lets go of each gradient once its update has read it (the item becomes one without it): the window
+    still takes away what it counted for the item, so it holds the updates ahead and nothing more (counted again
+    on the way out, each stored gradient stayed in the window's bytes and it read fewer updates ahead each time)."""
+    from tierstore.integrations._grads import store_key_of
+
+    _, model, data = _tiny_pair()
+    store = make_store(host_budget_bytes="1MiB")
+    opt = OffloadedAdamW(offload_model(model, store, prefetch_depth=2), lr=1e-3, speculate=False)
+    x, y = data.batch(0, 4)
+    F.cross_entropy(model(x), y).backward()
+    items = [(name, key, p, p.grad) for name, key, p in opt._items if store_key_of(p.grad) is not None]
+    assert len(items) > 2
+    pipe = opt._pipeline
+    for i in range(len(items)):
+        pipe.read_ahead(items, i)
+        items[i] = (*items[i][:3], None)  # read: the queue lets its gradient go
+    last = (*items[-1][:3], opt.offloaded.grads.get(items[-1][1]))
+    assert pipe._window_bytes == pipe._read_bytes(last)  # the last update's state and gradient, as it entered
+    pipe.drop_window()
+    opt.step()
+    opt.close()
+
+
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
 def test_tensors_larger_than_an_update_slice_are_bit_identical(make_store, monkeypatch, in_backward):
     _SLICE = 1 << 18  # slices small enough for a quick test: [Note: Sliced updates]
