@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +73,7 @@ from ._contract import MASTERED_DTYPES
 from .policies import OptimizerStatePolicy
 
 GRAD_PREFIX = "grad/"
+CODE_PREFIX = "coded/"  # before a gradient's key: its code (see [Note: A kept gradient coded against its moments])
 _aten = torch.ops.aten
 _NORM = _aten.linalg_vector_norm.default
 # In-place products by one number: recorded and applied at the next read (see [Note: A stored gradient read from
@@ -128,6 +129,23 @@ class _Record:
     # by one number, or None for any other write.
     watched: list[Any] | None = None
     written: bool = False  # by something else than a product by one number, since backward last added to it
+    stored: int = 0  # changes whenever its stored bytes do (a write, or its pending products applied)
+    watched_stored: int | None = None  # ``stored`` when an update read it unscaled (see ``watched_values``)
+    readers: int = 0  # threads about to read or write its values: it is not coded meanwhile
+    coded: Coded | None = None  # stored coded against its update's moments (see ``keep_coded``)
+
+
+@dataclass(eq=False)
+class Coded:
+    """Where a coded gradient is stored, and what decodes it (see [Note: A kept gradient coded against its moments]
+    in _grad_code.py): ``settle()`` undoes the speculated updates, which decodes it."""
+
+    key: str
+    settle: Callable[[], None]
+
+
+class _MustDecode(Exception):
+    """Raised by ``GradientStore._held`` for a coded gradient: the caller decodes it (``_reading``) and tries again."""
 
 
 class GradientStore:
@@ -157,7 +175,8 @@ class GradientStore:
             self.home = grad_home(self.store, None, optimizer_home)
     def accumulate(self, param_key: str, grad: torch.Tensor, param_dtype: torch.dtype) -> None:
         """Add a backward's gradient into the stored one (or store it: the first of a step)."""
-        with self._lock:
+        stored = self._records.get(param_key)
+        with self._reading(stored) if stored is not None else contextlib.nullcontext(), self._lock:
             rec = self._records.get(param_key)
             if rec is None:
                 self._put(param_key, grad, stored_dtype(param_dtype, self.grad_dtype))
@@ -196,7 +215,7 @@ class GradientStore:
             self._direct.pop(param_key, None)
             rec = self._records.pop(param_key, None)
             if rec is not None and not rec.claims:  # else the last claim's release drops it
-                self.store.drop(rec.key)
+                self._drop_stored(rec)
             return out
 
     def claim(self, grad: torch.Tensor) -> None:
@@ -219,7 +238,7 @@ class GradientStore:
                 del self._records[rec.param_key]
                 current = False
             if not current and not rec.claims:
-                self.store.drop(rec.key)
+                self._drop_stored(rec)
             self._claims_released.notify_all()
 
     @contextlib.contextmanager
@@ -233,11 +252,12 @@ class GradientStore:
             return
         rec = grad._record
         with self._lock:
-            current = self._records.get(rec.param_key) is rec
+            current = self._records.get(rec.param_key) is rec and rec.coded is None
             if current:
                 rec.watched = []
                 rec.claims += 1  # a drop meanwhile keeps its bytes, and other writes wait
                 scales = list(rec.scales)
+                rec.watched_stored = None if scales else rec.stored  # the values given are the stored bytes
         if not current:
             yield None
             return
@@ -295,9 +315,11 @@ class GradientStore:
     def zero(self) -> None:
         """Zero every gradient in place (``zero_grad(set_to_none=False)``)."""
         with self._lock:
-            for rec in list(self._records.values()):
-                if self._records.get(rec.param_key) is rec:  # not let go by an update meanwhile
-                    self.get(rec.param_key).zero_()
+            records = list(self._records.values())
+        for rec in records:  # each zeroed outside the lock: a coded one is decoded first (see ``_reading``)
+            if self._records.get(rec.param_key) is rec:  # not let go by an update meanwhile
+                self.get(rec.param_key).zero_()
+        with self._lock:
             for t in self._direct.values():
                 t.zero_()
 
@@ -307,7 +329,16 @@ class GradientStore:
 
     # ---- operations on a StoredGrad ----------------------------------------------------------
     def apply(self, rec: _Record, func: Any, args: Any, kwargs: Any) -> Any:
-        """``func`` on a stored gradient: see [Note: A stored gradient read from outside]."""
+        """``func`` on a stored gradient: see [Note: A stored gradient read from outside]. A coded one is decoded
+        first where ``func`` needs its values (not for a product by a number or its cached norm)."""
+        try:
+            return self._apply(rec, func, args, kwargs)
+        except _MustDecode:
+            pass
+        with self._reading(rec):
+            return self._apply(rec, func, args, kwargs)
+
+    def _apply(self, rec: _Record, func: Any, args: Any, kwargs: Any) -> Any:
         listed = func in _FOREACH_SCALINGS and len(args) == 2 and isinstance(args[0], (list, tuple)) and \
             len(args[0]) == 1
         scaling = (func in _SCALINGS or listed) and not kwargs and len(args) == 2 and _is_scalar(args[1])
@@ -339,8 +370,89 @@ class GradientStore:
 
     def read(self, rec: _Record) -> torch.Tensor:
         """A copy of a stored gradient's values."""
-        with self._lock, self._held(rec, write=False) as t:
+        with self._reading(rec), self._lock, self._held(rec, write=False) as t:
             return t.clone()
+
+    # ---- coded gradients (see [Note: A kept gradient coded against its moments] in _grad_code.py) --------------
+    def keep_coded(self, grad: torch.Tensor, coded: torch.Tensor, settle: Callable[[], None]) -> bool:
+        """Store ``coded`` in place of the values of ``grad`` that :meth:`watched_values` gave, where they are still
+        its stored bytes and nothing is about to read them; ``settle()`` decodes it (by :meth:`uncode`). Whether it
+        now stands for them. The code is put without the lock held (a put may wait for room)."""
+        if not isinstance(grad, StoredGrad):
+            return False
+        rec = grad._record
+
+        def still() -> bool:
+            return (self._records.get(rec.param_key) is rec and rec.coded is None and not rec.readers
+                    and rec.watched_stored == rec.stored and not rec.written and all(_is_one(c) for c in rec.scales))
+
+        with self._lock:
+            if not still():
+                return False
+        key = CODE_PREFIX + rec.key
+        try:
+            self.store.put(key, coded, home=self.home, write_home=False).wait()
+        except TierStoreError:  # no room for it now (or backward waits for room): kept as it is
+            if key in self.store:
+                self.store.drop(key)
+            return False
+        with self._lock:
+            if still():
+                self.store.drop(rec.key)
+                rec.coded = Coded(key, settle)
+                return True
+        self.store.drop(key)
+        return False
+
+    def is_coded(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` is still the model's gradient, stored coded."""
+        return isinstance(grad, StoredGrad) and grad._record.coded is not None and \
+            self._records.get(grad._record.param_key) is grad._record
+
+    def uncode(self, grad: torch.Tensor, decode: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """Store the values of a coded gradient again: ``decode(code, out)`` writes them into ``out``. Called by
+        whatever ``settle()`` runs, while no update reads or codes it; takes no lock of this store, so that a
+        reader waiting for ``settle()`` may hold it."""
+        rec = grad._record
+        coded = rec.coded
+        if coded is None:
+            return
+        if self._records.get(rec.param_key) is not rec:  # dropped meanwhile, its code with it
+            rec.coded = None
+            return
+        values = torch.empty(rec.shape, dtype=rec.dtype)
+        code = self.store.get(coded.key, Tier.HOST)
+        try:
+            decode(code, values)
+        finally:
+            self.store.release(coded.key, Tier.HOST)
+        self.store.put(rec.key, values, home=self.home, write_home=False).wait()
+        rec.coded = None
+        self.store.drop(coded.key)
+
+    @contextlib.contextmanager
+    def _reading(self, rec: _Record) -> Iterator[None]:
+        """Values of ``rec`` are read or written in the block: a coded one is decoded first, and none is coded until
+        it ends. Not entered with the lock held: decoding waits for the worker that codes, which takes it."""
+        with self._lock:
+            rec.readers += 1
+        try:
+            if rec.coded is not None:
+                if self._lock._is_owned():  # type: ignore[attr-defined]
+                    raise TierStoreError("internal: a coded gradient read with the gradients' lock held")
+                rec.coded.settle()
+                if rec.coded is not None and self._records.get(rec.param_key) is rec:
+                    raise TierStoreError(f"internal: the gradient of {rec.param_key!r} stayed coded after the "
+                                         f"updates speculated with it were settled")
+            yield
+        finally:
+            with self._lock:
+                rec.readers -= 1
+
+    def _drop_stored(self, rec: _Record) -> None:
+        """Drop what stores ``rec`` (its values, or its code)."""
+        coded = rec.coded
+        self.store.drop(coded.key if coded is not None else rec.key)
 
     # ---- inside ---------------------------------------------------------------------------
     def _put(self, param_key: str, grad: torch.Tensor, dtype: torch.dtype) -> None:
@@ -358,6 +470,8 @@ class GradientStore:
     @contextlib.contextmanager
     def _held(self, rec: _Record, *, write: bool) -> Iterator[torch.Tensor]:
         """The stored gradient in the host tier with its pending products applied; marked changed after a write."""
+        if rec.coded is not None:
+            raise _MustDecode
         st = self.store
         t = st.get(rec.key, Tier.HOST)
         try:
@@ -369,17 +483,20 @@ class GradientStore:
                 rec.scales.clear()
                 rec.norm = torch.linalg.vector_norm(t, 2.0)
                 st.mark_dirty(rec.key, Tier.HOST)
+                rec.stored += 1
             yield t
             if write:
                 st.mark_dirty(rec.key, Tier.HOST)
                 rec.generation += 1
+                rec.stored += 1
         finally:
             st.release(rec.key, Tier.HOST)
 
 
 def store_key_of(grad: torch.Tensor | None) -> str | None:
-    """The store key of a gradient ``GradientSource.get`` gave, or None when it is an ordinary tensor."""
-    return grad._record.key if isinstance(grad, StoredGrad) else None
+    """The store key of a gradient ``GradientSource.get`` gave, or None when it is an ordinary tensor (or stored
+    coded: its values are not read ahead)."""
+    return grad._record.key if isinstance(grad, StoredGrad) and grad._record.coded is None else None
 
 
 def generation(grad: torch.Tensor) -> int:
@@ -398,6 +515,12 @@ def values_of(grad: torch.Tensor, *, keep_stored: bool = False) -> Iterator[torc
         yield grad
         return
     grads, rec = grad._grads, grad._record
+    with grads._reading(rec), _plain_values(grads, rec, keep_stored) as t:
+        yield t
+
+
+@contextlib.contextmanager
+def _plain_values(grads: GradientStore, rec: _Record, keep_stored: bool) -> Iterator[torch.Tensor]:
     if keep_stored and rec.scales:
         with grads._lock:
             t = grads.store.get(rec.key, Tier.HOST)

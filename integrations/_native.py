@@ -77,6 +77,7 @@ def matches(lib: ctypes.CDLL) -> bool:
 
 _lock = threading.Lock()
 _loaded: list = []  # [the kernel function or None], once tried
+_why: list = []  # [why it could not be built], until said
 
 
 def cache_dir() -> str:
@@ -140,20 +141,35 @@ def _build() -> ctypes.CDLL:
     return fn
 
 
-def kernel():
-    """The compiled update (``fn(byref(args), start, stop)``), or None: torch operations run it instead."""
-    if _loaded:
-        return _loaded[0]
-    with _lock:
-        if not _loaded:
-            fn = None
-            if os.environ.get("TIERSTORE_NATIVE", "1") != "0":
-                try:
-                    fn = _build()
-                except (OSError, subprocess.SubprocessError) as e:
-                    warnings.warn(f"tierstore's compressed optimizer update runs as torch operations (the same "
-                                  f"numbers, 20-30 times slower where measured; install a C compiler, or set $CC, "
-                                  f"for the kernel): its native kernel could not be built: {e}",
-                                  RuntimeWarning, stacklevel=3)
-            _loaded.append(fn)
+def kernel(*, warn: bool = True):
+    """The compiled update (``fn(byref(args), start, stop)``, its library as ``fn.library``), or None: torch
+    operations run it instead. Built once; where it cannot be, the first call with ``warn`` says why (a caller that
+    only speeds something up with it passes ``warn=False``)."""
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                fn = None
+                if os.environ.get("TIERSTORE_NATIVE", "1") != "0":
+                    try:
+                        fn = _build()
+                    except (OSError, subprocess.SubprocessError) as e:
+                        _why[:] = [str(e)]
+                _loaded.append(fn)
+    if warn and _why:
+        with _lock:
+            why = _why.pop() if _why else None
+        if why is not None:
+            warnings.warn(f"tierstore's compressed optimizer update runs as torch operations (the same numbers, "
+                          f"20-30 times slower where measured; install a C compiler, or set $CC, for the kernel): "
+                          f"its native kernel could not be built: {why}", RuntimeWarning, stacklevel=3)
     return _loaded[0]
+
+
+def function(name: str, argtypes: list, restype: object):
+    """Another function of the kernel's library (None where it is not built: see :func:`kernel`)."""
+    fn = kernel(warn=False)
+    if fn is None:
+        return None
+    f = getattr(fn.library, name)
+    f.argtypes, f.restype = argtypes, restype
+    return f

@@ -34,6 +34,10 @@ def state_keys(name: str, key: str | None, p: torch.nn.Parameter, layout: StateL
     return keys
 
 
+# Shown the first moment before an update; returns what is shown it after the update, or None.
+Watch = Callable[[torch.Tensor], Callable[[torch.Tensor], None] | None]
+
+
 class UnrestorableUpdateError(TierStoreError):
     """An update failed half-way and the state of before it is gone (see ``StatePipeline.update``)."""
 
@@ -109,11 +113,13 @@ class StatePipeline:
             self.store.prefetch(k, Tier.HOST)
 
     def update(self, name: str, key: str | None, p: torch.nn.Parameter, grad: torch.Tensor, step: float,
-               hyper: Callable[[], tuple]) -> None:
+               hyper: Callable[[], tuple], watch: Watch | None = None) -> None:
         """Apply one AdamW update to the parameter's state in the host tier and start writing it behind.
         ``hyper()`` gives the group's (lr, betas, eps, weight_decay), read once the state is in memory. On a
         failure nothing of the update persists, or (state kept in the host tier and changed since it was last
-        written home) UnrestorableUpdateError says so."""
+        written home) UnrestorableUpdateError says so. ``watch``, for an update of torch's arithmetic (a plain
+        layout), is shown the first moment before the update; what it returns, if anything, is called with the
+        moment after it (see [Note: A kept gradient coded against its moments] in _grad_code.py)."""
         st = self.store
         layout = self.layout
         keys = state_keys(name, key, p, layout)
@@ -133,7 +139,10 @@ class StatePipeline:
         param = p.data if key is None else held[keys[2]] if master == "fp32" else held[keys[-1]]
         try:
             if layout.is_plain(key, p, param.numel()):
+                after = watch(exp_avg) if watch is not None else None
                 _adamw.adamw_update(param, exp_avg, exp_avg_sq, grad, step, hyper(), self.impl)
+                if after is not None:
+                    after(exp_avg)
             else:
                 compressed_update(moments=layout.moments_of(key, p, param.numel()), master=master, weight=param,
                                   low=held[keys[2]] if master == "split" else None, exp_avg=exp_avg,

@@ -46,20 +46,21 @@ layer]); run as the loop, those of its last micro-batch. A loop of one's own say
 FSDP2's ``set_requires_gradient_sync`` is called. Where nothing says so every backward may be the last, and
 ``speculate="auto"`` pauses once the second forward of a step has undone the first backward's updates.
 
-Cost: the gradient is kept (in the store, written to the drive only where the host tier has no room for it) and a
-spare extent is taken for each changed key (the drive needs room for the speculated updates' state twice). The
-drive's room is taken at the first update of a backward: the updates backward completes first speculate while it
-lasts, and those beyond it step at ``step()`` (one warning says so). The updates run where eviction and the
-placement expect those of ``step_in_backward``: right after their parameter's last use; backward waits while the
-gradients the worker has not yet read pass ``max_grad_backlog_bytes``, so that it reads them from the host tier.
-A parameter whose state is not on the drive is not speculated and steps at ``step()``, nor is one whose whole state
-the placement keeps in the host tier: the drive must hold the version to keep, so a kept copy changed since it was
-last written home is written home first, each step, where the placement writes it only when it goes; for an update
-that moves no drive bytes without speculation that is all cost (a model whose state it keeps whole moved no bytes a
-step without speculation). Where part of the state is on the drive the update reads and writes that part anyway,
-and speculating it pays: on the anchor model of docs/optimizer.md (its weights partly kept) leaving out every update
-with a kept copy left 240 of 864 to step() and took 2.75 s a step against 2.43-2.46 (one run, alternating).
-"""
+Cost: the gradient is kept (in the store, written to the drive only where the host tier has no room for it; with
+``keep_grads=False``, coded against its moments at about a byte an element: see [Note: A kept gradient coded against
+its moments] in _grad_code.py) and a spare extent is taken for each changed key (the drive needs room for the
+speculated updates' state twice). The drive's room is taken at the first update of a backward: the updates backward
+completes first speculate while it lasts, and those beyond it step at ``step()`` (one warning says so). The updates
+run where eviction and the placement expect those of ``step_in_backward``: right after their parameter's last use;
+backward waits while the gradients the worker has not yet read pass ``max_grad_backlog_bytes``, so that it reads
+them from the host tier. A parameter whose state is not on the drive is not speculated and steps at ``step()``, nor
+is one whose whole state the placement keeps in the host tier: the drive must hold the version to keep, so a kept
+copy changed since it was last written home is written home first, each step, where the placement writes it only
+when it goes; for an update that moves no drive bytes without speculation that is all cost (a model whose state it
+keeps whole moved no bytes a step without speculation). Where part of the state is on the drive the update reads and
+writes that part anyway, and speculating it pays: on the anchor model of docs/optimizer.md (its weights partly kept)
+leaving out every update with a kept copy left 240 of 864 to step() and took 2.75 s a step against 2.43-2.46 (one
+run, alternating). """
 
 from __future__ import annotations
 
@@ -73,8 +74,9 @@ import torch
 
 from tierstore import KeptVersions, RoomYieldedError, StoreFullError, Tier, TierKeyError, TierStore
 
-from ._contract import OffloadedParameters, PassConsumer
-from ._grads import store_key_of
+from . import _grad_code
+from ._contract import OffloadedParameters, PassConsumer, optimizer_key
+from ._grads import GradientStore, store_key_of
 from ._in_backward import wait_for_backlog
 from ._pipeline import StatePipeline, state_keys
 
@@ -106,6 +108,7 @@ class SpeculatingOptimizer(Protocol):
     store: TierStore
     max_grad_backlog_bytes: int
     speculate: bool | str
+    keep_grads: bool
     steps: dict[str, float]
     _items: list[tuple[str, str | None, torch.nn.Parameter]]
     _applied: dict[str, Any]
@@ -113,7 +116,7 @@ class SpeculatingOptimizer(Protocol):
     _progress: tuple[list[tuple], int]
 
     def _timed_step(self, name: str, key: str | None, p: torch.nn.Parameter, grad: Any, *, step: float,
-                    hyper: tuple, values: torch.Tensor | None = None) -> None: ...
+                    hyper: tuple, values: torch.Tensor | None = None, watch: Any = None) -> None: ...
 
     def _hyper(self, name: str) -> tuple: ...
 
@@ -134,6 +137,9 @@ class _Speculated:
     nbytes: int = 0  # of its gradient
     kept: KeptVersions | None = None  # set by the worker once it has kept the versions (None: not updated)
     future: Future | None = None
+    coded: bool = False  # its gradient stored coded against its moments (see _grad_code.py)
+    coding: Future | None = None  # the coder's work on it
+    left: threading.Event = field(default_factory=threading.Event)  # the worker is done with it
 
 
 @dataclass(eq=False)
@@ -176,6 +182,15 @@ class SpeculatedUpdates(PassConsumer):
         self._need: dict[str, int] = {}  # key -> the drive its speculated update takes (see _room_for)
         self._backlog_bytes = 0  # of gradients queued for the worker and not yet read by it
         self._backlog_lock = threading.Lock()
+        # Whether kept gradients are coded (see [Note: A kept gradient coded against its moments]): a committed
+        # update's gradient goes at step(), and the offload's own store keeps it.
+        self._codes = (not opt.keep_grads and isinstance(opt.offloaded.grads, GradientStore)
+                       and _grad_code.available())
+        self._coder: ThreadPoolExecutor | None = None  # codes beside the worker (made at the first coding)
+        # Two sets of buffers, taken in turn by the worker: one the coder codes from while the other is filled.
+        self._coders = [_grad_code.Coder(), _grad_code.Coder()]
+        self._coding_with: list[Future | None] = [None, None]
+        self._turn = 0
 
     # ---- backward's thread ----------------------------------------------------------------------
     def grad_ready(self, key: str) -> None:
@@ -313,7 +328,8 @@ class SpeculatedUpdates(PassConsumer):
                             kept.commit()
                             return
                         opt._timed_step(spec.name, spec.key, spec.param, spec.grad, step=spec.step,
-                                        hyper=spec.hyper, values=values)
+                                        hyper=spec.hyper, values=values,
+                                        watch=self._coding(spec, values) if self._codes else None)
                 except BaseException:
                     kept.restore()  # nothing of it persists; step() updates it as without speculation
                     raise
@@ -322,11 +338,90 @@ class SpeculatedUpdates(PassConsumer):
         except RoomYieldedError:
             pass  # not made (spec.kept is None): step() makes it
         finally:
+            spec.left.set()
             with self._backlog_lock:
                 self._backlog_bytes -= spec.nbytes
             round_.queue[i] = (spec.name, spec.key, spec.param, None)
             if opt._progress[0] is round_.queue:
                 opt._progress = (round_.queue, i + 1)
+
+    def _coding(self, spec: _Speculated, values: torch.Tensor) -> Any:
+        """The pipeline's ``watch`` of one speculated update: the first moment before it is copied, and after it the
+        coder codes ``values`` against both and keeps the code in their place (see [Note: A kept gradient coded
+        against its moments] in _grad_code.py), on the moment and gradient the worker holds for it (the worker may
+        read them, fenced, where the coder may not)."""
+        beta1, maximize = spec.hyper[1][0], spec.hyper[4]
+        where = store_key_of(spec.grad)
+        if maximize or where is None:
+            return None
+        store = self.opt.store
+
+        def watch(exp_avg: torch.Tensor) -> Any:
+            if not _grad_code.codable(values, exp_avg):
+                return None
+            turn = self._turn
+            if (busy := self._coding_with[turn]) is not None and not busy.done():
+                return None  # the coder is behind: kept as it is (the worker never waits for it)
+            self._turn ^= 1
+            coder = self._coders[turn]
+            before = coder.snapshot(exp_avg)
+            moment = optimizer_key(spec.name, "exp_avg")
+
+            def after(exp_avg: torch.Tensor) -> None:
+                held: list[tuple[str, torch.Tensor]] = []
+                try:
+                    for key in (moment, where):  # the coder reads them: held for it, let go by it
+                        held.append((key, store.get(key, Tier.HOST)))
+                    if self._coder is None:
+                        self._coder = ThreadPoolExecutor(1, thread_name_prefix="tierstore-adamw-code")
+                    spec.coding = self._coding_with[turn] = self._coder.submit(
+                        self._code, spec, coder, values, before, exp_avg.view(-1), beta1, held)
+                except BaseException:
+                    for key, _ in held:
+                        store.release(key, Tier.HOST)
+                    raise
+
+            return after
+
+        return watch
+
+    def _code(self, spec: _Speculated, coder: _grad_code.Coder, values: torch.Tensor, before: torch.Tensor,
+              after: torch.Tensor, beta1: float, held: list[tuple[str, torch.Tensor]]) -> None:
+        """On the coder: code ``values`` and keep the code in their place; let go of what the worker held for it."""
+        store = self.opt.store
+        grads: GradientStore = self.opt.offloaded.grads  # type: ignore[assignment]
+        try:
+            code = coder.code(values, before, after, beta1)
+        finally:
+            for key, _ in held:
+                store.release(key, Tier.HOST)
+            del values, after, held
+        if code is not None:
+            spec.left.wait()  # the worker has let go of the gradient it read (so it may be dropped)
+            with store.giving_way():  # backward's allocations go first
+                spec.coded = grads.keep_coded(spec.grad, code, self.undo)
+            if spec.coded:
+                store.stats.add("gradients_coded")
+
+    def _restore_decoding(self, spec: _Speculated) -> None:
+        """Undo a speculated update whose gradient is stored coded: decode it from the first moment after the
+        update and, restored, before it. On the worker, which may read the fenced moment."""
+        store = self.opt.store
+        grads: GradientStore = self.opt.offloaded.grads  # type: ignore[assignment]
+        assert spec.kept is not None
+        key = optimizer_key(spec.name, "exp_avg")
+        made = store.get(key, Tier.HOST)
+        try:
+            after = made.clone()
+        finally:
+            store.release(key, Tier.HOST)
+        spec.kept.restore()
+        before = store.get(key, Tier.HOST)
+        try:
+            grads.uncode(spec.grad, lambda code, out: _grad_code.decode(code, before.view(-1), after.view(-1),
+                                                                         spec.hyper[1][0], out.view(-1)))
+        finally:
+            store.release(key, Tier.HOST)
 
     def _no_room(self, why: str) -> None:
         """Said once (by backward's thread or the worker's, whichever first): the drive has no room to keep what the
@@ -350,6 +445,8 @@ class SpeculatedUpdates(PassConsumer):
                 continue
             if not spec.future.cancelled():
                 spec.future.exception()  # a failed one kept nothing (see _run)
+            if spec.coding is not None:
+                spec.coding.exception()  # a failed one is not coded
 
     def decide(self) -> set[str]:
         """At ``step()``: keep each speculated update that is the step's and undo the others (see [Note:
@@ -376,6 +473,8 @@ class SpeculatedUpdates(PassConsumer):
                 if grads.unchanged(spec.grad) and opt._hyper(spec.name) == spec.hyper:
                     spec.kept.commit()
                     stood.add(spec.key)
+                    if spec.coded:  # applied, and its code no longer decodes: it goes now (keep_grads=False)
+                        opt.offloaded.grads.pop(spec.key, None)
                 else:
                     self._undo_one(spec)
                     undone += 1
@@ -410,7 +509,14 @@ class SpeculatedUpdates(PassConsumer):
     def _undo_one(self, spec: _Speculated) -> None:
         opt = self.opt
         assert spec.kept is not None
-        spec.kept.restore()
+        if spec.coded and opt.offloaded.grads.is_coded(spec.grad):  # type: ignore[attr-defined]
+            if threading.get_ident() == self._writer or self._worker is None:
+                self._restore_decoding(spec)
+            else:  # the worker is idle here (its updates settled)
+                self._worker.submit(self._restore_decoding, spec).result()
+        else:
+            spec.kept.restore()
+        spec.coded = False
         spec.kept = None
         steps, applied = spec.before
         if steps is None:
@@ -429,6 +535,9 @@ class SpeculatedUpdates(PassConsumer):
         self.undo()
         self._worker.shutdown(wait=True)
         self._worker = None
+        if self._coder is not None:
+            self._coder.shutdown(wait=True)
+            self._coder = None
 
 
 __all__ = ["SpeculatedUpdates"]

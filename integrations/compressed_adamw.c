@@ -198,3 +198,54 @@ int64_t tierstore_compressed_adamw_args_offsets(int64_t *out, int64_t len) {
     for (int64_t i = 0; i < count && i < len; i++) out[i] = at[i];
     return count;
 }
+
+/* The gradient an update made before it is known to stand keeps, coded against the first moment the update read
+ * (old) and made (new): see [Note: A kept gradient coded against its moments] in _grad_code.py. The moment's
+ * update made new from old and the gradient, so old + (new - old) * inv, inv = 1 / (1 - beta1), lies within a few
+ * units in the last place of the gradient where the moment is not much larger than it; each element is kept as the
+ * difference of the two bit patterns where that fits a signed byte, -127 for +0.0, and -128 for "the next of the
+ * escaped values", which follow the codes as raw bits in element order. Decoding computes the same prediction
+ * from the same moments (one IEEE binary32 operation each, in the order written, without contraction) and adds. */
+static inline uint32_t predicted(float old, float new_, float inv) { return bits_of(old + (new_ - old) * inv); }
+
+/* Code n values of g into codes (n bytes) and escapes (4 bytes each, at most cap of them); returns how many
+ * escaped, or -1 where more than cap would (the caller keeps the gradient as it is). */
+int64_t tierstore_grad_code(int64_t n, const float *g, const float *old, const float *new_, float inv,
+                            int8_t *codes, uint8_t *escapes, int64_t cap) {
+    int64_t e = 0;
+    for (int64_t at = 0; at < n; at += BLOCK) {
+        int len = n - at < BLOCK ? (int)(n - at) : BLOCK;
+        int8_t *c = codes + at;
+        for (int i = 0; i < len; i++) {
+            uint32_t gb = bits_of(g[at + i]);
+            int32_t d = (int32_t)(gb - predicted(old[at + i], new_[at + i], inv));
+            c[i] = gb == 0 ? (int8_t)-127 : (d >= -126 && d <= 127) ? (int8_t)d : (int8_t)-128;
+        }
+        for (int i = 0; i < len; i++) {
+            if (c[i] != -128) continue;
+            if (e == cap) return -1;
+            memcpy(escapes + 4 * e, g + at + i, 4);
+            e++;
+        }
+    }
+    return e;
+}
+
+/* The n values tierstore_grad_code coded, into g. */
+void tierstore_grad_decode(int64_t n, const int8_t *codes, const uint8_t *escapes, const float *old,
+                           const float *new_, float inv, float *g) {
+    int64_t e = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int8_t c = codes[i];
+        uint32_t bits;
+        if (c == -127) {
+            bits = 0;
+        } else if (c == -128) {
+            memcpy(&bits, escapes + 4 * e, 4);
+            e++;
+        } else {
+            bits = predicted(old[i], new_[i], inv) + (uint32_t)(int32_t)c;
+        }
+        memcpy(g + i, &bits, 4);
+    }
+}

@@ -54,7 +54,7 @@ from ._optim_params import (
 )
 from ._optim_state import AdamWState
 from ._optim_state_dict import StateDictIO, StateView
-from ._pipeline import StatePipeline, UnrestorableUpdateError
+from ._pipeline import StatePipeline, UnrestorableUpdateError, Watch
 from ._speculated import SpeculatedUpdates
 from ._streamed import Queued, StreamedUpdates
 from .policies import OptimizerStatePolicy
@@ -439,10 +439,11 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         note_interrupt(error, self._unfinished, self.store)
 
     def _timed_step(self, name: str, key: str | None, p: torch.nn.Parameter, grad: torch.Tensor, *,
-                    step: float | None = None, hyper: tuple | None = None, values: torch.Tensor | None = None) -> None:
+                    step: float | None = None, hyper: tuple | None = None, values: torch.Tensor | None = None,
+                    watch: Watch | None = None) -> None:
         """One parameter's update through the pipeline (a timeline span when one is recorded), as its group
         stands now unless queued with its own ``step`` count and ``hyper``-parameters; ``values``: the gradient's,
-        where the caller holds them (else read from ``grad``)."""
+        where the caller holds them (else read from ``grad``); ``watch``: see ``StatePipeline.update``."""
         step = self.steps.get(name, 0.0) + 1.0 if step is None else step
         hyper_of = (lambda: self._hyper(name)) if hyper is None else (lambda: hyper)
         timeline = self.store.timeline
@@ -451,7 +452,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
                 # a stored gradient is read into the host tier for its update; one kept after it stays unchanged
                 with (contextlib.nullcontext(values) if values is not None
                       else values_of(grad, keep_stored=self.keep_grads)) as read:
-                    self._pipeline.update(name, key, p, read, step, hyper_of)
+                    self._pipeline.update(name, key, p, read, step, hyper_of, watch)
             except UnrestorableUpdateError as e:  # no later step or forward may use the half-updated values
                 self.offloaded.broken = BrokenValues(self, str(e), Mend.NEVER)
                 raise

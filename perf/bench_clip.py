@@ -57,7 +57,8 @@ class _Run:
         self.off = offload_model(self.model, self.store)
         self.opt = OffloadedAdamW(self.off, lr=1e-3, step_in_backward=loop == "in-backward",
                                   stream_update=loop in ("streamed", "speculated"),
-                                  speculate="auto" if loop == "speculated" else False)
+                                  speculate="auto" if loop == "speculated" else False,
+                                  keep_grads=args.keep_grads == "yes")
         self.clip = None if loop == "in-backward" else args.max_norm
         self.step_seconds: list[float] = []
         self.moved = self.inside_step = self.in_forward = 0
@@ -106,6 +107,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--host-budget", default="800MiB")
     p.add_argument("--max-norm", type=float, default=1.0)
+    p.add_argument("--keep-grads", choices=("yes", "no"), default="no",
+                   help="OffloadedAdamW(keep_grads=...) of the loops that step after backward (no: each gradient "
+                        "goes at step(), as the loop's zero_grad() drops it; a speculated update's kept gradient is "
+                        "then coded against its moments)")
     p.add_argument("--rounds", type=int, default=2, help="counted rounds (after one that warms up)")
     p.add_argument("--steps", type=int, default=3, help="steps of each loop a round")
     p.add_argument("--json", default=None, help="write the results here")
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
                 runs[loop].block(batches, counted=r > 0)
         clipped_norms = runs["clipped"].norms
         speculation = {k: runs["speculated"].store.stats_dict()[k]
-                       for k in ("updates_speculated", "speculated_kept", "speculated_undone")}
+                       for k in ("updates_speculated", "speculated_kept", "speculated_undone", "gradients_coded")}
         states = {loop: run.close() for loop, run in runs.items()}
 
     def same(a: str, b: str) -> bool:
@@ -157,7 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"{loop} {by[loop]['ratio']:.2f}x it" for loop in LOOPS[1:]) +
         f" (speculated/clipped {by['speculated']['step_seconds'] / by['clipped']['step_seconds']:.2f})")
     print(f"speculated: {speculation['updates_speculated']} updates made in backward, "
-          f"{speculation['speculated_kept']} kept at step(), {speculation['speculated_undone']} undone and streamed")
+          f"{speculation['speculated_kept']} kept at step(), {speculation['speculated_undone']} undone and streamed; "
+          f"{speculation['gradients_coded']} kept gradients coded against their moments")
     print(f"steps that clipped: {clips} of {len(clipped_norms)} (median norm {statistics.median(clipped_norms):.4g})")
     identical = {"clipped=streamed": same("clipped", "streamed"), "clipped=speculated": same("clipped", "speculated")}
     if never:

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from tierstore import TierValueError
 from tierstore.integrations import OffloadedAdamW, load_checkpoint, offload_model, save_checkpoint
 
+from tierstore.integrations import _grad_code
+
 from _training import _assert_same_parameters, _tiny_pair, clipped_loop, resident_clipped
 
 
@@ -26,6 +28,8 @@ def _speculated(opt):
     round_ = opt._speculated._round
     for spec in round_.items if round_ is not None else ():
         spec.future.exception()
+        if spec.coding is not None:  # and the coder has kept its gradient coded
+            spec.coding.exception()
 
 
 def _counts(store):
@@ -35,6 +39,12 @@ def _counts(store):
 
 def _same_bits(a, b):
     return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _coded_where_it_can(store, keep_grads):
+    """With keep_grads=False (and the kernel built) the kept gradients were coded against their moments."""
+    coded = store.stats_dict()["gradients_coded"]
+    assert coded > 0 if not keep_grads and _grad_code.available() else coded == 0
 
 
 @pytest.mark.parametrize("keep_grads", [True, False])
@@ -53,10 +63,12 @@ def test_a_clipped_loop_matches_torch_and_keeps_only_the_updates_that_are_the_st
     speculated, kept, undone = _counts(store)
     assert 0 < speculated <= 3 * len(off.params)  # the placement may keep some state in the host tier: not these
     assert (kept, undone) == ((0, speculated) if clip == 1e-3 else (speculated, 0))
+    _coded_where_it_can(store, keep_grads)
     opt.close()
 
 
-def test_a_non_finite_gradient_undoes_the_updates(make_store):
+@pytest.mark.parametrize("keep_grads", [True, False])
+def test_a_non_finite_gradient_undoes_the_updates(make_store, keep_grads):
     """A batch that makes every gradient NaN: the clip's coefficient is NaN, so no speculated update stands, and
     the step is torch's (NaN parameters, bit for bit)."""
     ref, model, data = _tiny_pair()
@@ -67,23 +79,25 @@ def test_a_non_finite_gradient_undoes_the_updates(make_store):
 
     resident_clipped(ref, data, steps=2, clip=1e9, micro=1, batch=batch)
     store = make_store()
-    off, opt = _speculating(model, store)
+    off, opt = _speculating(model, store, keep_grads=keep_grads)
     clipped_loop(model, data, opt, steps=2, clip=1e9, micro=1, batch=batch, before_clip=lambda step: _speculated(opt))
     got = model.state_dict()
     assert all(_same_bits(got[k], v) for k, v in ref.state_dict().items())
     assert any(v.isnan().any() for v in got.values())
     speculated, kept, undone = _counts(store)
     assert undone == len(off.params) and kept == speculated - undone
+    _coded_where_it_can(store, keep_grads)
     opt.close()
 
 
-def test_a_learning_rate_changed_before_step_undoes_the_updates(make_store):
+@pytest.mark.parametrize("keep_grads", [True, False])
+def test_a_learning_rate_changed_before_step_undoes_the_updates(make_store, keep_grads):
     """A scheduler stepped between backward and step() (a warmup that sets the lr first): each update speculated
     with the old lr is undone and made with the new one."""
     ref, model, data = _tiny_pair()
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
     store = make_store()
-    off, opt = _speculating(model, store)
+    off, opt = _speculating(model, store, keep_grads=keep_grads)
 
     def halve(o):
         return lambda step: [g.__setitem__("lr", g["lr"] / 2) for g in o.param_groups]
@@ -94,16 +108,19 @@ def test_a_learning_rate_changed_before_step_undoes_the_updates(make_store):
     assert losses == ref_losses
     _assert_same_parameters(model, ref)
     assert _counts(store)[2] == 2 * len(off.params)
+    _coded_where_it_can(store, keep_grads)
     opt.close()
 
 
-def test_a_loop_that_accumulates_undoes_at_the_next_forward(make_store):
+@pytest.mark.parametrize("keep_grads", [True, False])
+def test_a_loop_that_accumulates_undoes_at_the_next_forward(make_store, keep_grads):
     """Two micro-batches a step: the second forward reads parameters the first backward's updates changed, so they
-    are undone before it reads them; the step is torch's."""
+    are undone before it reads them; the step is torch's. With keep_grads=False the first backward's gradients
+    may be stored coded: the second adds to them decoded."""
     ref, model, data = _tiny_pair()
     ref_losses, _ = resident_clipped(ref, data, steps=2, clip=1e9, micro=2)
     store = make_store()
-    off, opt = _speculating(model, store)
+    off, opt = _speculating(model, store, keep_grads=keep_grads)
     losses, _ = clipped_loop(model, data, opt, steps=2, clip=1e9, micro=2)
     assert losses == ref_losses
     _assert_same_parameters(model, ref)
@@ -155,16 +172,18 @@ def test_reads_between_backward_and_step_see_the_values_of_before_it(make_store,
         opt2.close()
 
 
-def test_a_skipped_step_leaves_the_values_as_they_were(make_store):
+@pytest.mark.parametrize("keep_grads", [True, False])
+def test_a_skipped_step_leaves_the_values_as_they_were(make_store, keep_grads):
     """backward, then zero_grad() with no step() (a step skipped, as GradScaler skips one on an overflow): nothing
     of the speculated updates stands."""
     ref, model, data = _tiny_pair()
     store = make_store()
-    off, opt = _speculating(model, store)
+    off, opt = _speculating(model, store, keep_grads=keep_grads)
     x, y = data.batch(0, 4)
     F.cross_entropy(model(x), y).backward()
     _speculated(opt)
     assert _counts(store)[0] == len(off.params)
+    _coded_where_it_can(store, keep_grads)
     opt.zero_grad()
     _assert_same_parameters(model, ref)
     assert opt.steps == {}
@@ -373,16 +392,17 @@ def test_a_backward_that_stops_part_way_leaves_the_values_of_before_it(make_stor
     opt.close()
 
 
+@pytest.mark.parametrize("keep_grads", [True, False], ids=["kept", "coded"])
 @pytest.mark.parametrize("clip", [1e9, 0.05], ids=["never-clipped", "clipped"])
-def test_stress_speculated_updates_beside_backward_under_a_tight_budget(make_store, clip):
-    """Many thread switches, a host tier that makes the worker and backward evict each other's copies, updates kept
-    and undone: the run stays torch's, step after step."""
+def test_stress_speculated_updates_beside_backward_under_a_tight_budget(make_store, clip, keep_grads):
+    """Many thread switches, a host tier that makes the worker, the coder and backward evict each other's copies,
+    updates kept and undone: the run stays torch's, step after step."""
     import sys
 
     ref, model, data = _tiny_pair(tie_head=True)
     ref_losses, _ = resident_clipped(ref, data, steps=6, clip=clip, micro=1)
     store = make_store(host_budget_bytes="704KiB", device_budget_bytes="320KiB")
-    off, opt = _speculating(model, store, stream_update=True)
+    off, opt = _speculating(model, store, stream_update=True, keep_grads=keep_grads)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:
@@ -393,4 +413,83 @@ def test_stress_speculated_updates_beside_backward_under_a_tight_budget(make_sto
     _assert_same_parameters(model, ref)
     speculated, kept, undone = _counts(store)
     assert speculated > 0 and kept + undone == speculated
+    opt.close()
+
+
+def _codec():
+    if not _grad_code.available():
+        pytest.skip("no C compiler: kept gradients are not coded")
+
+
+def test_a_gradient_coded_against_its_moments_decodes_to_its_bits():
+    """Any fp32 values (NaN with payloads, infinities, both zeros, subnormals) against moments near them, far from
+    them or not finite: decoded, the same bits; where most elements would be kept whole, not coded at all."""
+    _codec()
+    g = torch.Generator().manual_seed(0)
+    n = 3 * 4096 + 17
+    grad = torch.randn(n, generator=g) * 1e-3
+    grad[torch.rand(n, generator=g) < 0.4] = 0.0
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-45, -1e-40, 3e38, -3e38])
+    grad[:8] = special
+    grad.view(torch.int32)[8] = 0x7FC00123  # a NaN with a payload
+    before = torch.randn(n, generator=g) * 1e-3
+    before[20:30] = torch.tensor([float("nan"), float("inf"), 0.0, -0.0, 1e30, -1e30, 1e-45, 5.0, -5.0, 0.0])
+    for beta1 in (0.9, 0.0, 0.5):
+        after = before.lerp(grad, 1 - beta1)
+        coded = _grad_code.Coder().code(grad, before, after, beta1)
+        assert coded is not None and coded.dtype == torch.uint8 and n <= coded.numel() < 1.2 * n  # ~1 byte each
+        out = torch.empty(n)
+        _grad_code.decode(coded, before, after, beta1, out)
+        assert _same_bits(out, grad), beta1
+    # a moment a billion times the gradient predicts none of its bits: kept as it is
+    big = torch.full((n,), 1e6)
+    assert _grad_code.Coder().code(grad, big, big.lerp(grad, 0.1), 0.9) is None
+
+
+def test_a_coded_gradient_read_before_step_gives_its_values(make_store):
+    """keep_grads=False: each kept gradient is stored coded once its update is made in backward; reading p.grad
+    then (its values, not its norm or a product by the clip coefficient) undoes the updates and decodes it, the
+    gradient torch made, bit for bit, and the run is torch's."""
+    _codec()
+    ref, model, data = _tiny_pair()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    ref_grads = {}
+    clipped_loop(ref, data, ropt, steps=2, clip=1e9, micro=1, before_clip=lambda step: ref_grads.setdefault(
+        step, {n: p.grad.clone() for n, p in ref.named_parameters()}))
+    store = make_store()
+    off, opt = _speculating(model, store, keep_grads=False)
+    names = [n for n, _, _ in off.named_offloaded()]
+    params = dict(model.named_parameters())
+    norms_kept = {}
+
+    def read(step):
+        _speculated(opt)
+        if step == 1:
+            coded = store.stats_dict()["gradients_coded"]
+            norms_kept[step] = (coded, _counts(store)[2])
+            for n in names:  # a norm is read at no cost, and keeps the updates
+                assert torch.equal(params[n].grad.norm(), ref_grads[step][n].norm())
+            assert _counts(store)[2] == norms_kept[step][1]
+            for n in names:
+                assert _same_bits(params[n].grad.clone(), ref_grads[step][n]), n
+
+    losses, _ = clipped_loop(model, data, opt, steps=2, clip=1e9, micro=1, before_clip=read)
+    _assert_same_parameters(model, ref)
+    coded_then, undone_before = norms_kept[1]
+    assert coded_then > 0 and _counts(store)[2] > undone_before  # the read undid the step's updates
+    opt.close()
+
+
+def test_without_the_kernel_gradients_are_kept_as_they_are(make_store, monkeypatch):
+    from tierstore.integrations import _native
+
+    monkeypatch.setattr(_native, "_loaded", [None])
+    ref, model, data = _tiny_pair()
+    ref_losses, _ = resident_clipped(ref, data, steps=2, clip=1e-3, micro=1)
+    store = make_store()
+    _, opt = _speculating(model, store, keep_grads=False)
+    losses, _ = clipped_loop(model, data, opt, steps=2, clip=1e-3, micro=1, before_clip=lambda step: _speculated(opt))
+    assert losses == ref_losses
+    _assert_same_parameters(model, ref)
+    assert store.stats_dict()["gradients_coded"] == 0 and _counts(store)[2] > 0
     opt.close()

@@ -49,6 +49,7 @@ class StoreStats:
                 "prefetches": 0, "prefetch_skipped": 0, "late_prefetches": 0, "kept_evictions": 0,
                 "read_busy_seconds": 0.0, "write_busy_seconds": 0.0, "fenced_waits": 0, "fenced_wait_seconds": 0.0,
                 "updates_streamed": 0, "updates_speculated": 0, "speculated_kept": 0, "speculated_undone": 0,
+                "gradients_coded": 0,
             }
             self._busy: dict[str, tuple[int, float]] = {}  # "read"/"write" -> (calls in flight, since when)
 
