@@ -1,10 +1,13 @@
 """The clip tax: a loop that clips by the global norm against the step that updates inside backward.
 
-    python perf/bench_clip.py --nvme-path DIR [--max-norm 1.0] [--rounds 2] [--steps 3]
+    python perf/bench_clip.py --nvme-path DIR [--max-norm 1.0] [--keep-grads yes] [--rounds 2] [--steps 3]
 
 The model is DeepSpeed's ZeRO-3 anchor: ``--layers`` x (``Linear(--width)`` + ReLU), fp32 (48 x 2048: 201M
 parameters), a batch of ``--batch`` rows, MSE loss, parameters and Adam state on the drive under a
-``--host-budget`` host tier. Three loops train it on the same batches, each in its own store:
+``--host-budget`` host tier. Four loops train it on the same batches, each in its own store (the three that step
+after backward with ``keep_grads=False``, as their ``zero_grad()`` drops each gradient anyway, unless
+``--keep-grads yes``: then a speculated update's kept gradient is not coded, see [Note: A kept gradient coded
+against its moments]):
 
 - **in-backward** (the reference): ``OffloadedAdamW(step_in_backward=True)``, no clipping: each update runs as its
   gradient completes, beside the rest of backward;
@@ -16,13 +19,13 @@ parameters), a batch of ``--batch`` rows, MSE loss, parameters and Adam state on
   in backward; ``step()`` keeps those the clip left unchanged and undoes the others, which it then streams, and
   speculates no more until a step does not clip (see [Note: Speculated updates], [Note: When to speculate]).
 
-Rounds alternate the loops, ``--steps`` steps each (the first round warms them up and is not counted; a block's
-time includes waiting for its last step's updates and writes). Printed: each loop's median step time and its
-ratio to the reference, the share of each loop's drive bytes that moved inside ``opt.step()`` (while the training
-loop waited) and during the forward (where a streamed step's updates run, beside the forward's own reads), how many
-updates were speculated, kept and undone, and whether the clipped, streamed and speculated
-models end bit-identical (and, where ``--max-norm`` is never reached, the reference too). The anchor's gradient
-norm is about 0.009, so 1.0 never clips; ``--max-norm 1e-4`` clips every step.
+Rounds alternate the loops, ``--steps`` steps each (the first round warms them up and is not counted; a block's time
+includes waiting for its last step's updates and writes). Printed: each loop's median step time and its ratio to the
+reference, the share of each loop's drive bytes that moved inside ``opt.step()`` (while the training loop waited)
+and during the forward (where a streamed step's updates run, beside the forward's own reads), how many updates were
+speculated, kept and undone (and how many kept gradients were coded), and whether the clipped, streamed and
+speculated models end bit-identical (and, where ``--max-norm`` is never reached, the reference too). The anchor's
+gradient norm is about 0.009, so 1.0 never clips; ``--max-norm 1e-4`` clips every step.
 """
 
 from __future__ import annotations
