@@ -168,8 +168,7 @@ def kernel(*, warn: bool = True):
 def function(name: str, argtypes: list, restype: object):
     """Another function of the kernel's library (None where it is not built: see :func:`kernel`)."""
     fn = kernel(warn=False)
-    if fn is None:
-        return None
-    f = getattr(fn.library, name)
-    f.argtypes, f.restype = argtypes, restype
+    f = getattr(fn.library, name, None) if fn is not None else None
+    if f is not None:
+        f.argtypes, f.restype = argtypes, restype
     return f

@@ -60,7 +60,8 @@ when it goes; for an update that moves no drive bytes without speculation that i
 keeps whole moved no bytes a step without speculation). Where part of the state is on the drive the update reads and
 writes that part anyway, and speculating it pays: on the anchor model of docs/optimizer.md (its weights partly kept)
 leaving out every update with a kept copy left 240 of 864 to step() and took 2.75 s a step against 2.43-2.46 (one
-run, alternating). """
+run, alternating).
+"""
 
 from __future__ import annotations
 
