@@ -27,10 +27,10 @@ backward adding to it) undoes the speculated updates first, which decodes it.
 A gradient is coded only where the code can stand for it until it goes: an fp32 gradient of an update whose first
 moment is fp32 (torch's arithmetic: ``layout.is_plain``), not maximized, with ``keep_grads=False`` (a committed
 update's gradient goes at ``step()``, and a kept one would outlive the moment it decodes from), of at most
-``_adamw.WHOLE_MAX`` elements (the copy of the moment is outside the tier budgets, as the update's temporaries
-are: 16 MiB a buffer at most), where the kernel is built (torch operations for it cost more than the bytes they
-save: the anchor's step took 4.4 s against 2.3), and not FSDP2's gradient shards; where more than a quarter of the
-elements would be kept whole, the gradient is kept as it is.
+``_adamw.WHOLE_MAX`` elements (the copy of the moment and the code's buffer are outside the tier budgets, as the
+update's temporaries are: two sets, 24 MiB each at most), where the kernel is built (torch operations for it cost
+more than the bytes they save: the anchor's step took 4.4 s against 2.3), and not FSDP2's gradient shards; where
+more than a quarter of the elements would be kept whole, the gradient is kept as it is.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class Coder:
 
 def decode(coded: torch.Tensor, before: torch.Tensor, after: torch.Tensor, beta1: float,
            out: torch.Tensor) -> None:
-    """Into ``out`` (fp32, contiguous, the gradient's elements): the gradient :func:`code` coded from the same
+    """Into ``out`` (fp32, contiguous, the gradient's elements): the gradient ``Coder.code`` coded from the same
     moments."""
     fns = _functions()
     assert fns is not None, "a gradient was coded, so the kernel is built"
