@@ -26,7 +26,8 @@ backward adding to it) undoes the speculated updates first, which decodes it.
 
 A gradient is coded only where the code can stand for it until it goes: an fp32 gradient of an update whose first
 moment is fp32 (torch's arithmetic: ``layout.is_plain``), not maximized, with ``keep_grads=False`` (a committed
-update's gradient goes at ``step()``, and a kept one would outlive the moment it decodes from), of at most
+update's gradient goes at ``step()``, and a kept one would outlive the moment it decodes from), of at least
+``MIN_CODED`` elements (on the anchor model coding its biases made 45 writes of 4 KiB a step) and at most
 ``_adamw.WHOLE_MAX`` elements (the copy of the moment and the code's buffer are outside the tier budgets, as the
 update's temporaries are: two sets, 24 MiB each at most), where the kernel is built (torch operations for it cost
 more than the bytes they save: the anchor's step took 4.4 s against 2.3), and not FSDP2's gradient shards; where
@@ -43,6 +44,7 @@ from . import _native
 from ._adamw import WHOLE_MAX
 
 _ESCAPED_SHARE = 4  # at most one element in this many kept whole, else the gradient stays as it is
+MIN_CODED = 4096  # elements: a smaller gradient is kept as it is (its code would be one more small write)
 
 
 _cache: dict[int, tuple] = {}  # id(the kernel) -> (it, its two functions or None)
@@ -70,7 +72,7 @@ def available() -> bool:
 
 def codable(grad: torch.Tensor, exp_avg: torch.Tensor) -> bool:
     """Whether ``grad`` may be coded against ``exp_avg`` (see [Note: A kept gradient coded against its moments])."""
-    return (grad.dtype == exp_avg.dtype == torch.float32 and grad.numel() == exp_avg.numel() <= WHOLE_MAX
+    return (grad.dtype == exp_avg.dtype == torch.float32 and MIN_CODED <= grad.numel() == exp_avg.numel() <= WHOLE_MAX
             and grad.is_contiguous() and exp_avg.is_contiguous())
 
 
