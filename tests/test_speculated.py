@@ -7,9 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tierstore import TierValueError
-from tierstore.integrations import OffloadedAdamW, load_checkpoint, offload_model, save_checkpoint
-
-from tierstore.integrations import _grad_code
+from tierstore.integrations import OffloadedAdamW, _grad_code, load_checkpoint, offload_model, save_checkpoint
 
 from _training import _assert_same_parameters, _tiny_pair, clipped_loop, resident_clipped
 
