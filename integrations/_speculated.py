@@ -411,11 +411,7 @@ class SpeculatedUpdates(PassConsumer):
         grads: GradientStore = self.opt.offloaded.grads  # type: ignore[assignment]
         assert spec.kept is not None
         key = optimizer_key(spec.name, "exp_avg")
-        made = store.get(key, Tier.HOST)
-        try:
-            after = made.clone()
-        finally:
-            store.release(key, Tier.HOST)
+        after = store.read(key)
         spec.kept.restore()
         before = store.get(key, Tier.HOST)
         try:
@@ -474,8 +470,6 @@ class SpeculatedUpdates(PassConsumer):
                 if grads.unchanged(spec.grad) and opt._hyper(spec.name) == spec.hyper:
                     spec.kept.commit()
                     stood.add(spec.key)
-                    if spec.coded:  # applied, and its code no longer decodes: it goes now (keep_grads=False)
-                        opt.offloaded.grads.pop(spec.key, None)
                 else:
                     self._undo_one(spec)
                     undone += 1

@@ -351,6 +351,11 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         errors = [f.exception() for f in early.values()]  # waits for the updates started in backward
         # waits for the updates speculated in backward, and keeps those that are the step's
         stood = self._speculated.decide() if self._speculated is not None else set()
+        # Applied, they go now, before anything below can raise: a coded one no longer decodes once its update is
+        # kept (see [Note: A kept gradient coded against its moments] in _grad_code.py).
+        if not self.keep_grads:
+            for k in stood:
+                self.offloaded.grads.pop(k, None)
         self._progress = ([], 0)
         updated = sum(err is None for err in errors)  # by this step so far
         try:
@@ -369,9 +374,6 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
                      if k not in early and k not in stood and (g := self._grad(n, k, p)) is not None]
             work = [item for item in ready if not self._was_applied(item[0], item[3])]
             updated += len(stood)
-            if not self.keep_grads:  # applied: they go now
-                for k in stood:
-                    self.offloaded.grads.pop(k, None)
             if ready and not work and not early and not stood and self._unfinished is None:
                 raise TierStoreError("step() again with the gradients the last step() applied: run backward() first "
                                      "(after zero_grad()); a step applies a gradient once")
