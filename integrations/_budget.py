@@ -47,10 +47,10 @@ class HostBudget:
         else half the budget."""
         return placement_room or max(1, self.total_bytes // 2)
 
-    def grad_backlog_bytes(self, *, speculate: bool = False) -> int:
-        """An update stepping in backward may have this many bytes of gradients queued by default: a quarter (a
-        sixteenth when speculated: see ``default_grad_backlog_bytes``)."""
-        return default_grad_backlog_bytes(self.total_bytes, speculate=speculate)
+    def grad_backlog_bytes(self) -> int:
+        """An update stepping or speculated in backward may have this many bytes of gradients queued by default: a
+        quarter (see ``default_grad_backlog_bytes``)."""
+        return default_grad_backlog_bytes(self.total_bytes)
 
     def state_dict_reader(self, keys: Iterable[str]) -> Callable[[str], torch.Tensor]:
         """How a whole state dict of these store keys reads each: into an ordinary copy where all of them fit the

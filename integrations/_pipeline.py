@@ -191,6 +191,12 @@ class StatePipeline:
             if key not in kept:
                 self.current.append(st.write_back(key))
 
+    def write_behind(self, keys: list[str]) -> None:
+        """Start writing home those of ``keys`` an update left changed in the host tier (a kept copy, which
+        ``update`` leaves there), waited for with this step's write-behind."""
+        kept = self.store.kept(Tier.HOST)
+        self.current.extend(self.store.write_back(k) for k in keys if k in kept)
+
     def take_previous(self) -> list[Handle]:
         """The last step's write-behind, for the next step to wait on; this step's becomes the last."""
         previous, self.pending = self.pending, []

@@ -35,7 +35,12 @@ those parameters wait in the host tier for their updates, and a room too
 small for them loses them (or the copies read ahead) before use: the update
 reads them again, and the step moves more than the plan predicted. So the
 room counts them: as many bytes as the gradients the optimizers may hold
-queued. Measured on the 1B ViT (bf16 weights, 8-bit moments, split masters,
+queued, the worker that speculates updates in backward too (see [Note:
+Speculated updates] in _speculated.py: on the anchor model of
+docs/optimizer.md its uncounted 50 MiB backlog left a room of 160 MiB, its
+worker read one update ahead and missed 30-48 reads a step, at 2.33 s a step;
+a quarter of the budget as backlog, counted, leaves 336 MiB: 1.97 s, one run
+alternating). Measured on the 1B ViT (bf16 weights, 8-bit moments, split masters,
 batch 1, a 700 MiB budget and its default 175 MiB backlog, which the worker
 filled): without them, a plan keeping 555 MiB beside a room of 145 MiB
 predicted 11.7 GiB a step and moved 13.6 (the streamed weights read 3-4

@@ -57,7 +57,10 @@ them from the host tier. A parameter whose state is not on the drive is not spec
 is one whose whole state the placement keeps in the host tier: the drive must hold the version to keep, so a kept
 copy changed since it was last written home is written home first, each step, where the placement writes it only
 when it goes; for an update that moves no drive bytes without speculation that is all cost (a model whose state it
-keeps whole moved no bytes a step without speculation). Where part of the state is on the drive the update reads and
+keeps whole moved no bytes a step without speculation). A speculated update writes such copies behind it, as it
+writes the others: waited for at the next step's update, each write home queued behind the reads in flight, and on
+the anchor model of docs/optimizer.md 22 of them a step (its biases' state and the weights the placement keeps) held
+its worker 0.37 s a step. Where part of the state is on the drive the update reads and
 writes that part anyway, and speculating it pays: on the anchor model of docs/optimizer.md (its weights partly kept)
 leaving out every update with a kept copy left 240 of 864 to step() and took 2.75 s a step against 2.43-2.46 (one
 run, alternating).
@@ -182,6 +185,7 @@ class SpeculatedUpdates(PassConsumer):
         self._warn_lock = threading.Lock()
         self._need: dict[str, int] = {}  # key -> the drive its speculated update takes (see _room_for)
         self._backlog_bytes = 0  # of gradients queued for the worker and not yet read by it
+        self._backlog_peak = self._last_backlog_peak = 0  # the most queued in this round and in the last one
         self._backlog_lock = threading.Lock()
         # Whether kept gradients are coded (see [Note: A kept gradient coded against its moments]): a committed
         # update's gradient goes at step(), and the offload's own store keeps it.
@@ -234,6 +238,7 @@ class SpeculatedUpdates(PassConsumer):
             opt.store.fence(self._changed[key], round_.decided, self._writer, settle=self.undo)
             with self._backlog_lock:
                 self._backlog_bytes += spec.nbytes
+                self._backlog_peak = max(self._backlog_peak, self._backlog_bytes)
             spec.future = self._worker.submit(self._run, round_, len(round_.items) - 1)
             self._wait_for_backlog(round_)
 
@@ -245,6 +250,12 @@ class SpeculatedUpdates(PassConsumer):
 
         wait_for_backlog(self.opt.store, lambda: self._backlog_bytes > self.opt.max_grad_backlog_bytes, oldest,
                          self._writer)
+
+    def held_host_bytes(self) -> int:
+        """The gradients queued for the worker, which the placement's room counts as it counts those of the worker
+        stepping in backward (see [Note: Updates behind backward] in _placing.py): the backlog's bound, or the most
+        the last round queued if more."""
+        return max(self.opt.max_grad_backlog_bytes, self._last_backlog_peak)
 
     def final(self, key: str) -> bool:
         """Whether the gradient of ``key`` backward just completed is the step's: ``off.accumulate`` says which
@@ -335,6 +346,7 @@ class SpeculatedUpdates(PassConsumer):
                     kept.restore()  # nothing of it persists; step() updates it as without speculation
                     raise
                 spec.kept = kept
+                opt._pipeline.write_behind(self._changed[spec.key])  # its kept copies (see the note's cost)
                 store.stats.add("updates_speculated")
         except RoomYieldedError:
             pass  # not made (spec.kept is None): step() makes it
@@ -451,6 +463,7 @@ class SpeculatedUpdates(PassConsumer):
         with self._lock:
             round_, self._round = self._round, None
             resting, self._resting = self._resting, False
+            self._last_backlog_peak, self._backlog_peak = self._backlog_peak, 0
             backwards, seen, self._backwards, self._seen = self._backwards, self._seen, 0, set()
             opt = self.opt
             grads: WatchedGradients = opt.offloaded.grads  # type: ignore[assignment]

@@ -189,7 +189,7 @@ class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
         self._state.check_host_budget(host.total_bytes, step_in_backward, speculate=speculating)
         # Gradients waiting for their update are memory no tier budgets (see [Note: Stepping in backward]).
         self.max_grad_backlog_bytes = positive_bytes(
-            max_grad_backlog_bytes, host.grad_backlog_bytes(speculate=speculating), "max_grad_backlog_bytes")
+            max_grad_backlog_bytes, host.grad_backlog_bytes(), "max_grad_backlog_bytes")
         if any(optimizer_key(name, "exp_avg") in self.store for name, _, _ in self._items):
             raise TierValueError("this model already has an OffloadedAdamW (its state is in the store); keep using "
                                  "that one (opt.load_state_dict() replaces its state), or offload a fresh model")

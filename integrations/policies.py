@@ -46,13 +46,15 @@ def check_prefetch_depth(depth: object) -> None:
         raise TierValueError(f"prefetch_depth={depth!r} must be \"auto\" or an integer >= 0 (0 turns prefetch off)")
 
 
-def default_grad_backlog_bytes(host_budget_bytes: int, *, speculate: bool = False) -> int:
+def default_grad_backlog_bytes(host_budget_bytes: int) -> int:
     """OffloadedAdamW's default ``max_grad_backlog_bytes``: a quarter of the host budget (at least a byte; see
-    [Note: Splitting the host budget]); with ``speculate``, a sixteenth. A speculated update's gradient is kept in
-    the host tier, under its budget, until ``step()``: a longer queue let the tier write the gradients not yet
-    read and the worker read them back (measured on a 201M model of 48 x Linear(2048), fp32, 800 MiB: 0.32 GB
-    read back a step and 2.42-2.47 s with a quarter, none and 2.26-2.35 s with a sixteenth)."""
-    return max(1, host_budget_bytes // (16 if speculate else 4))
+    [Note: Splitting the host budget]), stepping in backward or speculating there. The placement leaves that much
+    room for the parameters waiting for their updates (see [Note: Updates behind backward] in _placing.py); a
+    speculated update's gradients are in the host tier under its budget, and before the room counted them a
+    sixteenth was faster (the longer queue squeezed the room: the worker read ahead one update and its gradients
+    were written and read back). Counted, on a 201M model of 48 x Linear(2048), fp32, 800 MiB, one run
+    alternating: a quarter 1.97 s a step, an eighth 2.27, three eighths 2.08 (the step in backward 1.56)."""
+    return max(1, host_budget_bytes // 4)
 
 
 def _tier(name: str, value: Any) -> Tier:

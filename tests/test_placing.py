@@ -70,9 +70,10 @@ def test_a_placement_keeps_training_bit_identical_and_moves_fewer_bytes(make_sto
 
 
 def test_the_room_holds_the_parameters_waiting_for_updates_behind_backward(make_store, monkeypatch):
-    """Stepping in backward, the room counts as many bytes as the gradients the worker may hold queued (see
-    [Note: Updates behind backward]): the backlog's bound, or what the last backward queued if more (it passes a
-    bound of one byte by a gradient); nothing once the optimizer is closed, nor for one stepping after backward."""
+    """Stepping or speculating in backward, the room counts as many bytes as the gradients the worker may hold
+    queued (see [Note: Updates behind backward]): the backlog's bound, or what the last backward queued if more (it
+    passes a bound of one byte by a gradient); nothing once the optimizer is closed, nor for one stepping after
+    backward."""
     behind: list[int] = []
     monkeypatch.setattr("tierstore.integrations._placing.room_bytes", lambda host, **kw: behind.append(
         kw["behind_bytes"]) or host // 2)
@@ -88,11 +89,12 @@ def test_the_room_holds_the_parameters_waiting_for_updates_behind_backward(make_
         off.placer.room()
         return behind[-2], behind[-1]
 
-    assert room_counts(step_in_backward=False) == (0, 0)
-    assert room_counts(step_in_backward=True, max_grad_backlog_bytes="64KiB") == (64 * 1024, 0)
+    assert room_counts(step_in_backward=False, speculate=False) == (0, 0)
     largest = max(p.numel() * p.element_size() for p in _tiny_pair()[0].parameters())
-    queued, closed = room_counts(2, step_in_backward=True, max_grad_backlog_bytes=1)
-    assert largest <= queued < 2 * largest and closed == 0
+    for worker in ({"step_in_backward": True}, {"speculate": True}):
+        assert room_counts(**worker, max_grad_backlog_bytes="64KiB") == (64 * 1024, 0)
+        queued, closed = room_counts(2, **worker, max_grad_backlog_bytes=1)
+        assert largest <= queued < 2 * largest and closed == 0
 
 
 def test_the_trace_knows_where_its_backward_starts(make_store):
