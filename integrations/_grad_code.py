@@ -24,6 +24,12 @@ on the worker (it may read the fenced moment after the update, then restores the
 else that reads a coded gradient's values (``p.grad`` beyond its norm and products by a number, a second
 backward adding to it) undoes the speculated updates first, which decodes it.
 
+It is ``OffloadedAdamW(code_grads=True)``, off by default: once the speculated worker read ahead as far as the
+worker stepping in backward (see [Note: Updates behind backward] in _placing.py) the anchor's step was bound by
+the drive and the CPU both on this 2-core machine, and the coder's CPU cost more than its bytes saved (one run,
+alternating: 2.05-2.12 s a step coded, 1.82-1.84 kept as they are, 0.3-0.4 GB a step more; the step in backward
+1.63-1.66 s).
+
 A gradient is coded only where the code can stand for it until it goes: an fp32 gradient of an update whose first
 moment is fp32 (torch's arithmetic: ``layout.is_plain``), not maximized, with ``keep_grads=False`` (a committed
 update's gradient goes at ``step()``, and a kept one would outlive the moment it decodes from), of at least

@@ -62,6 +62,20 @@ def check_speculating(offloaded: object, *, speculate: bool | str, step_in_backw
     return why is None
 
 
+def check_code_grads(*, code_grads: bool, keep_grads: bool, speculate: bool | str) -> None:
+    """``code_grads`` codes the gradients speculated updates keep until ``step()``, which ``keep_grads=False`` lets
+    go there (see [Note: A kept gradient coded against its moments] in _grad_code.py)."""
+    if not isinstance(code_grads, bool):
+        raise TierTypeError(f"code_grads={code_grads!r} must be True or False")
+    if code_grads and keep_grads:
+        raise TierValueError("code_grads=True codes the gradient a speculated update keeps until step(), where it "
+                             "goes; with keep_grads=True it stays after step() as it is: pass keep_grads=False too, "
+                             "or leave code_grads False")
+    if code_grads and speculate is False:
+        raise TierValueError("code_grads=True codes the gradients that speculated updates keep, and speculate=False "
+                             "makes none: pass speculate='auto' or True, or leave code_grads False")
+
+
 def _why_not_speculating(offloaded: object, step_in_backward: bool) -> str | None:
     if step_in_backward:
         return ("speculate=True makes each update in backward and keeps it at step() only where it is the step's "

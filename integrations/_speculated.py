@@ -47,13 +47,13 @@ FSDP2's ``set_requires_gradient_sync`` is called. Where nothing says so every ba
 ``speculate="auto"`` pauses once the second forward of a step has undone the first backward's updates.
 
 Cost: the gradient is kept (in the store, written to the drive only where the host tier has no room for it; with
-``keep_grads=False``, coded against its moments at about a byte an element: see [Note: A kept gradient coded against
-its moments] in _grad_code.py) and a spare extent is taken for each changed key (the drive needs room for the
-speculated updates' state twice). The drive's room is taken at the first update of a backward: the updates backward
-completes first speculate while it lasts, and those beyond it step at ``step()`` (one warning says so). The updates
-run where eviction and the placement expect those of ``step_in_backward``: right after their parameter's last use;
-backward waits while the gradients the worker has not yet read pass ``max_grad_backlog_bytes``, so that it reads
-them from the host tier. A parameter whose state is not on the drive is not speculated and steps at ``step()``, nor
+``code_grads=True`` and ``keep_grads=False``, coded against its moments at about a byte an element: see [Note: A kept
+gradient coded against its moments] in _grad_code.py) and a spare extent is taken for each changed key (the drive
+needs room for the speculated updates' state twice). The drive's room is taken at the first update of a backward: the
+updates backward completes first speculate while it lasts, and those beyond it step at ``step()`` (one warning says
+so). The updates run where eviction and the placement expect those of ``step_in_backward``: right after their
+parameter's last use; backward waits while the gradients the worker has not yet read pass
+``max_grad_backlog_bytes``, so that it reads them from the host tier. A parameter whose state is not on the drive is not speculated and steps at ``step()``, nor
 is one whose whole state the placement keeps in the host tier: the drive must hold the version to keep, so a kept
 copy changed since it was last written home is written home first, each step, where the placement writes it only
 when it goes; for an update that moves no drive bytes without speculation that is all cost (a model whose state it
@@ -113,6 +113,7 @@ class SpeculatingOptimizer(Protocol):
     max_grad_backlog_bytes: int
     speculate: bool | str
     keep_grads: bool
+    code_grads: bool
     steps: dict[str, float]
     _items: list[tuple[str, str | None, torch.nn.Parameter]]
     _applied: dict[str, Any]
@@ -189,7 +190,7 @@ class SpeculatedUpdates(PassConsumer):
         self._backlog_lock = threading.Lock()
         # Whether kept gradients are coded (see [Note: A kept gradient coded against its moments]): a committed
         # update's gradient goes at step(), and the offload's own store keeps it.
-        self._codes = (not opt.keep_grads and isinstance(opt.offloaded.grads, GradientStore)
+        self._codes = (opt.code_grads and not opt.keep_grads and isinstance(opt.offloaded.grads, GradientStore)
                        and _grad_code.available())
         self._coder: ThreadPoolExecutor | None = None  # codes beside the worker (made at the first coding)
         # Two sets of buffers, taken in turn by the worker: one the coder codes from while the other is filled.

@@ -1,13 +1,14 @@
 """The clip tax: a loop that clips by the global norm against the step that updates inside backward.
 
-    python perf/bench_clip.py --nvme-path DIR [--max-norm 1.0] [--keep-grads yes] [--rounds 2] [--steps 3]
+    python perf/bench_clip.py --nvme-path DIR [--max-norm 1.0] [--keep-grads yes] [--code-grads yes] [--rounds 2]
+        [--steps 3]
 
 The model is DeepSpeed's ZeRO-3 anchor: ``--layers`` x (``Linear(--width)`` + ReLU), fp32 (48 x 2048: 201M
 parameters), a batch of ``--batch`` rows, MSE loss, parameters and Adam state on the drive under a
 ``--host-budget`` host tier. Four loops train it on the same batches, each in its own store (the three that step
 after backward with ``keep_grads=False``, as their ``zero_grad()`` drops each gradient anyway, unless
-``--keep-grads yes``: then a speculated update's kept gradient is not coded, see [Note: A kept gradient coded
-against its moments]):
+``--keep-grads yes``; with ``--code-grads yes`` the speculated loop's ``OffloadedAdamW(code_grads=True)`` codes a
+speculated update's kept gradient, see [Note: A kept gradient coded against its moments]):
 
 - **in-backward** (the reference): ``OffloadedAdamW(step_in_backward=True)``, no clipping: each update runs as its
   gradient completes, beside the rest of backward;
@@ -61,7 +62,8 @@ class _Run:
         self.opt = OffloadedAdamW(self.off, lr=1e-3, step_in_backward=loop == "in-backward",
                                   stream_update=loop in ("streamed", "speculated"),
                                   speculate="auto" if loop == "speculated" else False,
-                                  keep_grads=args.keep_grads == "yes")
+                                  keep_grads=args.keep_grads == "yes",
+                                  code_grads=loop == "speculated" and args.code_grads == "yes")
         self.clip = None if loop == "in-backward" else args.max_norm
         self.step_seconds: list[float] = []
         self.moved = self.inside_step = self.in_forward = 0
@@ -112,12 +114,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-norm", type=float, default=1.0)
     p.add_argument("--keep-grads", choices=("yes", "no"), default="no",
                    help="OffloadedAdamW(keep_grads=...) of the loops that step after backward (no: each gradient "
-                        "goes at step(), as the loop's zero_grad() drops it; a speculated update's kept gradient is "
-                        "then coded against its moments)")
+                        "goes at step(), as the loop's zero_grad() drops it)")
+    p.add_argument("--code-grads", choices=("yes", "no"), default="no",
+                   help="OffloadedAdamW(code_grads=...) of the speculated loop (yes: a speculated update's kept "
+                        "gradient is coded against its moments; needs --keep-grads no)")
     p.add_argument("--rounds", type=int, default=2, help="counted rounds (after one that warms up)")
     p.add_argument("--steps", type=int, default=3, help="steps of each loop a round")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
+    if args.code_grads == "yes" and args.keep_grads == "yes":
+        p.error("--code-grads yes codes the gradients that go at step(): it needs --keep-grads no")
 
     import torch
 

@@ -4,11 +4,15 @@ clipped and streamed loops end bit-identical (and the reference too where the no
 import bench_clip
 import pytest
 
+from tierstore.integrations import _grad_code
 
-@pytest.mark.parametrize("max_norm", [1.0, 1e-4], ids=["never-clips", "always-clips"])
-def test_bench_clip_tiny(tmp_path, capsys, max_norm):
+
+@pytest.mark.parametrize("max_norm,code", [(1.0, "no"), (1e-4, "no"), (1.0, "yes")],
+                         ids=["never-clips", "always-clips", "never-clips-coded"])
+def test_bench_clip_tiny(tmp_path, capsys, max_norm, code):
     res = bench_clip.main(["--layers", "3", "--width", "96", "--batch", "4", "--host-budget", "1MiB",
-                           "--rounds", "1", "--steps", "2", "--max-norm", str(max_norm), "--nvme-path", str(tmp_path)])
+                           "--rounds", "1", "--steps", "2", "--max-norm", str(max_norm), "--code-grads", code,
+                           "--nvme-path", str(tmp_path)])
     assert [r["loop"] for r in res["results"]] == list(bench_clip.LOOPS)
     assert all(r["step_seconds"] > 0 and r["ratio"] > 0 for r in res["results"])
     by = {r["loop"]: r for r in res["results"]}
@@ -20,6 +24,7 @@ def test_bench_clip_tiny(tmp_path, capsys, max_norm):
     assert spec["speculated_kept"] + spec["speculated_undone"] == spec["updates_speculated"]
     if max_norm == 1.0:  # no clip: every update made in backward stands
         assert spec["speculated_undone"] == 0
+    assert (spec["gradients_coded"] > 0) == (code == "yes" and _grad_code.available())  # the kernel built
     assert res["steps_clipped"] == (0 if max_norm == 1.0 else 4)
     out = capsys.readouterr().out
     assert "the reference" in out and "bit-identical" in out

@@ -16,6 +16,7 @@ def _speculating(model, store, **kw):
     off = offload_model(model, store, resident_threshold_bytes=1024)
     assert off.resident and off.params  # clipping spans both kinds of parameter
     kw.setdefault("speculate", True)
+    kw.setdefault("code_grads", kw.get("keep_grads") is False)  # the tests with keep_grads=False code them
     opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, **kw)
     return off, opt
 
@@ -40,7 +41,8 @@ def _same_bits(a, b):
 
 
 def _coded_where_it_can(store, keep_grads):
-    """With keep_grads=False (and the kernel built) the kept gradients were coded against their moments."""
+    """With keep_grads=False and code_grads=True (and the kernel built) the kept gradients were coded against their
+    moments."""
     coded = store.stats_dict()["gradients_coded"]
     assert coded > 0 if not keep_grads and _grad_code.available() else coded == 0
 
@@ -255,6 +257,12 @@ def test_refused_where_it_cannot_run(make_store):
         OffloadedAdamW(off, speculate="yes")
     with pytest.raises(TierValueError, match="needs a model of offload_model or offload_fsdp"):
         check_speculating(object(), speculate=True, step_in_backward=False)
+    with pytest.raises(TierValueError, match="pass keep_grads=False too"):
+        OffloadedAdamW(off, code_grads=True)
+    with pytest.raises(TierValueError, match="speculate=False makes none"):
+        OffloadedAdamW(off, code_grads=True, keep_grads=False, speculate=False)
+    with pytest.raises(TypeError, match="code_grads=1 must be True or False"):
+        OffloadedAdamW(off, code_grads=1, keep_grads=False)
 
 
 def test_a_parameter_whose_whole_state_is_kept_in_the_host_tier_is_not_speculated(make_store):
@@ -475,6 +483,21 @@ def test_a_coded_gradient_read_before_step_gives_its_values(make_store):
     _assert_same_parameters(model, ref)
     coded_then, undone_before = norms_kept[1]
     assert coded_then > 0 and _counts(store)[2] > undone_before  # the read undid the step's updates
+    opt.close()
+
+
+def test_kept_gradients_are_coded_only_when_asked(make_store):
+    """code_grads is off by default (see OffloadedAdamW's docstring): with keep_grads=False alone the speculated
+    updates keep their gradients as they are, and the step is torch's."""
+    ref, model, data = _tiny_pair()
+    ref_losses, _ = resident_clipped(ref, data, steps=2, clip=1e-3, micro=1)
+    store = make_store()
+    _, opt = _speculating(model, store, keep_grads=False, code_grads=False)
+    assert OffloadedAdamW.__init__.__kwdefaults__["code_grads"] is False
+    losses, _ = clipped_loop(model, data, opt, steps=2, clip=1e-3, micro=1, before_clip=lambda step: _speculated(opt))
+    assert losses == ref_losses
+    _assert_same_parameters(model, ref)
+    assert store.stats_dict()["gradients_coded"] == 0 and _counts(store)[2] > 0
     opt.close()
 
 
