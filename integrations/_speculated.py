@@ -53,17 +53,16 @@ needs room for the speculated updates' state twice). The drive's room is taken a
 updates backward completes first speculate while it lasts, and those beyond it step at ``step()`` (one warning says
 so). The updates run where eviction and the placement expect those of ``step_in_backward``: right after their
 parameter's last use; backward waits while the gradients the worker has not yet read pass
-``max_grad_backlog_bytes``, so that it reads them from the host tier. A parameter whose state is not on the drive is not speculated and steps at ``step()``, nor
-is one whose whole state the placement keeps in the host tier: the drive must hold the version to keep, so a kept
-copy changed since it was last written home is written home first, each step, where the placement writes it only
-when it goes; for an update that moves no drive bytes without speculation that is all cost (a model whose state it
-keeps whole moved no bytes a step without speculation). A speculated update writes such copies behind it, as it
-writes the others: waited for at the next step's update, each write home queued behind the reads in flight, and on
-the anchor model of docs/optimizer.md 22 of them a step (its biases' state and the weights the placement keeps) held
-its worker 0.37 s a step. Where part of the state is on the drive the update reads and
-writes that part anyway, and speculating it pays: on the anchor model of docs/optimizer.md (its weights partly kept)
-leaving out every update with a kept copy left 240 of 864 to step() and took 2.75 s a step against 2.43-2.46 (one
-run, alternating).
+``max_grad_backlog_bytes``, so that it reads them from the host tier. A parameter whose state is not on the drive
+is not speculated and steps at ``step()``, nor is one whose whole state the placement keeps in the host tier: the
+drive must hold the version to keep, so a kept copy changed since it was last written home is written home each
+step, where the placement writes it only when it goes; for an update that moves no drive bytes without speculation
+that is all cost (a model whose state it keeps whole moved no bytes a step without speculation). A speculated update
+writes such copies behind it, as it writes the others: written home first, at the next step's update, each write
+waited for there queued behind the reads in flight (on the anchor model of docs/optimizer.md 22 of them a step held
+its worker 0.37 s a step). Where part of the state is on the drive the update reads and writes that part anyway,
+and speculating it pays: on the anchor model of docs/optimizer.md (its weights partly kept) leaving out every update
+with a kept copy left 240 of 864 to step() and took 2.75 s a step against 2.43-2.46 (one run, alternating).
 """
 
 from __future__ import annotations
