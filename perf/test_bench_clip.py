@@ -4,8 +4,6 @@ clipped and streamed loops end bit-identical (and the reference too where the no
 import bench_clip
 import pytest
 
-from tierstore.integrations import _grad_code
-
 
 @pytest.mark.parametrize("max_norm,code", [(1.0, "no"), (1e-4, "no"), (1.0, "yes")],
                          ids=["never-clips", "always-clips", "never-clips-coded"])
@@ -24,7 +22,8 @@ def test_bench_clip_tiny(tmp_path, capsys, max_norm, code):
     assert spec["speculated_kept"] + spec["speculated_undone"] == spec["updates_speculated"]
     if max_norm == 1.0:  # no clip: every update made in backward stands
         assert spec["speculated_undone"] == 0
-    assert (spec["gradients_coded"] > 0) == (code == "yes" and _grad_code.available())  # the kernel built
+    if code == "no":  # coded only when asked (and where the kernel is built: tests/test_speculated.py)
+        assert spec["gradients_coded"] == 0
     assert res["steps_clipped"] == (0 if max_norm == 1.0 else 4)
     out = capsys.readouterr().out
     assert "the reference" in out and "bit-identical" in out
