@@ -40,7 +40,11 @@ Speculated updates] in _speculated.py: on the anchor model of
 docs/optimizer.md its uncounted 50 MiB backlog left a room of 160 MiB, its
 worker read one update ahead and missed 30-48 reads a step, at 2.33 s a step;
 a quarter of the budget as backlog, counted, leaves 336 MiB: 1.97 s, one run
-alternating). Measured on the 1B ViT (bf16 weights, 8-bit moments, split masters,
+alternating), and the updates streamed into the next forward as many bytes
+as that backlog's bound (those updates read their state ahead beside the
+forward's reads; on the anchor the streamed loop took 2.84 s a step with no
+room for them and 2.09 with a quarter of the budget, the step in backward
+1.56, one run alternating). Measured on the 1B ViT (bf16 weights, 8-bit moments, split masters,
 batch 1, a 700 MiB budget and its default 175 MiB backlog, which the worker
 filled): without them, a plan keeping 555 MiB beside a room of 145 MiB
 predicted 11.7 GiB a step and moved 13.6 (the streamed weights read 3-4

@@ -84,6 +84,14 @@ class _StateConsumer(PassConsumer):
     def next_uses(self) -> dict[str, int]:
         return self._opt._queued() if self.stepping else {}
 
+    def held_host_bytes(self) -> int:
+        """With ``stream_update`` alone, the room for the updates queued into the next forward, as for the
+        gradients a worker in backward may hold queued (see [Note: Updates behind backward] in _placing.py):
+        ``max_grad_backlog_bytes``. A speculating optimizer's worker counts its own queue."""
+        opt = self._opt
+        streams = opt._streamed is not None and opt._speculated is None
+        return opt.max_grad_backlog_bytes if self.stepping and streams else 0
+
 
 class OffloadedAdamW(StateDictIO, torch.optim.Optimizer):
     """AdamW over offloaded parameters (an ``OffloadedModel`` or ``FSDPOffload``: see

@@ -72,8 +72,8 @@ def test_a_placement_keeps_training_bit_identical_and_moves_fewer_bytes(make_sto
 def test_the_room_holds_the_parameters_waiting_for_updates_behind_backward(make_store, monkeypatch):
     """Stepping or speculating in backward, the room counts as many bytes as the gradients the worker may hold
     queued (see [Note: Updates behind backward]): the backlog's bound, or what the last backward queued if more (it
-    passes a bound of one byte by a gradient); nothing once the optimizer is closed, nor for one stepping after
-    backward."""
+    passes a bound of one byte by a gradient); streaming the updates into the next forward, the bound; nothing once
+    the optimizer is closed, nor for one stepping after backward."""
     behind: list[int] = []
     monkeypatch.setattr("tierstore.integrations._placing.room_bytes", lambda host, **kw: behind.append(
         kw["behind_bytes"]) or host // 2)
@@ -95,6 +95,9 @@ def test_the_room_holds_the_parameters_waiting_for_updates_behind_backward(make_
         assert room_counts(**worker, max_grad_backlog_bytes="64KiB") == (64 * 1024, 0)
         queued, closed = room_counts(2, **worker, max_grad_backlog_bytes=1)
         assert largest <= queued < 2 * largest and closed == 0
+    # updates streamed into the next forward: the bound (the speculating worker counts its own queue alone)
+    assert room_counts(2, stream_update=True, speculate=False, max_grad_backlog_bytes="64KiB") == (64 * 1024, 0)
+    assert room_counts(stream_update=True, speculate=True, max_grad_backlog_bytes="64KiB") == (64 * 1024, 0)
 
 
 def test_the_trace_knows_where_its_backward_starts(make_store):
