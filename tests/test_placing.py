@@ -40,7 +40,9 @@ def test_a_placement_keeps_training_bit_identical_and_moves_fewer_bytes(make_sto
         ref, model, data = _tiny_pair()
         # Stepping after backward, the gradients kept till the step share the budget with the fp32 state (4 bytes a
         # parameter, see [Note: Transient keys]).
-        store = make_store(host_budget_bytes=num_params(ref) * (IN_BACKWARD_BUDGET if in_backward else 12 + 4))
+        # Speculating, the room also takes its queue (a quarter of the budget): a fifth more budget keeps as much.
+        per_param = {"in-backward": IN_BACKWARD_BUDGET, "after-backward": 12 + 4, "speculated": 20}[mode]
+        store = make_store(host_budget_bytes=num_params(ref) * per_param)
         ref_losses, _ = train_resident(ref, data, 5)
         off = offload_model(model, store, prefetch_depth=0, placement=placement)
         opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, step_in_backward=in_backward,
@@ -57,15 +59,17 @@ def test_a_placement_keeps_training_bit_identical_and_moves_fewer_bytes(make_sto
             assert plan.lower_bound_bytes <= plan.bytes_per_step
             # The prediction is a model of the eviction, not the eviction itself: near, not equal. Stepping in
             # backward it counts a room for every parameter the worker may leave waiting, which the eviction,
-            # knowing the worker's queue, needs less of (measured here: 0.72-0.74 of the prediction).
-            low = 0.65 if in_backward else 0.75
+            # knowing the worker's queue, needs less of (measured here: 0.72-0.74 of the prediction); speculating,
+            # it also counts the gradients kept till step() as moving, which this budget holds (0.39).
+            low = {"in-backward": 0.65, "after-backward": 0.75, "speculated": 0.3}[mode]
             assert low * plan.bytes_per_step <= moved[True] <= 1.25 * plan.bytes_per_step
             assert off.placement_verdict.startswith("placement kept: a step moved")
             off.remove()
             assert store.kept("host") == frozenset()
         else:
             assert off.placement is None
-    # measured here (means of 3 steps): 0.75-0.77 in backward, 0.47-0.60 after it, 0.72-0.76 speculated
+    # measured here (means of 3 steps): 0.75-0.77 in backward, 0.47-0.60 after it, 0.33 speculated (at 16 bytes a
+    # parameter 0.89-0.92, and the placement sometimes dropped: its queue's room left little to keep)
     assert moved[True] < 0.9 * moved[False], moved
 
 
