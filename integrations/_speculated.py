@@ -58,8 +58,8 @@ is not speculated and steps at ``step()``, nor is one whose whole state the plac
 drive must hold the version to keep, so a kept copy changed since it was last written home is written home each
 step, where the placement writes it only when it goes; for an update that moves no drive bytes without speculation
 that is all cost (a model whose state it keeps whole moved no bytes a step without speculation). A speculated update
-writes such copies behind it, as it writes the others: written home first, at the next step's update, each write
-waited for there queued behind the reads in flight (on the anchor model of docs/optimizer.md 22 of them a step held
+writes such copies behind it, as it writes the others (written home at the next step's update instead, each
+write waited for there behind the reads in flight: on the anchor model of docs/optimizer.md 22 of them a step held
 its worker 0.37 s a step). Where part of the state is on the drive the update reads and writes that part anyway,
 and speculating it pays: on the anchor model of docs/optimizer.md (its weights partly kept) leaving out every update
 with a kept copy left 240 of 864 to step() and took 2.75 s a step against 2.43-2.46 (one run, alternating).
