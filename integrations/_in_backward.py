@@ -29,6 +29,37 @@ from ._contract import BrokenValues, Mend, OffloadedParameters, PassConsumer
 from ._pipeline import StatePipeline, UnrestorableUpdateError
 
 
+class Backlog:
+    """The bytes of gradients queued for a worker's updates and not yet read by it, with the most queued at once
+    in this round and in the round before (a round: a backward's updates, ended by ``roll()`` at ``step()``)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.peak_bytes = 0
+        self.last_peak_bytes = 0
+        self._lock = threading.Lock()  # added to on backward's thread, taken from on the worker's
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.bytes)
+
+    def remove(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes -= nbytes
+
+    def roll(self) -> None:
+        """A round ends: its peak becomes the last round's; the next starts from what is still queued."""
+        with self._lock:
+            self.last_peak_bytes, self.peak_bytes = self.peak_bytes, self.bytes
+
+    def held_bytes(self, bound: int) -> int:
+        """The bytes of gradients a worker whose backlog is bounded by ``bound`` may hold queued (the placement's
+        room counts them: see [Note: Updates behind backward] in _placing.py): the bound, or the most the last
+        round queued if more (it may pass the bound by a gradient, or while the worker waits for room)."""
+        return max(bound, self.last_peak_bytes)
+
+
 def wait_for_backlog(store: TierStore, over: Callable[[], bool], oldest: Callable[[], Future | None],
                      worker: int | None) -> None:
     """Backward waits (stall time) while ``over()``: gradients queued for a worker's updates exceed their bound;
@@ -79,10 +110,7 @@ class BackwardSteps(PassConsumer):
         self.by_key = {key: (name, key, p) for name, key, p in opt._items if key is not None}
         self.early: dict[str, Future] = {}  # key -> update started in this backward
         self.futures: list[Future] = []  # of the optimizer's queue's updates, in order
-        self.backlog_bytes = 0  # of gradients queued and not yet consumed
-        self.backlog_peak_bytes = 0  # the most queued at once since the last step()
-        self.last_backlog_peak_bytes = 0  # the same over the backward before it (see ``LaterUses.behind``)
-        self._backlog_lock = threading.Lock()
+        self.backlog = Backlog()  # of gradients queued and not yet consumed
         self._worker: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="tierstore-adamw")
         self._worker_ident: int | None = None
 
@@ -105,9 +133,7 @@ class BackwardSteps(PassConsumer):
         assert self._worker is not None
         self._wait_for_backlog()
         nbytes = grad.numel() * grad.element_size() if grad is not None else 0
-        with self._backlog_lock:
-            self.backlog_bytes += nbytes
-            self.backlog_peak_bytes = max(self.backlog_peak_bytes, self.backlog_bytes)
+        self.backlog.add(nbytes)
         queue = opt._progress[0]
         queue.append((name, key_, p, grad))
         future = self._worker.submit(self._step_ready, len(queue) - 1, nbytes)
@@ -122,14 +148,12 @@ class BackwardSteps(PassConsumer):
             done = opt._progress[1]
             return self.futures[done] if done < len(self.futures) else None
 
-        wait_for_backlog(opt.store, lambda: self.backlog_bytes > opt.max_grad_backlog_bytes, oldest,
+        wait_for_backlog(opt.store, lambda: self.backlog.bytes > opt.max_grad_backlog_bytes, oldest,
                          self._worker_ident)
 
     def held_host_bytes(self) -> int:
-        """The bytes of gradients the worker may have queued (the placement's room counts them: see [Note: Updates
-        behind backward] in _placing.py): the backlog's bound, or the most the last backward queued if more (it
-        may pass the bound by a gradient, or while the worker waits for room)."""
-        return max(self.opt.max_grad_backlog_bytes, self.last_backlog_peak_bytes)
+        """The bytes of gradients the worker may have queued (``Backlog.held_bytes``)."""
+        return self.backlog.held_bytes(self.opt.max_grad_backlog_bytes)
 
     def grads_taken(self) -> str | None:
         """Why no gradient may be read now: since the last step() a backward has handed its gradients to the
@@ -155,14 +179,13 @@ class BackwardSteps(PassConsumer):
             ready[i] = (name, key, p, None)
             opt.offloaded.grads.pop(key, None)  # consumed: its memory goes now, not at zero_grad()
         finally:
-            with self._backlog_lock:
-                self.backlog_bytes -= nbytes
+            self.backlog.remove(nbytes)
             opt._progress = (ready, i + 1)
 
     def take(self) -> dict[str, Future]:
         """The updates this backward started (``step()`` waits for them); the next backward starts afresh."""
         early, self.early, self.futures = self.early, {}, []
-        self.last_backlog_peak_bytes, self.backlog_peak_bytes = self.backlog_peak_bytes, self.backlog_bytes
+        self.backlog.roll()
         return early
 
     def close(self) -> None:
@@ -173,4 +196,4 @@ class BackwardSteps(PassConsumer):
         self._worker = None
 
 
-__all__ = ["BackwardSteps", "wait_for_backlog"]
+__all__ = ["Backlog", "BackwardSteps", "wait_for_backlog"]

@@ -80,7 +80,7 @@ from tierstore import KeptVersions, RoomYieldedError, StoreFullError, Tier, Tier
 from . import _grad_code
 from ._contract import OffloadedParameters, PassConsumer, optimizer_key
 from ._grads import GradientStore, store_key_of
-from ._in_backward import wait_for_backlog
+from ._in_backward import Backlog, wait_for_backlog
 from ._pipeline import StatePipeline, state_keys
 
 
@@ -184,9 +184,7 @@ class SpeculatedUpdates(PassConsumer):
         self.room_warned = False
         self._warn_lock = threading.Lock()
         self._need: dict[str, int] = {}  # key -> the drive its speculated update takes (see _room_for)
-        self._backlog_bytes = 0  # of gradients queued for the worker and not yet read by it
-        self._backlog_peak = self._last_backlog_peak = 0  # the most queued in this round and in the last one
-        self._backlog_lock = threading.Lock()
+        self._backlog = Backlog()  # of gradients queued for the worker and not yet read by it
         # Whether kept gradients are coded (see [Note: A kept gradient coded against its moments]): a committed
         # update's gradient goes at step(), and the offload's own store keeps it.
         self._codes = (opt.code_grads and not opt.keep_grads and isinstance(opt.offloaded.grads, GradientStore)
@@ -236,9 +234,7 @@ class SpeculatedUpdates(PassConsumer):
             round_.queue.append((name, key_, p, grad))
             opt._progress = (round_.queue, opt._progress[1] if opt._progress[0] is round_.queue else 0)
             opt.store.fence(self._changed[key], round_.decided, self._writer, settle=self.undo)
-            with self._backlog_lock:
-                self._backlog_bytes += spec.nbytes
-                self._backlog_peak = max(self._backlog_peak, self._backlog_bytes)
+            self._backlog.add(spec.nbytes)
             spec.future = self._worker.submit(self._run, round_, len(round_.items) - 1)
             self._wait_for_backlog(round_)
 
@@ -248,14 +244,14 @@ class SpeculatedUpdates(PassConsumer):
         def oldest() -> Future | None:
             return next((s.future for s in round_.items if s.future is not None and not s.future.done()), None)
 
-        wait_for_backlog(self.opt.store, lambda: self._backlog_bytes > self.opt.max_grad_backlog_bytes, oldest,
+        wait_for_backlog(self.opt.store, lambda: self._backlog.bytes > self.opt.max_grad_backlog_bytes, oldest,
                          self._writer)
 
     def held_host_bytes(self) -> int:
         """The gradients queued for the worker, which the placement's room counts as it counts those of the worker
         stepping in backward (see [Note: Updates behind backward] in _placing.py): the backlog's bound, or the most
         the last round queued if more."""
-        return max(self.opt.max_grad_backlog_bytes, self._last_backlog_peak)
+        return self._backlog.held_bytes(self.opt.max_grad_backlog_bytes)
 
     def final(self, key: str) -> bool:
         """Whether the gradient of ``key`` backward just completed is the step's: ``off.accumulate`` says which
@@ -352,8 +348,7 @@ class SpeculatedUpdates(PassConsumer):
             pass  # not made (spec.kept is None): step() makes it
         finally:
             spec.left.set()
-            with self._backlog_lock:
-                self._backlog_bytes -= spec.nbytes
+            self._backlog.remove(spec.nbytes)
             round_.queue[i] = (spec.name, spec.key, spec.param, None)
             if opt._progress[0] is round_.queue:
                 opt._progress = (round_.queue, i + 1)
@@ -449,8 +444,7 @@ class SpeculatedUpdates(PassConsumer):
         for spec in round_.items:
             assert spec.future is not None
             if cancel and spec.future.cancel():
-                with self._backlog_lock:
-                    self._backlog_bytes -= spec.nbytes
+                self._backlog.remove(spec.nbytes)
                 continue
             if not spec.future.cancelled():
                 spec.future.exception()  # a failed one kept nothing (see _run)
@@ -463,7 +457,7 @@ class SpeculatedUpdates(PassConsumer):
         with self._lock:
             round_, self._round = self._round, None
             resting, self._resting = self._resting, False
-            self._last_backlog_peak, self._backlog_peak = self._backlog_peak, 0
+            self._backlog.roll()
             backwards, seen, self._backwards, self._seen = self._backwards, self._seen, 0, set()
             opt = self.opt
             grads: WatchedGradients = opt.offloaded.grads  # type: ignore[assignment]

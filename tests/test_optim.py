@@ -113,7 +113,7 @@ def test_gradient_backlog_bound_keeps_numbers(make_store):
         assert _train(model, data, 3, opt) == ref_losses
     finally:
         opt.close()
-    assert opt._in_backward.backlog_bytes == 0
+    assert opt._in_backward.backlog.bytes == 0
     assert store.stats_dict()["stall_seconds"] > stall
     _assert_same_parameters(model, ref)
     with pytest.raises(ValueError, match="max_grad_backlog_bytes=0 must be at least 1 byte"):
