@@ -369,6 +369,7 @@ class Placer:
         last = {k: i for i, event in enumerate(events) for k in event}
         updates: dict[int, list[tuple[str, ...]]] = {}
         transient: set[str] = set()
+        kept_last: set[str] = set()  # gradients kept until the step, not read there where the update stands
         for param_key, keys in states.items():
             at = last.get(param_key, len(events)) if self.later.in_backward else len(events)
             grad = None if self.later.in_backward and not self.later.grads_to_step else self.grad_of(param_key)
@@ -379,6 +380,7 @@ class Placer:
                 keys = [*keys, grad[0]]
                 if at < len(events):  # updated in backward, kept until the step all the same
                     updates.setdefault(len(events), []).append((grad[0],))
+                    kept_last.add(grad[0])
             updates.setdefault(at, []).append((param_key, *keys))
         ordered: list[tuple[str, ...]] = []
         forward_uses = self.prefetch_policy.forward_uses
@@ -394,8 +396,14 @@ class Placer:
         changed = frozenset(states) | frozenset(self.later.after) | frozenset(transient)
         kinds = {k: "gradients" if k in transient else k.rsplit("/", 1)[-1] if k.startswith(OPTIMIZER_PREFIX)
                  else "weights" for k in nbytes}
+        # Speculated updates write what they change home each step, kept resident or not (see [Note: Written home
+        # all the same] in tierstore/_placement.py).
+        speculated = self.later.in_backward and self.later.grads_to_step
+        groups = {param_key: frozenset((param_key, *keys)) for param_key, keys in states.items()}
+        written = {k: group for group in groups.values() for k in group} if speculated else {}
         return StepTrace(events=tuple(ordered), nbytes=nbytes, changed=changed, kinds=kinds,
-                         forward_events=forward_events, transient=frozenset(transient))
+                         forward_events=forward_events, transient=frozenset(transient), written=written,
+                         kept_last=frozenset(kept_last))
 
     def budget(self) -> int:
         """The host budget less what other models' placements keep in it (models offloaded into one store share

@@ -1,5 +1,7 @@
 """The placement policy (tierstore/_placement.py): pure functions over traces, no torch module or file."""
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -52,6 +54,33 @@ def test_weights_used_far_apart_are_kept_before_state_and_the_prediction_meets_t
     assert "lower bound" in p.summary() and "predicted step" in p.summary(1.0, 1e9)
 
 
+def test_a_key_written_home_all_the_same_saves_its_reads_less_that_write():
+    """See [Note: Written home all the same]: a changed key that speculated updates write home each step costs
+    that write kept resident, and the fill keeps what saves the most."""
+    t = layered(4, weight=100, state=100)
+    groups = [frozenset({f"w{i}", f"mw{i}", f"vw{i}"}) for i in range(4)]  # what each update changes
+    spec = dataclasses.replace(t, written={k: g for g in groups for k in g})
+    everything = frozenset(t.nbytes)
+    assert set(moved_bytes(spec, everything, 10**6).values()) == {100}  # nothing leaves, everything is written
+    assert moved_bytes(spec, everything, 300) == moved_bytes(t, everything, 300)  # what streams is written anyway
+    assert moved_bytes(spec, frozenset(), 0) == {}  # every update's keys all kept: none is speculated
+    moments = frozenset(k for k in t.nbytes if not k.startswith("w"))
+    assert moved_bytes(spec, moments, 10**6) == {k: 100 for k in t.nbytes}  # a weight kept is written all the same
+    # The weights used far apart save 2 bytes a byte (3 before), the rest 1 (2 before): those two go first, and
+    # each of the four keys kept is written home: 400 bytes more than without. The bound counts no write home.
+    p = plan_placement(spec, budget_bytes=400, room_bytes=0)
+    assert {"w1", "w2"} < p.resident and len(p.resident) == 4
+    assert p.bytes_per_step == plan_placement(t, budget_bytes=400, room_bytes=0).bytes_per_step + 400 == 2000
+    assert p.lower_bound_bytes == lower_bound_bytes(t, 400) == 1600
+    assert sum(p.moved_by_kind.values()) == p.bytes_per_step and p.moved_by_kind["weights"] >= 200
+    # Keys whose group is all kept are not written (their update is not speculated); the others are.
+    assert moved_bytes(spec, everything - groups[1], 10**6) == {k: 100 for k in everything - groups[1]}
+    # A key that saves nothing kept is not kept: with room for everything, nothing is.
+    assert not plan_placement(spec, budget_bytes=10**6, room_bytes=10**6 - 100).resident
+    with pytest.raises(ValueError, match="written keys \\['x'\\] have no size"):
+        StepTrace(events=t.events, nbytes=t.nbytes, written={"x": frozenset({"x"})})
+
+
 def test_the_step_is_predicted_as_its_forward_then_the_rest():
     """See [Note: The predicted step]: the forward bound by its compute or its reads, then the rest by its
     compute or the rest of the bytes; without a known forward, the single bound."""
@@ -95,7 +124,10 @@ def traces(draw):
     events = draw(st.lists(st.lists(st.sampled_from(keys), min_size=0, max_size=4).map(tuple), max_size=30))
     sizes = {k: draw(st.integers(0, 5000)) for k in keys}
     changed = frozenset(k for k in keys if draw(st.booleans()))
-    return StepTrace(events=tuple(events), nbytes=sizes, changed=changed)
+    ordered = sorted(changed)
+    groups = [frozenset(ordered[i:i + 2]) for i in range(0, len(ordered), 2)]  # what a speculated update changes
+    written = {k: g for g in groups for k in g if draw(st.booleans())}
+    return StepTrace(events=tuple(events), nbytes=sizes, changed=changed, written=written)
 
 
 @settings(max_examples=300, deadline=None)
@@ -166,3 +198,9 @@ def test_a_transient_key_moves_only_when_the_room_between_its_uses_is_too_small(
     assert lower_bound_bytes(trace, 0) == lower_bound_bytes(
         StepTrace(events=(("w",), ("w",), ("x",), ("y",), ("m",)), nbytes={"w": 10, "x": 30, "y": 30, "m": 10},
                   changed=frozenset({"m"})), 0)
+    # Kept until its last use and not read there (a speculated update's gradient): a spill is a write alone.
+    kept = dataclasses.replace(trace, kept_last=frozenset({"g"}))
+    assert moved_bytes(kept, frozenset({"x", "y"}), room_bytes=50)["g"] == 10
+    assert moved_bytes(kept, frozenset({"x", "y"}), room_bytes=100)["g"] == 0
+    with pytest.raises(ValueError, match="kept_last keys \\['x'\\] are not transient"):
+        dataclasses.replace(trace, kept_last=frozenset({"x"}))

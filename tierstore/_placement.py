@@ -21,6 +21,25 @@ then frozen parameters (a read: 1 or 2). The rest stream through
 computed, prefetches, the optimizer's read-ahead). A greedy fill by that
 density (a fractional knapsack, exact up to the last key that does not fit).
 
+[Note: Written home all the same] An update speculated in backward keeps
+the version of every key it changes on the drive until the step decides
+(see [Note: Speculated updates] in integrations/_speculated.py), so a key
+it changes that is kept resident is written home once a step all the same:
+keeping it saves its reads (and writes) streaming would cost, less that
+write. A weight used far apart then saves 2 bytes a byte instead of 3, the
+optimizer state 1 instead of 2. Such keys are the trace's ``written``; the
+prediction counts their write, and the fill orders keys by what they save.
+On the anchor model of docs/optimizer.md (the loop that speculates) the
+prediction left out 0.47 GB a step of weights written home so, and counted
+each kept gradient that spills as written and read back, where it is only
+written (see [Note: Transient keys]): 5.27 GiB a step predicted against
+4.91-4.95 moved; counting both as they are, 5.02, the same copies kept.
+A parameter whose whole state stays resident is not speculated and writes
+nothing: the prediction counts no write of a key whose group (the keys its
+update changes) is all kept; the fill, key by key, orders such keys as if
+written; the lower bound counts no write home, which a placement keeping
+whole groups avoids.
+
 [Note: The lower bound] Whatever is not in the tier at some point of a step
 must be read at least once in it, and written once if the step changes it,
 and at most ``budget_bytes`` can stay: filling the budget with the densest
@@ -84,6 +103,12 @@ class StepTrace:
     transient: frozenset[str] = frozenset()
     """Keys made at their first use and dropped after their last (gradients kept for the optimizer): never kept
     resident, read nothing at their first use, carried to no next step (see [Note: Transient keys])."""
+    written: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    """Key -> the keys changed with it (its parameter's update): written home every step even where kept
+    resident, unless all of them are (see [Note: Written home all the same])."""
+    kept_last: frozenset[str] = frozenset()
+    """Transient keys whose last use only keeps them (a speculated update's gradient, kept until the step decides
+    and not read where the update stands): what spills before it is written, not read back."""
 
     def __post_init__(self) -> None:
         if self.forward_events is not None and not 0 <= self.forward_events <= len(self.events):
@@ -95,6 +120,11 @@ class StepTrace:
         bad = [k for k, n in self.nbytes.items() if n < 0]
         if bad:
             raise TierValueError(f"negative sizes for {bad[:4]}")
+        unsized = sorted({x for k, group in self.written.items() for x in (k, *group) if x not in self.nbytes})
+        if unsized:
+            raise TierValueError(f"written keys {unsized[:4]} have no size in nbytes")
+        if not self.kept_last <= self.transient:
+            raise TierValueError(f"kept_last keys {sorted(self.kept_last - self.transient)[:4]} are not transient")
 
     def uses(self) -> dict[str, list[int]]:
         """Key -> the events that use it, in order (a key used twice in one event counts once)."""
@@ -200,7 +230,7 @@ def count_text(n: float) -> str:
 
 def moved_bytes(trace: StepTrace, streamed: set[str] | frozenset[str], room_bytes: int) -> dict[str, int]:
     """Key -> bytes a step reads and writes of it when the keys of ``streamed`` stream (see [Note: Placement
-    from the trace]); keys not streamed move nothing."""
+    from the trace]); keys not streamed move nothing but their write home where ``trace.written`` has them."""
     return _moves(trace, streamed, room_bytes)[0]
 
 
@@ -213,6 +243,10 @@ def _moves(trace: StepTrace, streamed: set[str] | frozenset[str], room_bytes: in
     it is carried to the next step. Between two of its uses it goes to the
     drive and back (written, then read) when what else the room holds in
     between does not leave it room, as a streamed key's copy would be dropped.
+    Before a last use that only keeps it (``kept_last``: the gradient of an
+    update speculated in backward, kept until the step decides) it is written
+    and not read back: on the anchor model of docs/optimizer.md counting that
+    read too predicted 0.69 GiB a step of reads that never came.
     """
     streamed = frozenset(streamed) | trace.transient  # never kept: always in the room
     # before[i]: streamed bytes used in events 0 .. i-1
@@ -223,13 +257,19 @@ def _moves(trace: StepTrace, streamed: set[str] | frozenset[str], room_bytes: in
     forward_events = trace.forward_events or 0
     out: dict[str, int] = {}
     forward = 0
+    def written(k: str) -> bool:  # written home this step all the same
+        return k in trace.written and not all(g not in streamed for g in trace.written[k])
+
     for k, at in trace.uses().items():
-        if k not in streamed:
-            continue
         n = trace.nbytes[k]
+        if k not in streamed:
+            if written(k):
+                out[k] = n
+            continue
         if k in trace.transient:
-            spills = sum(1 for prev, i in zip(at, at[1:]) if before[i + 1] - before[prev] - n > room_bytes)
-            out[k] = 2 * n * spills
+            gaps = list(zip(at, at[1:]))
+            out[k] = sum(n if j == len(gaps) - 1 and k in trace.kept_last else 2 * n
+                         for j, (prev, i) in enumerate(gaps) if before[i + 1] - before[prev] - n > room_bytes)
             continue
         reads = 0
         for j, i in enumerate(at):
@@ -246,13 +286,15 @@ def _moves(trace: StepTrace, streamed: set[str] | frozenset[str], room_bytes: in
             if between + n > room_bytes:
                 reads += 1
                 forward += n if i < forward_events else 0
-        out[k] = n * (reads + (k in trace.changed)) if reads else 0  # never evicted: never written either
+        # never evicted: never written either, unless it is written home all the same
+        out[k] = n * (reads + (k in trace.changed)) if reads else n * written(k)
     return out, forward
 
 
 def lower_bound_bytes(trace: StepTrace, budget_bytes: int) -> int:
     """See [Note: The lower bound]."""
     # A transient key may cost nothing (it fits beside the rest): left out, the bound stays a bound.
+    # Keys written home all the same are not: a placement keeping all of their group writes none of them.
     least = {k: trace.nbytes[k] * (2 if k in trace.changed else 1) for k in trace.uses() if k not in trace.transient}
     left, saved = budget_bytes, 0.0
     for k in sorted(least, key=lambda k: -least[k] / max(trace.nbytes[k], 1)):
@@ -272,12 +314,15 @@ def plan_placement(trace: StepTrace, *, budget_bytes: int, room_bytes: int) -> P
     room_bytes = min(room_bytes, budget_bytes)  # the room is part of the budget
     keys = [k for k in trace.uses() if k not in trace.transient]  # a transient key is never kept
     alone = moved_bytes(trace, frozenset(keys), room_bytes)  # each key's cost with everything streaming
+    # What keeping each saves: its cost streaming, less its write where it is written home all the same (as if
+    # its group were not all kept: the fill is by key).
+    saves = {k: alone[k] - trace.nbytes[k] * (k in trace.written) for k in keys}
     capacity = max(0, budget_bytes - room_bytes)
     resident: set[str] = set()
     used = 0
-    for k in sorted(keys, key=lambda k: (-alone[k] / max(trace.nbytes[k], 1), -trace.nbytes[k], k)):
+    for k in sorted(keys, key=lambda k: (-saves[k] / max(trace.nbytes[k], 1), -trace.nbytes[k], k)):
         n = trace.nbytes[k]
-        if alone[k] and used + n <= capacity:
+        if saves[k] > 0 and used + n <= capacity:
             resident.add(k)
             used += n
     streamed = frozenset(keys) - resident
@@ -288,8 +333,8 @@ def plan_placement(trace: StepTrace, *, budget_bytes: int, room_bytes: int) -> P
         kind = trace.kinds.get(k, "other")
         if k in resident:
             resident_by_kind[kind] = resident_by_kind.get(kind, 0) + trace.nbytes[k]
-        else:
-            moved_by_kind[kind] = moved_by_kind.get(kind, 0) + moved[k]
+        if k not in resident or moved.get(k):  # a resident key moves where it is written home all the same
+            moved_by_kind[kind] = moved_by_kind.get(kind, 0) + moved.get(k, 0)
     return Placement(resident=frozenset(resident), budget_bytes=budget_bytes, room_bytes=room_bytes,
                      resident_by_kind=resident_by_kind, moved_by_kind=moved_by_kind,
                      bytes_per_step=sum(moved.values()), lower_bound_bytes=lower_bound_bytes(trace, budget_bytes),
