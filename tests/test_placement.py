@@ -202,5 +202,12 @@ def test_a_transient_key_moves_only_when_the_room_between_its_uses_is_too_small(
     kept = dataclasses.replace(trace, kept_last=frozenset({"g"}))
     assert moved_bytes(kept, frozenset({"x", "y"}), room_bytes=50)["g"] == 10
     assert moved_bytes(kept, frozenset({"x", "y"}), room_bytes=100)["g"] == 0
+    # Made, read by its update, kept: spilled before the update, it is read back and its copy on the drive is
+    # current, so the spill before the step moves nothing more.
+    both = StepTrace(events=(("w", "g"), ("x",), ("m", "g"), ("y",), ("g",)),
+                     nbytes={"w": 10, "g": 10, "x": 30, "y": 30, "m": 10}, changed=frozenset({"m", "g"}),
+                     transient=frozenset({"g"}), kept_last=frozenset({"g"}))
+    assert moved_bytes(both, frozenset({"x", "y"}), room_bytes=30)["g"] == 20  # written, read back: no more
+    assert moved_bytes(dataclasses.replace(both, kept_last=frozenset()), frozenset({"x", "y"}), 30)["g"] == 40
     with pytest.raises(ValueError, match="kept_last keys \\['x'\\] are not transient"):
         dataclasses.replace(trace, kept_last=frozenset({"x"}))

@@ -33,7 +33,7 @@ On the anchor model of docs/optimizer.md (the loop that speculates) the
 prediction left out 0.47 GB a step of weights written home so, and counted
 each kept gradient that spills as written and read back, where it is only
 written (see [Note: Transient keys]): 5.27 GiB a step predicted against
-4.91-4.95 moved; counting both as they are, 5.02, the same copies kept.
+4.83-4.95 moved; counting both as they are, 5.02, the same copies kept.
 A parameter whose whole state stays resident is not speculated and writes
 nothing: the prediction counts no write of a key whose group (the keys its
 update changes) is all kept; the fill, key by key, orders such keys as if
@@ -245,8 +245,10 @@ def _moves(trace: StepTrace, streamed: set[str] | frozenset[str], room_bytes: in
     between does not leave it room, as a streamed key's copy would be dropped.
     Before a last use that only keeps it (``kept_last``: the gradient of an
     update speculated in backward, kept until the step decides) it is written
-    and not read back: on the anchor model of docs/optimizer.md counting that
-    read too predicted 0.69 GiB a step of reads that never came.
+    and not read back, and nothing moves where the use before it read it back
+    from the drive (the copy there is current): on the anchor model of
+    docs/optimizer.md counting that read too predicted 0.69 GiB a step of
+    reads that never came.
     """
     streamed = frozenset(streamed) | trace.transient  # never kept: always in the room
     # before[i]: streamed bytes used in events 0 .. i-1
@@ -257,8 +259,9 @@ def _moves(trace: StepTrace, streamed: set[str] | frozenset[str], room_bytes: in
     forward_events = trace.forward_events or 0
     out: dict[str, int] = {}
     forward = 0
-    def written(k: str) -> bool:  # written home this step all the same
-        return k in trace.written and not all(g not in streamed for g in trace.written[k])
+
+    def written(k: str) -> bool:  # written home this step all the same: some key of its update streams
+        return k in trace.written and any(g in streamed for g in trace.written[k])
 
     for k, at in trace.uses().items():
         n = trace.nbytes[k]
@@ -267,9 +270,12 @@ def _moves(trace: StepTrace, streamed: set[str] | frozenset[str], room_bytes: in
                 out[k] = n
             continue
         if k in trace.transient:
-            gaps = list(zip(at, at[1:]))
-            out[k] = sum(n if j == len(gaps) - 1 and k in trace.kept_last else 2 * n
-                         for j, (prev, i) in enumerate(gaps) if before[i + 1] - before[prev] - n > room_bytes)
+            spills = [before[i + 1] - before[prev] - n > room_bytes for prev, i in zip(at, at[1:])]
+            if k in trace.kept_last and spills:  # the last spill writes it (unless it is on the drive already)
+                last = spills.pop()
+                out[k] = 2 * n * sum(spills) + n * (last and not any(spills[-1:]))
+            else:
+                out[k] = 2 * n * sum(spills)
             continue
         reads = 0
         for j, i in enumerate(at):
