@@ -4,6 +4,7 @@ torch.optim.AdamW given the same flags; tensors beyond a size are updated slice 
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -52,18 +53,18 @@ def adamw_update(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
     running each operation over the whole tensor (tested, vectorised and scalar
     paths alike; the fused kernel too, since every slice starts at a multiple of
     its vector width: only the last ``numel % width`` elements of a call take its
-    scalar path, the same elements sliced or whole). A tensor of more than
-    ``WHOLE_MAX`` elements is updated so: its temporaries (``sqrt`` and the
-    division make two, and a bf16/fp16 gradient's fp32 copy a third) are then
-    slices of 4 MiB in fp32 instead of copies of the whole tensor, memory
+    scalar path, the same elements sliced or whole). The single-tensor update
+    runs so over every tensor of more than ``SLICE`` elements, its temporaries
+    in buffers of its thread (see [Note: The update's temporaries]); the others
+    over tensors of more than ``WHOLE_MAX`` elements: their temporaries (``sqrt``
+    and the division make two, and a bf16/fp16 gradient's fp32 copy a third) are
+    then slices of 4 MiB in fp32 instead of copies of the whole tensor, memory
     outside every tier budget (1.6 GB at once for a 200M-element fp32
     embedding) that the allocator faults in afresh on
     every step once it is larger than what it keeps for reuse. Measured here:
     a 16M-element tensor alone steps in 37 ms instead of 72; a training step of
     three offloaded Linear(8192, 8192) layers (67M elements each) took 3.57 s
-    instead of 3.82, with 2.56 s of CPU instead of 3.19. Smaller tensors are
-    updated whole: slicing them made a ViT-large step 10% slower (4.97 against
-    4.52 s, the optimizer stepping in backward beside the backward's compute).
+    instead of 3.82, with 2.56 s of CPU instead of 3.19.
     """
     grad = grad.to(param.device)
     if impl == "fused" and any(t.stride() != param.stride() for t in (exp_avg, exp_avg_sq, grad)):
@@ -71,12 +72,112 @@ def adamw_update(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
         return
     tensors = (param, exp_avg, exp_avg_sq, grad)
     n = param.numel()
-    if n <= WHOLE_MAX or not all(t.is_contiguous() for t in tensors):
+    contiguous = all(t.is_contiguous() for t in tensors)
+    if impl == "single" and (contiguous or n <= SLICE) and _own_single_exact(param, exp_avg, exp_avg_sq, grad, hyper):
+        if n <= SLICE:
+            _single_in_buffers(*tensors, step, hyper)
+            return
+        flat = [t.view(-1) for t in tensors]
+        for start in range(0, n, SLICE):
+            _single_in_buffers(*(t[start:start + SLICE] for t in flat), step, hyper)
+        return
+    if n <= WHOLE_MAX or not contiguous:
         adamw_slice(*tensors, step, hyper, impl)
         return
     flat = [t.view(-1) for t in tensors]
     for start in range(0, n, SLICE):
         adamw_slice(*(t[start:start + SLICE] for t in flat), step, hyper, impl)
+
+
+# [Note: The update's temporaries] torch's single-tensor AdamW (the default on
+# the CPU) makes two temporaries the size of the tensor it updates (``sqrt``,
+# then the division), and a bf16/fp16 gradient's copy in its master's dtype a
+# third. Above glibc's mmap threshold, which the store fixes at 128 KiB (see
+# [Note: Giving freed memory back] in tierstore/_allocator.py), each is a fresh
+# mapping whose pages are faulted in, and zeroed, at each update: 4096 faults a
+# 16 MiB temporary. Measured here, a 4M-element fp32 update on one thread took
+# 38-42 ms so against 11 ms with the temporaries from the allocator's heaps;
+# on the anchor model of docs/optimizer.md (48 such updates a step, on the
+# optimizer's worker beside the backward) 196,608 faults a step, 34 ms of CPU
+# an update, most of the worker's time and the step's bound. So the update here
+# runs torch's sequence of operations itself, slice by slice, the temporaries
+# in buffers of its thread kept for the next (at most ``SLICE`` elements each,
+# 4 MiB in fp32): the same kernels on the same inputs in the same order, so the
+# same bits. Where torch's sequence is not this one (another release may
+# change it), nothing may differ: each combination of dtypes is checked once a
+# process against torch's own function (``_own_single_exact``), and one that
+# differs, a ``maximize`` update and a complex tensor run torch's code.
+_buffers = threading.local()  # dtype -> this thread's buffer of at most SLICE elements
+_exact: dict[tuple, bool] = {}  # (param, moments, gradient dtypes) -> the own sequence matched torch's
+_exact_lock = threading.Lock()
+
+
+def _buffer(dtype: torch.dtype, n: int) -> torch.Tensor:
+    """``n`` elements of this thread's buffer of ``dtype``, grown to the largest asked (at most SLICE)."""
+    held = getattr(_buffers, "by_dtype", None)
+    if held is None:
+        held = _buffers.by_dtype = {}
+    buf = held.get(dtype)
+    if buf is None or buf.numel() < n:
+        buf = held[dtype] = torch.empty(n, dtype=dtype)
+    return buf[:n]
+
+
+def _single_in_buffers(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+                       step: float, hyper: tuple) -> None:
+    """torch's ``_single_tensor_adam`` on one tensor of at most SLICE elements (CPU, real, no amsgrad, decoupled
+    weight decay, not maximize, neither capturable nor differentiable), its temporaries in this thread's buffers."""
+    lr, (beta1, beta2), eps, weight_decay, _ = hyper
+    if grad.dtype != param.dtype:  # adamw_slice's conversion, into a buffer
+        grad = _buffer(param.dtype, grad.numel()).view(grad.shape).copy_(grad)
+    step_t = torch.tensor(step - 1.0)  # the step count as torch keeps and advances it
+    step_t += 1
+    if weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    count = step_t.item()
+    bias_correction1 = 1 - beta1 ** count
+    bias_correction2 = 1 - beta2 ** count
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2 ** 0.5
+    denom = _buffer(exp_avg_sq.dtype, exp_avg_sq.numel()).view(exp_avg_sq.shape)
+    torch.sqrt(exp_avg_sq, out=denom)
+    denom.div_(bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _own_single_exact(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+                      hyper: tuple) -> bool:
+    """Whether ``_single_in_buffers`` may run this update: not maximize, real dtypes, and the same bits as torch's
+    own single-tensor AdamW for these dtypes (checked once a process; see [Note: The update's temporaries])."""
+    if hyper[4] or any(t.is_complex() or t.device.type != "cpu" for t in (param, exp_avg, exp_avg_sq, grad)):
+        return False
+    key = (param.dtype, exp_avg.dtype, exp_avg_sq.dtype, grad.dtype)
+    with _exact_lock:
+        if key not in _exact:
+            _exact[key] = _matches_torch(*key)
+        return _exact[key]
+
+
+def _matches_torch(param_dtype: torch.dtype, avg_dtype: torch.dtype, sq_dtype: torch.dtype,
+                   grad_dtype: torch.dtype) -> bool:
+    """Both sequences over random tensors: weight decay and none, the first step and a later one, a size with a
+    vectorised body and a scalar tail, the gradient converted or not; each step compared bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    n = 4133
+    base = [torch.randn(n, generator=g).to(dt) for dt in (param_dtype, avg_dtype, sq_dtype)]
+    base[2] = base[2].abs()
+    for hyper in ((1e-3, (0.9, 0.999), 1e-8, 0.01, False), (0.25, (0.5, 0.75), 1e-3, 0.0, False)):
+        theirs, ours = [t.clone() for t in base], [t.clone() for t in base]
+        for step in (1.0, 2.0, 9.0):
+            grad = torch.randn(n, generator=g).to(grad_dtype)
+            adamw_slice(*theirs, grad, step, hyper, "single")
+            _single_in_buffers(*ours, grad, step, hyper)
+            if not all(torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+                       for a, b in zip(theirs, ours)):
+                return False
+    return True
 
 
 def _fused_in_layout_of_param(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

@@ -301,6 +301,51 @@ def test_sliced_update_matches_whole_tensor_operations(impl):
             assert torch.equal(a, b)
 
 
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 4, (torch.float32,) * 3 + (torch.bfloat16,),
+                                    (torch.bfloat16,) * 4], ids=["fp32", "bf16-grad", "bf16"])
+def test_the_single_tensor_update_in_thread_buffers_gives_torchs_bits(dtypes):
+    """[Note: The update's temporaries]: the own sequence serves these dtypes on this torch (its check against
+    torch's function passed), and gives torch's bits: sliced, whole, non-contiguous; maximize runs torch's code."""
+    param_dtype, avg_dtype, sq_dtype, grad_dtype = dtypes
+    hyper = (3e-4, (0.9, 0.95), 1e-8, 0.1, False)
+    g = torch.Generator().manual_seed(5)
+    p0, m0, v0 = (torch.randn(3 * _adamw.SLICE + 77, generator=g).to(dt) for dt in (param_dtype, avg_dtype, sq_dtype))
+    assert _adamw._own_single_exact(p0, m0, v0.abs(), p0.to(grad_dtype), hyper)
+    base = {"sliced": (p0, m0, v0.abs()),
+            "transposed": tuple(t[:4097 * 3].view(4097, 3).t() for t in (p0, m0, v0.abs()))}
+    for shape, tensors in base.items():
+        for maximize in (False, True):
+            h = hyper[:4] + (maximize,)
+            ours, theirs = [t.clone() for t in tensors], [t.clone() for t in tensors]
+            for step in (1.0, 2.0, 7.0):
+                grad = torch.randn(tensors[0].shape, generator=g).to(grad_dtype)
+                _adamw.adamw_update(*ours, grad, step, h, "single")
+                _adamw.adamw_slice(*theirs, grad, step, h, "single")
+            for a, b in zip(ours, theirs):
+                assert torch.equal(a, b), (shape, maximize)
+    buf = _adamw._buffer(param_dtype, 10)
+    assert buf.data_ptr() == _adamw._buffer(param_dtype, 10).data_ptr()  # kept for the next update
+    assert _adamw._buffer(param_dtype, _adamw.SLICE).numel() == _adamw.SLICE  # and no larger than a slice
+
+
+def test_an_own_update_sequence_that_differs_from_torchs_is_not_run(monkeypatch):
+    """A torch whose single-tensor AdamW is not the own sequence (say a later release's) gets its own code run."""
+    monkeypatch.setattr(_adamw, "_exact", {})
+    monkeypatch.setattr(_adamw, "_matches_torch", lambda *dtypes: False)
+
+    def refused(*args):
+        raise AssertionError("the own sequence ran where its check failed")
+
+    monkeypatch.setattr(_adamw, "_single_in_buffers", refused)
+    g = torch.Generator().manual_seed(6)
+    p, m, v, grad = (torch.randn(2 * _adamw.SLICE + 5, generator=g) for _ in range(4))
+    ours, theirs = [t.clone() for t in (p, m, v.abs())], [t.clone() for t in (p, m, v.abs())]
+    _adamw.adamw_update(*ours, grad, 1.0, (1e-3, (0.9, 0.999), 1e-8, 0.01, False), "single")
+    _adamw.adamw_slice(*theirs, grad, 1.0, (1e-3, (0.9, 0.999), 1e-8, 0.01, False), "single")
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
 def _train_clipped(model, data, steps, opt, clip):
     """Two micro-batches of gradient accumulation per step, then clipping by the global norm."""
     losses, norms = [], []
