@@ -128,8 +128,8 @@ def _single_in_buffers(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: t
     """torch's ``_single_tensor_adam`` on one tensor of at most SLICE elements (CPU, real, no amsgrad, decoupled
     weight decay, not maximize, neither capturable nor differentiable), its temporaries in this thread's buffers."""
     lr, (beta1, beta2), eps, weight_decay, _ = hyper
-    if grad.dtype != param.dtype:  # adamw_slice's conversion, into a buffer
-        grad = _buffer(param.dtype, grad.numel()).view(grad.shape).copy_(grad)
+    if grad.dtype != param.dtype:  # adamw_slice's conversion, into a buffer (the denominator's, where the dtypes
+        grad = _buffer(param.dtype, grad.numel()).view(grad.shape).copy_(grad)  # match: last read before it)
     step_t = torch.tensor(step - 1.0)  # the step count as torch keeps and advances it
     step_t += 1
     if weight_decay != 0:
