@@ -73,20 +73,21 @@ def adamw_update(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
     tensors = (param, exp_avg, exp_avg_sq, grad)
     n = param.numel()
     contiguous = all(t.is_contiguous() for t in tensors)
-    if impl == "single" and (contiguous or n <= SLICE) and _own_single_exact(param, exp_avg, exp_avg_sq, grad, hyper):
-        if n <= SLICE:
-            _single_in_buffers(*tensors, step, hyper)
-            return
-        flat = [t.view(-1) for t in tensors]
-        for start in range(0, n, SLICE):
-            _single_in_buffers(*(t[start:start + SLICE] for t in flat), step, hyper)
-        return
-    if n <= WHOLE_MAX or not contiguous:
-        adamw_slice(*tensors, step, hyper, impl)
+    own = impl == "single" and (contiguous or n <= SLICE) and _own_single_exact(param, exp_avg, exp_avg_sq, grad,
+                                                                                  hyper)
+
+    def update(*part: torch.Tensor) -> None:
+        if own:
+            _single_in_buffers(*part, step, hyper)
+        else:
+            adamw_slice(*part, step, hyper, impl)
+
+    if n <= (SLICE if own else WHOLE_MAX) or not contiguous:
+        update(*tensors)
         return
     flat = [t.view(-1) for t in tensors]
     for start in range(0, n, SLICE):
-        adamw_slice(*(t[start:start + SLICE] for t in flat), step, hyper, impl)
+        update(*(t[start:start + SLICE] for t in flat))
 
 
 # [Note: The update's temporaries] torch's single-tensor AdamW (the default on
