@@ -78,6 +78,26 @@ def test_victim_order_weighs_optimizer_uses():
     assert order(None, keys)[:3] == ["param/c", "adam/c", "adam/stale"]
 
 
+def test_victim_order_ranks_updates_queued_into_the_next_forward_by_the_queue():
+    """Updates streamed into the next forward read their state while it runs: a queued key is ranked by its place
+    in the queue, not by its parameter's backward to come (ranked so, the reads ahead went first)."""
+    p = PrefetchPolicy(depth=1)
+    run_step(p, "abccba")
+    p.start_step()
+    p.on_use("a")  # the next step's forward has reached a; the last step's updates of b and c are queued
+    key_group = {"param/a": ("a",), "param/b": ("b",), "param/c": ("c",)}
+    later = LaterUses(after={"adam/a": "param/a", "adam/b": "param/b", "adam/c": "param/c"},
+                      grads={"grad/b": "param/b", "grad/c": "param/c"})
+    queue = {"adam/b": 0, "grad/b": 0, "adam/c": 1, "grad/c": 1}
+    order = unit_victim_order(p, key_group, later, waiting=lambda: queue)
+    keys = ["adam/a", "param/b", "param/c", "adam/b", "grad/b", "adam/c", "grad/c"]
+    # a's state waits for a's backward (5.5 uses away); c is 2 uses away, b 1; c's queued update runs 1 update
+    # away, b's now: all before any backward
+    assert order(None, keys) == ["adam/a", "param/c", "param/b", "adam/c", "grad/c", "adam/b", "grad/b"]
+    queue.clear()  # the queue ran: the state is next used after the backward
+    assert order(None, keys)[-2:] == ["param/c", "param/b"]
+
+
 def test_victim_order_takes_the_nearest_use_of_a_shared_key():
     p = PrefetchPolicy(depth=1)
     run_step(p, "abcd")
