@@ -255,6 +255,12 @@ class OffloadBase(NotCopyable, OffloadedParameters):
         FSDP2 parameter group's shards."""
         return {u.name: [r.name for r in u.params] for u in self._units.values() if u.params}
 
+    def forward_distance(self, key: str) -> float:
+        """How many unit uses from now the running forward reaches the parameter of ``key`` (inf when no forward
+        runs on the recorded trace or it is past that parameter)."""
+        policy = self.prefetch_policy
+        return min((policy.forward_use_distance(u) for u in self._key_units.get(key, ())), default=float("inf"))
+
     def forward_order(self) -> dict[str, int]:
         """Store key -> its place among the keys the last recorded step's forward used, by first use (empty before
         a step is recorded)."""

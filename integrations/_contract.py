@@ -267,6 +267,8 @@ class OffloadedParameters(Protocol):
       ``accumulate`` runs);
     - ``later_uses`` and ``prefetch_policy``: what eviction weighs (an optimizer's state keys), the prefetch trace;
     - ``forward_order()``: store key -> its place in the last recorded forward, by first use;
+      ``forward_distance(key)``: how many unit uses the running forward is from that key's parameter (inf: none
+      runs on the recorded trace, or it is past it);
     - ``in_forward_or_backward()``: whether a forward or backward of the model is running now;
     - ``held_beside_updates()``: offloaded parameter name -> bytes of the host tier that backward may hold while
       that parameter's update runs in backward (what the optimizer's host budget must leave room for);
@@ -313,6 +315,8 @@ class OffloadedParameters(Protocol):
     def grads_in_order(self) -> list[torch.Tensor]: ...
 
     def forward_order(self) -> dict[str, int]: ...
+
+    def forward_distance(self, key: str) -> float: ...
 
     def in_forward_or_backward(self) -> bool: ...
 

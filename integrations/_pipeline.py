@@ -34,6 +34,15 @@ def state_keys(name: str, key: str | None, p: torch.nn.Parameter, layout: StateL
     return keys
 
 
+def changed_keys(name: str, key: str | None, p: torch.nn.Parameter, layout: StateLayout = PLAIN) -> list[str]:
+    """The store keys one update changes: those it reads and writes (``state_keys``) and, under ``master="fp32"``,
+    the weight, rounded from its updated master."""
+    keys = state_keys(name, key, p, layout)
+    if key is not None and layout.master_of(key, p) == "fp32":
+        keys.append(key)
+    return keys
+
+
 # Shown the first moment before an update; returns what is shown it after the update, or None.
 Watch = Callable[[torch.Tensor], Callable[[torch.Tensor], None] | None]
 

@@ -81,7 +81,7 @@ from . import _grad_code
 from ._contract import OffloadedParameters, PassConsumer, optimizer_key
 from ._grads import GradientStore, store_key_of
 from ._in_backward import Backlog, wait_for_backlog
-from ._pipeline import StatePipeline, state_keys
+from ._pipeline import StatePipeline, changed_keys
 
 
 _ALIGN = 4096  # what an extent may take beyond its bytes
@@ -174,7 +174,8 @@ class SpeculatedUpdates(PassConsumer):
         self._backwards = 0  # backward passes since the last step(), and the keys of the last one's gradients
         self._seen: set[str] = set()
         self.by_key = {key: (name, key, p) for name, key, p in opt._items if key is not None}
-        self._changed = {key: self._changed_keys(name, key, p) for key, (name, _, p) in self.by_key.items()}
+        layout = opt._pipeline.layout
+        self._changed = {key: changed_keys(name, key, p, layout) for key, (name, _, p) in self.by_key.items()}
         self._worker: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="tierstore-adamw-spec")
         self._writer = self._worker.submit(threading.get_ident).result()
         self._round: _Round | None = None
@@ -259,13 +260,6 @@ class SpeculatedUpdates(PassConsumer):
         micro-batch])."""
         finals = self.opt.offloaded.final_gradients
         return finals(key) if finals is not None else self.is_last_micro_batch
-
-    def _changed_keys(self, name: str, key: str, p: torch.nn.Parameter) -> list[str]:
-        layout = self.opt._pipeline.layout
-        keys = state_keys(name, key, p, layout)
-        if layout.master_of(key, p) == "fp32":
-            keys.append(key)  # the weight, rounded from its updated master
-        return keys
 
     def _on_drive(self, key: str) -> bool:
         """Whether every key the parameter's update changes lives on the drive (asked of the store once)."""

@@ -1,6 +1,7 @@
 """OffloadedAdamW(stream_update=True): the updates step() queues run while the next forward computes, with the
 numbers of the step that runs after backward (see [Note: Updates streamed into the next forward])."""
 
+import copy
 import threading
 
 import pytest
@@ -71,6 +72,74 @@ def test_step_returns_before_the_updates_and_the_forward_waits_for_each(make_sto
     assert stats["updates_streamed"] == 2 * len(off.params)
     assert stats["fenced_waits"] >= 1  # the forward waited for the gate
     opt.close()
+
+
+def test_an_update_waits_until_a_slow_forward_nears_its_parameter(make_store, monkeypatch):
+    """While the next forward runs on its trace, a queued update starts only once the forward is at most the
+    prefetch depth and AHEAD units from its parameter (so the weight it writes is still in the host tier when the
+    forward reads it); the run is torch's all the same."""
+    import time
+
+    from tierstore.integrations._streamed import AHEAD
+
+    ref, model, data = _tiny_pair()
+    ref_losses, _ = _resident(ref, data, steps=3, clip=1.0, micro=1)
+    off, opt = _streamed(model, make_store(host_budget_bytes="704KiB", device_budget_bytes="320KiB"))
+    forward = threading.Event()
+
+    def slow(*_):  # a forward much slower than the updates: the worker would run far ahead
+        time.sleep(0.05)
+
+    for module in [*model.blocks, model.head]:
+        module.register_forward_pre_hook(slow)
+    begin_step = off._begin_step
+    monkeypatch.setattr(off, "_begin_step", lambda: (begin_step(), forward.set()))  # before the forward fetches
+    started: list[tuple[float, int]] = []
+    timed_step, pace = opt._timed_step, opt._streamed._pace
+
+    def record(name, key, *args, **kw):
+        if threading.current_thread() is not threading.main_thread():
+            started.append((off.forward_distance(key), off.prefetch_policy.depth + AHEAD))
+        return timed_step(name, key, *args, **kw)
+
+    monkeypatch.setattr(opt, "_timed_step", record)
+    # the queue waits for the forward to start (before it the updates run at once)
+    monkeypatch.setattr(opt._streamed, "_pace", lambda i, it: (forward.wait(30), pace(i, it)))
+    rounds: list[list[tuple[float, int]]] = []
+
+    def before_step(step):  # the updates step() queues wait for the next forward
+        forward.clear()
+        rounds.append(list(started))  # those of the step before, run while this step's forward ran
+        started.clear()
+
+    losses, _ = _loop(model, data, opt, steps=3, clip=1.0, micro=1, before_clip=before_step)
+    forward.set()  # no forward comes: the last step's updates run as the model's values are read
+    assert losses == ref_losses
+    _assert_same_parameters(model, ref)
+    opt.close()
+    # each streamed update started near its parameter, not all at the forward's first block
+    assert [len(r) for r in rounds] == [0, len(off.params), len(off.params)]
+    assert all(d <= most for r in rounds for d, most in r), rounds
+
+
+def test_a_bf16_weight_rounded_from_its_fp32_master_is_fenced_too(make_store):
+    """Under ``master="fp32"`` an update also writes the bf16 weight (rounded from its master): the next forward
+    waits for it as for the state, and the run is the step after backward's, bit for bit (unfenced, the forward
+    read the weight of before the update)."""
+    ref, _, data = _tiny_pair()
+    runs = []
+    for stream in (False, True):
+        model = copy.deepcopy(ref).to(torch.bfloat16)
+        off = offload_model(model, make_store(host_budget_bytes="704KiB", device_budget_bytes="320KiB"),
+                            resident_threshold_bytes=1024)
+        opt = OffloadedAdamW(off, lr=1e-2, master="fp32", stream_update=stream, speculate=False)
+        losses, _ = _loop(model, data, opt, steps=4, clip=1.0, micro=1,
+                          batch=lambda i: (data.batch(i, 4)[0].to(torch.bfloat16), data.batch(i, 4)[1]))
+        runs.append((losses, {k: v.clone() for k, v in model.state_dict().items()}))
+        opt.close()
+    (losses, values), (streamed_losses, streamed_values) = runs
+    assert streamed_losses == losses
+    assert all(torch.equal(streamed_values[k], v) for k, v in values.items())
 
 
 def test_reads_between_step_and_the_next_forward_see_the_step(make_store, tmp_path, monkeypatch):

@@ -15,8 +15,9 @@ of the dict, whole, without it: it sees a fence or none.
 
 A fence may name what settles it (``settle``): work whose outcome waits for the caller (updates made before it is
 known whether they stand: see [Note: Speculated updates] in integrations/_speculated.py), where a reader that waited
-would wait for itself. A read of such a key calls ``settle()`` on the reading thread first, which must complete the
-future (roll the work back, say), and then reads.
+would wait for itself, or work that waits for its reader to come near. A read of such a key calls ``settle()`` on
+the reading thread first, which completes the future (rolls the work back, say) or lets work paced to its reader
+run at once (see [Note: Paced streamed updates] in integrations/_streamed.py), and then waits for it and reads.
 """
 
 from __future__ import annotations

@@ -129,6 +129,13 @@ class PrefetchPolicy:
         except ValueError:
             return float("inf")
 
+    def forward_use_distance(self, unit: Hashable) -> float:
+        """How many uses from now the running forward next uses ``unit`` (inf if the step is off its trace, its
+        forward is done or it uses ``unit`` no more)."""
+        d = self.next_use_distance(unit)
+        end = self.forward_uses if self.forward_uses is not None else len(self.trace or ())
+        return d if self._now() + d < end else float("inf")
+
     def last_use_distance(self, unit: Hashable) -> float:
         """How many uses from now ``unit`` is used for the last time in this step (inf if no more)."""
         if not self._on_trace or self.trace is None:

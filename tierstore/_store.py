@@ -143,7 +143,8 @@ class TierStore(Residency):
         """Until ``done`` completes, a :meth:`get` of these keys by any thread but ``writer`` (a thread ident)
         waits for it, and raises ``FencedWriteError`` if it failed (until :meth:`unfence`); a prefetch of one
         starts once it is done (see [Note: Fenced keys]). For work queued to change them on another thread.
-        ``settle``: called by such a get before it waits, to complete ``done`` on the reading thread."""
+        ``settle``: called by such a get before it waits, to complete ``done`` on the reading thread, or to let
+        paced work run at once."""
         self._fences.fence(keys, done, writer, settle)
 
     def _fenced_wait(self, start: float, end: float, key: str, tier: Tier) -> None:
