@@ -257,7 +257,9 @@ class OffloadBase(NotCopyable, OffloadedParameters):
 
     def forward_distance(self, key: str) -> float:
         """How many unit uses from now the running forward reaches the parameter of ``key`` (inf when no forward
-        runs on the recorded trace or it is past that parameter)."""
+        runs on the recorded trace, or none the offload sees, or it is past that parameter)."""
+        if not self._forward_runs():
+            return float("inf")
         policy = self.prefetch_policy
         return min((policy.forward_use_distance(u) for u in self._key_units.get(key, ())), default=float("inf"))
 
@@ -283,6 +285,10 @@ class OffloadBase(NotCopyable, OffloadedParameters):
         return out
 
     def in_forward_or_backward(self) -> bool:
+        return False
+
+    def _forward_runs(self) -> bool:
+        """Whether a forward of the model runs now (False where the offload cannot tell)."""
         return False
 
     def held_beside_updates(self) -> dict[str, int]:

@@ -20,13 +20,14 @@ dicts wait for the whole queue.
 [Note: Paced streamed updates] Run as fast as it can, the worker finished updates far ahead of the forward, and
 the weights they wrote went from the host tier before the forward reached them, to be read again: a third read of
 every weight a step (the 0.17B Llama in `Trainer`, 8 micro-batches layer by layer, 160 MiB host budget: 6.0 bytes
-a parameter of weights read a step against 3.8 paced, 19.8 a step in all against 17.6). So while a forward runs on
+a parameter of weights read a step against 3.8 paced, 19.8 a step in all against 17.8). So while a forward runs on
 its recorded trace, an update starts only once the forward is at most the prefetch depth and ``AHEAD`` unit uses
 from its parameter: the weight it writes is then among the next the forward reads, which eviction keeps. Outside
-a forward (before it starts, off its trace, once past the parameter) the queue runs at once, and so it does for
-once anything waits for it: up to the update waited for where that is a fenced read (the forward reaching a
-parameter the worker has not updated yet, a parameter read), the whole queue for ``settle()`` (a second
-``step()``, ``wait()``, a state dict) and ``close()``.
+a forward (before it starts, once it has returned or raised, off its trace, once past the parameter; on FSDP2
+ranks, whose forward the offload does not see end) the queue runs at once: a script whose forward raised exits
+(the interpreter's exit joins the worker). It runs unpaced once anything waits for it: up to the update waited
+for where that is a fenced read (the forward reaching a parameter the worker has not updated yet, a parameter
+read), the whole queue for ``settle()`` (a second ``step()``, ``wait()``, a state dict) and ``close()``.
 
 An update that fails stops the queue: the keys of those not run give ``FencedWriteError`` to whoever reads them
 (the next forward, say), the model's values refuse use (``off.broken``), and ``step()`` again runs the updates left

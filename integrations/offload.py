@@ -305,6 +305,9 @@ class OffloadedModel(OffloadBase):
         finally:
             self._unread = before
 
+    def _forward_runs(self) -> bool:
+        return self.pass_state.forward_depth > 0  # ends as the forward returns or raises (an always-called hook)
+
     def in_forward_or_backward(self) -> bool:
         """Whether a forward or backward of the model holds parameters now (a checkpoint waits for the step)."""
         return any(sp.holds for sp in self.params.values())

@@ -142,6 +142,38 @@ def test_a_bf16_weight_rounded_from_its_fp32_master_is_fenced_too(make_store):
     assert all(torch.equal(streamed_values[k], v) for k, v in values.items())
 
 
+def test_a_script_whose_forward_raises_while_updates_wait_for_it_exits(tmp_path):
+    """The forward the queued updates keep pace with raises and the script ends on the error: the updates run, the
+    interpreter exits, and no swap file is left."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import torch.nn.functional as F
+        import tierstore as ts
+        from tierstore.integrations import OffloadedAdamW, offload_model
+        from _training import _tiny_pair
+        _, model, data = _tiny_pair()
+        store = ts.TierStore(nvme_path={str(tmp_path)!r}, host_budget_bytes="704KiB", device_budget_bytes="320KiB")
+        off = offload_model(model, store, resident_threshold_bytes=1024, prefetch_depth=0)
+        opt = OffloadedAdamW(off, lr=1e-3, stream_update=True, speculate=False)
+        for step in range(3):
+            if step == 2:  # the head's update waits for a forward that raises at the first block
+                model.blocks[0].register_forward_pre_hook(lambda *_: 1 / 0)
+            x, y = data.batch(step, 4)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "ZeroDivisionError" in done.stderr, done.stderr
+    assert os.listdir(tmp_path) == []
+
+
 def test_reads_between_step_and_the_next_forward_see_the_step(make_store, tmp_path, monkeypatch):
     """A parameter read, p.grad, opt.state, state dicts and a checkpoint, while the updates of a streamed step() are
     still queued: each waits for exactly what it reads, and gives what the resident model has after its step."""
