@@ -20,12 +20,12 @@ optimizer's queue, whose position counts as the distance. Without the queue
 those copies would look unused and go first, and the optimizer, which runs
 behind backward, would read them back. The queue comes before the step's
 backward: updates streamed into the next forward (``stream_update``) read
-their state while that forward runs, and ranked by the backward to come
-their reads ahead went first, to be read again two or three times (the
-0.17B Llama layer by layer: 8.5 bytes a parameter of state and 3.5 of
-gradients read a step, against 4.2 and 1.9 after backward). A gradient kept for a step taken after
-backward is ranked as its parameter's state: the next backward through the
-unit adds to it, then the update reads it from the queue.
+their state while that forward runs, and ranked by the backward to come their
+reads ahead went first, to be read again two or three times (the 0.17B Llama
+layer by layer: 8.5 bytes a parameter of state and 3.5 of gradients read a
+step, against 4.2 and 1.9 after backward). A gradient kept for a step taken
+after backward is ranked as its parameter's state: the next backward through
+the unit adds to it, then the update reads it from the queue.
 """
 
 from __future__ import annotations
