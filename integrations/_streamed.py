@@ -159,8 +159,6 @@ class StreamedUpdates:
     def _pace(self, i: int, it: Queued) -> None:
         """Wait until the forward nears the parameter of ``it``, the ``i``-th update, or something waits for it or
         for one after it (see [Note: Paced streamed updates])."""
-        if it.key is None:
-            return
         off = self.opt.offloaded
         while True:
             self._wake.clear()  # before looking: a _hurry from now on wakes the wait below
