@@ -17,17 +17,18 @@ while their bytes stay until the update has read them, and a write into one (``z
 ``p.grad.mul_(...)``) waits for its update. A second ``step()``, ``wait()``, ``close()`` and the optimizer's state
 dicts wait for the whole queue.
 
-[Note: Paced streamed updates] Run as fast as it can, the worker finished updates far ahead of the forward, and
-the weights they wrote went from the host tier before the forward reached them, to be read again: a third read of
-every weight a step (the 0.17B Llama in `Trainer`, 8 micro-batches layer by layer, 160 MiB host budget: 6.0 bytes
-a parameter of weights read a step against 3.8 paced, 19.8 a step in all against 17.8). So while a forward runs on
-its recorded trace, an update starts only once the forward is at most the prefetch depth and ``AHEAD`` unit uses
-from its parameter: the weight it writes is then among the next the forward reads, which eviction keeps. Outside
-a forward (before it starts, once it has returned or raised, off its trace, once past the parameter; on FSDP2
-ranks, whose forward the offload does not see end) the queue runs at once: a script whose forward raised exits
-(the interpreter's exit joins the worker). It runs unpaced once anything waits for it: up to the update waited
-for where that is a fenced read (the forward reaching a parameter the worker has not updated yet, a parameter
-read), the whole queue for ``settle()`` (a second ``step()``, ``wait()``, a state dict) and ``close()``.
+[Note: Paced streamed updates] Run as fast as it can, the worker finished updates far ahead of the forward, and the
+weights they wrote went from the host tier before the forward reached them, to be read again: a third read of every
+weight a step (the 0.17B Llama in `Trainer`, 8 micro-batches layer by layer, 160 MiB host budget: 6.0 bytes a
+parameter of weights read a step against 3.8 paced, 19.8 a step in all against 17.8). So while a forward runs on its
+recorded trace, an update starts only once the forward is at most the prefetch depth and ``AHEAD`` unit uses from
+its parameter: the weight it writes is then among the next the forward reads, which eviction keeps. Outside a
+forward (before it starts, once it has returned or raised, off its trace, once past the parameter) the queue runs at
+once: a script whose forward raised exits (the interpreter's exit joins the worker). So it does once the interpreter
+begins to exit, whatever said the forward runs (an FSDP2 rank's forward, the root module's, sees no end when Ctrl-C
+stops it). It runs unpaced once anything waits for it: up to the update waited for where that is a fenced read (the
+forward reaching a parameter the worker has not updated yet, a parameter read), the whole queue for ``settle()`` (a
+second ``step()``, ``wait()``, a state dict) and ``close()``.
 
 An update that fails stops the queue: the keys of those not run give ``FencedWriteError`` to whoever reads them
 (the next forward, say), the model's values refuse use (``off.broken``), and ``step()`` again runs the updates left
@@ -56,6 +57,12 @@ AHEAD = 1
 [Note: Paced streamed updates])."""
 PACE_POLL_SECONDS = 0.002
 """How often a paced worker looks where the forward is."""
+
+# Set as the interpreter begins to exit, before it joins the worker threads (the threading module's exit hooks run
+# last registered first, so this one before the one that joins the executors' threads).
+_exiting = threading.Event()
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_exiting.set)
 
 
 @dataclass(frozen=True)
@@ -162,7 +169,8 @@ class StreamedUpdates:
         off = self.opt.offloaded
         while True:
             self._wake.clear()  # before looking: a _hurry from now on wakes the wait below
-            if i <= self._through or not off.prefetch_policy.depth + AHEAD < off.forward_distance(it.key) < math.inf:
+            if (i <= self._through or _exiting.is_set()  # the interpreter exits: it joins this thread
+                    or not off.prefetch_policy.depth + AHEAD < off.forward_distance(it.key) < math.inf):
                 return
             self._wake.wait(PACE_POLL_SECONDS)
 

@@ -300,6 +300,8 @@ class FSDPOffload(OffloadBase):
         # in FSDP2's dtype, which it accumulates in (see [Note: Gradient shards in the tiers])
         self.grads = _ShardGrads(self._by_key, GradientStore(store, grad_tier, "param"))
         self._hook = model.register_forward_pre_hook(self._start_step, prepend=True)
+        self._forwards = 0  # the root's forwards running now (see _forward_runs)
+        self._end_hook = model.register_forward_hook(self._end_forward, always_call=True)
         self._said_unsynced = False  # see _unsynced_message
         self.pass_state = _Turns()  # see [Note: Layer by layer on FSDP2 ranks]
         # where a layer-major step reads its activations (see [Note: Activations in the tiers])
@@ -397,9 +399,20 @@ class FSDPOffload(OffloadBase):
     # ---- the all-gather loop -----------------------------------------------------------
     def _start_step(self, module: nn.Module, args: Any) -> None:
         self._check_usable()
-        if self.pass_state.joined():  # one more micro-batch of a layer-major step: the step has begun
+        joined = self.pass_state.joined()
+        self._forwards = self._forwards + 1 if joined else 1  # 1: a count left up by a forward Ctrl-C stopped
+        if joined:  # one more micro-batch of a layer-major step: the step has begun
             return
         self._begin_step()
+
+    def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The root's forward returned or raised an Exception (an always-called hook; torch calls none for Ctrl-C,
+        whose count the next forward sets right): streamed updates are paced while a forward runs (see [Note: Paced
+        streamed updates])."""
+        self._forwards = max(self._forwards - 1, 0)
+
+    def _forward_runs(self) -> bool:
+        return self._forwards > 0
 
     def _materialize(self, su: _ShardUnit) -> None:
         """Before FSDP2 all-gathers ``su``: its shards' storage back, filled from the store."""
@@ -505,7 +518,7 @@ class FSDPOffload(OffloadBase):
         if not keep_values:
             raise UnsupportedError("remove(keep_values=False) of FSDP2 shards: FSDP2 keeps no shard without "
                                    "memory; remove() (the values come back) or end the process")
-        self._detach([self._hook, *self._state_dict_hooks])
+        self._detach([self._hook, self._end_hook, *self._state_dict_hooks])
         self.grads.clear()  # gradients go, as offload_model's remove() drops its own
         for su in self._units.values():
             su.remove()

@@ -172,8 +172,9 @@ def test_gradient_sync_off_under_fsdp_says_fsdp2_holds_unsharded_gradients_and_t
 @pytest.mark.parametrize("flags", [["accumulate-clip"], ["accumulate-clip", "8bit-split"]], ids=["fp32", "8bit-split"])
 def test_updates_streamed_into_the_next_forward_under_fsdp_are_fsdp2_alones(tmp_path, flags):
     """OffloadedAdamW(stream_update=True) on 2 ranks, two micro-batches and torch's clip_grad_norm_ (its norm
-    all-reduced by FSDP2) a step: each rank's next all-gather of a group waits for that group's updates; losses, clip
-    norms, shards, moments and param.grad are FSDP2 alone's."""
+    all-reduced by FSDP2) a step: each rank's next all-gather of a group waits for that group's updates, and an
+    update starts once a slowed forward nears its group (see [Note: Paced streamed updates]); losses, clip norms,
+    shards, moments and param.grad are FSDP2 alone's."""
     pytest.importorskip("transformers")
     child = child_script("fsdp_conformance_child.py")
     lines = _rows(_launch(2, child, "llama-tied", str(tmp_path), "1", "stream", *flags))
@@ -181,6 +182,7 @@ def test_updates_streamed_into_the_next_forward_under_fsdp_are_fsdp2_alones(tmp_
     for r in lines:
         assert r["ours"] == r["ref"] and r["same_parameters"] and r["same_moments"], r
         assert all(r["same_grads"]) and r["removed_clean"] is True, r
+        assert r["paced"] and all(d <= most for d, most in r["paced"]), r["paced"]
 
 
 @pytest.mark.slow

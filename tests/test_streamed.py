@@ -142,9 +142,11 @@ def test_a_bf16_weight_rounded_from_its_fp32_master_is_fenced_too(make_store):
     assert all(torch.equal(streamed_values[k], v) for k, v in values.items())
 
 
-def test_a_script_whose_forward_raises_while_updates_wait_for_it_exits(tmp_path):
+@pytest.mark.parametrize("seen", ["ended", "running"])
+def test_a_script_whose_forward_raises_while_updates_wait_for_it_exits(tmp_path, seen):
     """The forward the queued updates keep pace with raises and the script ends on the error: the updates run, the
-    interpreter exits, and no swap file is left."""
+    interpreter exits, and no swap file is left; so too where the offload still sees that forward running (as an
+    FSDP2 rank's, whose end Ctrl-C hides)."""
     import os
     import subprocess
     import sys
@@ -165,7 +167,12 @@ def test_a_script_whose_forward_raises_while_updates_wait_for_it_exits(tmp_path)
             if step == 2:  # the head's update waits for a forward that raises at the first block
                 model.blocks[0].register_forward_pre_hook(lambda *_: 1 / 0)
             x, y = data.batch(step, 4)
-            F.cross_entropy(model(x), y).backward()
+            try:
+                F.cross_entropy(model(x), y).backward()
+            except ZeroDivisionError:
+                if {seen!r} == "running":
+                    off._forward_runs = lambda: True
+                raise
             opt.step()
             opt.zero_grad()
     """)

@@ -1,18 +1,20 @@
-"""Run under torchrun: a model tierstore did not write (see conformance.py), sharded with FSDP2 per layer,
-trained offloaded against FSDP2 alone. Prints one JSON line per rank: both runs' losses and whether the
-offloaded shards and Adam moments end bit-identical to FSDP2's. With a third argument ``views`` each step's
-loss sums that many forwards (two views of a batch) before its one backward, and gradients are zeroed in place
-(``zero_grad(set_to_none=False)``) rather than dropped. Flags after it: ``fused`` runs torch's fused AdamW on
-both sides; ``accumulate-clip`` makes each step two micro-batches and torch's ``clip_grad_norm_(model.parameters(),
-1.0)`` before the step, and reports the gradient shards found in the store and on the drive after each backward and
-whether ``param.grad`` read equal to FSDP2's (see [Note: Gradient shards in the tiers]); ``8bit-split`` trains the
-model in bf16 with 8-bit moments and split masters, FSDP2 alone stepping each local shard with the layout's
-reference update (torch operations, the state kept beside it), and compares the stored state byte for byte;
-``frozen`` freezes every parameter but the first layer's (a frozen backbone: most groups have nothing to reduce in
-backward, yet are all-gathered for it); ``stream`` streams the updates into the next forward
-(``OffloadedAdamW(stream_update=True)``); ``no-sync`` turns FSDP2's gradient sync off for each step's first
-micro-batch (with ``accumulate-clip``), as FSDP2's recipe for accumulation does, and reports the warnings that say
-so; ``speculate`` makes each update in the last micro-batch's backward (``OffloadedAdamW(speculate="auto")``,
+"""Run under torchrun: a model tierstore did not write (see conformance.py), sharded with FSDP2 per layer, trained
+offloaded against FSDP2 alone. Prints one JSON line per rank: both runs' losses and whether the offloaded shards and
+Adam moments end bit-identical to FSDP2's. With a third argument ``views`` each step's loss sums that many forwards
+(two views of a batch) before its one backward, and gradients are zeroed in place (``zero_grad(set_to_none=False)``)
+rather than dropped. Flags after it: ``fused`` runs torch's fused AdamW on both sides; ``accumulate-clip`` makes
+each step two micro-batches and torch's ``clip_grad_norm_(model.parameters(), 1.0)`` before the step, and reports
+the gradient shards found in the store and on the drive after each backward and whether ``param.grad`` read equal to
+FSDP2's (see [Note: Gradient shards in the tiers]); ``8bit-split`` trains the model in bf16 with 8-bit moments and
+split masters, FSDP2 alone stepping each local shard with the layout's reference update (torch operations, the state
+kept beside it), and compares the stored state byte for byte; ``frozen`` freezes every parameter but the first
+layer's (a frozen backbone: most groups have nothing to reduce in backward, yet are all-gathered for it); ``stream``
+streams the updates into the next forward (``OffloadedAdamW(stream_update=True)``) of the model with 8 layers, each
+layer's forward slowed so that the worker would run ahead of it, and reports for each update the worker started
+while the next forward ran how far that forward was from its parameter and how far it may be (see [Note: Paced
+streamed updates]); ``no-sync`` turns FSDP2's gradient sync off for each step's first micro-batch (with
+``accumulate-clip``), as FSDP2's recipe for accumulation does, and reports the warnings that say so; ``speculate``
+makes each update in the last micro-batch's backward (``OffloadedAdamW(speculate="auto")``,
 ``opt.set_is_last_micro_batch``) and reports the store's counts of them; ``clip-never`` clips at a norm never
 reached."""
 
@@ -20,6 +22,8 @@ import copy
 import json
 import os
 import sys
+import threading
+import time
 import warnings
 
 import torch
@@ -102,6 +106,37 @@ class CompressedReference:
                 p.grad.zero_()
 
 
+def _watch_pacing(off, opt, layers, forward, paced):
+    """Slow each layer's forward, and record (how far the forward is from its parameter, how far it may be) for
+    each update the worker starts while a forward runs: the updates step() queues wait for the next forward to
+    begin (before it they would run at once)."""
+    from tierstore.integrations._streamed import AHEAD
+
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda *_: time.sleep(0.02))
+    begin_step, timed_step, pace = off._begin_step, opt._timed_step, opt._streamed._pace
+    off._begin_step = lambda: (begin_step(), forward.set())  # before the forward all-gathers
+
+    def record(name, key, *args, **kw):
+        if threading.current_thread() is not threading.main_thread():
+            d = off.forward_distance(key)
+            if d < float("inf"):
+                paced.append((d, off.prefetch_policy.depth + AHEAD))
+        return timed_step(name, key, *args, **kw)
+
+    def gated(i, it):
+        forward.wait(60)
+        pace(i, it)
+
+    step = opt.step
+
+    def gated_step():
+        forward.clear()  # the updates it queues wait for the next forward
+        return step()
+
+    opt._timed_step, opt._streamed._pace, opt.step = record, gated, gated_step
+
+
 def _grads_in_store(store):
     """(gradient keys in the store, how many of them have a copy on the drive); None without a store."""
     if store is None:
@@ -118,6 +153,10 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compres
     case = CASES[name]
     torch.manual_seed(0)
     base = case.build()
+    if stream:  # deep enough that a worker running ahead of the forward would start updates far from it
+        base.config.num_hidden_layers = 8
+        torch.manual_seed(0)
+        base = type(base)(base.config)
     if compressed:
         base = base.to(torch.bfloat16)
         L.MIN_COMPRESSED = 256  # these models' shards are smaller than the default's bar: compress them all
@@ -137,11 +176,15 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compres
         opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, fused=fused, stream_update=stream,
                              speculate="auto" if speculate else False,
                              **({"moments": "8bit", "master": "split"} if compressed else {}))
+        paced, forward = [], threading.Event()
+        if stream:
+            _watch_pacing(off, opt, LAYERS[name](model), forward, paced)
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             losses, seen = train(model, opt, case, rank, world, views, clip, store, no_sync=no_sync,
                                  max_norm=max_norm)
         warned = [str(w.message) for w in said if "offload_fsdp" in str(w.message)]
+        forward.set()  # no forward comes: the last step's updates run at once
         opt.wait()
         moments: dict[str, dict[str, torch.Tensor]] = {}  # each rank's state as stored
         for n, what, key in opt.state_tensors():
@@ -177,7 +220,8 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compres
                 p.grad is None for p in model.parameters())
     print(json.dumps({"rank": rank, "ref": ref_losses, "ours": losses, "same_parameters": same, "warned": warned,
                       "same_moments": same_moments, "read_bytes": read, "speculated": speculated,
-                      "trained": len(moments), "parameters": len(list(model.parameters())), "uses_of_a_layer": uses,
+                      "paced": paced, "trained": len(moments), "parameters": len(list(model.parameters())),
+                      "uses_of_a_layer": uses,
                       "uses_of_it_in_forward": forward.count(first), "verdict": off.placement_verdict,
                       "grads_in_store": [x["in_store"] for x in seen], "removed_clean": removed_clean,
                       "same_grads": [len(a["grads"]) == len(b["grads"]) and all(map(torch.equal, a["grads"], b["grads"]))
