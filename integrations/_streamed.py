@@ -61,8 +61,10 @@ PACE_POLL_SECONDS = 0.002
 # Set as the interpreter begins to exit, before it joins the worker threads (the threading module's exit hooks run
 # last registered first, so this one before the one that joins the executors' threads).
 _exiting = threading.Event()
-if hasattr(threading, "_register_atexit"):
-    threading._register_atexit(_exiting.set)
+try:
+    threading._register_atexit(_exiting.set)  # type: ignore[attr-defined]  (Python 3.9 and later)
+except RuntimeError:  # imported as the interpreter exits
+    _exiting.set()
 
 
 @dataclass(frozen=True)
