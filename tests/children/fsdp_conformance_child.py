@@ -106,7 +106,7 @@ class CompressedReference:
                 p.grad.zero_()
 
 
-def _watch_pacing(off, opt, layers, forward, paced):
+def _watch_pacing(off, opt, layers, began, paced):
     """Slow each layer's forward, and record (how far the forward is from its parameter, how far it may be) for
     each update the worker starts while a forward runs: the updates step() queues wait for the next forward to
     begin (before it they would run at once)."""
@@ -115,7 +115,7 @@ def _watch_pacing(off, opt, layers, forward, paced):
     for layer in layers:
         layer.register_forward_pre_hook(lambda *_: time.sleep(0.02))
     begin_step, timed_step, pace = off._begin_step, opt._timed_step, opt._streamed._pace
-    off._begin_step = lambda: (begin_step(), forward.set())  # before the forward all-gathers
+    off._begin_step = lambda: (begin_step(), began.set())  # before the forward all-gathers
 
     def record(name, key, *args, **kw):
         if threading.current_thread() is not threading.main_thread():
@@ -125,13 +125,13 @@ def _watch_pacing(off, opt, layers, forward, paced):
         return timed_step(name, key, *args, **kw)
 
     def gated(i, it):
-        forward.wait(60)
+        began.wait(60)
         pace(i, it)
 
     step = opt.step
 
     def gated_step():
-        forward.clear()  # the updates it queues wait for the next forward
+        began.clear()  # the updates it queues wait for the next forward
         return step()
 
     opt._timed_step, opt._streamed._pace, opt.step = record, gated, gated_step
@@ -176,15 +176,15 @@ def main(name: str, nvme_path: str, views: int, fused: bool, clip: bool, compres
         opt = OffloadedAdamW(off, lr=1e-3, weight_decay=0.01, fused=fused, stream_update=stream,
                              speculate="auto" if speculate else False,
                              **({"moments": "8bit", "master": "split"} if compressed else {}))
-        paced, forward = [], threading.Event()
+        paced, began = [], threading.Event()
         if stream:
-            _watch_pacing(off, opt, LAYERS[name](model), forward, paced)
+            _watch_pacing(off, opt, LAYERS[name](model), began, paced)
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             losses, seen = train(model, opt, case, rank, world, views, clip, store, no_sync=no_sync,
                                  max_norm=max_norm)
         warned = [str(w.message) for w in said if "offload_fsdp" in str(w.message)]
-        forward.set()  # no forward comes: the last step's updates run at once
+        began.set()  # no forward comes: the last step's updates run at once
         opt.wait()
         moments: dict[str, dict[str, torch.Tensor]] = {}  # each rank's state as stored
         for n, what, key in opt.state_tensors():
