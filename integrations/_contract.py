@@ -268,7 +268,7 @@ class OffloadedParameters(Protocol):
     - ``later_uses`` and ``prefetch_policy``: what eviction weighs (an optimizer's state keys), the prefetch trace;
     - ``forward_order()``: store key -> its place in the last recorded forward, by first use;
       ``forward_distance(key)``: how many unit uses the running forward is from that key's parameter (inf: none
-      runs on the recorded trace, it is past it, or the offload cannot tell, as on FSDP2 ranks);
+      runs on the recorded trace, it is past it, or the offload cannot tell; on FSDP2 ranks the root's forward);
     - ``in_forward_or_backward()``: whether a forward or backward of the model is running now;
     - ``held_beside_updates()``: offloaded parameter name -> bytes of the host tier that backward may hold while
       that parameter's update runs in backward (what the optimizer's host budget must leave room for);
